@@ -1,0 +1,33 @@
+# wq: every target creates .venv and installs the project first when needed.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install run test unit lint format bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+run: install
+	$(PY) -m wqbroker $(ARGS)
+
+lint: install
+	$(PY) -m ruff check wqbroker wqclient tests
+	$(PY) -m ruff format --check wqbroker wqclient tests
+	$(PY) -m mypy
+
+format: install
+	$(PY) -m ruff format wqbroker wqclient tests
+	$(PY) -m ruff check --fix wqbroker wqclient tests
+
+test: install lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -1,0 +1,144 @@
+"""JSON in and out, without re-encoding payloads.
+
+A payload is validated once, when it arrives, and then kept as the exact JSON text the client sent:
+``parse_object`` scans a request body's top-level object and returns chosen members as their raw
+text, and the renderers splice stored payload bytes straight into responses. So a payload comes back
+byte for byte as it was sent, over either protocol.
+
+Standard JSON only: ``NaN`` and ``Infinity`` (which Python's json module would accept) are rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from collections.abc import Callable
+from typing import Any, cast
+
+from wqbroker.errors import InvalidArgument
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+_decoder = json.JSONDecoder(parse_constant=_reject_constant)
+# The decoder's own scanners (C-accelerated), which parse one value at a given index.
+_scan_once = cast(Callable[[str, int], tuple[Any, int]], getattr(_decoder, "scan_once"))  # noqa: B009
+_scanstring = cast(
+    Callable[[str, int], tuple[str, int]],
+    getattr(json.decoder, "scanstring"),  # noqa: B009
+)
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def _skip(text: str, idx: int) -> int:
+    """Index of the first non-whitespace character at or after ``idx``."""
+    match = _WS.match(text, idx)
+    assert match is not None  # the pattern matches the empty string
+    return match.end()
+
+
+def _diagnose(text: str) -> str | None:
+    """Why ``text`` is not one JSON value, in the standard decoder's words; None if it is one."""
+    try:
+        _decoder.decode(text)
+    except json.JSONDecodeError as e:
+        return f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
+    except RecursionError:
+        return "is nested too deeply"
+    except ValueError as e:
+        return f"is not valid JSON: {e}"
+    return None
+
+
+def _invalid_json(text: str, what: str) -> InvalidArgument:
+    return InvalidArgument(f"{what} {_diagnose(text) or 'is not valid JSON'}")
+
+
+def decode_text(body: bytes, what: str = "request body") -> str:
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidArgument(f"{what} is not valid UTF-8 (byte {e.start})") from None
+
+
+def parse_object(
+    body: bytes, raw: frozenset[str] = frozenset(), *, what: str = "request body"
+) -> dict[str, Any]:
+    """Parse a JSON object. Members named in ``raw`` are returned as their exact JSON text (bytes),
+    validated; the others as decoded values. Raises InvalidArgument naming the problem."""
+    text = decode_text(body, what)
+    end = len(text)
+    idx = _skip(text, 0)
+    if idx == end:
+        raise InvalidArgument(f"{what} is empty; expected a JSON object")
+    if text[idx] != "{":
+        problem = _diagnose(text)
+        raise InvalidArgument(f"{what} {problem or 'must be a JSON object'}")
+    out: dict[str, Any] = {}
+    try:
+        idx = _skip(text, idx + 1)
+        if text.startswith("}", idx):
+            idx += 1
+        else:
+            while True:
+                if not text.startswith('"', idx):
+                    raise ValueError
+                key, idx = _scanstring(text, idx + 1)
+                idx = _skip(text, idx)
+                if not text.startswith(":", idx):
+                    raise ValueError
+                idx = _skip(text, idx + 1)
+                start = idx
+                value, idx = _scan_once(text, idx)
+                out[key] = text[start:idx].encode("utf-8") if key in raw else value
+                idx = _skip(text, idx)
+                if text.startswith(",", idx):
+                    idx = _skip(text, idx + 1)
+                elif text.startswith("}", idx):
+                    idx += 1
+                    break
+                else:
+                    raise ValueError
+    except (ValueError, StopIteration, RecursionError):
+        raise _invalid_json(text, what) from None
+    if _skip(text, idx) != end:
+        raise _invalid_json(text, what)
+    return out
+
+
+def validate_json(data: bytes, what: str = "payload") -> bytes:
+    """Check that ``data`` is one JSON value (any type); return it unchanged."""
+    text = decode_text(data, what)
+    if not text.strip(" \t\n\r"):
+        raise InvalidArgument(f"{what} is empty; expected JSON")
+    problem = _diagnose(text)
+    if problem is not None:
+        raise InvalidArgument(f"{what} {problem}")
+    return data
+
+
+def dumps(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+# -- timestamps ---------------------------------------------------------------------------------
+
+_second_cache: tuple[int, str] = (-1, "")
+
+
+def rfc3339(ts: float) -> str:
+    """Epoch seconds as an RFC 3339 UTC timestamp with microseconds: 2026-11-29T23:07:38.123456Z."""
+    global _second_cache
+    second = int(ts // 1)
+    micros = round((ts - second) * 1_000_000)
+    if micros >= 1_000_000:
+        second += 1
+        micros -= 1_000_000
+    cached_second, prefix = _second_cache
+    if cached_second != second:
+        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+        _second_cache = (second, prefix)
+    return f"{prefix}.{micros:06d}Z"

@@ -1,0 +1,264 @@
+"""aiohttp application: routes, handlers and the error -> status table.
+
+Handlers parse the request, call the service and render the answer; every rule lives in the
+service. Every error answer is JSON, ``{"error": "<message naming the problem>"}``, including the
+ones aiohttp produces itself (unknown path, wrong method, body too large).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Final
+
+from aiohttp import web
+
+from wqbroker import codec
+from wqbroker.errors import (
+    InvalidArgument,
+    LeaseMismatch,
+    NotFound,
+    PayloadTooLarge,
+    StoreError,
+    Unavailable,
+    WqError,
+)
+from wqbroker.model import Delivery, Stats, TaskView
+from wqbroker.service import Service
+
+log = logging.getLogger("wqbroker.http")
+
+DEFAULT_MAX_BODY: Final = 1024 * 1024
+
+# The one table from the error tree to HTTP status codes.
+STATUS: Final[dict[type[WqError], int]] = {
+    InvalidArgument: 400,
+    NotFound: 404,
+    LeaseMismatch: 409,
+    PayloadTooLarge: 413,
+    Unavailable: 503,
+    StoreError: 503,
+}
+
+SERVICE: Final = web.AppKey("service", Service)
+MAX_BODY: Final = web.AppKey("max_body", int)
+
+_JSON: Final = "application/json"
+_ENQUEUE_RAW: Final = frozenset({"payload"})
+
+
+def _json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type=_JSON)
+
+
+def _error_response(status: int, message: str) -> web.Response:
+    return _json_response(codec.dumps({"error": message}), status)
+
+
+# -- rendering ----------------------------------------------------------------------------------
+
+
+def render_task(task: TaskView) -> bytes:
+    ts = codec.rfc3339
+    error = "null" if task.last_error is None else codec.dumps(task.last_error).decode("utf-8")
+    return b"".join(
+        (
+            f'{{"id":"{task.id}","payload":'.encode(),
+            task.payload,
+            (
+                f',"attempts":{task.attempts},"max_attempts":{task.max_attempts},'
+                f'"created_at":"{ts(task.created_at)}","available_at":"{ts(task.available_at)}",'
+                f'"last_error":{error}}}'
+            ).encode(),
+        )
+    )
+
+
+def render_delivery(delivery: Delivery) -> bytes:
+    return b"".join(
+        (
+            b'{"task":',
+            render_task(delivery.task),
+            f',"lease_id":"{delivery.lease_id}","deadline":"{codec.rfc3339(delivery.deadline)}"}}'.encode(),
+        )
+    )
+
+
+def render_stats(stats: Stats) -> bytes:
+    t = stats.totals
+    return (
+        f'{{"ready":{stats.ready},"handed_out":{stats.handed_out},"delayed":{stats.delayed},'
+        f'"dead":{stats.dead},"totals":{{"enqueued":{t.enqueued},"delivered":{t.delivered},'
+        f'"acked":{t.acked},"nacked":{t.nacked},"reclaimed":{t.reclaimed},"retried":{t.retried},'
+        f'"buried":{t.buried},"requeued":{t.requeued}}}}}'
+    ).encode()
+
+
+# -- request parsing ----------------------------------------------------------------------------
+
+
+def _query_int(request: web.Request, name: str) -> int | None:
+    values = request.query.getall(name, [])
+    if not values:
+        return None
+    if len(values) > 1:
+        raise InvalidArgument(f"{name} is given more than once")
+    raw = values[0].strip()
+    try:
+        # int() alone would also accept "1_000" and non-ASCII digits.
+        if not raw or not raw.lstrip("+-").isascii() or not raw.lstrip("+-").isdigit():
+            raise ValueError
+        return int(raw)
+    except ValueError:
+        raise InvalidArgument(f"{name} must be an integer, got {values[0]!r}") from None
+
+
+def _query_str(request: web.Request, name: str) -> str | None:
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise InvalidArgument(f"{name} is given more than once")
+    return values[0] if values else None
+
+
+async def _read_body(request: web.Request) -> bytes:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[MAX_BODY]
+        raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes") from None
+
+
+# -- handlers -----------------------------------------------------------------------------------
+
+
+async def enqueue(request: web.Request) -> web.Response:
+    fields = codec.parse_object(await _read_body(request), _ENQUEUE_RAW)
+    if "payload" not in fields:
+        raise InvalidArgument("payload is required")
+    task = await request.app[SERVICE].enqueue(
+        fields["payload"], fields.get("max_attempts"), fields.get("delay_ms")
+    )
+    return _json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
+
+
+async def claim(request: web.Request) -> web.StreamResponse:
+    service = request.app[SERVICE]
+    wait_ms = _query_int(request, "wait_ms")
+    lease_ms = _query_int(request, "lease_ms")
+    delivery = await service.claim(wait_ms, lease_ms)
+    if delivery is None:
+        return web.Response(status=204)
+    # From here on the task is out under a lease. If the client is already gone, or the answer
+    # cannot be written, nobody saw the task: hand it straight back rather than leave it to expire.
+    response = _json_response(render_delivery(delivery))
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        await service.release(delivery)
+        return response  # it cannot be written; aiohttp drops it quietly
+    try:
+        await response.prepare(request)
+        await response.write_eof()
+    except ConnectionError:
+        await service.release(delivery)
+    except asyncio.CancelledError:
+        await asyncio.shield(service.release(delivery))
+        raise
+    return response
+
+
+async def ack(request: web.Request) -> web.Response:
+    task_id = request.match_info["id"]
+    lease_id = _query_str(request, "lease_id")
+    if lease_id is None:
+        raise InvalidArgument("lease_id is required (a query parameter)")
+    await request.app[SERVICE].ack(task_id, lease_id)
+    return web.Response(status=204)
+
+
+async def nack(request: web.Request) -> web.Response:
+    task_id = request.match_info["id"]
+    lease_id = _query_str(request, "lease_id")
+    if lease_id is None:
+        raise InvalidArgument("lease_id is required (a query parameter)")
+    body = await _read_body(request)
+    error = None
+    if body.strip(b" \t\r\n"):
+        error = codec.parse_object(body).get("error")
+    await request.app[SERVICE].nack(task_id, lease_id, error)
+    return web.Response(status=204)
+
+
+async def stats(request: web.Request) -> web.Response:
+    return _json_response(render_stats(await request.app[SERVICE].stats()))
+
+
+async def dlq(request: web.Request) -> web.Response:
+    tasks = await request.app[SERVICE].dead(_query_int(request, "limit"))
+    return _json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
+
+
+async def requeue(request: web.Request) -> web.Response:
+    await request.app[SERVICE].requeue(request.match_info["id"])
+    return web.Response(status=204)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json_response(b'{"status":"ok"}')
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except WqError as e:
+        return _error_response(STATUS.get(type(e), 400), e.message)
+    except web.HTTPMethodNotAllowed as e:
+        allowed = ", ".join(sorted(e.allowed_methods))
+        response = _error_response(
+            405, f"method {request.method} is not allowed on {request.path}; use {allowed}"
+        )
+        response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
+        return response
+    except web.HTTPNotFound:
+        return _error_response(404, f"no such endpoint: {request.method} {request.path}")
+    except web.HTTPException as e:
+        if e.status_code < 400:
+            raise
+        return _error_response(e.status_code, e.reason)
+    except (asyncio.CancelledError, ConnectionError):
+        raise
+    except Exception:
+        log.exception("unexpected error in %s %s", request.method, request.path)
+        return _error_response(500, "internal error")
+
+
+def create_app(service: Service, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
+    app = web.Application(middlewares=[errors_as_json], client_max_size=max_body)
+    app[SERVICE] = service
+    app[MAX_BODY] = max_body
+    app.router.add_post("/jobs", enqueue)
+    app.router.add_get("/jobs/next", claim)
+    app.router.add_post("/jobs/{id}/ack", ack)
+    app.router.add_post("/jobs/{id}/nack", nack)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/dlq", dlq)
+    app.router.add_post("/dlq/{id}/requeue", requeue)
+    app.router.add_get("/healthz", healthz)
+    return app
+
+
+def make_runner(app: web.Application, *, access_log: bool = False) -> web.AppRunner:
+    # handler_cancellation: a long-poll whose client disconnects is cancelled at once, so it leaves
+    # the queue of waiting consumers and is never handed a task.
+    return web.AppRunner(
+        app,
+        handler_cancellation=True,
+        access_log=log if access_log else None,
+        shutdown_timeout=5.0,
+    )

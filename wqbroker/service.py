@@ -1,0 +1,501 @@
+"""The broker's rules, shared by every protocol.
+
+The HTTP gateway and the gRPC server are thin adapters over one :class:`Service`: they parse a
+request, call a method here and render the result. Defaults, caps, validation and the hand-off of
+tasks to waiting consumers all live here (state transitions and counters live in the store).
+
+Consumers are whatever waits for tasks: a long-polling claim (room for one task) or a stream (room
+for up to its prefetch of unfinished tasks). Consumers with room wait in one queue, served first
+come, first served; a stream that still has room after receiving a task goes to the back of the
+queue, so streams and long-pollers share ready tasks fairly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict, deque
+from collections.abc import Coroutine
+from typing import Any, Final
+
+from wqbroker.clock import Clock
+from wqbroker.errors import InvalidArgument, Unavailable
+from wqbroker.model import Delivery, Stats, TaskView
+from wqbroker.store import Store
+from wqbroker.sweeper import Sweeper
+
+log = logging.getLogger("wqbroker.service")
+
+# The spec's defaults and caps.
+DEFAULT_MAX_ATTEMPTS: Final = 3
+DEFAULT_WAIT_MS: Final = 20_000
+MAX_WAIT_MS: Final = 30_000
+DEFAULT_LEASE_MS: Final = 30_000
+MAX_LEASE_MS: Final = 300_000
+DEFAULT_SWEEP_INTERVAL: Final = 0.25
+
+# Our own limits on values the spec leaves open (documented in the README and the .proto).
+MAX_MAX_ATTEMPTS: Final = 2**31 - 1
+MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
+MAX_PREFETCH: Final = 10_000
+
+RECLAIM_STREAM_ENDED: Final = "worker stream ended"
+
+
+def _integer(name: str, value: object) -> int:
+    # bool is an int subclass in Python; JSON true/false is not a number.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {_describe(value)}")
+    return value
+
+
+def _describe(value: object) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def max_attempts_value(value: object | None) -> int:
+    if value is None:
+        return DEFAULT_MAX_ATTEMPTS
+    n = _integer("max_attempts", value)
+    if n < 1:
+        raise InvalidArgument(f"max_attempts must be at least 1, got {n}")
+    if n > MAX_MAX_ATTEMPTS:
+        raise InvalidArgument(f"max_attempts must be at most {MAX_MAX_ATTEMPTS}, got {n}")
+    return n
+
+
+def delay_seconds(value: object | None) -> float:
+    if value is None:
+        return 0.0
+    n = _integer("delay_ms", value)
+    if n < 0:
+        raise InvalidArgument(f"delay_ms must not be negative, got {n}")
+    if n > MAX_DELAY_MS:
+        raise InvalidArgument(f"delay_ms must be at most {MAX_DELAY_MS} (a year), got {n}")
+    return n / 1000.0
+
+
+def wait_seconds(value: object | None) -> float:
+    """``wait_ms``: default 20 s, values above 30 s are clamped to 30 s."""
+    if value is None:
+        return DEFAULT_WAIT_MS / 1000.0
+    n = _integer("wait_ms", value)
+    if n < 0:
+        raise InvalidArgument(f"wait_ms must not be negative, got {n}")
+    return min(n, MAX_WAIT_MS) / 1000.0
+
+
+def lease_seconds(value: object | None) -> float:
+    """``lease_ms``: default 30 s, values above 5 min are clamped to 5 min."""
+    if value is None:
+        return DEFAULT_LEASE_MS / 1000.0
+    n = _integer("lease_ms", value)
+    if n < 1:
+        raise InvalidArgument(f"lease_ms must be at least 1, got {n}")
+    return min(n, MAX_LEASE_MS) / 1000.0
+
+
+def prefetch_value(value: object | None) -> int:
+    if value is None:
+        return 1
+    n = _integer("prefetch", value)
+    if n < 1:
+        raise InvalidArgument(f"prefetch must be at least 1, got {n}")
+    return min(n, MAX_PREFETCH)
+
+
+def error_value(value: object | None) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidArgument(f"error must be a string, got {_describe(value)}")
+
+
+def id_value(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string, got {_describe(value)}")
+    if not value:
+        raise InvalidArgument(f"{name} is required")
+    return value
+
+
+class Consumer:
+    """Something waiting for deliveries."""
+
+    __slots__ = ("lease", "room", "closed")
+
+    def __init__(self, lease: float, room: int) -> None:
+        self.lease = lease
+        self.room = room  # how many more tasks it can take now
+        self.closed = False
+
+    def _gone(self) -> bool:
+        """True once it can take no more deliveries."""
+        return self.closed
+
+    def _deliver(self, delivery: Delivery) -> None:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        """The broker is stopping."""
+        raise NotImplementedError
+
+
+class _Poller(Consumer):
+    """One long-polling claim."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, lease: float, future: asyncio.Future[Delivery | None]) -> None:
+        super().__init__(lease, 1)
+        self.future = future
+
+    def _gone(self) -> bool:
+        # Its future is done once it timed out or its caller was cancelled (client disconnected),
+        # which may be a moment before the caller gets to run and set ``closed``.
+        return self.closed or self.future.done()
+
+    def _deliver(self, delivery: Delivery) -> None:
+        self.closed = True
+        self.future.set_result(delivery)
+
+    def _shutdown(self) -> None:
+        self.closed = True
+        if not self.future.done():
+            self.future.set_result(None)
+
+
+class Stream(Consumer):
+    """Tasks pushed to a worker as soon as they are ready, never more than ``prefetch`` unfinished.
+
+    ``await stream.next()`` returns the next delivery, or None once the stream is closed. A task is
+    finished when it is acked or nacked (over any protocol) or its lease is reclaimed; each finished
+    task frees a slot. Closing the stream releases the tasks it was given but never passed on and
+    reclaims the ones it passed on and that are still unfinished.
+    """
+
+    __slots__ = ("prefetch", "_service", "_pending", "_waiter", "_sent")
+
+    def __init__(self, service: Service, prefetch: int, lease: float) -> None:
+        super().__init__(lease, prefetch)
+        self.prefetch = prefetch
+        self._service = service
+        self._pending: deque[Delivery] = deque()  # pushed to us, not yet taken by next()
+        self._waiter: asyncio.Future[None] | None = None
+        self._sent: dict[str, str] = {}  # lease_id -> task_id, taken by next() and unfinished
+
+    @property
+    def unfinished(self) -> int:
+        return len(self._pending) + len(self._sent)
+
+    def _deliver(self, delivery: Delivery) -> None:
+        self._pending.append(delivery)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _shutdown(self) -> None:
+        self.closed = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def next(self) -> Delivery | None:
+        current = self._service._stream_leases
+        while True:
+            while not self._pending:
+                if self.closed:
+                    return None
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            if self.closed:
+                return None
+            delivery = self._pending.popleft()
+            if current.get(delivery.lease_id) is self:  # else reclaimed before it was taken
+                self._sent[delivery.lease_id] = delivery.task.id
+                return delivery
+
+    def take_ready(self) -> list[Delivery]:
+        """Every delivery already waiting, without blocking (for batching)."""
+        out: list[Delivery] = []
+        if self.closed:
+            return out
+        current = self._service._stream_leases
+        while self._pending:
+            delivery = self._pending.popleft()
+            if current.get(delivery.lease_id) is not self:
+                continue  # reclaimed (lease ran out) before the worker took it
+            self._sent[delivery.lease_id] = delivery.task.id
+            out.append(delivery)
+        return out
+
+    async def close(self) -> None:
+        await self._service._close_stream(self)
+
+
+class Service:
+    def __init__(
+        self,
+        store: Store,
+        clock: Clock,
+        *,
+        sweep_interval: float = DEFAULT_SWEEP_INTERVAL,
+    ) -> None:
+        self._store = store
+        self._clock = clock
+        self._sweeper = Sweeper(clock, sweep_interval, self._tick)
+        # Consumers with room, in the order they are to be served. An OrderedDict is a queue with
+        # O(1) removal from the middle (a long-poller that times out or disconnects).
+        self._consumers: OrderedDict[Consumer, None] = OrderedDict()
+        self._stream_leases: dict[str, Stream] = {}  # lease_id -> stream holding it
+        self._streams: set[Stream] = set()
+        self._pumping = False
+        self._pump_again = False
+        self._closing = False
+        self._background: set[asyncio.Task[Any]] = set()
+
+    @property
+    def store(self) -> Store:
+        return self._store
+
+    @property
+    def sweeper(self) -> Sweeper:
+        return self._sweeper
+
+    @property
+    def waiting(self) -> int:
+        """Consumers with room waiting for a task (long-pollers and streams)."""
+        return len(self._consumers)
+
+    async def start(self) -> None:
+        self._sweeper.start()
+
+    async def close(self) -> None:
+        """Answer every parked long-poll (with nothing), end every stream, stop the sweeper."""
+        self._closing = True
+        for consumer in list(self._consumers):
+            consumer._shutdown()
+        self._consumers.clear()
+        for stream in list(self._streams):
+            await self._close_stream(stream)
+        await self._sweeper.stop()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    # -- operations --------------------------------------------------------------------------
+
+    async def enqueue(
+        self, payload: bytes, max_attempts: object | None = None, delay_ms: object | None = None
+    ) -> TaskView:
+        attempts = max_attempts_value(max_attempts)
+        delay = delay_seconds(delay_ms)
+        task = await self._store.enqueue(
+            payload, max_attempts=attempts, delay=delay, now=self._clock.now()
+        )
+        if delay > 0:
+            self._sweeper.wake_by(task.available_at)
+        elif self._consumers:
+            await self._pump()
+        return task
+
+    async def claim(
+        self, wait_ms: object | None = None, lease_ms: object | None = None
+    ) -> Delivery | None:
+        """Claim the oldest ready task, waiting up to ``wait_ms`` for one (None if none came)."""
+        wait = wait_seconds(wait_ms)
+        lease = lease_seconds(lease_ms)
+        if self._closing:
+            return None
+        if not self._consumers:
+            delivery = await self._store.claim(lease=lease, now=self._clock.now())
+            if delivery is not None:
+                self._sweeper.wake_by(delivery.deadline)
+                return delivery
+        if wait <= 0:
+            return None
+        future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
+        poller = _Poller(lease, future)
+        queued_behind = bool(self._consumers)
+        self._consumers[poller] = None
+        timer = self._clock.call_at(self._clock.now() + wait, poller._shutdown)
+        try:
+            if queued_behind:
+                await self._pump()
+            return await future
+        except asyncio.CancelledError:
+            # The caller went away. If a task was handed to it in the meantime, nobody saw it.
+            if future.done() and not future.cancelled():
+                delivery = future.result()
+                if delivery is not None:
+                    self._spawn(self.release(delivery))
+            raise
+        finally:
+            timer.cancel()
+            poller.closed = True
+            self._consumers.pop(poller, None)
+
+    async def ack(self, task_id: object, lease_id: object) -> None:
+        tid, lid = id_value("id", task_id), id_value("lease_id", lease_id)
+        await self._store.ack(tid, lid, now=self._clock.now())
+        await self._finished(lid)
+
+    async def nack(self, task_id: object, lease_id: object, error: object | None = None) -> None:
+        tid, lid = id_value("id", task_id), id_value("lease_id", lease_id)
+        message = error_value(error)
+        failure = await self._store.nack(tid, lid, message, now=self._clock.now())
+        if failure.retry_at is not None:
+            self._sweeper.wake_by(failure.retry_at)
+        await self._finished(lid)
+
+    async def release(self, delivery: Delivery) -> None:
+        """Hand back a delivery that never reached a worker (its client disconnected)."""
+        stream = self._stream_leases.pop(delivery.lease_id, None)
+        if stream is not None:
+            stream._sent.pop(delivery.lease_id, None)
+        if await self._store.release(delivery.task.id, delivery.lease_id):
+            log.debug("released task %s: its consumer went away", delivery.task.id)
+            if stream is not None:
+                await self._freed(stream)
+            await self._pump()
+
+    async def stats(self) -> Stats:
+        return await self._store.stats()
+
+    async def dead(self, limit: object | None = None) -> list[TaskView]:
+        n = None
+        if limit is not None:
+            n = _integer("limit", limit)
+            if n < 0:
+                raise InvalidArgument(f"limit must not be negative, got {n}")
+        return await self._store.dead(limit=n)
+
+    async def requeue(self, task_id: object) -> None:
+        tid = id_value("id", task_id)
+        await self._store.requeue(tid, now=self._clock.now())
+        if self._consumers:
+            await self._pump()
+
+    async def sweep(self) -> float | None:
+        """One sweep: reclaim expired leases, promote due delayed tasks, feed waiting consumers.
+        Returns when the next thing is due. The sweeper calls this; tests may call it directly."""
+        result, next_due = await self._store.sweep(now=self._clock.now())
+        for _, lease_id in result.reclaimed:
+            await self._finished(lease_id)
+        if result.promoted and self._consumers:
+            await self._pump()
+        return next_due
+
+    # -- streams -----------------------------------------------------------------------------
+
+    async def open_stream(
+        self, prefetch: object | None = None, lease_ms: object | None = None
+    ) -> Stream:
+        if self._closing:
+            raise Unavailable("the broker is shutting down")
+        stream = Stream(self, prefetch_value(prefetch), lease_seconds(lease_ms))
+        self._streams.add(stream)
+        self._consumers[stream] = None
+        await self._pump()
+        return stream
+
+    async def _close_stream(self, stream: Stream) -> None:
+        if stream not in self._streams:
+            return
+        self._streams.discard(stream)
+        stream._shutdown()
+        self._consumers.pop(stream, None)
+        pending, stream._pending = list(stream._pending), deque()
+        sent, stream._sent = stream._sent, {}
+        now = self._clock.now()
+        released = False
+        for delivery in pending:
+            self._stream_leases.pop(delivery.lease_id, None)
+            released |= await self._store.release(delivery.task.id, delivery.lease_id)
+        for lease_id, task_id in sent.items():
+            self._stream_leases.pop(lease_id, None)
+            try:
+                failure = await self._store.reclaim(
+                    task_id, lease_id, RECLAIM_STREAM_ENDED, now=now
+                )
+            except Exception:  # already finished or reclaimed by another path
+                continue
+            if failure.retry_at is not None:
+                self._sweeper.wake_by(failure.retry_at)
+        if released and self._consumers:
+            await self._pump()
+
+    async def _finished(self, lease_id: str) -> None:
+        """A lease ended (ack, nack, reclaim): free the slot of the stream that held it."""
+        stream = self._stream_leases.pop(lease_id, None)
+        if stream is not None:
+            stream._sent.pop(lease_id, None)
+            await self._freed(stream)
+
+    async def _freed(self, stream: Stream) -> None:
+        stream.room += 1
+        if not stream.closed and stream not in self._consumers:
+            self._consumers[stream] = None
+            await self._pump()
+
+    # -- the hand-off ------------------------------------------------------------------------
+
+    async def _pump(self) -> None:
+        """Hand ready tasks to waiting consumers, first come first served, until one runs out."""
+        if self._pumping:  # a pump is already running (only possible with a store that suspends)
+            self._pump_again = True
+            return
+        self._pumping = True
+        try:
+            again = True
+            while again:
+                self._pump_again = False
+                await self._pump_once()
+                again = self._pump_again
+        finally:
+            self._pumping = False
+
+    async def _pump_once(self) -> None:
+        consumers = self._consumers
+        store = self._store
+        while consumers:
+            consumer = next(iter(consumers))
+            if consumer._gone():
+                del consumers[consumer]
+                continue
+            delivery = await store.claim(lease=consumer.lease, now=self._clock.now())
+            if delivery is None:
+                return
+            if consumer._gone() or consumer not in consumers:
+                # It went away while the store was working; nobody saw the task.
+                await store.release(delivery.task.id, delivery.lease_id)
+                continue
+            del consumers[consumer]
+            consumer.room -= 1
+            if consumer.room > 0:
+                consumers[consumer] = None  # to the back of the queue: round robin
+            if isinstance(consumer, Stream):
+                self._stream_leases[delivery.lease_id] = consumer
+            consumer._deliver(delivery)
+            self._sweeper.wake_by(delivery.deadline)
+
+    async def _tick(self) -> float | None:
+        return await self.sweep()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

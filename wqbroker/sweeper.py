@@ -1,0 +1,99 @@
+"""The sweeper: the broker's clock-driven half.
+
+It reclaims tasks whose lease ran out and promotes delayed tasks whose wait is over, then wakes
+any parked consumer so the retry happens promptly. It ticks every ``interval`` seconds (250 ms by
+default) as a safety net, and also exactly when the next thing is due: the service tells it
+(``wake_by``) each time it schedules something sooner than the planned tick, so a delayed task
+becomes claimable within a few milliseconds of its time rather than at the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+
+from wqbroker.clock import Clock, TimerHandle
+
+log = logging.getLogger("wqbroker.sweeper")
+
+# Never schedule a tick closer than this to the previous one, whatever a store says is due.
+_MIN_GAP = 0.0005
+
+
+class Sweeper:
+    def __init__(
+        self, clock: Clock, interval: float, tick: Callable[[], Awaitable[float | None]]
+    ) -> None:
+        if interval <= 0:
+            raise ValueError("sweep interval must be positive")
+        self._clock = clock
+        self._interval = interval
+        self._tick = tick
+        self._wake_at = math.inf
+        self._handle: TimerHandle | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._due_now = False  # a timer fired while a tick was running
+        self.ticks = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._schedule(self._clock.now() + self._interval)
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="wq-sweeper")
+
+    async def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    def wake_by(self, when: float) -> None:
+        """Make sure a tick happens no later than ``when``."""
+        if when < self._wake_at and self._task is not None:
+            self._schedule(when)
+
+    def _schedule(self, when: float) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+        self._wake_at = when
+        self._handle = self._clock.call_at(when, self._fire)
+
+    def _fire(self) -> None:
+        self._handle = None
+        self._wake_at = math.inf
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        else:
+            self._due_now = True
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._due_now:
+                self._waiter = loop.create_future()
+                await self._waiter
+                self._waiter = None
+            self._due_now = False
+            next_due: float | None = None
+            try:
+                next_due = await self._tick()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # a failing tick must not stop the sweeper
+                log.exception("sweeper tick failed")
+            self.ticks += 1
+            now = self._clock.now()
+            when = now + self._interval
+            if next_due is not None:
+                when = min(when, max(next_due, now + _MIN_GAP))
+            if when < self._wake_at:
+                self._schedule(when)

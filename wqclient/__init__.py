@@ -1,0 +1,1 @@
+"""wq client library."""
