@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from wqbroker.broker import Broker, Config, StartupError
+from wqbroker.broker import Broker, Config, StartupError, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
 
 log = logging.getLogger("wqbroker")
@@ -28,6 +28,14 @@ def _number(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def _address(text: str) -> str:
+    try:
+        parse_addr(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wqbroker",
@@ -39,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--addr",
         default=":8080",
         metavar="ADDR",
+        type=_address,
         help="HTTP address to listen on: host:port or :port (default :8080)",
     )
     p.add_argument(
