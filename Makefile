@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test unit lint format bench clean
+.PHONY: install run test lint format bench clean proto proto-check node-deps
 
 install: $(STAMP)
 
@@ -31,3 +31,12 @@ test: install lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+
+# Regenerate the gRPC/protobuf stubs in wqclient/pb from proto/ (committed; CI checks for drift).
+proto: install
+	$(PY) proto/generate.py
+
+# Fails if the committed stubs differ from what `make proto` generates.
+proto-check: proto
+	git diff --exit-code -- wqclient/pb
+	test -z "$$(git status --porcelain -- wqclient/pb)"

@@ -70,6 +70,7 @@ async def running_broker(
 ) -> AsyncIterator[Broker]:
     """A real broker (HTTP on 127.0.0.1, port 0) in this event loop."""
     config.setdefault("addr", "127.0.0.1:0")
+    config.setdefault("grpc_addr", "127.0.0.1:0")
     broker = Broker(Config(**config), clock=clock, rng=rng)
     await broker.start()
     try:

@@ -56,6 +56,8 @@ def broker_process(*args: str, timeout: float = 15) -> Iterator[BrokerProcess]:
     """Start ``python -m wqbroker -addr 127.0.0.1:0 ...`` and wait for its listening line."""
     if not any(a.lstrip("-").startswith("addr") for a in args):
         args = ("-addr", "127.0.0.1:0", *args)
+    if not any(a.lstrip("-").startswith("grpc-addr") for a in args):
+        args = ("-grpc-addr", "127.0.0.1:0", *args)
     proc = spawn(broker_command(*args))
     lines: list[str] = []
     deadline = time.monotonic() + timeout

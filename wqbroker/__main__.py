@@ -9,7 +9,7 @@ import signal
 import sys
 from collections.abc import Callable, Sequence
 
-from wqbroker.broker import Broker, Config, StartupError, parse_addr
+from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
 
 log = logging.getLogger("wqbroker")
@@ -29,6 +29,8 @@ def _number(minimum: int) -> Callable[[str], int]:
 
 
 def _address(text: str) -> str:
+    if disabled(text):
+        return "off"
     try:
         parse_addr(text)
     except ValueError as e:
@@ -39,7 +41,7 @@ def _address(text: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="wqbroker",
-        description="wq job-queue broker: the HTTP/JSON API of the worker-queue spec.",
+        description="wq job-queue broker: the HTTP/JSON API of the worker-queue spec, and gRPC.",
         allow_abbrev=False,
     )
     p.add_argument(
@@ -48,7 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=":8080",
         metavar="ADDR",
         type=_address,
-        help="HTTP address to listen on: host:port or :port (default :8080)",
+        help="HTTP address to listen on: host:port or :port (default :8080); off to disable",
+    )
+    p.add_argument(
+        "-grpc-addr",
+        "--grpc-addr",
+        default=":50051",
+        metavar="ADDR",
+        type=_address,
+        help="gRPC address to listen on (default :50051); off to disable",
     )
     p.add_argument(
         "-sweep-interval-ms",
@@ -98,6 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> Config:
     return Config(
         addr=args.addr,
+        grpc_addr=args.grpc_addr,
         sweep_interval=args.sweep_interval_ms / 1000.0,
         backoff_base=args.backoff_base_ms / 1000.0,
         backoff_cap=args.backoff_cap_ms / 1000.0,
@@ -111,6 +122,8 @@ async def serve(config: Config) -> None:
     await broker.start()
     for address in broker.http_addresses:
         log.info("HTTP API listening on http://%s", address)
+    for address in broker.grpc_addresses:
+        log.info("gRPC API listening on %s", address)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -6,10 +6,13 @@ import logging
 import os
 import random
 from dataclasses import dataclass
+from typing import Any
 
+import grpc
 from aiohttp import web
 
 from wqbroker.clock import Clock, SystemClock
+from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import DEFAULT_MAX_BODY, create_app, make_runner
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import DEFAULT_SWEEP_INTERVAL, Service
@@ -50,9 +53,15 @@ def format_addr(sockname: tuple[object, ...] | str) -> str:
     return f"{host}:{port}"
 
 
+def disabled(addr: str | None) -> bool:
+    """An address of "off" (or empty) switches that server off."""
+    return addr is None or addr.strip().lower() in ("", "off", "none")
+
+
 @dataclass
 class Config:
-    addr: str = ":8080"
+    addr: str | None = ":8080"
+    grpc_addr: str | None = ":50051"
     sweep_interval: float = DEFAULT_SWEEP_INTERVAL
     backoff_base: float = DEFAULT_BASE
     backoff_cap: float = DEFAULT_CAP
@@ -78,23 +87,41 @@ class Broker:
         self.store: Store = store if store is not None else MemoryStore(backoff, rng)
         self.service = Service(self.store, self.clock, sweep_interval=config.sweep_interval)
         self._runner: web.AppRunner | None = None
+        self._grpc: grpc.aio.Server | None = None
+        self._health: Any = None
         self.http_addresses: list[str] = []
+        self.grpc_addresses: list[str] = []
 
     @property
     def http_url(self) -> str:
         """Base URL of the HTTP API (for clients on this machine)."""
-        hostport = self.http_addresses[0]
-        host, _, port = hostport.rpartition(":")
-        if host in ("0.0.0.0", "[::]"):
-            host = "127.0.0.1"
-        return f"http://{host}:{port}"
+        return "http://" + _local(self.http_addresses[0])
+
+    @property
+    def grpc_target(self) -> str:
+        """host:port of the gRPC API (for clients on this machine)."""
+        return _local(self.grpc_addresses[0])
 
     async def start(self) -> None:
+        config = self.config
+        if disabled(config.addr) and disabled(config.grpc_addr):
+            raise StartupError("both the HTTP and the gRPC server are switched off")
         try:
-            host, port = parse_addr(self.config.addr)
+            http_at = None if disabled(config.addr) else parse_addr(config.addr or "")
+            grpc_at = None if disabled(config.grpc_addr) else parse_addr(config.grpc_addr or "")
         except ValueError as e:
             raise StartupError(str(e)) from None
         await self.service.start()
+        try:
+            if http_at is not None:
+                await self._start_http(*http_at)
+            if grpc_at is not None:
+                await self._start_grpc(*grpc_at)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start_http(self, host: str | None, port: int) -> None:
         app = create_app(self.service, max_body=self.config.max_body)
         runner = make_runner(app, access_log=self.config.access_log)
         await runner.setup()
@@ -102,15 +129,43 @@ class Broker:
         try:
             await web.TCPSite(runner, host, port, reuse_address=True).start()
         except OSError as e:
-            await self.stop()
             reason = os.strerror(e.errno).lower() if e.errno else str(e)
             raise StartupError(f"cannot listen on {self.config.addr}: {reason}") from None
         self.http_addresses = [format_addr(a) for a in runner.addresses]
 
+    async def _start_grpc(self, host: str | None, port: int) -> None:
+        server, self._health = create_server(self.service, max_payload=self.config.max_body)
+        self._grpc = server
+        bind_host = "[::]" if host is None else (f"[{host}]" if ":" in host else host)
+        try:
+            bound = server.add_insecure_port(f"{bind_host}:{port}")
+        except RuntimeError:
+            bound = 0
+        if not bound:
+            raise StartupError(
+                f"cannot listen on {self.config.grpc_addr} (gRPC): address already in use "
+                "or not available"
+            )
+        await server.start()
+        self.grpc_addresses = [f"{bind_host}:{bound}"]
+
     async def stop(self) -> None:
-        """Answer open long-polls, stop serving, close the store."""
+        """Answer open long-polls, end streams, stop serving, close the store."""
+        if self._health is not None:
+            await set_serving(self._health, False)
         await self.service.close()
+        server, self._grpc = self._grpc, None
+        if server is not None:
+            await server.stop(grace=2.0)
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
         await self.store.close()
+
+
+def _local(hostport: str) -> str:
+    """A listening address as clients on this machine reach it."""
+    host, _, port = hostport.rpartition(":")
+    if host in ("0.0.0.0", "[::]", ""):
+        host = "127.0.0.1"
+    return f"{host}:{port}"

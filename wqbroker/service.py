@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Sequence
 from typing import Any, Final
 
 from wqbroker.clock import Clock
@@ -185,11 +185,12 @@ class Stream(Consumer):
     reclaims the ones it passed on and that are still unfinished.
     """
 
-    __slots__ = ("prefetch", "_service", "_pending", "_waiter", "_sent")
+    __slots__ = ("prefetch", "draining", "_service", "_pending", "_waiter", "_sent")
 
     def __init__(self, service: Service, prefetch: int, lease: float) -> None:
         super().__init__(lease, prefetch)
         self.prefetch = prefetch
+        self.draining = False
         self._service = service
         self._pending: deque[Delivery] = deque()  # pushed to us, not yet taken by next()
         self._waiter: asyncio.Future[None] | None = None
@@ -201,47 +202,56 @@ class Stream(Consumer):
 
     def _deliver(self, delivery: Delivery) -> None:
         self._pending.append(delivery)
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        self.poke()
 
     def _shutdown(self) -> None:
         self.closed = True
+        self.poke()
+
+    async def wait(self) -> None:
+        """Return once a delivery is waiting, the stream is closed, or ``poke()`` was called."""
+        if self._pending or self.closed:
+            return
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def poke(self) -> None:
+        """Wake ``wait()`` (used by a protocol adapter that has something else to send)."""
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def next(self) -> Delivery | None:
-        current = self._service._stream_leases
+        """The next delivery, waiting for one; None once the stream is closed."""
         while True:
-            while not self._pending:
-                if self.closed:
-                    return None
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+            await self.wait()
             if self.closed:
                 return None
-            delivery = self._pending.popleft()
-            if current.get(delivery.lease_id) is self:  # else reclaimed before it was taken
-                self._sent[delivery.lease_id] = delivery.task.id
-                return delivery
+            taken = self.take_ready(limit=1)
+            if taken:
+                return taken[0]
 
-    def take_ready(self) -> list[Delivery]:
-        """Every delivery already waiting, without blocking (for batching)."""
+    def take_ready(self, limit: int | None = None) -> list[Delivery]:
+        """Deliveries already waiting (up to ``limit``), without blocking; they count as sent."""
         out: list[Delivery] = []
         if self.closed:
             return out
         current = self._service._stream_leases
-        while self._pending:
-            delivery = self._pending.popleft()
+        pending = self._pending
+        while pending and (limit is None or len(out) < limit):
+            delivery = pending.popleft()
             if current.get(delivery.lease_id) is not self:
-                continue  # reclaimed (lease ran out) before the worker took it
+                continue  # reclaimed (its lease ran out) before the worker took it
             self._sent[delivery.lease_id] = delivery.task.id
             out.append(delivery)
         return out
+
+    async def drain(self) -> None:
+        """Take no new tasks; the ones queued here but not yet taken go back to ready."""
+        await self._service._drain_stream(self)
 
     async def close(self) -> None:
         await self._service._close_stream(self)
@@ -311,6 +321,26 @@ class Service:
         elif self._consumers:
             await self._pump()
         return task
+
+    async def enqueue_many(
+        self, items: Sequence[tuple[bytes, object | None, object | None]], *, what: str = "tasks"
+    ) -> list[TaskView]:
+        """Enqueue (payload, max_attempts, delay_ms) triples, all or none: an invalid one is
+        reported as ``{what}[i]: problem`` and nothing is enqueued."""
+        checked = []
+        for i, (payload, max_attempts, delay_ms) in enumerate(items):
+            try:
+                checked.append((payload, max_attempts_value(max_attempts), delay_seconds(delay_ms)))
+            except InvalidArgument as e:
+                raise InvalidArgument(f"{what}[{i}].{e.message}") from None
+        now = self._clock.now()
+        tasks = await self._store.enqueue_many(checked, now=now)
+        earliest = min((t.available_at for t in tasks if t.available_at > now), default=None)
+        if earliest is not None:
+            self._sweeper.wake_by(earliest)
+        if self._consumers and any(t.available_at <= now for t in tasks):
+            await self._pump()
+        return tasks
 
     async def claim(
         self, wait_ms: object | None = None, lease_ms: object | None = None
@@ -438,6 +468,17 @@ class Service:
         if released and self._consumers:
             await self._pump()
 
+    async def _drain_stream(self, stream: Stream) -> None:
+        stream.draining = True
+        self._consumers.pop(stream, None)
+        pending, stream._pending = list(stream._pending), deque()
+        released = False
+        for delivery in pending:
+            if self._stream_leases.pop(delivery.lease_id, None) is stream:
+                released |= await self._store.release(delivery.task.id, delivery.lease_id)
+        if released and self._consumers:
+            await self._pump()
+
     async def _finished(self, lease_id: str) -> None:
         """A lease ended (ack, nack, reclaim): free the slot of the stream that held it."""
         stream = self._stream_leases.pop(lease_id, None)
@@ -447,7 +488,7 @@ class Service:
 
     async def _freed(self, stream: Stream) -> None:
         stream.room += 1
-        if not stream.closed and stream not in self._consumers:
+        if not stream.closed and not stream.draining and stream not in self._consumers:
             self._consumers[stream] = None
             await self._pump()
 

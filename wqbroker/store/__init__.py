@@ -26,6 +26,7 @@ Rules every backend follows (the contract test suite checks them against each on
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView
@@ -38,6 +39,12 @@ class Store(Protocol):
         self, payload: bytes, *, max_attempts: int, delay: float, now: float
     ) -> TaskView:
         """Accept a new task. ``delay`` is in seconds (0 for at once)."""
+        ...
+
+    async def enqueue_many(
+        self, items: Sequence[tuple[bytes, int, float]], *, now: float
+    ) -> list[TaskView]:
+        """Accept (payload, max_attempts, delay) tasks at once, in order (one transaction)."""
         ...
 
     async def claim(self, *, lease: float, now: float) -> Delivery | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 import random
 from collections import deque
+from collections.abc import Sequence
 from typing import Final
 
 from wqbroker.errors import LeaseMismatch, NotFound
@@ -164,6 +165,14 @@ class MemoryStore:
             self._ready.append(task)
         self._totals.enqueued += 1
         return task.view()
+
+    async def enqueue_many(
+        self, items: Sequence[tuple[bytes, int, float]], *, now: float
+    ) -> list[TaskView]:
+        return [
+            await self.enqueue(payload, max_attempts=attempts, delay=delay, now=now)
+            for payload, attempts, delay in items
+        ]
 
     async def claim(self, *, lease: float, now: float) -> Delivery | None:
         if self._delayed and self._delayed[0][0] <= now:

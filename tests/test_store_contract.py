@@ -1,0 +1,873 @@
+"""The store contract, checked against every backend.
+
+Everything here goes through the async contract methods only (enqueue, claim, ack, nack, reclaim,
+release, sweep, stats, dead, requeue), with an explicit ``now``, so a durable backend added to
+``BACKENDS`` in conftest is held to exactly the same rules. After every operation the gauges and
+every lifetime counter are checked, and so is ``nacked + reclaimed == retried + buried``.
+
+The last section (clearly marked) checks the memory backend's internal structures; it builds its
+own MemoryStore and is not part of the contract.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from wqbroker.errors import LeaseMismatch, NotFound
+from wqbroker.model import Delivery, Failure, Stats, Totals
+from wqbroker.retry import Backoff
+from wqbroker.store import Store
+from wqbroker.store.memory import MemoryStore
+
+NOW = 1_000_000.0
+PAYLOAD = b'{"line": "hello", "n": [1, 2.5, null, "\\u00e9"]}'
+LEASE = 30.0
+
+TOTALS = ("enqueued", "delivered", "acked", "nacked", "reclaimed", "retried", "buried", "requeued")
+
+
+async def expect(
+    store: Store,
+    *,
+    ready: int = 0,
+    handed_out: int = 0,
+    delayed: int = 0,
+    dead: int = 0,
+    **totals: int,
+) -> Stats:
+    """Assert every gauge and every counter (counters not named must be 0) and the invariant."""
+    unknown = set(totals) - set(TOTALS)
+    assert not unknown, unknown
+    stats = await store.stats()
+    gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead)
+    assert gauges == (ready, handed_out, delayed, dead), stats
+    assert stats.totals == Totals(**{name: totals.get(name, 0) for name in TOTALS}), stats
+    t = stats.totals
+    assert t.nacked + t.reclaimed == t.retried + t.buried, stats
+    return stats
+
+
+async def enqueue(store: Store, payload: bytes = PAYLOAD, **kw: Any) -> str:
+    kw.setdefault("max_attempts", 3)
+    kw.setdefault("delay", 0.0)
+    kw.setdefault("now", NOW)
+    return (await store.enqueue(payload, **kw)).id
+
+
+async def claim(store: Store, now: float = NOW, lease: float = LEASE) -> Delivery:
+    delivery = await store.claim(lease=lease, now=now)
+    assert delivery is not None
+    return delivery
+
+
+def nominal(attempts: int) -> float:
+    return min(30.0, 2.0 ** (attempts - 1))
+
+
+def assert_backoff(failure: Failure, attempts: int, now: float) -> float:
+    assert not failure.buried
+    assert failure.retry_at is not None
+    wait = failure.retry_at - now
+    assert nominal(attempts) / 2 <= wait <= nominal(attempts), (attempts, wait)
+    return failure.retry_at
+
+
+async def bury(store: Store, task_id: str, error: str | None, now: float = NOW) -> None:
+    """Claim ``task_id`` (a task with max_attempts=1 at the head of ready) and nack it to death."""
+    d = await claim(store, now)
+    assert d.task.id == task_id
+    failure = await store.nack(d.task.id, d.lease_id, error, now=now)
+    assert failure == Failure(task_id, True, None)
+
+
+# -- enqueue ----------------------------------------------------------------------------------
+
+
+async def test_enqueue_puts_the_task_in_ready(store: Store) -> None:
+    await expect(store)
+    view = await store.enqueue(PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
+    assert view.payload == PAYLOAD
+    assert view.attempts == 0
+    assert view.max_attempts == 4
+    assert view.created_at == NOW
+    assert view.available_at == NOW
+    assert view.last_error is None
+    await expect(store, ready=1, enqueued=1)
+
+
+async def test_task_ids_are_unique(store: Store) -> None:
+    ids = [await enqueue(store) for _ in range(300)]
+    assert len(set(ids)) == 300
+    assert all(isinstance(i, str) and i for i in ids)
+    await expect(store, ready=300, enqueued=300)
+
+
+async def test_payload_bytes_come_back_verbatim(store: Store) -> None:
+    odd = b'{ "a" : 1e3,\n "b":"\\ud83d\\ude00", "c": {"x": []} }'
+    await enqueue(store, odd)
+    d = await claim(store)
+    assert d.task.payload == odd
+
+
+async def test_delayed_enqueue_goes_to_delayed(store: Store) -> None:
+    view = await store.enqueue(PAYLOAD, max_attempts=3, delay=5.0, now=NOW)
+    assert view.available_at == NOW + 5.0
+    assert view.created_at == NOW
+    await expect(store, delayed=1, enqueued=1)
+
+
+async def test_a_delayed_task_is_not_claimable_before_its_time(store: Store) -> None:
+    await enqueue(store, delay=5.0)
+    assert await store.claim(lease=LEASE, now=NOW) is None
+    assert await store.claim(lease=LEASE, now=NOW + 4.5) is None
+    await expect(store, delayed=1, enqueued=1)
+
+
+@pytest.mark.parametrize("at", [5.0, 5.5, 3600.0])
+async def test_claim_promotes_a_due_delayed_task(store: Store, at: float) -> None:
+    task_id = await enqueue(store, delay=5.0)
+    d = await claim(store, NOW + at)  # no sweep in between: claim promotes it itself
+    assert d.task.id == task_id
+    assert d.task.attempts == 1
+    assert d.task.available_at == NOW + 5.0
+    assert d.deadline == NOW + at + LEASE
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+
+
+async def test_claim_promotes_due_delayed_tasks_in_order_of_their_time(store: Store) -> None:
+    late = await enqueue(store, delay=3.0)
+    early = await enqueue(store, delay=1.0)
+    middle = await enqueue(store, delay=2.0)
+    not_yet = await enqueue(store, delay=10.0)
+    got = [(await claim(store, NOW + 5.0)).task.id for _ in range(3)]
+    assert got == [early, middle, late]
+    assert await store.claim(lease=LEASE, now=NOW + 5.0) is None
+    await expect(store, handed_out=3, delayed=1, enqueued=4, delivered=3)
+    assert (await claim(store, NOW + 10.0)).task.id == not_yet
+
+
+async def test_zero_delay_is_ready_at_once(store: Store) -> None:
+    await enqueue(store, delay=0.0)
+    await expect(store, ready=1, enqueued=1)
+    assert (await claim(store)).task.attempts == 1
+
+
+# -- claim ------------------------------------------------------------------------------------
+
+
+async def test_claim_on_an_empty_store_returns_none(store: Store) -> None:
+    assert await store.claim(lease=LEASE, now=NOW) is None
+    await expect(store)
+
+
+async def test_claim_hands_out_under_a_lease(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=5)
+    d = await store.claim(lease=12.5, now=NOW + 1.0)
+    assert d is not None
+    assert d.task.id == task_id
+    assert d.task.payload == PAYLOAD
+    assert d.task.attempts == 1
+    assert d.task.max_attempts == 5
+    assert d.task.created_at == NOW
+    assert d.deadline == NOW + 1.0 + 12.5
+    assert isinstance(d.lease_id, str) and d.lease_id
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+    assert await store.claim(lease=LEASE, now=NOW + 1.0) is None
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+
+
+async def test_claim_is_fifo_oldest_first(store: Store) -> None:
+    ids = [await enqueue(store, now=NOW + i) for i in range(10)]
+    got = [(await claim(store, NOW + 20)).task.id for _ in range(10)]
+    assert got == ids
+    await expect(store, handed_out=10, enqueued=10, delivered=10)
+
+
+async def test_every_claim_gets_a_fresh_lease(store: Store) -> None:
+    for _ in range(20):
+        await enqueue(store, max_attempts=100)
+    leases = [(await claim(store)).lease_id for _ in range(20)]
+    # the same task handed out again and again: release, nack+retry, reclaim+retry
+    now = NOW
+    task_id = await enqueue(store, max_attempts=100)
+    for _ in range(10):
+        d = await claim(store, now)
+        assert d.task.id == task_id
+        leases.append(d.lease_id)
+        assert await store.release(d.task.id, d.lease_id)
+    for _ in range(5):
+        d = await claim(store, now)
+        leases.append(d.lease_id)
+        failure = await store.nack(d.task.id, d.lease_id, "again", now=now)
+        assert failure.retry_at is not None
+        now = failure.retry_at
+    assert len(set(leases)) == len(leases)
+
+
+async def test_attempts_count_deliveries(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=5)
+    now = NOW
+    for n in range(1, 5):
+        d = await claim(store, now)
+        assert (d.task.id, d.task.attempts) == (task_id, n)
+        failure = await store.nack(d.task.id, d.lease_id, None, now=now)
+        now = assert_backoff(failure, n, now)
+    d = await claim(store, now)
+    assert d.task.attempts == 5
+    await expect(store, handed_out=1, enqueued=1, delivered=5, nacked=4, retried=4)
+
+
+# -- ack --------------------------------------------------------------------------------------
+
+
+async def test_ack_forgets_the_task(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store)
+    await store.ack(task_id, d.lease_id, now=NOW + 1)
+    await expect(store, enqueued=1, delivered=1, acked=1)
+    assert await store.claim(lease=LEASE, now=NOW + 100) is None
+    assert await store.dead() == []
+    with pytest.raises(NotFound):
+        await store.ack(task_id, d.lease_id, now=NOW + 1)
+    with pytest.raises(NotFound):
+        await store.nack(task_id, d.lease_id, "late", now=NOW + 1)
+    with pytest.raises(NotFound):
+        await store.requeue(task_id, now=NOW + 1)
+    assert await store.release(task_id, d.lease_id) is False
+    result, next_due = await store.sweep(now=NOW + 1000)
+    assert result.reclaimed == [] and result.promoted == 0
+    assert next_due is None
+    await expect(store, enqueued=1, delivered=1, acked=1)
+
+
+async def test_ack_only_touches_its_own_task(store: Store) -> None:
+    a, b = await enqueue(store), await enqueue(store)
+    da, db = await claim(store), await claim(store)
+    await store.ack(a, da.lease_id, now=NOW)
+    await expect(store, handed_out=1, enqueued=2, delivered=2, acked=1)
+    await store.ack(b, db.lease_id, now=NOW)
+    await expect(store, enqueued=2, delivered=2, acked=2)
+
+
+@pytest.mark.parametrize("op", ["ack", "nack", "reclaim"])
+async def test_wrong_lease_on_a_held_task_is_a_lease_mismatch(store: Store, op: str) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store)
+    with pytest.raises(LeaseMismatch):
+        await finish(store, op, task_id, "not-the-lease")
+    # nothing moved, and the real lease still works
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+    await store.ack(task_id, d.lease_id, now=NOW)
+    await expect(store, enqueued=1, delivered=1, acked=1)
+
+
+async def finish(store: Store, op: str, task_id: str, lease_id: str, now: float = NOW) -> Any:
+    if op == "ack":
+        return await store.ack(task_id, lease_id, now=now)
+    if op == "nack":
+        return await store.nack(task_id, lease_id, "err", now=now)
+    return await store.reclaim(task_id, lease_id, "err", now=now)
+
+
+async def _unheld(store: Store, situation: str) -> tuple[str, str, dict[str, int]]:
+    """A task nobody holds, a lease id to try on it, and the stats expected to stay put."""
+    if situation == "unknown id":
+        await enqueue(store)
+        return "no-such-task", "no-such-lease", dict(ready=1, enqueued=1)
+    if situation == "ready":
+        task_id = await enqueue(store)
+        return task_id, "some-lease", dict(ready=1, enqueued=1)
+    if situation == "delayed":
+        task_id = await enqueue(store, delay=60.0)
+        return task_id, "some-lease", dict(delayed=1, enqueued=1)
+    if situation == "acked":
+        task_id = await enqueue(store)
+        d = await claim(store)
+        await store.ack(task_id, d.lease_id, now=NOW)
+        return task_id, d.lease_id, dict(enqueued=1, delivered=1, acked=1)
+    if situation == "dead":
+        task_id = await enqueue(store, max_attempts=1)
+        d = await claim(store)
+        await store.nack(task_id, d.lease_id, "x", now=NOW)
+        return task_id, d.lease_id, dict(dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
+    if situation == "nacked, waiting to retry":
+        task_id = await enqueue(store)
+        d = await claim(store)
+        await store.nack(task_id, d.lease_id, "x", now=NOW)
+        return task_id, d.lease_id, dict(delayed=1, enqueued=1, delivered=1, nacked=1, retried=1)
+    if situation == "reclaimed by sweep":
+        task_id = await enqueue(store)
+        d = await claim(store, lease=5.0)
+        result, _ = await store.sweep(now=NOW + 5.0)
+        assert result.reclaimed == [(task_id, d.lease_id)]
+        return task_id, d.lease_id, dict(delayed=1, enqueued=1, delivered=1, reclaimed=1, retried=1)
+    if situation == "reclaimed":
+        task_id = await enqueue(store)
+        d = await claim(store)
+        await store.reclaim(task_id, d.lease_id, "gone", now=NOW)
+        return task_id, d.lease_id, dict(delayed=1, enqueued=1, delivered=1, reclaimed=1, retried=1)
+    assert situation == "released"
+    task_id = await enqueue(store)
+    d = await claim(store)
+    assert await store.release(task_id, d.lease_id)
+    return task_id, d.lease_id, dict(ready=1, enqueued=1)
+
+
+UNHELD = [
+    "unknown id",
+    "ready",
+    "delayed",
+    "acked",
+    "dead",
+    "nacked, waiting to retry",
+    "reclaimed by sweep",
+    "reclaimed",
+    "released",
+]
+
+
+@pytest.mark.parametrize("situation", UNHELD)
+@pytest.mark.parametrize("op", ["ack", "nack", "reclaim"])
+async def test_finishing_a_task_nobody_holds_is_not_found(
+    store: Store, op: str, situation: str
+) -> None:
+    task_id, lease_id, unchanged = await _unheld(store, situation)
+    with pytest.raises(NotFound):
+        await finish(store, op, task_id, lease_id)
+    await expect(store, **unchanged)
+
+
+@pytest.mark.parametrize("situation", UNHELD)
+async def test_release_of_a_task_nobody_holds_is_false(store: Store, situation: str) -> None:
+    task_id, lease_id, unchanged = await _unheld(store, situation)
+    assert await store.release(task_id, lease_id) is False
+    await expect(store, **unchanged)
+
+
+@pytest.mark.parametrize("op", ["ack", "nack", "reclaim"])
+async def test_a_stale_lease_on_a_task_handed_out_again_is_a_lease_mismatch(
+    store: Store, op: str
+) -> None:
+    task_id = await enqueue(store)
+    old = await claim(store, lease=5.0)
+    result, _ = await store.sweep(now=NOW + 5.0)  # the worker went silent
+    assert result.reclaimed == [(task_id, old.lease_id)]
+    new = await claim(store, NOW + 10.0)  # backoff after attempt 1 is at most 1 s
+    assert new.task.id == task_id and new.task.attempts == 2
+    assert new.lease_id != old.lease_id
+    with pytest.raises(LeaseMismatch):
+        await finish(store, op, task_id, old.lease_id, NOW + 10.0)
+    assert await store.release(task_id, old.lease_id) is False
+    stats = dict(enqueued=1, delivered=2, reclaimed=1, retried=1)
+    await expect(store, handed_out=1, **stats)
+    await store.ack(task_id, new.lease_id, now=NOW + 10.0)
+    await expect(store, **stats, acked=1)
+
+
+# -- nack -------------------------------------------------------------------------------------
+
+
+async def test_nack_with_attempts_left_delays_the_task(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=2)
+    d = await claim(store, NOW)
+    failure = await store.nack(task_id, d.lease_id, "boom", now=NOW + 2.0)
+    assert failure.task_id == task_id
+    retry_at = assert_backoff(failure, 1, NOW + 2.0)
+    await expect(store, delayed=1, enqueued=1, delivered=1, nacked=1, retried=1)
+    # not claimable before its time, even by a sweep
+    assert await store.claim(lease=LEASE, now=retry_at - 0.01) is None
+    result, next_due = await store.sweep(now=retry_at - 0.01)
+    assert result.promoted == 0 and result.reclaimed == []
+    assert next_due == retry_at
+    await expect(store, delayed=1, enqueued=1, delivered=1, nacked=1, retried=1)
+    d2 = await claim(store, retry_at)
+    assert d2.task.id == task_id
+    assert d2.task.attempts == 2
+    assert d2.task.available_at == retry_at
+    assert d2.task.last_error == "boom"
+    await expect(store, handed_out=1, enqueued=1, delivered=2, nacked=1, retried=1)
+
+
+async def test_backoff_grows_1_2_4_8_16_then_caps_at_30_seconds(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=12)
+    now = NOW
+    for attempts in range(1, 12):
+        d = await claim(store, now)
+        assert (d.task.id, d.task.attempts) == (task_id, attempts)
+        failure = await store.nack(task_id, d.lease_id, f"fail {attempts}", now=now)
+        now = assert_backoff(failure, attempts, now)
+    d = await claim(store, now)
+    failure = await store.nack(task_id, d.lease_id, "last", now=now)
+    assert failure == Failure(task_id, True, None)
+    await expect(store, dead=1, enqueued=1, delivered=12, nacked=12, retried=11, buried=1)
+
+
+async def test_backoff_is_jittered_across_tasks(store: Store) -> None:
+    ids = [await enqueue(store) for _ in range(20)]
+    retry_at = []
+    for _ in ids:
+        d = await claim(store)
+        failure = await store.nack(d.task.id, d.lease_id, None, now=NOW)
+        retry_at.append(assert_backoff(failure, 1, NOW))
+    assert len(set(retry_at)) > 1  # tasks that failed together don't all retry together
+    await expect(store, delayed=20, enqueued=20, delivered=20, nacked=20, retried=20)
+
+
+async def test_nack_with_no_attempts_left_buries_the_task(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=1)
+    d = await claim(store)
+    failure = await store.nack(task_id, d.lease_id, "out of luck", now=NOW + 1)
+    assert failure == Failure(task_id, True, None)
+    await expect(store, dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
+    [view] = await store.dead()
+    assert view.id == task_id
+    assert view.last_error == "out of luck"
+    assert view.attempts == 1
+    assert view.max_attempts == 1
+    assert view.payload == PAYLOAD
+    # the dead are not handed out and nothing is scheduled for them
+    assert await store.claim(lease=LEASE, now=NOW + 10_000) is None
+    result, next_due = await store.sweep(now=NOW + 10_000)
+    assert (result.reclaimed, result.promoted, next_due) == ([], 0, None)
+
+
+async def test_nack_without_an_error_records_none(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=2)
+    d = await claim(store)
+    failure = await store.nack(task_id, d.lease_id, "first", now=NOW)
+    assert failure.retry_at is not None
+    d = await claim(store, failure.retry_at)
+    assert d.task.last_error == "first"
+    await store.nack(task_id, d.lease_id, None, now=failure.retry_at)
+    [view] = await store.dead()
+    assert view.last_error is None
+
+
+async def test_the_last_failure_wins_as_last_error(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=3)
+    now = NOW
+    for error in ["one", "two"]:
+        d = await claim(store, now)
+        failure = await store.nack(task_id, d.lease_id, error, now=now)
+        assert failure.retry_at is not None
+        now = failure.retry_at
+    d = await claim(store, now)
+    assert d.task.last_error == "two"
+    await store.reclaim(task_id, d.lease_id, "three", now=now)
+    [view] = await store.dead()
+    assert (view.attempts, view.last_error) == (3, "three")
+    await expect(store, dead=1, enqueued=1, delivered=3, nacked=2, reclaimed=1, retried=2, buried=1)
+
+
+# -- sweep ------------------------------------------------------------------------------------
+
+
+async def test_sweep_with_nothing_scheduled(store: Store) -> None:
+    result, next_due = await store.sweep(now=NOW)
+    assert (result.reclaimed, result.promoted, next_due) == ([], 0, None)
+    await enqueue(store)
+    result, next_due = await store.sweep(now=NOW)
+    assert (result.reclaimed, result.promoted, next_due) == ([], 0, None)
+    await expect(store, ready=1, enqueued=1)
+
+
+async def test_sweep_reclaims_a_lease_once_its_deadline_is_reached(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=10.0)
+    result, next_due = await store.sweep(now=NOW + 9.5)
+    assert (result.reclaimed, result.promoted) == ([], 0)
+    assert next_due == d.deadline == NOW + 10.0
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+
+    result, next_due = await store.sweep(now=NOW + 10.0)  # deadline <= now
+    assert result.reclaimed == [(task_id, d.lease_id)]
+    assert result.promoted == 0
+    await expect(store, delayed=1, enqueued=1, delivered=1, reclaimed=1, retried=1)
+    assert next_due is not None
+    assert NOW + 10.5 <= next_due <= NOW + 11.0  # the retry, after a 0.5-1 s backoff
+
+    with pytest.raises(NotFound):  # the silent worker comes back too late
+        await store.ack(task_id, d.lease_id, now=NOW + 10.0)
+
+    result, after = await store.sweep(now=next_due)
+    assert (result.reclaimed, result.promoted, after) == ([], 1, None)
+    await expect(store, ready=1, enqueued=1, delivered=1, reclaimed=1, retried=1)
+    d2 = await claim(store, next_due)
+    assert (d2.task.id, d2.task.attempts, d2.task.last_error) == (task_id, 2, "lease expired")
+
+
+async def test_sweep_buries_an_expired_task_with_no_attempts_left(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=1)
+    d = await claim(store, lease=1.0)
+    result, next_due = await store.sweep(now=NOW + 3.0)
+    assert result.reclaimed == [(task_id, d.lease_id)]
+    assert next_due is None
+    await expect(store, dead=1, enqueued=1, delivered=1, reclaimed=1, buried=1)
+    [view] = await store.dead()
+    assert (view.id, view.last_error, view.attempts) == (task_id, "lease expired", 1)
+
+
+async def test_sweep_reclaims_only_what_is_due(store: Store) -> None:
+    ids = [await enqueue(store, max_attempts=1) for _ in range(4)]
+    leases = [await claim(store, lease=float(n)) for n in (1, 2, 3, 4)]
+    result, next_due = await store.sweep(now=NOW + 2.0)
+    assert sorted(result.reclaimed) == sorted(
+        [(ids[0], leases[0].lease_id), (ids[1], leases[1].lease_id)]
+    )
+    assert next_due == NOW + 3.0
+    await expect(store, handed_out=2, dead=2, enqueued=4, delivered=4, reclaimed=2, buried=2)
+    # an acked lease is neither reclaimed nor reported as due
+    await store.ack(ids[2], leases[2].lease_id, now=NOW + 2.0)
+    result, next_due = await store.sweep(now=NOW + 2.0)
+    assert (result.reclaimed, next_due) == ([], NOW + 4.0)
+    result, next_due = await store.sweep(now=NOW + 100.0)
+    assert result.reclaimed == [(ids[3], leases[3].lease_id)]
+    assert next_due is None
+    await expect(store, dead=3, enqueued=4, delivered=4, acked=1, reclaimed=3, buried=3)
+
+
+async def test_sweep_promotes_due_delayed_tasks(store: Store) -> None:
+    a = await enqueue(store, delay=1.0)
+    b = await enqueue(store, delay=2.0)
+    c = await enqueue(store, delay=7.0)
+    result, next_due = await store.sweep(now=NOW + 0.5)
+    assert (result.promoted, next_due) == (0, NOW + 1.0)
+    result, next_due = await store.sweep(now=NOW + 2.0)
+    assert (result.reclaimed, result.promoted, next_due) == ([], 2, NOW + 7.0)
+    await expect(store, ready=2, delayed=1, enqueued=3)
+    assert [(await claim(store, NOW + 2.0)).task.id for _ in range(2)] == [a, b]
+    result, next_due = await store.sweep(now=NOW + 7.0)
+    assert result.promoted == 1
+    assert next_due == NOW + 2.0 + LEASE  # the two leases are what is due next
+    assert (await claim(store, NOW + 7.0)).task.id == c
+
+
+async def test_sweep_reports_the_earliest_of_leases_and_delayed(store: Store) -> None:
+    await enqueue(store)
+    await claim(store, lease=10.0)
+    await enqueue(store, delay=5.0)
+    _, next_due = await store.sweep(now=NOW)
+    assert next_due == NOW + 5.0
+    await enqueue(store, delay=2.0)
+    _, next_due = await store.sweep(now=NOW)
+    assert next_due == NOW + 2.0
+    result, next_due = await store.sweep(now=NOW + 6.0)
+    assert result.promoted == 2
+    assert next_due == NOW + 10.0
+    await expect(store, ready=2, handed_out=1, enqueued=3, delivered=1)
+
+
+async def test_an_expired_lease_not_yet_swept_can_still_be_acked(store: Store) -> None:
+    # Reclaiming is the sweeper's job; until it runs, the holder's lease is still current.
+    task_id = await enqueue(store)
+    d = await claim(store, lease=1.0)
+    await store.ack(task_id, d.lease_id, now=NOW + 5.0)
+    result, _ = await store.sweep(now=NOW + 5.0)
+    assert result.reclaimed == []
+    await expect(store, enqueued=1, delivered=1, acked=1)
+
+
+# -- reclaim ----------------------------------------------------------------------------------
+
+
+async def test_reclaim_takes_a_task_back_before_its_lease_runs_out(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=300.0)
+    failure = await store.reclaim(task_id, d.lease_id, "worker stream ended", now=NOW + 1.0)
+    assert failure.task_id == task_id
+    retry_at = assert_backoff(failure, 1, NOW + 1.0)
+    await expect(store, delayed=1, enqueued=1, delivered=1, reclaimed=1, retried=1)
+    # its old deadline is no longer due anything
+    result, next_due = await store.sweep(now=retry_at)
+    assert (result.reclaimed, result.promoted, next_due) == ([], 1, None)
+    d2 = await claim(store, retry_at)
+    assert (d2.task.attempts, d2.task.last_error) == (2, "worker stream ended")
+
+
+async def test_reclaim_buries_when_no_attempts_are_left(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=1)
+    d = await claim(store)
+    failure = await store.reclaim(task_id, d.lease_id, "worker gone", now=NOW)
+    assert failure == Failure(task_id, True, None)
+    await expect(store, dead=1, enqueued=1, delivered=1, reclaimed=1, buried=1)
+    [view] = await store.dead()
+    assert view.last_error == "worker gone"
+
+
+# -- release ----------------------------------------------------------------------------------
+
+
+async def test_release_puts_the_task_back_at_the_head_of_ready(store: Store) -> None:
+    a, b, c = [await enqueue(store, now=NOW + i) for i in range(3)]
+    da = await claim(store, NOW + 5)
+    assert da.task.id == a
+    await expect(store, ready=2, handed_out=1, enqueued=3, delivered=1)
+    assert await store.release(a, da.lease_id) is True
+    await expect(store, ready=3, enqueued=3)
+    again = await claim(store, NOW + 5)
+    assert again.task.id == a
+    assert again.task.attempts == 1  # the undone hand-out did not burn an attempt
+    assert again.lease_id != da.lease_id
+    assert [(await claim(store, NOW + 5)).task.id for _ in range(2)] == [b, c]
+    await expect(store, handed_out=3, enqueued=3, delivered=3)
+
+
+async def test_release_goes_ahead_of_older_ready_tasks(store: Store) -> None:
+    first = await enqueue(store, now=NOW)
+    second = await enqueue(store, now=NOW + 1)
+    d1 = await claim(store, NOW + 2)
+    d2 = await claim(store, NOW + 2)
+    third = await enqueue(store, now=NOW + 3)
+    assert await store.release(second, d2.lease_id)
+    assert await store.release(first, d1.lease_id)
+    got = [(await claim(store, NOW + 4)).task.id for _ in range(3)]
+    assert got == [first, second, third]
+
+
+async def test_release_undoes_the_attempt_and_the_delivery(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=1)
+    for _ in range(5):
+        d = await claim(store)
+        assert d.task.attempts == 1
+        assert await store.release(task_id, d.lease_id)
+    await expect(store, ready=1, enqueued=1)
+    d = await claim(store)
+    await store.nack(task_id, d.lease_id, "real failure", now=NOW)
+    await expect(store, dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
+
+
+async def test_release_returns_false_for_a_stale_lease(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store)
+    assert await store.release(task_id, "some-other-lease") is False
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+    assert await store.release(task_id, d.lease_id) is True
+    assert await store.release(task_id, d.lease_id) is False  # twice
+    await expect(store, ready=1, enqueued=1)
+    d2 = await claim(store)
+    assert await store.release(task_id, d.lease_id) is False  # an earlier hand-out's lease
+    await expect(store, handed_out=1, enqueued=1, delivered=1)
+    await store.ack(task_id, d2.lease_id, now=NOW)
+
+
+async def test_a_released_lease_is_no_longer_due(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=1.0)
+    assert await store.release(task_id, d.lease_id)
+    result, next_due = await store.sweep(now=NOW + 5.0)
+    assert (result.reclaimed, next_due) == ([], None)
+    await expect(store, ready=1, enqueued=1)
+
+
+# -- requeue and the dead-letter queue --------------------------------------------------------
+
+
+async def test_requeue_gives_a_dead_task_a_clean_start(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=2)
+    now = NOW
+    for error in ["e1", "e2"]:
+        d = await claim(store, now)
+        failure = await store.nack(task_id, d.lease_id, error, now=now)
+        now = failure.retry_at if failure.retry_at is not None else now
+    await expect(store, dead=1, enqueued=1, delivered=2, nacked=2, retried=1, buried=1)
+    other = await enqueue(store, now=now)
+
+    await store.requeue(task_id, now=now + 1)
+    await expect(
+        store, ready=2, enqueued=2, delivered=2, nacked=2, retried=1, buried=1, requeued=1
+    )
+    assert await store.dead() == []
+    # to the tail of ready
+    assert (await claim(store, now + 1)).task.id == other
+    d = await claim(store, now + 1)
+    assert d.task.id == task_id
+    assert d.task.attempts == 1
+    assert d.task.last_error is None
+    assert d.task.payload == PAYLOAD
+    # a full fresh set of attempts: one retry, then burial
+    failure = await store.nack(task_id, d.lease_id, "e3", now=now + 1)
+    assert not failure.buried
+    assert failure.retry_at is not None
+    d = await claim(store, failure.retry_at)
+    assert d.task.attempts == 2
+    failure = await store.nack(task_id, d.lease_id, "e4", now=failure.retry_at)
+    assert failure.buried
+    await expect(
+        store,
+        handed_out=1,
+        dead=1,
+        enqueued=2,
+        delivered=5,
+        nacked=4,
+        retried=2,
+        buried=2,
+        requeued=1,
+    )
+    [view] = await store.dead()
+    assert view.last_error == "e4"
+
+
+@pytest.mark.parametrize("situation", [*UNHELD, "handed out"])
+async def test_requeue_of_a_task_that_is_not_dead_is_not_found(
+    store: Store, situation: str
+) -> None:
+    if situation == "handed out":
+        task_id = await enqueue(store)
+        await claim(store)
+        unchanged = dict(handed_out=1, enqueued=1, delivered=1)
+    elif situation == "dead":
+        task_id, _, _ = await _unheld(store, "dead")
+        await store.requeue(task_id, now=NOW)  # it is dead: this one works ...
+        unchanged = dict(ready=1, enqueued=1, delivered=1, nacked=1, buried=1, requeued=1)
+    else:
+        task_id, _, unchanged = await _unheld(store, situation)
+    with pytest.raises(NotFound):  # ... but not twice
+        await store.requeue(task_id, now=NOW)
+    await expect(store, **unchanged)
+
+
+async def test_dead_lists_in_burial_order_and_honours_limit(store: Store) -> None:
+    ids = [await enqueue(store, max_attempts=1) for _ in range(5)]
+    got = [await claim(store) for _ in ids]
+    for n in [3, 0, 4, 1, 2]:
+        await store.nack(ids[n], got[n].lease_id, f"error {n}", now=NOW)
+    order = [ids[n] for n in [3, 0, 4, 1, 2]]
+    views = await store.dead()
+    assert [v.id for v in views] == order
+    assert [v.last_error for v in views] == ["error 3", "error 0", "error 4", "error 1", "error 2"]
+    assert [v.id for v in await store.dead(limit=2)] == order[:2]
+    assert await store.dead(limit=0) == []
+    assert [v.id for v in await store.dead(limit=50)] == order
+    await store.requeue(ids[4], now=NOW)
+    assert [v.id for v in await store.dead()] == [ids[3], ids[0], ids[1], ids[2]]
+    await expect(store, ready=1, dead=4, enqueued=5, delivered=5, nacked=5, buried=5, requeued=1)
+
+
+async def test_a_requeued_task_buried_again_goes_to_the_end(store: Store) -> None:
+    a, b = await enqueue(store, max_attempts=1), await enqueue(store, max_attempts=1)
+    await bury(store, a, "a1")
+    await bury(store, b, "b1")
+    await store.requeue(a, now=NOW)
+    await bury(store, a, "a2")
+    views = await store.dead()
+    assert [(v.id, v.last_error) for v in views] == [(b, "b1"), (a, "a2")]
+
+
+# -- a longer mixed run ----------------------------------------------------------------------
+
+
+async def test_a_mixed_workload_keeps_the_books_balanced(store: Store) -> None:
+    rng = random.Random(99)
+    now = NOW
+    held: list[Delivery] = []
+    for step in range(400):
+        choice = rng.random()
+        if choice < 0.3:
+            await enqueue(store, max_attempts=rng.randint(1, 3), delay=rng.choice([0, 0, 2]))
+        elif choice < 0.55:
+            d = await store.claim(lease=rng.choice([1.0, 5.0]), now=now)
+            if d is not None:
+                held.append(d)
+        elif choice < 0.7 and held:
+            d = held.pop(rng.randrange(len(held)))
+            try:
+                await store.ack(d.task.id, d.lease_id, now=now)
+            except NotFound:
+                pass  # reclaimed meanwhile
+        elif choice < 0.85 and held:
+            d = held.pop(rng.randrange(len(held)))
+            try:
+                await store.nack(d.task.id, d.lease_id, f"step {step}", now=now)
+            except NotFound:
+                pass
+        else:
+            now += rng.choice([0.5, 1.0, 3.0])
+            await store.sweep(now=now)
+        stats = await store.stats()
+        t = stats.totals
+        assert t.nacked + t.reclaimed == t.retried + t.buried
+        live = stats.ready + stats.handed_out + stats.delayed + stats.dead
+        assert live == t.enqueued - t.acked
+        assert t.delivered >= t.acked + t.nacked
+
+
+# == memory backend internals (not part of the contract) =====================================
+# These build a MemoryStore directly and use its test hook check_invariants(), which asserts its
+# heaps, deque and dicts agree with each other.
+
+
+def memory_store() -> MemoryStore:
+    rng = random.Random(5)
+    return MemoryStore(Backoff(1.0, 30.0, rng), rng)
+
+
+async def test_memory_internals_stay_consistent_through_every_transition() -> None:
+    s = memory_store()
+    s.check_invariants()
+    a = await enqueue(s, max_attempts=2)
+    b = await enqueue(s, max_attempts=1, delay=0.25)
+    s.check_invariants()
+    da = await claim(s, lease=2.0)
+    s.check_invariants()
+    assert await s.release(a, da.lease_id)
+    s.check_invariants()
+    da = await claim(s, lease=2.0)
+    failure = await s.nack(a, da.lease_id, "x", now=NOW)
+    s.check_invariants()
+    assert failure.retry_at is not None
+    db = await claim(s, NOW + 0.25, lease=2.0)  # a waits 0.5-1 s
+    assert db.task.id == b
+    s.check_invariants()
+    await s.sweep(now=NOW + 3.0)  # reclaims b (buried), promotes a
+    s.check_invariants()
+    da = await claim(s, NOW + 3.0)
+    await s.ack(a, da.lease_id, now=NOW + 3.0)
+    s.check_invariants()
+    await s.requeue(b, now=NOW + 3.0)
+    s.check_invariants()
+    db = await claim(s, NOW + 3.0)
+    await s.reclaim(b, db.lease_id, "gone", now=NOW + 3.0)
+    s.check_invariants()
+    await expect(
+        s, dead=1, enqueued=2, delivered=4, acked=1, nacked=1, reclaimed=2, retried=1, buried=2,
+        requeued=1,
+    )  # fmt: skip
+
+
+async def test_memory_lease_heap_compaction_keeps_the_books() -> None:
+    # Acked leases stay in the lease heap as stale entries until they surface or the heap is
+    # rebuilt (at 4096 stale entries, once they outnumber the live ones).
+    s = memory_store()
+    ids = [await enqueue(s) for _ in range(6000)]
+    held = [await claim(s, lease=100.0) for _ in ids]
+    for d in held[:5000]:
+        await s.ack(d.task.id, d.lease_id, now=NOW)
+    s.check_invariants()
+    result, _ = await s.sweep(now=NOW + 100.0)
+    assert len(result.reclaimed) == 1000
+    s.check_invariants()
+    await expect(s, delayed=1000, enqueued=6000, delivered=6000, acked=5000, reclaimed=1000,
+                 retried=1000)  # fmt: skip
+
+
+async def test_memory_lease_heap_compaction_during_a_sweep_keeps_the_books() -> None:
+    # A sweep whose reclaims trigger the rebuild of the lease heap must carry on with the
+    # rebuilt heap; entries it pops afterwards must not be lost from (or left in) the books.
+    s = memory_store()
+    short, long_ = 20, 8190
+    for _ in range(short + long_):
+        await enqueue(s)
+    expiring = [await claim(s, lease=1.0) for _ in range(short)]
+    lasting = [await claim(s, lease=1000.0) for _ in range(long_)]
+    for d in lasting[:4096]:  # 4096 stale entries, not yet outnumbering the live ones
+        await s.ack(d.task.id, d.lease_id, now=NOW)
+    s.check_invariants()
+    result, next_due = await s.sweep(now=NOW + 1.0)  # 20 reclaims: the heap is rebuilt midway
+    assert sorted(result.reclaimed) == sorted((d.task.id, d.lease_id) for d in expiring)
+    s.check_invariants()
+    result, next_due = await s.sweep(now=NOW + 1000.0)
+    assert len(result.reclaimed) == long_ - 4096
+    s.check_invariants()

@@ -1,0 +1,347 @@
+"""grpc.aio servicer, pb <-> model conversion, and the error -> status code table.
+
+Like the HTTP handlers, each method parses its request, calls the service and renders the answer;
+the service holds every default, cap and rule, so both protocols behave the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from types import TracebackType
+from typing import Any, Final
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from wqbroker import codec
+from wqbroker.errors import (
+    InvalidArgument,
+    LeaseMismatch,
+    NotFound,
+    PayloadTooLarge,
+    StoreError,
+    Unavailable,
+    WqError,
+)
+from wqbroker.model import Delivery, TaskView
+from wqbroker.service import Service, Stream
+from wqclient.pb import broker_pb2 as pb
+from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+log = logging.getLogger("wqbroker.grpc")
+
+# The one table from the error tree to gRPC status codes.
+CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
+    InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFound: grpc.StatusCode.NOT_FOUND,
+    LeaseMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,
+    StoreError: grpc.StatusCode.UNAVAILABLE,
+}
+
+SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
+MAX_BATCH: Final = 10_000
+# Keep each streamed response well under the 4 MiB that gRPC clients accept by default.
+STREAM_CHUNK_BYTES: Final = 2 * 1024 * 1024
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+def code_for(error: WqError) -> grpc.StatusCode:
+    return CODES.get(type(error), grpc.StatusCode.INVALID_ARGUMENT)
+
+
+class _Errors:
+    """``async with _Errors(context):`` turns a WqError into the matching gRPC status."""
+
+    __slots__ = ("_context",)
+
+    def __init__(self, context: Context) -> None:
+        self._context = context
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if isinstance(exc, WqError):
+            await self._context.abort(code_for(exc), exc.message)
+
+
+# -- conversion ---------------------------------------------------------------------------------
+
+
+def timestamp(ts: float) -> Timestamp:
+    seconds = int(ts // 1)
+    nanos = round((ts - seconds) * 1e9)
+    if nanos >= 1_000_000_000:
+        seconds, nanos = seconds + 1, nanos - 1_000_000_000
+    return Timestamp(seconds=seconds, nanos=nanos)
+
+
+def task_pb(task: TaskView) -> pb.Task:
+    return pb.Task(
+        id=task.id,
+        payload=task.payload,
+        attempts=task.attempts,
+        max_attempts=task.max_attempts,
+        created_at=timestamp(task.created_at),
+        available_at=timestamp(task.available_at),
+        last_error=task.last_error,
+    )
+
+
+def delivery_pb(delivery: Delivery) -> pb.Delivery:
+    return pb.Delivery(
+        task=task_pb(delivery.task),
+        lease_id=delivery.lease_id,
+        deadline=timestamp(delivery.deadline),
+    )
+
+
+def _optional(message: Any, name: str) -> int | None:
+    return getattr(message, name) if message.HasField(name) else None
+
+
+class BrokerServicer(pb_grpc.BrokerServicer):
+    def __init__(self, service: Service, *, max_payload: int) -> None:
+        self._service = service
+        self._max_payload = max_payload
+
+    def _payload(self, data: bytes, what: str = "payload") -> bytes:
+        if not data:
+            raise InvalidArgument(f"{what} is required")
+        if len(data) > self._max_payload:
+            raise PayloadTooLarge(f"{what} is larger than the limit of {self._max_payload} bytes")
+        return codec.validate_json(data, what)
+
+    async def Enqueue(self, request: pb.EnqueueRequest, context: Context) -> pb.EnqueueResponse:
+        async with _Errors(context):
+            task = await self._service.enqueue(
+                self._payload(request.payload),
+                _optional(request, "max_attempts"),
+                _optional(request, "delay_ms"),
+            )
+            return pb.EnqueueResponse(id=task.id)
+
+    async def EnqueueBatch(
+        self, request: pb.EnqueueBatchRequest, context: Context
+    ) -> pb.EnqueueBatchResponse:
+        async with _Errors(context):
+            if len(request.tasks) > MAX_BATCH:
+                raise InvalidArgument(
+                    f"tasks has {len(request.tasks)} entries; at most {MAX_BATCH} per call"
+                )
+            items = [
+                (
+                    self._payload(item.payload, f"tasks[{i}].payload"),
+                    _optional(item, "max_attempts"),
+                    _optional(item, "delay_ms"),
+                )
+                for i, item in enumerate(request.tasks)
+            ]
+            tasks = await self._service.enqueue_many(items, what="tasks")
+            return pb.EnqueueBatchResponse(ids=[t.id for t in tasks])
+
+    async def NextJob(self, request: pb.NextJobRequest, context: Context) -> pb.NextJobResponse:
+        async with _Errors(context):
+            delivery = await self._service.claim(
+                _optional(request, "wait_ms"), _optional(request, "lease_ms")
+            )
+            if delivery is None:
+                return pb.NextJobResponse()
+            if context.done():  # the caller is gone: nobody will see this task
+                await self._service.release(delivery)
+                return pb.NextJobResponse()
+            return pb.NextJobResponse(delivery=delivery_pb(delivery))
+
+    async def Ack(self, request: pb.AckRequest, context: Context) -> pb.AckResponse:
+        async with _Errors(context):
+            await self._service.ack(request.id, request.lease_id)
+            return pb.AckResponse()
+
+    async def Nack(self, request: pb.NackRequest, context: Context) -> pb.NackResponse:
+        async with _Errors(context):
+            error = request.error if request.HasField("error") else None
+            await self._service.nack(request.id, request.lease_id, error)
+            return pb.NackResponse()
+
+    async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
+        async with _Errors(context):
+            s = await self._service.stats()
+            t = s.totals
+            return pb.StatsResponse(
+                ready=s.ready,
+                handed_out=s.handed_out,
+                delayed=s.delayed,
+                dead=s.dead,
+                totals=pb.Totals(
+                    enqueued=t.enqueued,
+                    delivered=t.delivered,
+                    acked=t.acked,
+                    nacked=t.nacked,
+                    reclaimed=t.reclaimed,
+                    retried=t.retried,
+                    buried=t.buried,
+                    requeued=t.requeued,
+                ),
+            )
+
+    async def ListDead(self, request: pb.ListDeadRequest, context: Context) -> pb.ListDeadResponse:
+        async with _Errors(context):
+            tasks = await self._service.dead(_optional(request, "limit"))
+            return pb.ListDeadResponse(tasks=[task_pb(t) for t in tasks])
+
+    async def Requeue(self, request: pb.RequeueRequest, context: Context) -> pb.RequeueResponse:
+        async with _Errors(context):
+            await self._service.requeue(request.id)
+            return pb.RequeueResponse()
+
+    async def StreamJobs(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.StreamJobsRequest], context: Context
+    ) -> None:
+        service = self._service
+        async with _Errors(context):
+            try:
+                first = await anext(aiter(request_iterator))
+            except StopAsyncIteration:
+                return
+            if not first.HasField("open"):
+                raise InvalidArgument("the first StreamJobsRequest must carry open")
+            stream = await service.open_stream(
+                _optional(first.open, "prefetch"), _optional(first.open, "lease_ms")
+            )
+        settled: list[pb.Settled] = []
+        reader = asyncio.get_running_loop().create_task(
+            self._read_stream(first, request_iterator, stream, settled)
+        )
+        reader.add_done_callback(lambda _: stream.poke())
+        try:
+            while True:
+                deliveries = stream.take_ready()
+                if deliveries or settled:
+                    # Take the outcomes now: the reader may add more while we write.
+                    outcomes = settled[:]
+                    settled.clear()
+                    for response in self._responses(deliveries, outcomes):
+                        await context.write(response)
+                    continue
+                if reader.done():
+                    error = reader.exception()
+                    if isinstance(error, WqError):
+                        await context.abort(code_for(error), error.message)
+                    if error is not None:
+                        raise error
+                    return  # the worker half-closed: the stream is over
+                if stream.closed:
+                    return  # the broker is shutting down
+                await stream.wait()
+        finally:
+            reader.cancel()
+            await stream.close()
+
+    def _responses(
+        self, deliveries: list[Delivery], settled: list[pb.Settled]
+    ) -> list[pb.StreamJobsResponse]:
+        """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each."""
+        responses = []
+        chunk: list[pb.Delivery] = []
+        size = 0
+        for delivery in deliveries:
+            n = len(delivery.task.payload) + 256
+            if chunk and size + n > STREAM_CHUNK_BYTES:
+                responses.append(pb.StreamJobsResponse(deliveries=chunk))
+                chunk, size = [], 0
+            chunk.append(delivery_pb(delivery))
+            size += n
+        responses.append(pb.StreamJobsResponse(deliveries=chunk, settled=settled))
+        return responses
+
+    async def _read_stream(
+        self,
+        first: pb.StreamJobsRequest,
+        requests: AsyncIterator[pb.StreamJobsRequest],
+        stream: Stream,
+        settled: list[pb.Settled],
+    ) -> None:
+        request = first
+        while True:
+            await self._settle(request, stream, settled)
+            stream.poke()
+            try:
+                request = await anext(requests)
+            except StopAsyncIteration:
+                return
+            if request.HasField("open"):
+                raise InvalidArgument("open may only be sent in the first StreamJobsRequest")
+
+    async def _settle(
+        self, request: pb.StreamJobsRequest, stream: Stream, settled: list[pb.Settled]
+    ) -> None:
+        service = self._service
+        for ack in request.acks:
+            outcome = pb.Settled(id=ack.id, lease_id=ack.lease_id)
+            try:
+                await service.ack(ack.id, ack.lease_id)
+            except WqError as e:
+                outcome.code = code_for(e).value[0]
+                outcome.message = e.message
+            settled.append(outcome)
+        for nack in request.nacks:
+            outcome = pb.Settled(id=nack.id, lease_id=nack.lease_id, nack=True)
+            try:
+                error = nack.error if nack.HasField("error") else None
+                await service.nack(nack.id, nack.lease_id, error)
+            except WqError as e:
+                outcome.code = code_for(e).value[0]
+                outcome.message = e.message
+            settled.append(outcome)
+        if request.drain and not stream.draining:
+            await stream.drain()
+
+
+def create_server(service: Service, *, max_payload: int) -> tuple[grpc.aio.Server, Any]:
+    """A grpc.aio server with the Broker service, health checking and reflection.
+    Returns the server and its health servicer (to flip to NOT_SERVING on shutdown)."""
+    # Explicit limits: a request may carry one payload of max_payload plus its envelope, or a
+    # batch; anything larger is refused by gRPC itself with RESOURCE_EXHAUSTED.
+    receive_limit = max(4 * 1024 * 1024, max_payload + 64 * 1024)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", receive_limit),
+            ("grpc.max_send_message_length", 64 * 1024 * 1024),
+            # Without this a second broker could bind the same port and steal half the calls.
+            ("grpc.so_reuseport", 0),
+            ("grpc.keepalive_time_ms", 30_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+    )
+    pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service, max_payload=max_payload), server)
+    # grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
+    )
+    return server, health_servicer
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, status)
