@@ -26,11 +26,19 @@ format: install
 	$(PY) -m ruff format wqbroker wqclient tests
 	$(PY) -m ruff check --fix wqbroker wqclient tests
 
-test: install lint
+test: install node-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The Node.js gRPC client used by the cross-language test (@grpc/grpc-js, @grpc/proto-loader).
+NODE_STAMP := tests/node/node_modules/.installed
+node-deps: $(NODE_STAMP)
+
+$(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
+	npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
+	touch $(NODE_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules
 
 # Regenerate the gRPC/protobuf stubs in wqclient/pb from proto/ (committed; CI checks for drift).
 proto: install

@@ -169,10 +169,18 @@ class StoreMachine(RuleBasedStateMachine):
 
     # -- rules -----------------------------------------------------------------------------
 
-    @initialize()
-    def start_empty(self) -> None:
+    @initialize(
+        tasks=st.lists(st.tuples(DELAYS, st.integers(1, 3)), max_size=6),
+        claims=st.integers(0, 4),
+        lease=LEASES,
+    )
+    def start(self, tasks: list[tuple[float, int]], claims: int, lease: float) -> None:
         stats = self.run(self.store.stats())
         assert stats.totals == Totals()
+        for delay, max_attempts in tasks:
+            self.enqueue(delay, max_attempts)
+        for _ in range(claims):
+            self.claim(lease)
 
     @rule(delay=DELAYS, max_attempts=st.integers(1, 3))
     def enqueue(self, delay: float, max_attempts: int) -> None:
@@ -301,10 +309,20 @@ class StoreMachine(RuleBasedStateMachine):
             return
         raise AssertionError(f"requeue of {task_id}, which is not dead, did not raise NotFound")
 
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "reclaim", "release"]))
+    def use_a_wrong_lease(self, data: st.DataObject, op: str) -> None:
+        task = self.pick_handed(data)
+        self.try_stale(op, task.id, "not-a-lease")
+
     @precondition(lambda self: self.old_leases)
     @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "reclaim", "release"]))
     def use_a_stale_lease(self, data: st.DataObject, op: str) -> None:
         task_id, lease_id = data.draw(st.sampled_from(self.old_leases), label="stale lease")
+        self.try_stale(op, task_id, lease_id)
+
+    def try_stale(self, op: str, task_id: str, lease_id: str) -> None:
+        """A lease that is not the task's current one: nothing may change."""
         if op == "release":
             assert self.run(self.store.release(task_id, lease_id)) is False
             return
@@ -363,8 +381,8 @@ def test_store_state_machine(backend: str) -> None:
     run_state_machine_as_test(
         machine,
         settings=settings(
-            max_examples=75,
-            stateful_step_count=40,
+            max_examples=150,
+            stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
         ),

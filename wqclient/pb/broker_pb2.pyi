@@ -646,7 +646,9 @@ class StreamJobsResponse(_message.Message):
 
     @_builtins.property
     def settled(self) -> _containers.RepeatedCompositeFieldContainer[Global___Settled]:
-        """Outcomes of acks and nacks sent on the stream, in the order they were sent."""
+        """Outcomes of acks and nacks sent on the stream, in the order they were sent. They happened
+        before this response's deliveries were made: count them first when tracking unfinished tasks.
+        """
 
     def __init__(
         self,
