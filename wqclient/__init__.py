@@ -1,1 +1,56 @@
-"""wq client library."""
+"""wqclient: the Python client for the wq job-queue broker.
+
+>>> from wqclient import Client
+>>> with Client("http://localhost:8080") as wq:      # or grpc://localhost:50051
+...     task_id = wq.enqueue({"line": "hello"}, max_attempts=3)
+...     delivery = wq.claim(wait_ms=1000)
+...     wq.ack(delivery)
+"""
+
+from typing import TYPE_CHECKING, Any
+
+from wqclient.client import AsyncClient, Client, Stream
+from wqclient.errors import (
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    PayloadTooLarge,
+    ProtocolError,
+    Unavailable,
+    WqError,
+)
+from wqclient.models import Delivery, Stats, Task, Totals
+from wqclient.transport import AsyncStream
+
+if TYPE_CHECKING:
+    from wqclient.worker import TaskFailed, Worker
+
+
+def __getattr__(name: str) -> Any:
+    # Imported lazily so that `python -m wqclient.worker` does not import the module twice.
+    if name in ("Worker", "TaskFailed"):
+        from wqclient import worker
+
+        return getattr(worker, name)
+    raise AttributeError(f"module 'wqclient' has no attribute {name!r}")
+
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "Client",
+    "Delivery",
+    "InvalidArgument",
+    "LeaseLost",
+    "NotFound",
+    "PayloadTooLarge",
+    "ProtocolError",
+    "Stats",
+    "Stream",
+    "Task",
+    "TaskFailed",
+    "Totals",
+    "Unavailable",
+    "Worker",
+    "WqError",
+]

@@ -1,0 +1,272 @@
+"""The gRPC transport (grpc.aio) on the generated stubs, one channel per client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import grpc
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from wqclient.errors import (
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    PayloadTooLarge,
+    Unavailable,
+    WqError,
+)
+from wqclient.models import Delivery, Stats, Task, Totals
+from wqclient.pb import broker_pb2 as pb
+from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+_CODES: dict[grpc.StatusCode, type[WqError]] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
+    grpc.StatusCode.NOT_FOUND: NotFound,
+    grpc.StatusCode.FAILED_PRECONDITION: LeaseLost,
+    grpc.StatusCode.ABORTED: LeaseLost,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: PayloadTooLarge,
+    grpc.StatusCode.UNAVAILABLE: Unavailable,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
+    grpc.StatusCode.CANCELLED: Unavailable,
+}
+_BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
+
+_POLL_SLACK = 15.0
+_MAX_MESSAGE = 64 * 1024 * 1024
+
+
+def _error(e: grpc.aio.AioRpcError) -> WqError:
+    kind = _CODES.get(e.code(), WqError)
+    return kind(e.details() or e.code().name)
+
+
+def _ts(ts: Timestamp) -> datetime:
+    return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, UTC)
+
+
+def _task(t: pb.Task) -> Task:
+    return Task(
+        id=t.id,
+        payload_json=t.payload,
+        attempts=t.attempts,
+        max_attempts=t.max_attempts,
+        created_at=_ts(t.created_at),
+        available_at=_ts(t.available_at),
+        last_error=t.last_error if t.HasField("last_error") else None,
+    )
+
+
+def _delivery(d: pb.Delivery) -> Delivery:
+    return Delivery(_task(d.task), d.lease_id, _ts(d.deadline))
+
+
+def _enqueue_request(
+    payload_json: bytes, max_attempts: int | None, delay_ms: int | None
+) -> pb.EnqueueRequest:
+    return pb.EnqueueRequest(payload=payload_json, max_attempts=max_attempts, delay_ms=delay_ms)
+
+
+class GrpcStream:
+    """One StreamJobs call. Acks and nacks issued close together go out in one request."""
+
+    def __init__(self, stub: pb_grpc.BrokerAsyncStub, prefetch: int, lease_ms: int | None) -> None:
+        self._outbox: list[pb.StreamJobsRequest] = [
+            pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms))
+        ]
+        self._acks: list[pb.AckRequest] = []
+        self._nacks: list[pb.NackRequest] = []
+        self._wake = asyncio.Event()
+        self._wake.set()
+        self._closing = False
+        # Futures for settlements in the order the broker will answer them.
+        self._settling: deque[asyncio.Future[None]] = deque()
+        self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
+        self._call = stub.StreamJobs(self._requests())
+        self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _requests(self) -> AsyncIterator[pb.StreamJobsRequest]:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            if self._acks or self._nacks:
+                self._outbox.append(pb.StreamJobsRequest(acks=self._acks, nacks=self._nacks))
+                self._acks, self._nacks = [], []
+            outbox, self._outbox = self._outbox, []
+            for request in outbox:
+                yield request
+            if self._closing and not self._acks and not self._nacks:
+                return
+
+    async def _read(self) -> None:
+        end: BaseException | None = None
+        try:
+            async for response in self._call:
+                for outcome in response.settled:
+                    future = self._settling.popleft() if self._settling else None
+                    if future is None or future.done():
+                        continue
+                    if outcome.code == 0:
+                        future.set_result(None)
+                    else:
+                        kind = _BY_NUMBER.get(outcome.code, WqError)
+                        future.set_exception(kind(outcome.message))
+                for delivery in response.deliveries:
+                    self._deliveries.put_nowait(_delivery(delivery))
+        except grpc.aio.AioRpcError as e:
+            if not (self._closing and e.code() == grpc.StatusCode.CANCELLED):
+                end = _error(e)
+        except asyncio.CancelledError:
+            end = Unavailable("the stream was closed")
+        finally:
+            failure = end or Unavailable("the stream has ended")
+            while self._settling:
+                future = self._settling.popleft()
+                if not future.done():
+                    future.set_exception(failure)
+            self._deliveries.put_nowait(end)
+
+    def __aiter__(self) -> GrpcStream:
+        return self
+
+    async def __anext__(self) -> Delivery:
+        item = await self._deliveries.get()
+        if item is None:
+            self._deliveries.put_nowait(None)  # stay ended for every later call
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            self._deliveries.put_nowait(item)
+            raise item
+        return item
+
+    def _settle(self) -> asyncio.Future[None]:
+        if self._reader.done() or self._closing:
+            raise Unavailable("the stream has ended")
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._settling.append(future)
+        self._wake.set()
+        return future
+
+    async def ack(self, delivery: Delivery) -> None:
+        # The broker settles a request's acks before its nacks: keep the futures in that order.
+        if self._nacks:
+            self._outbox.append(pb.StreamJobsRequest(acks=self._acks, nacks=self._nacks))
+            self._acks, self._nacks = [], []
+        self._acks.append(pb.AckRequest(id=delivery.task.id, lease_id=delivery.lease_id))
+        await self._settle()
+
+    async def nack(self, delivery: Delivery, error: str | None = None) -> None:
+        self._nacks.append(
+            pb.NackRequest(id=delivery.task.id, lease_id=delivery.lease_id, error=error)
+        )
+        await self._settle()
+
+    async def drain(self) -> None:
+        self._outbox.append(pb.StreamJobsRequest(drain=True))
+        self._wake.set()
+
+    async def close(self) -> None:
+        """Half-close after sending what is queued, and wait for the broker to end the call."""
+        if not self._closing:
+            self._closing = True
+            self._wake.set()
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), 10)
+        except TimeoutError:
+            self._call.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+
+
+class GrpcTransport:
+    def __init__(self, target: str, *, timeout: float = 30.0) -> None:
+        self._target = target
+        self._timeout = timeout
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", _MAX_MESSAGE),
+                ("grpc.max_send_message_length", _MAX_MESSAGE),
+                ("grpc.keepalive_time_ms", 30_000),
+                ("grpc.keepalive_timeout_ms", 10_000),
+            ],
+        )
+        self._stub = pb_grpc.BrokerStub(self._channel)
+
+    async def _unary(self, method: Any, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return await method(request, timeout=timeout or self._timeout)
+        except grpc.aio.AioRpcError as e:
+            error = _error(e)
+            if isinstance(error, Unavailable):
+                error.message = f"cannot reach the broker at {self._target}: {error.message}"
+            raise error from None
+
+    async def enqueue(
+        self, payload_json: bytes, max_attempts: int | None, delay_ms: int | None
+    ) -> str:
+        response = await self._unary(
+            self._stub.Enqueue, _enqueue_request(payload_json, max_attempts, delay_ms)
+        )
+        return str(response.id)
+
+    async def enqueue_many(
+        self, items: Sequence[tuple[bytes, int | None, int | None]]
+    ) -> list[str]:
+        request = pb.EnqueueBatchRequest(tasks=[_enqueue_request(*item) for item in items])
+        response = await self._unary(self._stub.EnqueueBatch, request)
+        return list(response.ids)
+
+    async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None:
+        wait = min(wait_ms if wait_ms is not None else 20_000, 30_000) / 1000.0
+        response = await self._unary(
+            self._stub.NextJob,
+            pb.NextJobRequest(wait_ms=wait_ms, lease_ms=lease_ms),
+            timeout=wait + _POLL_SLACK,
+        )
+        if not response.HasField("delivery"):
+            return None
+        return _delivery(response.delivery)
+
+    async def ack(self, task_id: str, lease_id: str) -> None:
+        await self._unary(self._stub.Ack, pb.AckRequest(id=task_id, lease_id=lease_id))
+
+    async def nack(self, task_id: str, lease_id: str, error: str | None) -> None:
+        await self._unary(
+            self._stub.Nack, pb.NackRequest(id=task_id, lease_id=lease_id, error=error)
+        )
+
+    async def stats(self) -> Stats:
+        s = await self._unary(self._stub.Stats, pb.StatsRequest())
+        t = s.totals
+        return Stats(
+            ready=s.ready,
+            handed_out=s.handed_out,
+            delayed=s.delayed,
+            dead=s.dead,
+            totals=Totals(
+                enqueued=t.enqueued,
+                delivered=t.delivered,
+                acked=t.acked,
+                nacked=t.nacked,
+                reclaimed=t.reclaimed,
+                retried=t.retried,
+                buried=t.buried,
+                requeued=t.requeued,
+            ),
+        )
+
+    async def dead(self, limit: int | None) -> list[Task]:
+        response = await self._unary(self._stub.ListDead, pb.ListDeadRequest(limit=limit))
+        return [_task(t) for t in response.tasks]
+
+    async def requeue(self, task_id: str) -> None:
+        await self._unary(self._stub.Requeue, pb.RequeueRequest(id=task_id))
+
+    async def stream(self, prefetch: int, lease_ms: int | None) -> GrpcStream:
+        return GrpcStream(self._stub, prefetch, lease_ms)
+
+    async def close(self) -> None:
+        await self._channel.close(None)

@@ -1,0 +1,271 @@
+"""``AsyncClient`` (asyncio) and ``Client`` (blocking): the same methods over HTTP or gRPC.
+
+The transport is chosen by the URL: ``http://host:8080`` for the HTTP/JSON API, ``grpc://host:50051``
+for gRPC. Connections are reused: one keep-alive HTTP session, or one gRPC channel, per client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections.abc import Awaitable, Coroutine, Iterable, Iterator
+from types import TracebackType
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from wqclient._grpc import GrpcTransport
+from wqclient._http import HttpTransport
+from wqclient.errors import InvalidArgument, Unavailable, WqError
+from wqclient.models import Delivery, Stats, Task
+from wqclient.transport import AsyncStream, Transport
+
+T = TypeVar("T")
+
+DEFAULT_URL = "http://localhost:8080"
+
+
+def encode_payload(payload: Any) -> bytes:
+    """JSON-encode a payload (``bytes`` are taken to be JSON text already)."""
+    if isinstance(payload, (bytes, bytearray)):
+        return bytes(payload)
+    try:
+        return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
+    except (TypeError, ValueError) as e:
+        raise InvalidArgument(f"payload cannot be encoded as JSON: {e}") from None
+
+
+def make_transport(url: str, *, timeout: float = 30.0) -> Transport:
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    if parts.scheme in ("http", "https"):
+        return HttpTransport(f"{parts.scheme}://{parts.netloc}{parts.path}", timeout=timeout)
+    if parts.scheme == "grpc":
+        if not parts.netloc:
+            raise WqError(f"broker URL {url!r} has no host:port")
+        return GrpcTransport(parts.netloc, timeout=timeout)
+    raise WqError(f"broker URL {url!r}: use http://host:port or grpc://host:port")
+
+
+def _ids(task: Delivery | str, lease_id: str | None) -> tuple[str, str]:
+    if isinstance(task, Delivery):
+        return task.task.id, lease_id or task.lease_id
+    if lease_id is None:
+        raise InvalidArgument("lease_id is required")
+    return task, lease_id
+
+
+class AsyncClient:
+    """An asyncio client for a wq broker.
+
+    >>> async with AsyncClient("grpc://localhost:50051") as wq:
+    ...     task_id = await wq.enqueue({"line": "hello"})
+    ...     delivery = await wq.claim(wait_ms=1000)
+    ...     await wq.ack(delivery)
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
+        self.url = url
+        self._transport = make_transport(url, timeout=timeout)
+
+    @property
+    def is_grpc(self) -> bool:
+        return isinstance(self._transport, GrpcTransport)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def enqueue(
+        self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
+    ) -> str:
+        """Enqueue a task and return its id. ``payload``: any JSON value, or JSON bytes."""
+        return await self._transport.enqueue(encode_payload(payload), max_attempts, delay_ms)
+
+    async def enqueue_many(
+        self,
+        payloads: Iterable[Any],
+        *,
+        max_attempts: int | None = None,
+        delay_ms: int | None = None,
+    ) -> list[str]:
+        """Enqueue several tasks (one batch call over gRPC, all or none); returns their ids."""
+        items = [(encode_payload(p), max_attempts, delay_ms) for p in payloads]
+        return await self._transport.enqueue_many(items) if items else []
+
+    async def claim(
+        self, *, wait_ms: int | None = None, lease_ms: int | None = None
+    ) -> Delivery | None:
+        """Claim the oldest ready task, waiting up to ``wait_ms`` (broker default 20 s, max 30 s).
+        None if nothing came. Cancelling the call while it waits never loses a task."""
+        return await self._transport.claim(wait_ms, lease_ms)
+
+    async def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
+        """Report success. Raises LeaseLost if the lease is no longer yours, NotFound if nobody
+        holds the task any more."""
+        await self._transport.ack(*_ids(task, lease_id))
+
+    async def nack(
+        self, task: Delivery | str, lease_id: str | None = None, *, error: str | None = None
+    ) -> None:
+        """Report failure; the task is retried after a backoff or buried in the DLQ."""
+        await self._transport.nack(*_ids(task, lease_id), error)
+
+    async def stats(self) -> Stats:
+        return await self._transport.stats()
+
+    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
+        """The dead-letter queue, oldest burial first, each task with its last_error."""
+        return await self._transport.dead(limit)
+
+    async def requeue(self, task_id: str) -> None:
+        """Give a dead task a clean start (attempts 0, back of ready)."""
+        await self._transport.requeue(task_id)
+
+    async def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> AsyncStream:
+        """Consume tasks pushed by the broker (gRPC only): at most ``prefetch`` unsettled.
+
+        >>> stream = await wq.stream(prefetch=8)
+        >>> async for delivery in stream:
+        ...     await stream.ack(delivery)
+        """
+        return await self._transport.stream(prefetch, lease_ms)
+
+    async def close(self) -> None:
+        await self._transport.close()
+
+
+class _LoopThread:
+    """A private event loop on a daemon thread, for the blocking client."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="wqclient", daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        self.loop.close()
+
+
+class Stream:
+    """A blocking view of an AsyncStream: iterate for deliveries, then ack or nack each."""
+
+    def __init__(self, runner: _LoopThread, stream: AsyncStream) -> None:
+        self._runner = runner
+        self._stream = stream
+
+    def __iter__(self) -> Iterator[Delivery]:
+        return self
+
+    def __next__(self) -> Delivery:
+        try:
+            return self._runner.run(self._next())
+        except StopAsyncIteration:
+            raise StopIteration from None
+
+    async def _next(self) -> Delivery:
+        return await self._stream.__anext__()
+
+    def ack(self, delivery: Delivery) -> None:
+        self._runner.run(self._stream.ack(delivery))
+
+    def nack(self, delivery: Delivery, error: str | None = None) -> None:
+        self._runner.run(self._stream.nack(delivery, error))
+
+    def drain(self) -> None:
+        self._runner.run(self._stream.drain())
+
+    def close(self) -> None:
+        self._runner.run(self._stream.close())
+
+
+class Client:
+    """A blocking client with the same methods as AsyncClient.
+
+    >>> with Client("http://localhost:8080") as wq:
+    ...     wq.enqueue({"line": "hello"})
+    ...     print(wq.stats())
+    """
+
+    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
+        self.url = url
+        self._runner = _LoopThread()
+        self._client = self._runner.run(self._make(url, timeout))
+
+    @staticmethod
+    async def _make(url: str, timeout: float) -> AsyncClient:
+        # Built on the private loop: gRPC channels and aiohttp sessions belong to one loop.
+        return AsyncClient(url, timeout=timeout)
+
+    def _run(self, awaitable: Awaitable[T]) -> T:
+        async def call() -> T:
+            return await awaitable
+
+        if self._runner.loop.is_closed():
+            raise Unavailable("the client is closed")
+        return self._runner.run(call())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def enqueue(
+        self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
+    ) -> str:
+        return self._run(
+            self._client.enqueue(payload, max_attempts=max_attempts, delay_ms=delay_ms)
+        )
+
+    def enqueue_many(
+        self,
+        payloads: Iterable[Any],
+        *,
+        max_attempts: int | None = None,
+        delay_ms: int | None = None,
+    ) -> list[str]:
+        return self._run(
+            self._client.enqueue_many(payloads, max_attempts=max_attempts, delay_ms=delay_ms)
+        )
+
+    def claim(self, *, wait_ms: int | None = None, lease_ms: int | None = None) -> Delivery | None:
+        return self._run(self._client.claim(wait_ms=wait_ms, lease_ms=lease_ms))
+
+    def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
+        self._run(self._client.ack(task, lease_id))
+
+    def nack(
+        self, task: Delivery | str, lease_id: str | None = None, *, error: str | None = None
+    ) -> None:
+        self._run(self._client.nack(task, lease_id, error=error))
+
+    def stats(self) -> Stats:
+        return self._run(self._client.stats())
+
+    def dead_letters(self, *, limit: int | None = None) -> list[Task]:
+        return self._run(self._client.dead_letters(limit=limit))
+
+    def requeue(self, task_id: str) -> None:
+        self._run(self._client.requeue(task_id))
+
+    def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> Stream:
+        return Stream(
+            self._runner, self._run(self._client.stream(prefetch=prefetch, lease_ms=lease_ms))
+        )
+
+    def close(self) -> None:
+        if self._runner.loop.is_closed():
+            return
+        self._run(self._client.close())
+        self._runner.stop()

@@ -1,0 +1,37 @@
+"""One error tree for both transports. Each error carries the broker's own message."""
+
+from __future__ import annotations
+
+
+class WqError(Exception):
+    """Base of every error the client raises."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(WqError):
+    """The broker rejected the request as malformed (HTTP 400, gRPC INVALID_ARGUMENT)."""
+
+
+class PayloadTooLarge(InvalidArgument):
+    """The request or payload is over the broker's size limit (HTTP 413, RESOURCE_EXHAUSTED)."""
+
+
+class NotFound(WqError):
+    """No such task, or nobody holds it any more (HTTP 404, gRPC NOT_FOUND)."""
+
+
+class LeaseLost(WqError):
+    """The task is held under another lease: yours is no longer valid (HTTP 409,
+    gRPC FAILED_PRECONDITION). Another worker may be running the task."""
+
+
+class Unavailable(WqError):
+    """The broker cannot be reached, or is shutting down (connection refused, HTTP 503,
+    gRPC UNAVAILABLE). Worth retrying later."""
+
+
+class ProtocolError(WqError):
+    """The broker answered something this client does not understand."""

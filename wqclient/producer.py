@@ -1,0 +1,153 @@
+"""``wq-producer`` (``python -m wqclient.producer``): the spec's cmd/producer, a test harness that
+enqueues numbered tasks, ``{"line": "task 1 of 100", "n": 1}`` (with ``"fail": true`` under
+``-fail``)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any, TextIO
+
+from wqclient.cli import bool_flag, non_negative_int, positive_int
+from wqclient.client import DEFAULT_URL, AsyncClient
+from wqclient.errors import WqError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wq-producer",
+        description="Enqueue test tasks on a wq broker.",
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "-broker",
+        "--broker",
+        default=DEFAULT_URL,
+        help=f"broker URL: http://host:port or grpc://host:port (default {DEFAULT_URL})",
+    )
+    p.add_argument("-n", "--n", type=positive_int, default=1, help="how many tasks (default 1)")
+    p.add_argument(
+        "-fail",
+        "--fail",
+        type=bool_flag,
+        nargs="?",
+        const=True,
+        default=False,
+        help="enqueue tasks that always fail",
+    )
+    p.add_argument(
+        "-max-attempts",
+        "--max-attempts",
+        type=positive_int,
+        default=3,
+        help="attempts before a task is buried (default 3)",
+    )
+    p.add_argument(
+        "-delay-ms",
+        "--delay-ms",
+        type=non_negative_int,
+        default=0,
+        help="hold each task back this long before it can be picked up (default 0)",
+    )
+    p.add_argument(
+        "-concurrency",
+        "--concurrency",
+        type=positive_int,
+        default=1,
+        help="how many tasks to post at once (default 1)",
+    )
+    return p
+
+
+class Progress:
+    """A one-line progress bar, drawn only on a terminal."""
+
+    def __init__(self, total: int, out: TextIO) -> None:
+        self.total = total
+        self.out = out
+        self.enabled = out.isatty()
+        self._last = 0.0
+
+    def update(self, done: int, failed: int, force: bool = False) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if not force and now - self._last < 0.05:
+            return
+        self._last = now
+        width = 30
+        filled = width * done // self.total
+        bar = "#" * filled + "-" * (width - filled)
+        tail = f" ({failed} failed)" if failed else ""
+        self.out.write(f"\r[{bar}] {done}/{self.total}{tail}")
+        self.out.flush()
+
+    def finish(self) -> None:
+        if self.enabled:
+            self.out.write("\n")
+            self.out.flush()
+
+
+def payload_for(i: int, n: int, fail: bool) -> dict[str, Any]:
+    payload: dict[str, Any] = {"line": f"task {i} of {n}", "n": i}
+    if fail:
+        payload["fail"] = True
+    return payload
+
+
+async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    try:
+        client = AsyncClient(args.broker)
+    except WqError as e:
+        print(f"wq-producer: {e.message}", file=err)
+        return 2
+    progress = Progress(args.n, err)
+    counter = iter(range(1, args.n + 1))
+    enqueued = 0
+    failures: list[str] = []
+    started = time.monotonic()
+
+    async def post() -> None:
+        nonlocal enqueued
+        for i in counter:
+            try:
+                await client.enqueue(
+                    payload_for(i, args.n, args.fail),
+                    max_attempts=args.max_attempts,
+                    delay_ms=args.delay_ms or None,
+                )
+                enqueued += 1
+            except WqError as e:
+                failures.append(e.message)
+            progress.update(enqueued + len(failures), len(failures))
+
+    try:
+        await asyncio.gather(*(post() for _ in range(min(args.concurrency, args.n))))
+    finally:
+        await client.close()
+    elapsed = time.monotonic() - started
+    progress.update(enqueued + len(failures), len(failures), force=True)
+    progress.finish()
+    if failures:
+        print(f"wq-producer: {len(failures)} enqueues failed; first error: {failures[0]}", file=err)
+    rate = enqueued / elapsed if elapsed > 0 else 0.0
+    print(
+        f"enqueued {enqueued}, failed {len(failures)}, in {elapsed:.2f}s ({rate:.0f} tasks/s)",
+        file=out,
+    )
+    return 1 if failures else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return asyncio.run(produce(args, sys.stdout, sys.stderr))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""The worker runner, and ``wq-worker`` (``python -m wqclient.worker``), the spec's cmd/worker.
+
+Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :class:`Worker` runs
+it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
+with the exception's text. Over HTTP the worker long-polls (one claim loop per unit of concurrency);
+over gRPC it consumes one stream whose prefetch is the concurrency. Synchronous handlers run in a
+thread pool of that size, so they may block.
+
+``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
+and returns. A broker that is down or restarting is reported once and retried with backoff.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from typing import Any
+
+from wqclient.cli import bool_flag, positive_int
+from wqclient.client import DEFAULT_URL, AsyncClient
+from wqclient.errors import LeaseLost, NotFound, Unavailable, WqError
+from wqclient.models import Delivery, Task
+from wqclient.transport import AsyncStream
+
+log = logging.getLogger("wqclient.worker")
+
+Handler = Callable[[Task], Any]
+
+_BACKOFF_START = 0.1
+_BACKOFF_MAX = 5.0
+
+
+class TaskFailed(Exception):
+    """Raise from a handler to fail a task with a message (any exception does the same)."""
+
+
+def describe(error: BaseException) -> str:
+    text = str(error)
+    if isinstance(error, TaskFailed) and text:
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class Worker:
+    """Runs ``handler`` on tasks from a broker until ``stop()``."""
+
+    def __init__(
+        self,
+        broker: str | AsyncClient,
+        handler: Handler,
+        *,
+        concurrency: int = 3,
+        wait_ms: int = 20_000,
+        lease_ms: int = 30_000,
+    ) -> None:
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self._client = broker if isinstance(broker, AsyncClient) else AsyncClient(broker)
+        self._own_client = not isinstance(broker, AsyncClient)
+        self._handler = handler
+        self._is_async = inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(
+            getattr(handler, "__call__", None)  # noqa: B004
+        )
+        self.concurrency = concurrency
+        self.wait_ms = wait_ms
+        self.lease_ms = lease_ms
+        self._executor: ThreadPoolExecutor | None = None
+        self._stopping = asyncio.Event()
+        self._claims: set[asyncio.Task[Delivery | None]] = set()
+        self._down_since: float | None = None
+        self.succeeded = 0
+        self.failed = 0
+
+    @property
+    def client(self) -> AsyncClient:
+        return self._client
+
+    def stop(self) -> None:
+        """Stop claiming; tasks in hand finish and are settled. Safe to call more than once."""
+        if not self._stopping.is_set():
+            log.info("stopping: finishing the tasks in hand")
+            self._stopping.set()
+            for claim in list(self._claims):
+                claim.cancel()
+
+    async def run(self) -> None:
+        if not self._is_async:
+            self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="wq-handler")
+        try:
+            if self._client.is_grpc:
+                await self._run_stream()
+            else:
+                await asyncio.gather(*(self._poll_loop() for _ in range(self.concurrency)))
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+            if self._own_client:
+                await self._client.close()
+
+    # -- broker up / down ------------------------------------------------------------------------
+
+    async def _broker_down(self, error: WqError, attempt: int) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning("broker unavailable (%s); retrying with backoff", error.message)
+        delay = min(_BACKOFF_MAX, _BACKOFF_START * 2**attempt)
+        try:
+            await asyncio.wait_for(self._stopping.wait(), delay)
+        except TimeoutError:
+            pass
+
+    def _broker_up(self) -> None:
+        if self._down_since is not None:
+            log.info("broker reachable again after %.1fs", time.monotonic() - self._down_since)
+            self._down_since = None
+
+    # -- HTTP / unary: claim loops ----------------------------------------------------------------
+
+    async def _poll_loop(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            claim = asyncio.ensure_future(
+                self._client.claim(wait_ms=self.wait_ms, lease_ms=self.lease_ms)
+            )
+            self._claims.add(claim)
+            try:
+                delivery = await claim
+            except asyncio.CancelledError:
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise  # we are being cancelled ourselves
+                return  # stop() cancelled the idle claim
+            except Unavailable as e:
+                await self._broker_down(e, failures)
+                failures += 1
+                continue
+            finally:
+                self._claims.discard(claim)
+            failures = 0
+            self._broker_up()
+            if delivery is not None:
+                await self._process(delivery, self._ack, self._nack)
+
+    async def _ack(self, delivery: Delivery) -> None:
+        await self._client.ack(delivery)
+
+    async def _nack(self, delivery: Delivery, error: str | None) -> None:
+        await self._client.nack(delivery, error=error)
+
+    # -- gRPC: one stream --------------------------------------------------------------------------
+
+    async def _run_stream(self) -> None:
+        failures = 0
+        while not self._stopping.is_set():
+            try:
+                stream = await self._client.stream(
+                    prefetch=self.concurrency, lease_ms=self.lease_ms
+                )
+            except Unavailable as e:
+                await self._broker_down(e, failures)
+                failures += 1
+                continue
+            error = await self._consume(stream)
+            if error is None:
+                return
+            await self._broker_down(error, failures)
+            failures += 1
+
+    async def _consume(self, stream: AsyncStream) -> WqError | None:
+        """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
+        in_flight: set[asyncio.Task[None]] = set()
+
+        async def nack(delivery: Delivery, error: str | None = None) -> None:
+            await stream.nack(delivery, error)
+
+        async def receive() -> WqError | None:
+            async for delivery in stream:
+                self._broker_up()
+                task = asyncio.ensure_future(self._process(delivery, stream.ack, nack))
+                in_flight.add(task)
+                task.add_done_callback(in_flight.discard)
+            return None
+
+        receiver = asyncio.ensure_future(receive())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({receiver, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if receiver.done():
+                error = receiver.exception()
+                if in_flight:
+                    await asyncio.gather(*in_flight, return_exceptions=True)
+                if isinstance(error, WqError):
+                    return error
+                if error is not None:
+                    raise error
+                return None  # the broker ended the stream (it is shutting down)
+            # stop(): no new tasks; finish and settle the ones in hand, then end the stream.
+            await stream.drain()
+            while in_flight:
+                await asyncio.gather(*list(in_flight), return_exceptions=True)
+            return None
+        finally:
+            stopping.cancel()
+            receiver.cancel()
+            await stream.close()
+
+    # -- one task --------------------------------------------------------------------------------
+
+    async def _process(
+        self,
+        delivery: Delivery,
+        ack: Callable[[Delivery], Awaitable[None]],
+        nack: Callable[[Delivery, str | None], Awaitable[None]],
+    ) -> None:
+        task = delivery.task
+        try:
+            if self._is_async:
+                await self._handler(task)
+            else:
+                loop = asyncio.get_running_loop()
+                await loop.run_in_executor(self._executor, self._handler, task)
+        except Exception as e:
+            self.failed += 1
+            message = describe(e)
+            log.warning(
+                "task %s failed (attempt %d of %d): %s",
+                task.id,
+                task.attempts,
+                task.max_attempts,
+                message,
+            )
+            await self._settle(delivery, lambda: nack(delivery, message))
+        else:
+            self.succeeded += 1
+            await self._settle(delivery, lambda: ack(delivery))
+
+    async def _settle(self, delivery: Delivery, call: Callable[[], Awaitable[None]]) -> None:
+        """Ack or nack, retrying while the broker is unreachable and the lease still holds."""
+        attempt = 0
+        while True:
+            try:
+                await call()
+                return
+            except (LeaseLost, NotFound) as e:
+                log.warning(
+                    "task %s: lease no longer valid (%s); it may run again elsewhere",
+                    delivery.task.id,
+                    e.message,
+                )
+                return
+            except Unavailable as e:
+                if datetime.now(UTC) >= delivery.deadline:
+                    log.warning(
+                        "task %s: could not report to the broker before the lease ran out (%s)",
+                        delivery.task.id,
+                        e.message,
+                    )
+                    return
+                await asyncio.sleep(min(_BACKOFF_MAX, _BACKOFF_START * 2**attempt))
+                attempt += 1
+
+
+# -- wq-worker ------------------------------------------------------------------------------------
+
+
+class LogFileHandler:
+    """The spec's worker: append each task to a file as one JSON line; fail on ``"fail": true``.
+
+    Each line goes out in one ``write()`` on a file opened with O_APPEND, from the event loop's
+    thread, so lines never interleave or tear, whatever the concurrency, and several worker
+    processes may share one file.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    async def __call__(self, task: Task) -> None:
+        payload = task.payload
+        if isinstance(payload, dict) and payload.get("fail") is True:
+            raise TaskFailed("the payload asked to fail")
+        line = json.dumps(
+            {
+                "id": task.id,
+                "attempts": task.attempts,
+                "payload": payload,
+                "done_at": datetime.now(UTC).isoformat().replace("+00:00", "Z"),
+            },
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+        data = (line + "\n").encode()
+        while data:
+            written = os.write(self._fd, data)
+            data = data[written:]
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wq-worker",
+        description="Claim tasks from a wq broker and append each to a log file as a JSON line. "
+        'A payload containing "fail": true fails on purpose (a nack with an error).',
+        allow_abbrev=False,
+    )
+    p.add_argument(
+        "-broker",
+        "--broker",
+        default=DEFAULT_URL,
+        help=f"broker URL: http://host:port, or grpc://host:port to stream (default {DEFAULT_URL})",
+    )
+    p.add_argument(
+        "-log-file", "--log-file", default="./jobs.log", help="file to append to (./jobs.log)"
+    )
+    p.add_argument(
+        "-concurrency",
+        "--concurrency",
+        type=positive_int,
+        default=3,
+        help="how many tasks to work on at once (default 3)",
+    )
+    p.add_argument(
+        "-wait-ms",
+        "--wait-ms",
+        type=positive_int,
+        default=20_000,
+        help="how long each long-poll waits for a task (default 20000)",
+    )
+    p.add_argument(
+        "-lease-ms",
+        "--lease-ms",
+        type=positive_int,
+        default=30_000,
+        help="how long to claim each task for (default 30000)",
+    )
+    p.add_argument(
+        "-quiet",
+        "--quiet",
+        type=bool_flag,
+        nargs="?",
+        const=True,
+        default=False,
+        help="log only warnings and errors",
+    )
+    return p
+
+
+async def _main(args: argparse.Namespace) -> int:
+    try:
+        handler = LogFileHandler(args.log_file)
+    except OSError as e:
+        print(f"wq-worker: cannot open {args.log_file}: {e.strerror}", file=sys.stderr)
+        return 1
+    try:
+        client = AsyncClient(args.broker)
+    except WqError as e:
+        print(f"wq-worker: {e.message}", file=sys.stderr)
+        return 2
+    worker = Worker(
+        client,
+        handler,
+        concurrency=args.concurrency,
+        wait_ms=args.wait_ms,
+        lease_ms=args.lease_ms,
+    )
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, worker.stop)
+    mode = "streaming" if client.is_grpc else "long-polling"
+    log.info("%d workers %s %s, logging to %s", args.concurrency, mode, args.broker, args.log_file)
+    try:
+        await worker.run()
+    finally:
+        await client.close()
+        handler.close()
+    log.info("stopped: %d succeeded, %d failed", worker.succeeded, worker.failed)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.WARNING if args.quiet else logging.INFO,
+        format="%(asctime)s wq-worker %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        return asyncio.run(_main(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
