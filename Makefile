@@ -4,7 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint format bench clean proto proto-check node-deps
+
+.PHONY: install run worker producer test lint format bench clean proto proto-check node-deps
 
 install: $(STAMP)
 
@@ -16,6 +17,12 @@ $(STAMP): pyproject.toml
 
 run: install
 	$(PY) -m wqbroker $(ARGS)
+
+worker: install
+	$(VENV)/bin/wq-worker $(ARGS)
+
+producer: install
+	$(VENV)/bin/wq-producer $(ARGS)
 
 lint: install
 	$(PY) -m ruff check wqbroker wqclient tests
