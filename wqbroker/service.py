@@ -16,6 +16,7 @@ import asyncio
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Coroutine, Sequence
+from itertools import islice
 from typing import Any, Final
 
 from wqbroker.clock import Clock
@@ -40,6 +41,9 @@ MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000
 
 RECLAIM_STREAM_ENDED: Final = "worker stream ended"
+
+# How many tasks the hand-off claims from the store in one call (one commit in a durable store).
+_PUMP_BATCH: Final = 128
 
 
 def _integer(name: str, value: object) -> int:
@@ -452,7 +456,7 @@ class Service:
         sent, stream._sent = stream._sent, {}
         now = self._clock.now()
         released = False
-        for delivery in pending:
+        for delivery in reversed(pending):  # each goes to the head of ready: oldest last
             self._stream_leases.pop(delivery.lease_id, None)
             released |= await self._store.release(delivery.task.id, delivery.lease_id)
         for lease_id, task_id in sent.items():
@@ -473,7 +477,7 @@ class Service:
         self._consumers.pop(stream, None)
         pending, stream._pending = list(stream._pending), deque()
         released = False
-        for delivery in pending:
+        for delivery in reversed(pending):  # each goes to the head of ready: oldest last
             if self._stream_leases.pop(delivery.lease_id, None) is stream:
                 released |= await self._store.release(delivery.task.id, delivery.lease_id)
         if released and self._consumers:
@@ -513,25 +517,48 @@ class Service:
         consumers = self._consumers
         store = self._store
         while consumers:
-            consumer = next(iter(consumers))
+            slots = self._slots()
+            if not slots:
+                return
+            deliveries = await store.claim_many(
+                [consumer.lease for consumer in slots], now=self._clock.now()
+            )
+            served: dict[Consumer, None] = {}
+            for consumer, delivery in zip(slots, deliveries, strict=False):
+                if consumer._gone():
+                    # It went away while the store was working; nobody saw the task.
+                    await store.release(delivery.task.id, delivery.lease_id)
+                    continue
+                consumer.room -= 1
+                served[consumer] = None
+                if isinstance(consumer, Stream):
+                    self._stream_leases[delivery.lease_id] = consumer
+                consumer._deliver(delivery)
+                self._sweeper.wake_by(delivery.deadline)
+            for consumer in served:  # served ones go to the back of the queue: round robin
+                consumers.pop(consumer, None)
+                if consumer.room > 0 and not consumer._gone():
+                    consumers[consumer] = None
+            if len(deliveries) < len(slots):
+                return  # nothing more is ready
+
+    def _slots(self) -> list[Consumer]:
+        """The next claims to make, one per consumer in queue order, round after round while
+        they have room: at most _PUMP_BATCH, looking at no more than _PUMP_BATCH consumers."""
+        consumers = self._consumers
+        front: list[Consumer] = []
+        for consumer in list(islice(consumers, _PUMP_BATCH)):
             if consumer._gone():
                 del consumers[consumer]
-                continue
-            delivery = await store.claim(lease=consumer.lease, now=self._clock.now())
-            if delivery is None:
-                return
-            if consumer._gone() or consumer not in consumers:
-                # It went away while the store was working; nobody saw the task.
-                await store.release(delivery.task.id, delivery.lease_id)
-                continue
-            del consumers[consumer]
-            consumer.room -= 1
-            if consumer.room > 0:
-                consumers[consumer] = None  # to the back of the queue: round robin
-            if isinstance(consumer, Stream):
-                self._stream_leases[delivery.lease_id] = consumer
-            consumer._deliver(delivery)
-            self._sweeper.wake_by(delivery.deadline)
+            else:
+                front.append(consumer)
+        slots: list[Consumer] = []
+        round_ = 0
+        while front and len(slots) < _PUMP_BATCH:
+            front = [c for c in front if c.room > round_]
+            slots.extend(front[: _PUMP_BATCH - len(slots)])
+            round_ += 1
+        return slots
 
     async def _tick(self) -> float | None:
         return await self.sweep()

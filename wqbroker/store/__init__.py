@@ -18,6 +18,8 @@ Rules every backend follows (the contract test suite checks them against each on
   queue (``buried`` +1).
 - ``release`` undoes a hand-out that no worker ever saw (its long-poller disconnected): the task
   goes back to the head of ready, ``attempts`` and ``delivered`` are decremented.
+- Every method that changes anything returns only once the change is durable (for a durable
+  backend: committed), so whatever the service answers after it will survive a crash.
 - ``sweep`` reclaims every lease whose deadline is ``<= now`` and promotes every delayed task whose
   time is ``<= now``, at a cost proportional to what is due, and says when the next thing is due.
 - ``requeue`` moves a dead task to the tail of ready with ``attempts`` 0 and no error
@@ -49,6 +51,11 @@ class Store(Protocol):
 
     async def claim(self, *, lease: float, now: float) -> Delivery | None:
         """Hand out the oldest ready task for ``lease`` seconds, or None if nothing is ready."""
+        ...
+
+    async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
+        """Hand out up to ``len(leases)`` ready tasks, oldest first, the i-th for ``leases[i]``
+        seconds (fewer if fewer are ready). One transaction in a durable store."""
         ...
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None: ...

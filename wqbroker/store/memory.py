@@ -88,6 +88,14 @@ class MemoryStore:
         self._seq = 0
         self._totals = Totals()
 
+    # -- hooks for a durable subclass ----------------------------------------------------------
+
+    def _touch(self, task: _Task) -> None:
+        """``task`` changed (or is new). The memory store keeps nothing else up to date."""
+
+    def _forget(self, task: _Task) -> None:
+        """``task`` is gone for good (acked)."""
+
     # -- helpers -----------------------------------------------------------------------------
 
     def _new_id(self) -> str:
@@ -104,18 +112,25 @@ class MemoryStore:
             raise LeaseMismatch(f"task {task_id} is held under a different lease")
         return task
 
-    def _drop_lease(self, task: _Task) -> None:
+    def _drop_lease(self, task: _Task, *, in_heap: bool = True) -> None:
+        """The task's lease ends. Its heap entry (unless already popped) is now stale."""
         task.lease_id = None
         self._handed_out -= 1
+        if not in_heap:
+            return
         self._stale_leases += 1
-        if self._stale_leases >= _COMPACT_MIN and self._stale_leases * 2 > len(self._leases):
-            self._leases = [e for e in self._leases if e[3].lease_id == e[2]]
-            heapq.heapify(self._leases)
+        leases = self._leases
+        if self._stale_leases >= _COMPACT_MIN and self._stale_leases * 2 > len(leases):
+            # Rebuilt in place: a sweep in progress holds a reference to this list.
+            leases[:] = [e for e in leases if e[3].lease_id == e[2]]
+            heapq.heapify(leases)
             self._stale_leases = 0
 
-    def _fail(self, task: _Task, error: str | None, now: float) -> Failure:
+    def _fail(
+        self, task: _Task, error: str | None, now: float, *, lease_in_heap: bool = True
+    ) -> Failure:
         """A handed-out task's delivery failed: delay it for a retry or bury it."""
-        self._drop_lease(task)
+        self._drop_lease(task, in_heap=lease_in_heap)
         task.last_error = error
         if task.attempts < task.max_attempts:
             task.state = DELAYED
@@ -123,11 +138,13 @@ class MemoryStore:
             self._seq += 1
             heapq.heappush(self._delayed, (task.available_at, self._seq, task))
             self._totals.retried += 1
+            self._touch(task)
             return Failure(task.id, False, task.available_at)
         task.state = DEAD
         del self._tasks[task.id]
         self._dead[task.id] = task
         self._totals.buried += 1
+        self._touch(task)
         return Failure(task.id, True, None)
 
     def _promote(self, now: float) -> int:
@@ -137,6 +154,7 @@ class MemoryStore:
             task = heapq.heappop(delayed)[2]
             task.state = READY
             self._ready.append(task)
+            self._touch(task)
             promoted += 1
         return promoted
 
@@ -164,6 +182,7 @@ class MemoryStore:
         else:
             self._ready.append(task)
         self._totals.enqueued += 1
+        self._touch(task)
         return task.view()
 
     async def enqueue_many(
@@ -174,7 +193,7 @@ class MemoryStore:
             for payload, attempts, delay in items
         ]
 
-    async def claim(self, *, lease: float, now: float) -> Delivery | None:
+    def _claim(self, lease: float, now: float) -> Delivery | None:
         if self._delayed and self._delayed[0][0] <= now:
             self._promote(now)
         if not self._ready:
@@ -189,13 +208,27 @@ class MemoryStore:
         heapq.heappush(self._leases, (deadline, self._seq, lease_id, task))
         self._handed_out += 1
         self._totals.delivered += 1
+        self._touch(task)
         return Delivery(task.view(), lease_id, deadline)
+
+    async def claim(self, *, lease: float, now: float) -> Delivery | None:
+        return self._claim(lease, now)
+
+    async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
+        out = []
+        for lease in leases:
+            delivery = self._claim(lease, now)
+            if delivery is None:
+                break
+            out.append(delivery)
+        return out
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
         task = self._held(task_id, lease_id)
         self._drop_lease(task)
         del self._tasks[task_id]
         self._totals.acked += 1
+        self._forget(task)
 
     async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
         task = self._held(task_id, lease_id)
@@ -216,6 +249,7 @@ class MemoryStore:
         task.attempts -= 1
         self._totals.delivered -= 1
         self._ready.appendleft(task)
+        self._touch(task)
         return True
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
@@ -226,10 +260,8 @@ class MemoryStore:
             if task.lease_id != lease_id:
                 self._stale_leases -= 1
                 continue
-            # The popped entry was the live one: account for it before _fail marks it stale.
-            self._stale_leases -= 1
             self._totals.reclaimed += 1
-            self._fail(task, "lease expired", now)
+            self._fail(task, "lease expired", now, lease_in_heap=False)
             result.reclaimed.append((task.id, lease_id))
         result.promoted = self._promote(now)
         return result, self._next_due()
@@ -262,6 +294,7 @@ class MemoryStore:
         self._tasks[task_id] = task
         self._ready.append(task)
         self._totals.requeued += 1
+        self._touch(task)
 
     async def close(self) -> None:
         return None
