@@ -16,6 +16,7 @@ from wqclient.errors import (
     NotFound,
     PayloadTooLarge,
     ProtocolError,
+    StreamEnded,
     Unavailable,
     WqError,
 )
@@ -47,6 +48,7 @@ __all__ = [
     "ProtocolError",
     "Stats",
     "Stream",
+    "StreamEnded",
     "Task",
     "TaskFailed",
     "Totals",

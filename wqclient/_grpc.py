@@ -16,6 +16,7 @@ from wqclient.errors import (
     LeaseLost,
     NotFound,
     PayloadTooLarge,
+    StreamEnded,
     Unavailable,
     WqError,
 )
@@ -85,6 +86,7 @@ class GrpcStream:
         # Futures for settlements in the order the broker will answer them.
         self._settling: deque[asyncio.Future[None]] = deque()
         self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
+        self._opened = asyncio.Event()
         self._call = stub.StreamJobs(self._requests())
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -105,6 +107,7 @@ class GrpcStream:
         end: BaseException | None = None
         try:
             async for response in self._call:
+                self._opened.set()
                 for outcome in response.settled:
                     future = self._settling.popleft() if self._settling else None
                     if future is None or future.done():
@@ -119,10 +122,13 @@ class GrpcStream:
         except grpc.aio.AioRpcError as e:
             if not (self._closing and e.code() == grpc.StatusCode.CANCELLED):
                 end = _error(e)
+                if isinstance(end, Unavailable):
+                    end = StreamEnded(f"the stream broke: {end.message}")
         except asyncio.CancelledError:
-            end = Unavailable("the stream was closed")
+            end = StreamEnded("the stream was closed")
         finally:
-            failure = end or Unavailable("the stream has ended")
+            self._opened.set()
+            failure = end or StreamEnded("the stream has ended")
             while self._settling:
                 future = self._settling.popleft()
                 if not future.done():
@@ -142,9 +148,22 @@ class GrpcStream:
             raise item
         return item
 
+    async def wait_open(self, timeout: float) -> None:
+        """Return once the broker has accepted the stream; raise if it ended first."""
+        try:
+            await asyncio.wait_for(self._opened.wait(), timeout)
+        except TimeoutError:
+            self._call.cancel()
+            raise Unavailable("the broker did not accept the stream in time") from None
+        if self._reader.done():
+            item = self._deliveries.get_nowait() if not self._deliveries.empty() else None
+            if isinstance(item, WqError):
+                raise item
+            raise StreamEnded("the stream ended as it opened")
+
     def _settle(self) -> asyncio.Future[None]:
         if self._reader.done() or self._closing:
-            raise Unavailable("the stream has ended")
+            raise StreamEnded("the stream has ended")
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._settling.append(future)
         self._wake.set()
@@ -191,6 +210,12 @@ class GrpcTransport:
                 ("grpc.max_send_message_length", _MAX_MESSAGE),
                 ("grpc.keepalive_time_ms", 30_000),
                 ("grpc.keepalive_timeout_ms", 10_000),
+                # Reconnect quickly after a broker restart, and do not share a failed connection's
+                # backoff with other clients in this process.
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 5_000),
+                ("grpc.use_local_subchannel_pool", 1),
             ],
         )
         self._stub = pb_grpc.BrokerStub(self._channel)
@@ -201,7 +226,7 @@ class GrpcTransport:
         except grpc.aio.AioRpcError as e:
             error = _error(e)
             if isinstance(error, Unavailable):
-                error.message = f"cannot reach the broker at {self._target}: {error.message}"
+                error = Unavailable(f"cannot reach the broker at {self._target}: {error.message}")
             raise error from None
 
     async def enqueue(
@@ -266,7 +291,16 @@ class GrpcTransport:
         await self._unary(self._stub.Requeue, pb.RequeueRequest(id=task_id))
 
     async def stream(self, prefetch: int, lease_ms: int | None) -> GrpcStream:
-        return GrpcStream(self._stub, prefetch, lease_ms)
+        stream = GrpcStream(self._stub, prefetch, lease_ms)
+        try:
+            await stream.wait_open(self._timeout)
+        except WqError as e:
+            if isinstance(e, Unavailable):
+                raise Unavailable(
+                    f"cannot reach the broker at {self._target}: {e.message}"
+                ) from None
+            raise
+        return stream
 
     async def close(self) -> None:
         await self._channel.close(None)

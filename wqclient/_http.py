@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import re
+from collections.abc import Callable, Sequence
 from datetime import datetime
-from typing import Any, NoReturn
+from typing import Any, NoReturn, cast
 from urllib.parse import quote
 
 import aiohttp
@@ -38,10 +39,104 @@ def _ts(text: str) -> datetime:
     return datetime.fromisoformat(text)
 
 
+# -- reading answers while keeping each payload's exact JSON text ---------------------------------
+# The broker splices a payload into its answers exactly as it was enqueued; decoding and
+# re-encoding it would change it (1e400 would become Infinity, 1.10 would become 1.1, ...), so
+# "payload" members are kept as their raw text.
+
+_scan_once = cast(
+    Callable[[str, int], tuple[Any, int]],
+    getattr(json.JSONDecoder(), "scan_once"),  # noqa: B009
+)
+_scanstring = cast(
+    Callable[[str, int], tuple[str, int]],
+    getattr(json.decoder, "scanstring"),  # noqa: B009
+)
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+class _Raw(bytes):
+    """A member kept as its JSON text."""
+
+
+def _skip(text: str, i: int) -> int:
+    match = _WS.match(text, i)
+    assert match is not None
+    return match.end()
+
+
+def _value(text: str, i: int) -> tuple[Any, int]:
+    if text.startswith("{", i):
+        return _object(text, i)
+    if text.startswith("[", i):
+        return _array(text, i)
+    return _scan_once(text, i)
+
+
+def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
+    out: dict[str, Any] = {}
+    i = _skip(text, i + 1)
+    if text.startswith("}", i):
+        return out, i + 1
+    while True:
+        if not text.startswith('"', i):
+            raise ValueError(f"expected a member name at {i}")
+        key, i = _scanstring(text, i + 1)
+        i = _skip(text, i)
+        if not text.startswith(":", i):
+            raise ValueError(f"expected ':' at {i}")
+        i = _skip(text, i + 1)
+        if key == "payload":
+            _, end = _scan_once(text, i)
+            out[key] = _Raw(text[i:end].encode())
+            i = end
+        else:
+            out[key], i = _value(text, i)
+        i = _skip(text, i)
+        if text.startswith(",", i):
+            i = _skip(text, i + 1)
+        elif text.startswith("}", i):
+            return out, i + 1
+        else:
+            raise ValueError(f"expected ',' or '}}' at {i}")
+
+
+def _array(text: str, i: int) -> tuple[list[Any], int]:
+    out: list[Any] = []
+    i = _skip(text, i + 1)
+    if text.startswith("]", i):
+        return out, i + 1
+    while True:
+        value, i = _value(text, i)
+        out.append(value)
+        i = _skip(text, i)
+        if text.startswith(",", i):
+            i = _skip(text, i + 1)
+        elif text.startswith("]", i):
+            return out, i + 1
+        else:
+            raise ValueError(f"expected ',' or ']' at {i}")
+
+
+def _loads(data: bytes) -> Any:
+    """Parse an answer, keeping "payload" members as raw JSON text."""
+    try:
+        text = data.decode("utf-8")
+        value, end = _value(text, _skip(text, 0))
+        if _skip(text, end) != len(text):
+            raise ValueError("extra data")
+        return value
+    except (ValueError, StopIteration, RecursionError, UnicodeDecodeError) as e:
+        raise ProtocolError(
+            f"the broker sent an answer that is not JSON ({e}): {data[:200]!r}"
+        ) from None
+
+
 def _task(data: dict[str, Any]) -> Task:
+    payload = data["payload"]
     return Task(
         id=data["id"],
-        payload_json=json.dumps(data["payload"], separators=(",", ":")).encode(),
+        payload_json=bytes(payload) if isinstance(payload, _Raw) else json.dumps(payload).encode(),
         attempts=data["attempts"],
         max_attempts=data["max_attempts"],
         created_at=_ts(data["created_at"]),
@@ -146,7 +241,7 @@ class HttpTransport:
         status, data = await self._call("GET", "/jobs/next" + query, timeout=wait + _POLL_SLACK)
         if status == 204:
             return None
-        body = self._json(data)
+        body = _loads(data)
         return Delivery(_task(body["task"]), body["lease_id"], _ts(body["deadline"]))
 
     async def ack(self, task_id: str, lease_id: str) -> None:
@@ -170,7 +265,7 @@ class HttpTransport:
     async def dead(self, limit: int | None) -> list[Task]:
         query = f"?limit={limit}" if limit is not None else ""
         _, data = await self._call("GET", "/dlq" + query)
-        return [_task(t) for t in self._json(data)]
+        return [_task(t) for t in _loads(data)]
 
     async def requeue(self, task_id: str) -> None:
         await self._call("POST", f"/dlq/{_q(task_id)}/requeue")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Awaitable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -33,6 +33,21 @@ def encode_payload(payload: Any) -> bytes:
         return json.dumps(payload, separators=(",", ":"), allow_nan=False).encode()
     except (TypeError, ValueError) as e:
         raise InvalidArgument(f"payload cannot be encoded as JSON: {e}") from None
+
+
+_INT64 = 2**63
+
+
+def _option(name: str, value: int | None) -> int | None:
+    """An optional integer option, checked only as far as the wire needs (the broker checks
+    ranges and says why)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__}")
+    if not -_INT64 <= value < _INT64:
+        raise InvalidArgument(f"{name} is out of range: {value}")
+    return value
 
 
 def make_transport(url: str, *, timeout: float = 30.0) -> Transport:
@@ -83,7 +98,11 @@ class AsyncClient:
         self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
     ) -> str:
         """Enqueue a task and return its id. ``payload``: any JSON value, or JSON bytes."""
-        return await self._transport.enqueue(encode_payload(payload), max_attempts, delay_ms)
+        return await self._transport.enqueue(
+            encode_payload(payload),
+            _option("max_attempts", max_attempts),
+            _option("delay_ms", delay_ms),
+        )
 
     async def enqueue_many(
         self,
@@ -93,7 +112,8 @@ class AsyncClient:
         delay_ms: int | None = None,
     ) -> list[str]:
         """Enqueue several tasks (one batch call over gRPC, all or none); returns their ids."""
-        items = [(encode_payload(p), max_attempts, delay_ms) for p in payloads]
+        attempts, delay = _option("max_attempts", max_attempts), _option("delay_ms", delay_ms)
+        items = [(encode_payload(p), attempts, delay) for p in payloads]
         return await self._transport.enqueue_many(items) if items else []
 
     async def claim(
@@ -101,7 +121,9 @@ class AsyncClient:
     ) -> Delivery | None:
         """Claim the oldest ready task, waiting up to ``wait_ms`` (broker default 20 s, max 30 s).
         None if nothing came. Cancelling the call while it waits never loses a task."""
-        return await self._transport.claim(wait_ms, lease_ms)
+        return await self._transport.claim(
+            _option("wait_ms", wait_ms), _option("lease_ms", lease_ms)
+        )
 
     async def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
         """Report success. Raises LeaseLost if the lease is no longer yours, NotFound if nobody
@@ -132,7 +154,8 @@ class AsyncClient:
         >>> async for delivery in stream:
         ...     await stream.ack(delivery)
         """
-        return await self._transport.stream(prefetch, lease_ms)
+        prefetch = _option("prefetch", prefetch) or 0
+        return await self._transport.stream(prefetch, _option("lease_ms", lease_ms))
 
     async def close(self) -> None:
         await self._transport.close()
@@ -198,19 +221,25 @@ class Client:
     def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
         self.url = url
         self._runner = _LoopThread()
-        self._client = self._runner.run(self._make(url, timeout))
+        try:
+            self._client = self._runner.run(self._make(url, timeout))
+        except BaseException:
+            self._runner.stop()
+            raise
 
     @staticmethod
     async def _make(url: str, timeout: float) -> AsyncClient:
         # Built on the private loop: gRPC channels and aiohttp sessions belong to one loop.
         return AsyncClient(url, timeout=timeout)
 
-    def _run(self, awaitable: Awaitable[T]) -> T:
-        async def call() -> T:
-            return await awaitable
-
+    def _run(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``method(*args, **kwargs)`` (a coroutine function) on the private loop."""
         if self._runner.loop.is_closed():
             raise Unavailable("the client is closed")
+
+        async def call() -> T:
+            return await method(*args, **kwargs)
+
         return self._runner.run(call())
 
     def __enter__(self) -> Client:
@@ -225,7 +254,7 @@ class Client:
         self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
     ) -> str:
         return self._run(
-            self._client.enqueue(payload, max_attempts=max_attempts, delay_ms=delay_ms)
+            self._client.enqueue, payload, max_attempts=max_attempts, delay_ms=delay_ms
         )
 
     def enqueue_many(
@@ -236,36 +265,36 @@ class Client:
         delay_ms: int | None = None,
     ) -> list[str]:
         return self._run(
-            self._client.enqueue_many(payloads, max_attempts=max_attempts, delay_ms=delay_ms)
+            self._client.enqueue_many, payloads, max_attempts=max_attempts, delay_ms=delay_ms
         )
 
     def claim(self, *, wait_ms: int | None = None, lease_ms: int | None = None) -> Delivery | None:
-        return self._run(self._client.claim(wait_ms=wait_ms, lease_ms=lease_ms))
+        return self._run(self._client.claim, wait_ms=wait_ms, lease_ms=lease_ms)
 
     def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
-        self._run(self._client.ack(task, lease_id))
+        self._run(self._client.ack, task, lease_id)
 
     def nack(
         self, task: Delivery | str, lease_id: str | None = None, *, error: str | None = None
     ) -> None:
-        self._run(self._client.nack(task, lease_id, error=error))
+        self._run(self._client.nack, task, lease_id, error=error)
 
     def stats(self) -> Stats:
-        return self._run(self._client.stats())
+        return self._run(self._client.stats)
 
     def dead_letters(self, *, limit: int | None = None) -> list[Task]:
-        return self._run(self._client.dead_letters(limit=limit))
+        return self._run(self._client.dead_letters, limit=limit)
 
     def requeue(self, task_id: str) -> None:
-        self._run(self._client.requeue(task_id))
+        self._run(self._client.requeue, task_id)
 
     def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> Stream:
         return Stream(
-            self._runner, self._run(self._client.stream(prefetch=prefetch, lease_ms=lease_ms))
+            self._runner, self._run(self._client.stream, prefetch=prefetch, lease_ms=lease_ms)
         )
 
     def close(self) -> None:
         if self._runner.loop.is_closed():
             return
-        self._run(self._client.close())
+        self._run(self._client.close)
         self._runner.stop()

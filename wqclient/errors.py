@@ -33,5 +33,10 @@ class Unavailable(WqError):
     gRPC UNAVAILABLE). Worth retrying later."""
 
 
+class StreamEnded(Unavailable):
+    """The stream is over (the broker ended it, or the connection broke). Tasks it delivered and
+    that were not settled are reclaimed by the broker: open a new stream."""
+
+
 class ProtocolError(WqError):
     """The broker answered something this client does not understand."""

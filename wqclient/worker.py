@@ -28,7 +28,7 @@ from typing import Any
 
 from wqclient.cli import bool_flag, positive_int
 from wqclient.client import DEFAULT_URL, AsyncClient
-from wqclient.errors import LeaseLost, NotFound, Unavailable, WqError
+from wqclient.errors import LeaseLost, NotFound, StreamEnded, Unavailable, WqError
 from wqclient.models import Delivery, Task
 from wqclient.transport import AsyncStream
 
@@ -170,10 +170,13 @@ class Worker:
                 await self._broker_down(e, failures)
                 failures += 1
                 continue
+            self._broker_up()
+            failures = 0
             error = await self._consume(stream)
-            if error is None:
+            if self._stopping.is_set():
                 return
-            await self._broker_down(error, failures)
+            # The stream broke, or the broker ended it (it is shutting down): reconnect.
+            await self._broker_down(error or StreamEnded("the broker ended the stream"), failures)
             failures += 1
 
     async def _consume(self, stream: AsyncStream) -> WqError | None:
@@ -185,7 +188,6 @@ class Worker:
 
         async def receive() -> WqError | None:
             async for delivery in stream:
-                self._broker_up()
                 task = asyncio.ensure_future(self._process(delivery, stream.ack, nack))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
@@ -250,6 +252,13 @@ class Worker:
         while True:
             try:
                 await call()
+                return
+            except StreamEnded:
+                log.warning(
+                    "task %s: the stream ended before its outcome was sent; the broker has "
+                    "taken it back and will retry it",
+                    delivery.task.id,
+                )
                 return
             except (LeaseLost, NotFound) as e:
                 log.warning(

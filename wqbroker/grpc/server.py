@@ -221,6 +221,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 _optional(first.open, "prefetch"), _optional(first.open, "lease_ms")
             )
         settled: list[pb.Settled] = []
+        try:
+            await context.write(pb.StreamJobsResponse())  # "open" accepted
+        except BaseException:
+            await stream.close()
+            raise
         reader = asyncio.get_running_loop().create_task(
             self._read_stream(first, request_iterator, stream, settled)
         )

@@ -90,8 +90,11 @@ class MemoryStore:
 
     # -- hooks for a durable subclass ----------------------------------------------------------
 
+    def _created(self, task: _Task) -> None:
+        """``task`` is new. The memory store keeps nothing else up to date."""
+
     def _touch(self, task: _Task) -> None:
-        """``task`` changed (or is new). The memory store keeps nothing else up to date."""
+        """``task`` changed."""
 
     def _forget(self, task: _Task) -> None:
         """``task`` is gone for good (acked)."""
@@ -101,7 +104,7 @@ class MemoryStore:
     def _new_id(self) -> str:
         while True:
             task_id = f"{self._rng.getrandbits(64):016x}"
-            if task_id not in self._tasks:
+            if task_id not in self._tasks and task_id not in self._dead:
                 return task_id
 
     def _held(self, task_id: str, lease_id: str) -> _Task:
@@ -182,7 +185,7 @@ class MemoryStore:
         else:
             self._ready.append(task)
         self._totals.enqueued += 1
-        self._touch(task)
+        self._created(task)
         return task.view()
 
     async def enqueue_many(

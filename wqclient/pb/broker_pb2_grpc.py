@@ -149,9 +149,11 @@ class BrokerServicer:
         """The streaming NextJob: tasks are pushed to the worker as soon as they are ready, with no
         polling, never more than `prefetch` unfinished at once.
 
-        The first request must carry `open`. Later requests carry acks and nacks for streamed tasks
-        (the unary Ack and Nack work on streamed tasks too); each finished task frees a slot. Every ack
-        and nack sent on the stream is answered in a later response's `settled`, in order.
+        The first request must carry `open`; the broker answers it with an empty response once the
+        stream is registered (so a worker knows it is connected). Later requests carry acks and nacks
+        for streamed tasks (the unary Ack and Nack work on them too); each finished task frees a
+        slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
+        order.
 
         Send `drain` to stop receiving new tasks while you finish the ones you hold; then end the call.
         When the call ends (the worker half-closes, cancels, or vanishes), the tasks it was sent and did
