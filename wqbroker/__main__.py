@@ -93,6 +93,20 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"largest request body accepted (default {DEFAULT_MAX_BODY})",
     )
     p.add_argument(
+        "-store",
+        "--store",
+        default="memory",
+        metavar="STORE",
+        help="memory (the default; lost on restart) or sqlite:PATH (durable)",
+    )
+    p.add_argument(
+        "-sqlite-sync",
+        "--sqlite-sync",
+        default="full",
+        choices=["full", "normal"],
+        help="full (default): every answer is on disk; normal: survives kill -9, not power loss",
+    )
+    p.add_argument(
         "-log-level",
         "--log-level",
         default="info",
@@ -114,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         backoff_cap=args.backoff_cap_ms / 1000.0,
         max_body=args.max_body_bytes,
         access_log=args.access_log,
+        store=args.store,
+        sqlite_sync=args.sqlite_sync,
     )
 
 
@@ -124,6 +140,7 @@ async def serve(config: Config) -> None:
         log.info("HTTP API listening on http://%s", address)
     for address in broker.grpc_addresses:
         log.info("gRPC API listening on %s", address)
+    log.info("store: %s", config.store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

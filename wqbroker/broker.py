@@ -12,12 +12,14 @@ import grpc
 from aiohttp import web
 
 from wqbroker.clock import Clock, SystemClock
+from wqbroker.errors import StoreError
 from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import DEFAULT_MAX_BODY, create_app, make_runner
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import DEFAULT_SWEEP_INTERVAL, Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
+from wqbroker.store.sqlite import SqliteStore
 
 log = logging.getLogger("wqbroker")
 
@@ -67,6 +69,23 @@ class Config:
     backoff_cap: float = DEFAULT_CAP
     max_body: int = DEFAULT_MAX_BODY
     access_log: bool = False
+    store: str = "memory"  # or "sqlite:PATH"
+    sqlite_sync: str = "full"
+
+
+async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> Store:
+    """The store ``config.store`` names: ``memory`` or ``sqlite:PATH``."""
+    spec = config.store.strip()
+    if spec == "memory":
+        return MemoryStore(backoff, rng)
+    if spec.startswith("sqlite:") and spec[len("sqlite:") :]:
+        try:
+            return await SqliteStore.open(
+                spec[len("sqlite:") :], backoff, rng, sync=config.sqlite_sync
+            )
+        except (StoreError, ValueError) as e:
+            raise StartupError(str(e)) from None
+    raise StartupError(f"unknown store {config.store!r}: use memory or sqlite:PATH")
 
 
 class Broker:
@@ -82,15 +101,26 @@ class Broker:
     ) -> None:
         self.config = config
         self.clock = clock if clock is not None else SystemClock()
-        rng = rng if rng is not None else random.Random()
-        backoff = Backoff(config.backoff_base, config.backoff_cap, rng)
-        self.store: Store = store if store is not None else MemoryStore(backoff, rng)
-        self.service = Service(self.store, self.clock, sweep_interval=config.sweep_interval)
+        self._rng = rng if rng is not None else random.Random()
+        self._store = store
+        self._service: Service | None = None
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
         self.http_addresses: list[str] = []
         self.grpc_addresses: list[str] = []
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("the broker is not started")
+        return self._store
+
+    @property
+    def service(self) -> Service:
+        if self._service is None:
+            raise RuntimeError("the broker is not started")
+        return self._service
 
     @property
     def http_url(self) -> str:
@@ -111,7 +141,11 @@ class Broker:
             grpc_at = None if disabled(config.grpc_addr) else parse_addr(config.grpc_addr or "")
         except ValueError as e:
             raise StartupError(str(e)) from None
-        await self.service.start()
+        if self._store is None:
+            backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
+            self._store = await open_store(config, backoff, self._rng)
+        self._service = Service(self._store, self.clock, sweep_interval=config.sweep_interval)
+        await self._service.start()
         try:
             if http_at is not None:
                 await self._start_http(*http_at)
@@ -153,14 +187,16 @@ class Broker:
         """Answer open long-polls, end streams, stop serving, close the store."""
         if self._health is not None:
             await set_serving(self._health, False)
-        await self.service.close()
+        if self._service is not None:
+            await self._service.close()
         server, self._grpc = self._grpc, None
         if server is not None:
             await server.stop(grace=2.0)
         runner, self._runner = self._runner, None
         if runner is not None:
             await runner.cleanup()
-        await self.store.close()
+        if self._store is not None:
+            await self._store.close()
 
 
 def _local(hostport: str) -> str:
