@@ -181,6 +181,7 @@ class Broker:
                 "or not available"
             )
         await server.start()
+        await set_serving(self._health, True)
         self.grpc_addresses = [f"{bind_host}:{bound}"]
 
     async def stop(self) -> None:

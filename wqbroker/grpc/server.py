@@ -257,18 +257,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def _responses(
         self, deliveries: list[Delivery], settled: list[pb.Settled]
     ) -> list[pb.StreamJobsResponse]:
-        """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each."""
-        responses = []
-        chunk: list[pb.Delivery] = []
+        """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each. The
+        outcomes go in the first: they freed the slots these deliveries fill."""
+        responses = [pb.StreamJobsResponse(settled=settled)]
         size = 0
         for delivery in deliveries:
             n = len(delivery.task.payload) + 256
-            if chunk and size + n > STREAM_CHUNK_BYTES:
-                responses.append(pb.StreamJobsResponse(deliveries=chunk))
-                chunk, size = [], 0
-            chunk.append(delivery_pb(delivery))
+            if size and size + n > STREAM_CHUNK_BYTES:
+                responses.append(pb.StreamJobsResponse())
+                size = 0
+            responses[-1].deliveries.append(delivery_pb(delivery))
             size += n
-        responses.append(pb.StreamJobsResponse(deliveries=chunk, settled=settled))
         return responses
 
     async def _read_stream(
