@@ -1,12 +1,14 @@
-"""Real broker processes for end-to-end tests."""
+"""Real broker, worker and producer processes for end-to-end tests."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -14,13 +16,39 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"HTTP API listening on (http://\S+)")
+_GRPC_LISTEN = re.compile(r"gRPC API listening on (\S+)")
 
 
 class BrokerProcess:
-    def __init__(self, proc: subprocess.Popen[str], url: str, log_lines: list[str]) -> None:
+    def __init__(
+        self,
+        proc: subprocess.Popen[str],
+        url: str,
+        log_lines: list[str],
+        grpc_target: str | None = None,
+    ) -> None:
         self.proc = proc
         self.url = url
         self.log_lines = log_lines
+        self.grpc_target = grpc_target  # host:port of the gRPC API, None when it is off
+        self._reader: threading.Thread | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        """The gRPC API as a client URL, ``grpc://host:port``."""
+        assert self.grpc_target is not None, "this broker's gRPC API is off"
+        return "grpc://" + self.grpc_target
+
+    def _drain_stderr(self) -> None:
+        """Keep reading the log while the broker runs, so a chatty broker never fills the pipe."""
+        assert self.proc.stderr is not None
+        self._reader = threading.Thread(target=self._read_lines, daemon=True)
+        self._reader.start()
+
+    def _read_lines(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.log_lines.append(line.rstrip("\n"))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
         if self.proc.poll() is None:
@@ -31,7 +59,10 @@ class BrokerProcess:
             self.proc.kill()
             rc = self.proc.wait()
         assert self.proc.stderr is not None
-        self.log_lines.extend(self.proc.stderr.read().splitlines())
+        if self._reader is not None:
+            self._reader.join(timeout)
+        else:
+            self.log_lines.extend(self.proc.stderr.read().splitlines())
         return rc
 
 
@@ -39,31 +70,73 @@ def broker_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "wqbroker", *args]
 
 
+def worker_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "wqclient.worker", *args]
+
+
+def producer_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "wqclient.producer", *args]
+
+
+def env() -> dict[str, str]:
+    """The environment for a child: unbuffered, and able to import the project from any cwd."""
+    path = os.environ.get("PYTHONPATH")
+    return dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(ROOT) + (os.pathsep + path if path else ""),
+    )
+
+
 def spawn(cmd: Sequence[str], cwd: Path | None = None) -> subprocess.Popen[str]:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.Popen(
         list(cmd),
         cwd=cwd or ROOT,
-        env=env,
+        env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
     )
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on (at the moment of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _flag_value(args: Sequence[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.lstrip("-").partition("=")
+        if flag == name:
+            if eq:
+                return value
+            return args[i + 1] if i + 1 < len(args) else None
+    return None
+
+
+def _grpc_enabled(args: Sequence[str]) -> bool:
+    value = _flag_value(args, "grpc-addr")
+    return value is None or value.strip().lower() not in ("", "off", "none")
+
+
 @contextmanager
 def broker_process(*args: str, timeout: float = 15) -> Iterator[BrokerProcess]:
-    """Start ``python -m wqbroker -addr 127.0.0.1:0 ...`` and wait for its listening line."""
+    """Start ``python -m wqbroker -addr 127.0.0.1:0 -grpc-addr 127.0.0.1:0 ...`` and wait for its
+    listening lines (HTTP, and gRPC unless it is switched off)."""
     if not any(a.lstrip("-").startswith("addr") for a in args):
         args = ("-addr", "127.0.0.1:0", *args)
     if not any(a.lstrip("-").startswith("grpc-addr") for a in args):
         args = ("-grpc-addr", "127.0.0.1:0", *args)
+    want_grpc = _grpc_enabled(args)
     proc = spawn(broker_command(*args))
     lines: list[str] = []
     deadline = time.monotonic() + timeout
     url = None
+    grpc_target = None
     assert proc.stderr is not None
-    while url is None:
+    while url is None or (want_grpc and grpc_target is None):
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError("broker did not start:\n" + "\n".join(lines))
@@ -75,7 +148,11 @@ def broker_process(*args: str, timeout: float = 15) -> Iterator[BrokerProcess]:
         match = _LISTEN.search(line)
         if match:
             url = match.group(1)
-    broker = BrokerProcess(proc, url, lines)
+        match = _GRPC_LISTEN.search(line)
+        if match:
+            grpc_target = match.group(1)
+    broker = BrokerProcess(proc, url, lines, grpc_target)
+    broker._drain_stderr()
     try:
         yield broker
     finally:

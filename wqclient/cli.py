@@ -4,6 +4,32 @@ the -- spellings)."""
 from __future__ import annotations
 
 import argparse
+import re
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+_NUMBER = re.compile(r"^-\d+(\.\d*)?$")
+
+
+class FlagParser(argparse.ArgumentParser):
+    """argparse with Go's strictness about flag names: ``-nope`` is an unknown flag, not ``-n``
+    with the value ``ope``. Values go after a space or ``=``."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: Any = None
+    ) -> argparse.Namespace:
+        argv = list(sys.argv[1:] if args is None else args)
+        known = set(self._option_string_actions)
+        for arg in argv:
+            if arg == "--":
+                break
+            if arg.startswith("-") and not _NUMBER.match(arg):
+                name = arg.split("=", 1)[0]
+                if name not in known:
+                    self.error(f"flag provided but not defined: {name}")
+        parsed: argparse.Namespace = super().parse_args(argv, namespace)
+        return parsed
 
 
 def positive_int(text: str) -> int:

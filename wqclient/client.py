@@ -120,7 +120,9 @@ class AsyncClient:
         self, *, wait_ms: int | None = None, lease_ms: int | None = None
     ) -> Delivery | None:
         """Claim the oldest ready task, waiting up to ``wait_ms`` (broker default 20 s, max 30 s).
-        None if nothing came. Cancelling the call while it waits never loses a task."""
+        None if nothing came. Cancelling the call while it is parked loses no task (the broker
+        never hands a task to a caller that went away); but a task handed out at the very moment
+        of the cancel is only returned when its lease runs out."""
         return await self._transport.claim(
             _option("wait_ms", wait_ms), _option("lease_ms", lease_ms)
         )

@@ -11,13 +11,13 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from wqclient.cli import bool_flag, non_negative_int, positive_int
+from wqclient.cli import FlagParser, bool_flag, non_negative_int, positive_int
 from wqclient.client import DEFAULT_URL, AsyncClient
 from wqclient.errors import WqError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="wq-producer",
         description="Enqueue test tasks on a wq broker.",
         allow_abbrev=False,

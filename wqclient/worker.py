@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from wqclient.cli import bool_flag, positive_int
+from wqclient.cli import FlagParser, bool_flag, positive_int
 from wqclient.client import DEFAULT_URL, AsyncClient
 from wqclient.errors import LeaseLost, NotFound, StreamEnded, Unavailable, WqError
 from wqclient.models import Delivery, Task
@@ -38,6 +38,8 @@ Handler = Callable[[Task], Any]
 
 _BACKOFF_START = 0.1
 _BACKOFF_MAX = 5.0
+# How long stop() lets open claims come back before cancelling the ones still parked.
+_STOP_GRACE = 0.25
 
 
 class TaskFailed(Exception):
@@ -86,12 +88,20 @@ class Worker:
         return self._client
 
     def stop(self) -> None:
-        """Stop claiming; tasks in hand finish and are settled. Safe to call more than once."""
+        """Stop claiming; tasks in hand finish and are settled. Safe to call more than once.
+
+        A claim already on its way back is let finish (its task is then worked on, as one in
+        hand): only claims still parked after a short grace are cancelled. Cancelling a claim at
+        the very moment the broker hands it a task would leave that task to its lease."""
         if not self._stopping.is_set():
             log.info("stopping: finishing the tasks in hand")
             self._stopping.set()
-            for claim in list(self._claims):
-                claim.cancel()
+            if self._claims:
+                asyncio.get_running_loop().call_later(_STOP_GRACE, self._cancel_claims)
+
+    def _cancel_claims(self) -> None:
+        for claim in list(self._claims):
+            claim.cancel()
 
     async def run(self) -> None:
         if not self._is_async:
@@ -318,7 +328,7 @@ class LogFileHandler:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="wq-worker",
         description="Claim tasks from a wq broker and append each to a log file as a JSON line. "
         'A payload containing "fail": true fails on purpose (a nack with an error).',
