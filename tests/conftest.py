@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
+import os
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -17,14 +19,23 @@ from wqbroker.retry import Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
+from wqbroker.store.sqlite import SqliteStore
 
 # Every store backend; the contract tests and the state machine run against each one.
-BACKENDS = ["memory"]
+BACKENDS = ["memory", "sqlite"]
 
 
-def make_store(kind: str, backoff: Backoff, rng: random.Random, tmp_path: Any = None) -> Store:
+def make_store(
+    kind: str, backoff: Backoff, rng: random.Random, tmp_path: Any = None
+) -> Store | Awaitable[Store]:
+    """A store of the given kind (SQLite opens asynchronously: await the result)."""
     if kind == "memory":
         return MemoryStore(backoff, rng)
+    if kind == "sqlite":
+        # synchronous=NORMAL: the same semantics as FULL for the contract, without an fsync per
+        # commit (the crash tests use the default, FULL).
+        path = os.path.join(str(tmp_path), f"wq-{rng.getrandbits(32):08x}.db")
+        return SqliteStore.open(path, backoff, rng, sync="normal")
     raise ValueError(kind)
 
 
@@ -45,7 +56,8 @@ def backend(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture
 async def store(backend: str, rng: random.Random, tmp_path: Any) -> AsyncIterator[Store]:
-    s = make_store(backend, Backoff(1.0, 30.0, rng), rng, tmp_path)
+    made = make_store(backend, Backoff(1.0, 30.0, rng), rng, tmp_path)
+    s = await made if inspect.isawaitable(made) else made
     yield s
     await s.close()
 

@@ -1,4 +1,4 @@
-"""Retry backoff: roughly 1 s, 2 s, 4 s ... capped at 30 s, each delay half fixed and half random."""
+"""Retry backoff: roughly 1 s, 2 s, 4 s ... capped at 30 s, half fixed and half random."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ DRAWS = [0.0, 0.25, 0.5, 0.75, ALMOST_ONE]
 
 
 def nominal(attempts: int, base: float = 1.0, cap: float = 30.0) -> float:
-    return min(cap, base * 2 ** (attempts - 1))
+    return min(cap, base * 2.0 ** (attempts - 1))
 
 
 def test_defaults_are_the_spec_values() -> None:

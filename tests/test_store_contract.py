@@ -1,9 +1,10 @@
 """The store contract, checked against every backend.
 
-Everything here goes through the async contract methods only (enqueue, claim, ack, nack, reclaim,
-release, sweep, stats, dead, requeue), with an explicit ``now``, so a durable backend added to
-``BACKENDS`` in conftest is held to exactly the same rules. After every operation the gauges and
-every lifetime counter are checked, and so is ``nacked + reclaimed == retried + buried``.
+Everything here goes through the async contract methods only (enqueue, enqueue_many, claim,
+claim_many, ack, nack, reclaim, release, sweep, stats, dead, requeue), with an explicit ``now``, so
+a durable backend added to ``BACKENDS`` in conftest is held to exactly the same rules. After every
+operation the gauges and every lifetime counter are checked, and so is
+``nacked + reclaimed == retried + buried``.
 
 The last section (clearly marked) checks the memory backend's internal structures; it builds its
 own MemoryStore and is not part of the contract.
@@ -155,6 +156,29 @@ async def test_zero_delay_is_ready_at_once(store: Store) -> None:
     assert (await claim(store)).task.attempts == 1
 
 
+async def test_enqueue_many_accepts_tasks_in_order(store: Store) -> None:
+    before = await enqueue(store)
+    views = await store.enqueue_many(
+        [(b'{"n": 1}', 3, 0.0), (b'{"n": 2}', 1, 2.0), (b'{"n": 3}', 5, 0.0)], now=NOW + 1
+    )
+    assert [v.payload for v in views] == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}']
+    assert [v.max_attempts for v in views] == [3, 1, 5]
+    assert [v.available_at for v in views] == [NOW + 1, NOW + 3, NOW + 1]
+    assert all(v.attempts == 0 and v.created_at == NOW + 1 for v in views)
+    assert len({before, *(v.id for v in views)}) == 4
+    await expect(store, ready=3, delayed=1, enqueued=4)
+    # to the tail of ready, in the order given; the delayed one when its time comes
+    got = [(await claim(store, NOW + 1)).task.id for _ in range(3)]
+    assert got == [before, views[0].id, views[2].id]
+    assert (await claim(store, NOW + 3)).task.id == views[1].id
+    await expect(store, handed_out=4, enqueued=4, delivered=4)
+
+
+async def test_enqueue_many_of_nothing_changes_nothing(store: Store) -> None:
+    assert await store.enqueue_many([], now=NOW) == []
+    await expect(store)
+
+
 # -- claim ------------------------------------------------------------------------------------
 
 
@@ -205,6 +229,36 @@ async def test_every_claim_gets_a_fresh_lease(store: Store) -> None:
         assert failure.retry_at is not None
         now = failure.retry_at
     assert len(set(leases)) == len(leases)
+
+
+async def test_claim_many_hands_out_the_oldest_tasks_each_under_its_own_lease(
+    store: Store,
+) -> None:
+    ids = [await enqueue(store, now=NOW + i) for i in range(3)]
+    got = await store.claim_many([10.0, 20.0], now=NOW + 5)
+    assert [d.task.id for d in got] == ids[:2]
+    assert [d.deadline for d in got] == [NOW + 15.0, NOW + 25.0]
+    assert [d.task.attempts for d in got] == [1, 1]
+    assert got[0].lease_id != got[1].lease_id
+    await expect(store, ready=1, handed_out=2, enqueued=3, delivered=2)
+    # fewer ready than asked for: what there is
+    rest = await store.claim_many([1.0, 2.0, 3.0], now=NOW + 5)
+    assert [(d.task.id, d.deadline) for d in rest] == [(ids[2], NOW + 6.0)]
+    assert await store.claim_many([1.0], now=NOW + 5) == []
+    assert await store.claim_many([], now=NOW + 5) == []
+    await expect(store, handed_out=3, enqueued=3, delivered=3)
+    for d in [*got, *rest]:
+        await store.ack(d.task.id, d.lease_id, now=NOW + 5)
+    await expect(store, enqueued=3, delivered=3, acked=3)
+
+
+async def test_claim_many_promotes_due_delayed_tasks(store: Store) -> None:
+    later = await enqueue(store, delay=2.0)
+    sooner = await enqueue(store, delay=1.0)
+    assert await store.claim_many([LEASE, LEASE], now=NOW + 0.5) == []
+    got = await store.claim_many([LEASE, LEASE, LEASE], now=NOW + 2.0)
+    assert [d.task.id for d in got] == [sooner, later]
+    await expect(store, handed_out=2, enqueued=2, delivered=2)
 
 
 async def test_attempts_count_deliveries(store: Store) -> None:
@@ -676,9 +730,7 @@ async def test_requeue_gives_a_dead_task_a_clean_start(store: Store) -> None:
     other = await enqueue(store, now=now)
 
     await store.requeue(task_id, now=now + 1)
-    await expect(
-        store, ready=2, enqueued=2, delivered=2, nacked=2, retried=1, buried=1, requeued=1
-    )
+    await expect(store, ready=2, enqueued=2, delivered=2, nacked=2, retried=1, buried=1, requeued=1)
     assert await store.dead() == []
     # to the tail of ready
     assert (await claim(store, now + 1)).task.id == other
@@ -831,10 +883,8 @@ async def test_memory_internals_stay_consistent_through_every_transition() -> No
     db = await claim(s, NOW + 3.0)
     await s.reclaim(b, db.lease_id, "gone", now=NOW + 3.0)
     s.check_invariants()
-    await expect(
-        s, dead=1, enqueued=2, delivered=4, acked=1, nacked=1, reclaimed=2, retried=1, buried=2,
-        requeued=1,
-    )  # fmt: skip
+    totals = dict(acked=1, nacked=1, reclaimed=2, retried=1, buried=2, requeued=1)
+    await expect(s, dead=1, enqueued=2, delivered=4, **totals)
 
 
 async def test_memory_lease_heap_compaction_keeps_the_books() -> None:
@@ -849,13 +899,15 @@ async def test_memory_lease_heap_compaction_keeps_the_books() -> None:
     result, _ = await s.sweep(now=NOW + 100.0)
     assert len(result.reclaimed) == 1000
     s.check_invariants()
-    await expect(s, delayed=1000, enqueued=6000, delivered=6000, acked=5000, reclaimed=1000,
-                 retried=1000)  # fmt: skip
+    totals = dict(enqueued=6000, delivered=6000, acked=5000, reclaimed=1000, retried=1000)
+    await expect(s, delayed=1000, **totals)
 
 
 async def test_memory_lease_heap_compaction_during_a_sweep_keeps_the_books() -> None:
-    # A sweep whose reclaims trigger the rebuild of the lease heap must carry on with the
-    # rebuilt heap; entries it pops afterwards must not be lost from (or left in) the books.
+    # A sweep that reclaims leases while the heap holds 4096 stale entries crosses the rebuild
+    # threshold part-way through. Whenever the heap is rebuilt, the books must stay straight.
+    # (A rebuild into a new list mid-sweep, while the sweep kept popping the old one, once left
+    # the stale-entry count wrong.)
     s = memory_store()
     short, long_ = 20, 8190
     for _ in range(short + long_):
@@ -865,9 +917,9 @@ async def test_memory_lease_heap_compaction_during_a_sweep_keeps_the_books() -> 
     for d in lasting[:4096]:  # 4096 stale entries, not yet outnumbering the live ones
         await s.ack(d.task.id, d.lease_id, now=NOW)
     s.check_invariants()
-    result, next_due = await s.sweep(now=NOW + 1.0)  # 20 reclaims: the heap is rebuilt midway
+    result, _ = await s.sweep(now=NOW + 1.0)  # the 20 short leases
     assert sorted(result.reclaimed) == sorted((d.task.id, d.lease_id) for d in expiring)
     s.check_invariants()
-    result, next_due = await s.sweep(now=NOW + 1000.0)
+    result, _ = await s.sweep(now=NOW + 1000.0)
     assert len(result.reclaimed) == long_ - 4096
     s.check_invariants()

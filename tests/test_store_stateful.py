@@ -15,6 +15,7 @@ the model knows exactly when each retry becomes due; the jitter itself is covere
 from __future__ import annotations
 
 import asyncio
+import inspect
 import random
 import tempfile
 from collections import deque
@@ -36,7 +37,7 @@ from hypothesis.stateful import (
 
 from tests.conftest import BACKENDS, make_store
 from wqbroker.errors import LeaseMismatch, NotFound
-from wqbroker.model import Totals
+from wqbroker.model import Delivery, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
@@ -53,7 +54,7 @@ class PinnedRandom(random.Random):
 
 
 def retry_wait(attempts: int) -> float:
-    nominal = min(30.0, 1.0 * 2 ** (attempts - 1))
+    nominal = min(30.0, 2.0 ** (attempts - 1))
     return nominal / 2 + nominal / 2 * U
 
 
@@ -85,9 +86,12 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.tmp = tempfile.TemporaryDirectory(prefix="wq-stateful-")
-        self.store: Store = make_store(
+        store: Any = make_store(
             self.backend, Backoff(1.0, 30.0, PinnedRandom()), random.Random(0), self.tmp.name
         )
+        if inspect.isawaitable(store):  # a backend that opens asynchronously
+            store = self.loop.run_until_complete(store)
+        self.store: Store = store
         self.now = START
         self.seq = 0
         self.payload_n = 0
@@ -200,6 +204,26 @@ class StoreMachine(RuleBasedStateMachine):
             self.ready.append(task.id)
         self.totals.enqueued += 1
 
+    @rule(tasks=st.lists(st.tuples(DELAYS, st.integers(1, 3)), max_size=4))
+    def enqueue_many(self, tasks: list[tuple[float, int]]) -> None:
+        items = []
+        for delay, max_attempts in tasks:
+            self.payload_n += 1
+            items.append((b'{"n": %d}' % self.payload_n, max_attempts, delay))
+        views = self.run(self.store.enqueue_many(items, now=self.now))
+        assert [(v.payload, v.max_attempts) for v in views] == [(p, m) for p, m, _ in items]
+        for view, (payload, max_attempts, delay) in zip(views, items, strict=True):
+            assert view.id not in self.tasks and view.id not in self.acked
+            assert view.attempts == 0
+            assert view.available_at == self.now + delay
+            task = ModelTask(view.id, payload, max_attempts)
+            self.tasks[task.id] = task
+            if delay > 0:
+                self.to_delayed(task, self.now + delay)
+            else:
+                self.ready.append(task.id)
+            self.totals.enqueued += 1
+
     @rule(lease=LEASES)
     def claim(self, lease: float) -> None:
         self.promote_due()
@@ -208,6 +232,19 @@ class StoreMachine(RuleBasedStateMachine):
             assert delivery is None
             return
         assert delivery is not None
+        self.handed_out(delivery, lease)
+
+    @rule(leases=st.lists(LEASES, max_size=4))
+    def claim_many(self, leases: list[float]) -> None:
+        if leases:  # asking for nothing need not touch anything
+            self.promote_due()
+        deliveries = self.run(self.store.claim_many(leases, now=self.now))
+        assert len(deliveries) == min(len(leases), len(self.ready))
+        for delivery, lease in zip(deliveries, leases, strict=False):
+            self.handed_out(delivery, lease)
+
+    def handed_out(self, delivery: Delivery, lease: float) -> None:
+        """The model of a hand-out: the oldest ready task, under a fresh lease."""
         task = self.tasks[self.ready.popleft()]
         assert delivery.task.id == task.id, "not the oldest ready task"
         task.attempts += 1
@@ -301,7 +338,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def requeue_not_dead(self, data: st.DataObject) -> None:
-        candidates = sorted({*self.tasks, *self.acked} - set(self.dead)) + ["no-such-task"]
+        candidates = [*sorted({*self.tasks, *self.acked} - set(self.dead)), "no-such-task"]
         task_id = data.draw(st.sampled_from(candidates), label="not dead")
         try:
             self.run(self.store.requeue(task_id, now=self.now))

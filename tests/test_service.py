@@ -1,0 +1,837 @@
+"""The service on a fake clock: defaults, caps and validation, long-polling, the sweeper, streams,
+and a contention run. Nothing here sleeps: time moves only when the test advances the FakeClock,
+and ``settle()`` lets the event loop run whatever became runnable.
+
+A durable store may suspend (a commit on a writer thread), so where a test expects something to
+happen after the clock moves it waits for it with ``until()`` (yielding to the loop, bounded)
+rather than assuming a fixed number of loop rounds is enough."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from tests.conftest import settle
+from wqbroker.clock import FakeClock
+from wqbroker.errors import InvalidArgument, NotFound
+from wqbroker.model import Delivery, Stats
+from wqbroker.service import Service, Stream
+from wqbroker.store import Store
+
+PAYLOAD = b'{"line": "hello"}'
+
+
+def payload(n: int) -> bytes:
+    return b'{"n": %d}' % n
+
+
+async def until(check: Callable[[], bool], what: str) -> None:
+    """Let the event loop run until ``check()`` holds (a safety bound turns a hang into a failure;
+    no fake time passes)."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 5.0
+    while not check():
+        if loop.time() > give_up:
+            raise AssertionError(f"gave up waiting for {what}")
+        await asyncio.sleep(0)
+
+
+async def answer(claim: asyncio.Task[Delivery | None]) -> Delivery | None:
+    """What a claim (or a stream's next()) answered, once it has answered."""
+    await until(claim.done, "an answer")
+    return claim.result()
+
+
+async def stats_until(service: Service, check: Callable[[Stats], bool], what: str) -> Stats:
+    latest = await service.stats()
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + 5.0
+    while not check(latest):
+        if loop.time() > give_up:
+            raise AssertionError(f"gave up waiting for {what}: {latest}")
+        await asyncio.sleep(0)
+        latest = await service.stats()
+    return latest
+
+
+def reclaimed_more_than(n: int) -> Callable[[Stats], bool]:
+    return lambda stats: stats.totals.reclaimed > n
+
+
+async def park(service: Service, **kw: Any) -> asyncio.Task[Delivery | None]:
+    """Start a long-polling claim and let it park."""
+    before = service.waiting
+    task = asyncio.ensure_future(service.claim(**kw))
+    await until(lambda: task.done() or service.waiting > before, "the claim to park")
+    assert not task.done(), "the claim should be parked, waiting for a task"
+    return task
+
+
+async def gauges(service: Service) -> tuple[int, int, int, int]:
+    s = await service.stats()
+    return s.ready, s.handed_out, s.delayed, s.dead
+
+
+async def balanced(service: Service) -> Stats:
+    stats = await service.stats()
+    t = stats.totals
+    assert t.nacked + t.reclaimed == t.retried + t.buried, stats
+    return stats
+
+
+async def pending_next(stream: Stream) -> asyncio.Task[Delivery | None]:
+    task = asyncio.ensure_future(stream.next())
+    await settle()
+    return task
+
+
+# -- enqueue: defaults and validation ---------------------------------------------------------
+
+
+async def test_enqueue_defaults(service: Service, clock: FakeClock) -> None:
+    view = await service.enqueue(PAYLOAD)
+    assert view.max_attempts == 3
+    assert view.attempts == 0
+    assert view.available_at == clock.now()
+    assert view.payload == PAYLOAD
+    assert await gauges(service) == (1, 0, 0, 0)
+
+
+async def test_the_default_max_attempts_buries_after_three_deliveries(
+    service: Service, clock: FakeClock
+) -> None:
+    task = await service.enqueue(PAYLOAD)
+    for attempt in (1, 2, 3):
+        clock.advance(31.0)  # past any backoff
+        await settle()
+        d = await service.claim(wait_ms=0)
+        assert d is not None
+        assert (d.task.id, d.task.attempts) == (task.id, attempt)
+        await service.nack(d.task.id, d.lease_id, f"failure {attempt}")
+    assert await gauges(service) == (0, 0, 0, 1)
+    [dead] = await service.dead()
+    assert (dead.id, dead.attempts, dead.last_error) == (task.id, 3, "failure 3")
+
+
+BAD_INTEGERS = [True, False, "3", "", 3.0, 2.5, None, [3], {"n": 3}]
+
+
+@pytest.mark.parametrize("value", [v for v in BAD_INTEGERS if v is not None] + [0, -1, 2**31])
+async def test_max_attempts_must_be_a_positive_integer(service: Service, value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue(PAYLOAD, max_attempts=value)
+    assert "max_attempts" in err.value.message
+    assert (await service.stats()).totals.enqueued == 0
+
+
+@pytest.mark.parametrize("value", [1, 7, 2**31 - 1])
+async def test_max_attempts_accepts_positive_integers(service: Service, value: int) -> None:
+    view = await service.enqueue(PAYLOAD, max_attempts=value)
+    assert view.max_attempts == value
+
+
+@pytest.mark.parametrize(
+    "value", [v for v in BAD_INTEGERS if v is not None] + [-1, 365 * 24 * 3600 * 1000 + 1]
+)
+async def test_delay_ms_must_be_a_non_negative_integer(service: Service, value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue(PAYLOAD, delay_ms=value)
+    assert "delay_ms" in err.value.message
+    assert (await service.stats()).totals.enqueued == 0
+
+
+async def test_delay_ms_zero_is_ready_at_once(service: Service) -> None:
+    await service.enqueue(PAYLOAD, delay_ms=0)
+    assert await gauges(service) == (1, 0, 0, 0)
+    assert await service.claim(wait_ms=0) is not None
+
+
+async def test_delay_ms_holds_the_task_back(service: Service, clock: FakeClock) -> None:
+    view = await service.enqueue(PAYLOAD, delay_ms=1500)
+    assert view.available_at == clock.now() + 1.5
+    assert await gauges(service) == (0, 0, 1, 0)
+    assert await service.claim(wait_ms=0) is None
+    clock.advance(1.5)
+    await settle()
+    d = await service.claim(wait_ms=0)  # due: claimed even if no sweep has run yet
+    assert d is not None and d.task.id == view.id
+
+
+async def test_enqueue_many_is_all_or_nothing(service: Service) -> None:
+    items: list[tuple[bytes, object | None, object | None]] = [
+        (payload(1), None, None),
+        (payload(2), True, None),
+        (payload(3), 2, None),
+    ]
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue_many(items)
+    assert "tasks[1]" in err.value.message
+    assert "max_attempts" in err.value.message
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue_many([(payload(1), None, None), (payload(2), None, -5)])
+    assert "tasks[1]" in err.value.message and "delay_ms" in err.value.message
+    assert (await service.stats()).totals.enqueued == 0
+
+
+async def test_enqueue_many_feeds_parked_claims_and_schedules_delayed_tasks(
+    service: Service, clock: FakeClock
+) -> None:
+    first = await park(service, wait_ms=20_000)
+    second = await park(service, wait_ms=20_000)
+    views = await service.enqueue_many(
+        [(payload(1), None, None), (payload(2), 5, 1500), (payload(3), 1, 0)]
+    )
+    assert [v.max_attempts for v in views] == [3, 5, 1]
+    d1, d2 = await answer(first), await answer(second)
+    assert d1 is not None and d2 is not None
+    assert (d1.task.id, d2.task.id) == (views[0].id, views[2].id)
+    third = await park(service, wait_ms=20_000)
+    clock.advance(1.5)
+    d3 = await answer(third)
+    assert d3 is not None and d3.task.id == views[1].id
+
+
+# -- claim: defaults, caps and validation ----------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [v for v in BAD_INTEGERS if v is not None] + [-1])
+async def test_wait_ms_must_be_a_non_negative_integer(service: Service, value: object) -> None:
+    await service.enqueue(PAYLOAD)
+    with pytest.raises(InvalidArgument) as err:
+        await service.claim(wait_ms=value)
+    assert "wait_ms" in err.value.message
+    assert await gauges(service) == (1, 0, 0, 0)  # nothing was handed out
+
+
+@pytest.mark.parametrize("value", [v for v in BAD_INTEGERS if v is not None] + [0, -1])
+async def test_lease_ms_must_be_a_positive_integer(service: Service, value: object) -> None:
+    await service.enqueue(PAYLOAD)
+    with pytest.raises(InvalidArgument) as err:
+        await service.claim(wait_ms=0, lease_ms=value)
+    assert "lease_ms" in err.value.message
+    assert await gauges(service) == (1, 0, 0, 0)
+
+
+async def test_lease_defaults_to_30_seconds(service: Service, clock: FakeClock) -> None:
+    await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    assert d.deadline == clock.now() + 30.0
+
+
+@pytest.mark.parametrize(
+    ("lease_ms", "seconds"), [(1, 0.001), (45_000, 45.0), (300_000, 300.0), (300_001, 300.0)]
+)
+async def test_lease_ms_is_honoured_up_to_five_minutes(
+    service: Service, clock: FakeClock, lease_ms: int, seconds: float
+) -> None:
+    await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0, lease_ms=lease_ms)
+    assert d is not None
+    assert d.deadline == clock.now() + seconds
+
+
+async def test_a_huge_lease_ms_is_clamped_not_rejected(service: Service, clock: FakeClock) -> None:
+    await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0, lease_ms=10**15)
+    assert d is not None
+    assert d.deadline == clock.now() + 300.0
+
+
+async def test_wait_defaults_to_20_seconds(service: Service, clock: FakeClock) -> None:
+    claim = await park(service)
+    clock.advance(19.5)
+    await settle()
+    assert not claim.done()
+    clock.advance(0.5)
+    await settle()
+    assert claim.done()
+    assert claim.result() is None
+
+
+@pytest.mark.parametrize("wait_ms", [30_001, 60_000, 10**15])
+async def test_a_huge_wait_ms_is_clamped_to_30_seconds(
+    service: Service, clock: FakeClock, wait_ms: int
+) -> None:
+    claim = await park(service, wait_ms=wait_ms)
+    clock.advance(29.5)
+    await settle()
+    assert not claim.done()
+    clock.advance(0.5)
+    await settle()
+    assert claim.result() is None
+
+
+async def test_wait_ms_below_the_cap_is_honoured(service: Service, clock: FakeClock) -> None:
+    claim = await park(service, wait_ms=2500)
+    clock.advance(2.0)
+    await settle()
+    assert not claim.done()
+    clock.advance(0.5)
+    await settle()
+    assert claim.result() is None
+
+
+# -- long-polling -----------------------------------------------------------------------------
+
+
+async def test_claim_takes_a_ready_task_at_once(service: Service) -> None:
+    view = await service.enqueue(PAYLOAD)
+    d = await service.claim()  # default wait, but a task is ready: no waiting
+    assert d is not None
+    assert (d.task.id, d.task.attempts, d.task.payload) == (view.id, 1, PAYLOAD)
+    assert await gauges(service) == (0, 1, 0, 0)
+
+
+async def test_wait_ms_zero_answers_none_at_once(service: Service) -> None:
+    assert await service.claim(wait_ms=0) is None
+    assert service.waiting == 0
+    await service.enqueue(PAYLOAD)  # nobody is waiting for it
+    assert await gauges(service) == (1, 0, 0, 0)
+
+
+async def test_a_parked_claim_is_woken_by_an_enqueue(service: Service) -> None:
+    claim = await park(service, wait_ms=20_000)
+    assert service.waiting == 1
+    view = await service.enqueue(PAYLOAD)
+    d = await answer(claim)
+    assert d is not None
+    assert (d.task.id, d.task.attempts) == (view.id, 1)
+    assert await gauges(service) == (0, 1, 0, 0)
+    assert service.waiting == 0
+    await service.ack(d.task.id, d.lease_id)
+    assert await gauges(service) == (0, 0, 0, 0)
+
+
+async def test_a_parked_claim_times_out_with_none(service: Service, clock: FakeClock) -> None:
+    claim = await park(service, wait_ms=5000)
+    clock.advance(5.0)
+    await settle()
+    assert claim.done()
+    assert claim.result() is None
+    assert service.waiting == 0
+    # a task enqueued afterwards is not handed to the claim that gave up
+    await service.enqueue(PAYLOAD)
+    assert await gauges(service) == (1, 0, 0, 0)
+
+
+async def test_parked_claims_are_served_first_come_first_served(service: Service) -> None:
+    claims = [await park(service, wait_ms=20_000) for _ in range(4)]
+    ids = []
+    for n in range(3):
+        ids.append((await service.enqueue(payload(n))).id)
+        await settle()
+        done = [c.done() for c in claims]
+        assert done == [True] * (n + 1) + [False] * (3 - n)
+    got = [c.result() for c in claims[:3]]
+    assert [d.task.id for d in got if d is not None] == ids
+    assert not claims[3].done()
+    assert await gauges(service) == (0, 3, 0, 0)
+
+
+async def test_a_new_claim_queues_behind_parked_ones(service: Service) -> None:
+    first = await park(service, wait_ms=20_000)
+    second = await park(service, wait_ms=20_000)
+    await service.enqueue(payload(1))
+    await settle()
+    assert first.done() and not second.done()
+    await service.enqueue(payload(2))
+    await settle()
+    assert second.done()
+
+
+async def test_a_cancelled_parked_claim_is_never_handed_a_task(service: Service) -> None:
+    claim = await park(service, wait_ms=20_000)
+    claim.cancel()
+    await settle()
+    assert claim.cancelled()
+    view = await service.enqueue(PAYLOAD)
+    await settle()
+    assert await gauges(service) == (1, 0, 0, 0)
+    d = await service.claim(wait_ms=0)
+    assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)
+
+
+async def test_a_claim_cancelled_just_before_an_enqueue_gets_nothing(service: Service) -> None:
+    claim = await park(service, wait_ms=20_000)
+    claim.cancel()  # the client went away; its coroutine has not run yet
+    await service.enqueue(PAYLOAD)
+    await settle()
+    assert claim.cancelled()
+    assert await gauges(service) == (1, 0, 0, 0)
+    assert (await service.stats()).totals.delivered == 0
+
+
+async def test_a_task_handed_to_a_claim_cancelled_before_it_ran_goes_back(
+    service: Service,
+) -> None:
+    claim = await park(service, wait_ms=20_000)
+    view = await service.enqueue(PAYLOAD)  # handed to the parked claim ...
+    claim.cancel()  # ... whose client disconnects before the claim could return it
+    await settle()
+    assert claim.cancelled()
+    stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
+    assert (stats.ready, stats.handed_out) == (1, 0)
+    assert stats.totals.delivered == 0  # the hand-out nobody saw is undone
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    assert (d.task.id, d.task.attempts) == (view.id, 1)
+
+
+async def test_a_cancelled_claim_does_not_hold_up_the_next_one(service: Service) -> None:
+    gone = await park(service, wait_ms=20_000)
+    alive = await park(service, wait_ms=20_000)
+    gone.cancel()
+    view = await service.enqueue(PAYLOAD)
+    d = await answer(alive)
+    assert gone.cancelled()
+    assert d is not None and d.task.id == view.id
+    assert await gauges(service) == (0, 1, 0, 0)
+
+
+async def test_a_released_task_goes_to_the_next_parked_claim(service: Service) -> None:
+    first = await park(service, wait_ms=20_000)
+    second = await park(service, wait_ms=20_000)
+    view = await service.enqueue(PAYLOAD)
+    first.cancel()
+    d = await answer(second)
+    assert d is not None
+    assert (d.task.id, d.task.attempts) == (view.id, 1)
+    assert await gauges(service) == (0, 1, 0, 0)
+
+
+# -- ack / nack through the service -----------------------------------------------------------
+
+
+async def test_ack_and_nack_validate_their_arguments(service: Service) -> None:
+    await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    for bad_id in ["", None, 5]:
+        with pytest.raises(InvalidArgument) as err:
+            await service.ack(bad_id, d.lease_id)
+        assert "id" in err.value.message
+    with pytest.raises(InvalidArgument) as err:
+        await service.ack(d.task.id, "")
+    assert "lease_id" in err.value.message
+    with pytest.raises(InvalidArgument) as err:
+        await service.nack(d.task.id, d.lease_id, error=42)
+    assert "error" in err.value.message
+    assert await gauges(service) == (0, 1, 0, 0)
+    await service.nack(d.task.id, d.lease_id, error="bad input")
+    assert await gauges(service) == (0, 0, 1, 0)
+
+
+async def test_a_nacked_task_is_retried_to_a_parked_claim_after_its_backoff(
+    service: Service, clock: FakeClock
+) -> None:
+    view = await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    await service.nack(d.task.id, d.lease_id, "try again")
+    assert await gauges(service) == (0, 0, 1, 0)
+    claim = await park(service, wait_ms=20_000)
+    clock.advance(0.49)  # the backoff after a first failure is 0.5 - 1 s
+    await settle()
+    assert not claim.done()
+    clock.advance(0.52)
+    again = await answer(claim)
+    assert again is not None
+    assert (again.task.id, again.task.attempts, again.task.last_error) == (view.id, 2, "try again")
+
+
+# -- the sweeper ------------------------------------------------------------------------------
+
+
+async def test_the_sweeper_reclaims_an_expired_lease(service: Service, clock: FakeClock) -> None:
+    view = await service.enqueue(PAYLOAD, max_attempts=1)
+    d = await service.claim(wait_ms=0, lease_ms=1000)
+    assert d is not None
+    clock.advance(0.5)
+    await settle()
+    assert await gauges(service) == (0, 1, 0, 0)
+    clock.advance(0.5)
+    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    stats = await balanced(service)
+    assert (stats.ready, stats.handed_out, stats.dead) == (0, 0, 1)
+    assert (stats.totals.reclaimed, stats.totals.buried) == (1, 1)
+    [dead] = await service.dead()
+    assert (dead.id, dead.last_error) == (view.id, "lease expired")
+    with pytest.raises(NotFound):  # the silent worker comes back too late
+        await service.ack(d.task.id, d.lease_id)
+
+
+async def test_a_reclaimed_task_is_retried_by_somebody_else(
+    service: Service, clock: FakeClock
+) -> None:
+    view = await service.enqueue(PAYLOAD)
+    crashed = await service.claim(wait_ms=0, lease_ms=2000)
+    assert crashed is not None
+    rescuer = await park(service, wait_ms=30_000)
+    clock.advance(2.0)  # the lease runs out: reclaimed, delayed by 0.5 - 1 s
+    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    stats = await balanced(service)
+    assert (stats.handed_out, stats.delayed, stats.totals.reclaimed) == (0, 1, 1)
+    assert not rescuer.done()
+    clock.advance(1.0)
+    d = await answer(rescuer)
+    assert d is not None
+    assert (d.task.id, d.task.attempts, d.task.last_error) == (view.id, 2, "lease expired")
+    assert d.lease_id != crashed.lease_id
+    await service.ack(d.task.id, d.lease_id)
+    with pytest.raises(NotFound):
+        await service.ack(crashed.task.id, crashed.lease_id)
+
+
+async def test_the_sweeper_keeps_reclaiming_later_leases(
+    service: Service, clock: FakeClock
+) -> None:
+    for n in range(3):
+        await service.enqueue(payload(n), max_attempts=1)
+    for lease_ms in (1000, 5000, 60_000):
+        assert await service.claim(wait_ms=0, lease_ms=lease_ms) is not None
+    for before, step in enumerate((1.0, 4.0, 55.0)):  # each step runs out one more lease
+        clock.advance(step)
+        stats = await stats_until(service, reclaimed_more_than(before), "the next reclaim")
+        assert stats.totals.reclaimed == before + 1
+    assert await gauges(service) == (0, 0, 0, 3)
+
+
+async def test_a_delayed_task_is_handed_to_a_parked_claim_when_its_time_comes(
+    service: Service, clock: FakeClock
+) -> None:
+    claim = await park(service, wait_ms=20_000)
+    view = await service.enqueue(PAYLOAD, delay_ms=5000)
+    assert await gauges(service) == (0, 0, 1, 0)
+    clock.advance(4.5)
+    await settle()
+    assert not claim.done()
+    assert await gauges(service) == (0, 0, 1, 0)
+    clock.advance(0.5)
+    d = await answer(claim)
+    assert d is not None and d.task.id == view.id
+    assert await gauges(service) == (0, 1, 0, 0)
+
+
+async def test_a_delayed_task_due_between_ticks_is_not_held_to_the_next_tick(
+    service: Service, clock: FakeClock
+) -> None:
+    claim = await park(service, wait_ms=20_000)
+    clock.advance(0.25)  # one ordinary tick
+    await settle()
+    view = await service.enqueue(PAYLOAD, delay_ms=10)  # due 10 ms from now, before the next tick
+    clock.advance(0.01)
+    d = await answer(claim)
+    assert d is not None and d.task.id == view.id
+
+
+async def test_the_sweeper_wakes_when_something_is_due_not_only_on_its_interval(
+    store: Store, clock: FakeClock
+) -> None:
+    # With a one-minute safety-net interval, a delayed task, a retry and an expiring lease must
+    # still be acted on the moment they are due.
+    service = Service(store, clock, sweep_interval=60.0)
+    await service.start()
+    try:
+        claim = await park(service, wait_ms=30_000)
+        await service.enqueue(payload(1), delay_ms=2000)
+        clock.advance(2.0)
+        d = await answer(claim)
+        assert d is not None
+
+        await service.nack(d.task.id, d.lease_id, "again")  # retried after 0.5 - 1 s
+        claim = await park(service, wait_ms=30_000)
+        clock.advance(1.0)
+        d = await answer(claim)
+        assert d is not None and d.task.attempts == 2
+
+        await service.enqueue(payload(2))
+        held = await service.claim(wait_ms=0, lease_ms=3000)
+        assert held is not None
+        clock.advance(3.0)
+        await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    finally:
+        await service.close()
+
+
+async def test_sweep_can_be_called_directly(service: Service, clock: FakeClock) -> None:
+    await service.enqueue(PAYLOAD, delay_ms=2000)
+    assert await service.sweep() == clock.now() + 2.0
+    assert await gauges(service) == (0, 0, 1, 0)
+
+
+# -- streams ----------------------------------------------------------------------------------
+
+
+async def test_a_stream_never_has_more_than_prefetch_unfinished(service: Service) -> None:
+    ids = [(await service.enqueue(payload(n))).id for n in range(6)]
+    stream = await service.open_stream(2, 60_000)
+    await settle()
+    assert await gauges(service) == (4, 2, 0, 0)
+    first = await stream.next()
+    second = await stream.next()
+    assert first is not None and second is not None
+    assert [first.task.id, second.task.id] == ids[:2]
+    third = await pending_next(stream)
+    assert not third.done()  # two unfinished: no more until one is finished
+    assert await gauges(service) == (4, 2, 0, 0)
+
+    await service.ack(first.task.id, first.lease_id)  # an ack frees a slot
+    d3 = await answer(third)
+    assert d3 is not None and d3.task.id == ids[2]
+    assert await gauges(service) == (3, 2, 0, 0)
+
+    fourth = await pending_next(stream)
+    assert not fourth.done()
+    await service.nack(second.task.id, second.lease_id, "nope")  # so does a nack
+    d4 = await answer(fourth)
+    assert d4 is not None and d4.task.id == ids[3]
+    assert await gauges(service) == (2, 2, 1, 0)
+    await stream.close()
+
+
+async def test_a_stream_gets_tasks_as_they_are_enqueued(service: Service) -> None:
+    stream = await service.open_stream(3, None)
+    waiting = await pending_next(stream)
+    assert not waiting.done()
+    view = await service.enqueue(PAYLOAD)
+    d = await answer(waiting)
+    assert d is not None and d.task.id == view.id
+    assert d.task.attempts == 1
+    await service.ack(d.task.id, d.lease_id)
+    assert await gauges(service) == (0, 0, 0, 0)
+    await stream.close()
+
+
+async def test_stream_arguments_are_validated(service: Service) -> None:
+    for prefetch in [0, -1, "2", 1.5, True]:
+        with pytest.raises(InvalidArgument) as err:
+            await service.open_stream(prefetch, None)
+        assert "prefetch" in err.value.message
+    with pytest.raises(InvalidArgument) as err:
+        await service.open_stream(1, 0)
+    assert "lease_ms" in err.value.message
+    assert service.waiting == 0
+
+
+async def test_closing_a_stream_reclaims_sent_tasks_and_releases_untaken_ones(
+    service: Service,
+) -> None:
+    ids = [(await service.enqueue(payload(n))).id for n in range(4)]
+    stream = await service.open_stream(3, 60_000)
+    await settle()
+    taken = await stream.next()
+    assert taken is not None and taken.task.id == ids[0]
+    assert await gauges(service) == (1, 3, 0, 0)
+
+    await stream.close()
+    stats = await balanced(service)
+    # the one the worker took is reclaimed at once (not at its deadline) and retried later
+    assert (stats.totals.reclaimed, stats.totals.retried, stats.delayed) == (1, 1, 1)
+    # the two it never took are back in ready, as if never handed out
+    assert (stats.ready, stats.handed_out) == (3, 0)
+    assert stats.totals.delivered == 1
+    assert await stream.next() is None
+    with pytest.raises(NotFound):
+        await service.ack(taken.task.id, taken.lease_id)
+    got = [await service.claim(wait_ms=0) for _ in range(3)]
+    assert sorted((d.task.id, d.task.attempts) for d in got if d is not None) == sorted(
+        [(ids[1], 1), (ids[2], 1), (ids[3], 1)]
+    )
+
+
+async def test_closing_a_stream_keeps_its_untaken_tasks_in_their_order(service: Service) -> None:
+    # The stream was handed the three oldest tasks and the worker took none of them: after the
+    # close they must still come out oldest first, ahead of the task that stayed in ready.
+    ids = [(await service.enqueue(payload(n))).id for n in range(4)]
+    stream = await service.open_stream(3, None)
+    await settle()
+    await stream.close()
+    got = [await service.claim(wait_ms=0) for _ in range(4)]
+    assert [d.task.id for d in got if d is not None] == ids
+
+
+async def test_closing_a_stream_hands_its_untaken_tasks_to_parked_claims(
+    service: Service,
+) -> None:
+    stream = await service.open_stream(1, None)
+    view = await service.enqueue(PAYLOAD)
+    await settle()
+    claim = await park(service, wait_ms=20_000)
+    await stream.close()
+    d = await answer(claim)
+    assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)
+
+
+async def test_closing_a_stream_wakes_its_pending_next(service: Service) -> None:
+    stream = await service.open_stream(2, None)
+    waiting = await pending_next(stream)
+    await stream.close()
+    assert await answer(waiting) is None
+    await service.enqueue(PAYLOAD)
+    assert await gauges(service) == (1, 0, 0, 0)  # a closed stream takes nothing
+
+
+async def test_draining_a_stream_returns_untaken_tasks_and_takes_no_new_ones(
+    service: Service,
+) -> None:
+    ids = [(await service.enqueue(payload(n))).id for n in range(4)]
+    stream = await service.open_stream(3, None)
+    await settle()
+    taken = await stream.next()
+    assert taken is not None and taken.task.id == ids[0]
+    await stream.drain()
+    stats = await service.stats()
+    assert (stats.ready, stats.handed_out, stats.totals.delivered) == (3, 1, 1)
+    # the worker can still finish what it took, and that frees no slot for new work
+    await service.ack(taken.task.id, taken.lease_id)
+    await settle()
+    assert await gauges(service) == (3, 0, 0, 0)
+    assert stream.take_ready() == []
+    got = [await service.claim(wait_ms=0) for _ in range(3)]
+    assert sorted(d.task.id for d in got if d is not None) == sorted(ids[1:])
+    await stream.close()
+    assert await gauges(service) == (0, 3, 0, 0)
+
+
+async def test_draining_a_stream_keeps_its_untaken_tasks_in_their_order(
+    service: Service,
+) -> None:
+    ids = [(await service.enqueue(payload(n))).id for n in range(4)]
+    stream = await service.open_stream(3, None)
+    await settle()
+    await stream.drain()
+    got = [await service.claim(wait_ms=0) for _ in range(4)]
+    assert [d.task.id for d in got if d is not None] == ids
+    await stream.close()
+
+
+async def test_a_stream_slot_is_freed_when_its_lease_is_reclaimed(
+    service: Service, clock: FakeClock
+) -> None:
+    a = await service.enqueue(payload(1))
+    b = await service.enqueue(payload(2))
+    stream = await service.open_stream(1, 1000)
+    first = await stream.next()
+    assert first is not None and first.task.id == a.id
+    clock.advance(1.0)  # the worker went silent
+    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    second = await stream.next()
+    assert second is not None and second.task.id == b.id
+    await service.ack(second.task.id, second.lease_id)
+    await stream.close()
+
+
+async def test_a_stream_never_passes_on_a_delivery_whose_lease_was_reclaimed(
+    service: Service, clock: FakeClock
+) -> None:
+    a = await service.enqueue(payload(1))
+    b = await service.enqueue(payload(2))
+    stream = await service.open_stream(1, 1000)
+    await settle()  # a is pushed to the stream, but the worker does not take it in time
+    clock.advance(1.0)
+    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    d = await stream.next()
+    assert d is not None and d.task.id == b.id  # not a, whose lease is gone
+    await service.ack(d.task.id, d.lease_id)
+    clock.advance(1.0)  # a's retry comes round (0.5 - 1 s) and is pushed to the stream again
+    again = await asyncio.wait_for(stream.next(), timeout=5)
+    assert again is not None
+    assert (again.task.id, again.task.attempts, again.task.last_error) == (
+        a.id,
+        2,
+        "lease expired",
+    )
+    await service.ack(again.task.id, again.lease_id)
+    assert await gauges(service) == (0, 0, 0, 0)
+    await stream.close()
+
+
+async def test_streams_and_parked_claims_share_tasks_fairly(service: Service) -> None:
+    stream = await service.open_stream(5, None)
+    c1 = await park(service, wait_ms=20_000)
+    c2 = await park(service, wait_ms=20_000)
+    ids = []
+    for n in range(5):
+        ids.append((await service.enqueue(payload(n))).id)
+        await settle()
+    d1, d2 = await answer(c1), await answer(c2)
+    assert d1 is not None and d2 is not None
+    assert (d1.task.id, d2.task.id) == (ids[1], ids[2])
+    streamed = [await stream.next() for _ in range(3)]
+    assert [d.task.id for d in streamed if d is not None] == [ids[0], ids[3], ids[4]]
+    await stream.close()
+
+
+async def test_two_streams_take_turns(service: Service) -> None:
+    s1 = await service.open_stream(10, None)
+    s2 = await service.open_stream(10, None)
+    ids = [(await service.enqueue(payload(n))).id for n in range(6)]
+    await settle()
+    got1 = [d.task.id for d in s1.take_ready()]
+    got2 = [d.task.id for d in s2.take_ready()]
+    assert got1 == ids[0::2]
+    assert got2 == ids[1::2]
+    await s1.close()
+    await s2.close()
+
+
+async def test_closing_the_service_answers_parked_claims_and_ends_streams(
+    service: Service,
+) -> None:
+    claim = await park(service, wait_ms=20_000)
+    stream = await service.open_stream(1, None)
+    waiting = await pending_next(stream)
+    await service.close()
+    assert await answer(claim) is None
+    assert await answer(waiting) is None
+    assert await service.claim(wait_ms=20_000) is None  # answered at once, not parked
+    await service.enqueue(PAYLOAD)
+    assert await gauges(service) == (1, 0, 0, 0)
+
+
+# -- contention -------------------------------------------------------------------------------
+
+
+async def test_2000_tasks_50_producers_3_workers(service: Service, clock: FakeClock) -> None:
+    producers, per_producer, workers = 50, 40, 3
+    enqueued: list[str] = []
+    acked: list[str] = []
+    handled_by: dict[int, int] = {}
+
+    async def producer(p: int) -> None:
+        for n in range(per_producer):
+            view = await service.enqueue(payload(p * per_producer + n))
+            enqueued.append(view.id)
+            await asyncio.sleep(0)  # yield, so producers interleave
+
+    async def worker(w: int) -> None:
+        while True:
+            d = await service.claim(wait_ms=20_000, lease_ms=30_000)
+            if d is None:
+                return
+            await asyncio.sleep(0)  # "work"
+            await service.ack(d.task.id, d.lease_id)
+            acked.append(d.task.id)
+            handled_by[w] = handled_by.get(w, 0) + 1
+
+    consumers = [asyncio.ensure_future(worker(w)) for w in range(workers)]
+    await settle()
+    await asyncio.gather(*(producer(p) for p in range(producers)))
+    await until(lambda: len(acked) == len(enqueued), "every task to be acked")
+    clock.advance(20.0)  # the idle workers' long-polls run out
+    await asyncio.wait_for(asyncio.gather(*consumers), timeout=10)
+
+    total = producers * per_producer
+    assert len(enqueued) == len(set(enqueued)) == total
+    assert len(acked) == total
+    assert sorted(acked) == sorted(enqueued)  # every task acked exactly once
+    assert len(handled_by) == workers  # every worker got work
+    stats = await balanced(service)
+    assert (stats.ready, stats.handed_out, stats.delayed, stats.dead) == (0, 0, 0, 0)
+    t = stats.totals
+    assert (t.enqueued, t.delivered, t.acked) == (total, total, total)
+    assert (t.nacked, t.reclaimed, t.retried, t.buried) == (0, 0, 0, 0)
