@@ -41,6 +41,7 @@ from wqbroker.model import Delivery, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
+from wqbroker.store.sqlite import SqliteStore
 
 T = TypeVar("T")
 
@@ -375,6 +376,18 @@ class StoreMachine(RuleBasedStateMachine):
             assert type(exc) is expected, (op, type(exc).__name__, expected.__name__)
             return
         raise AssertionError(f"{op} with a stale lease succeeded")
+
+    @precondition(lambda self: isinstance(self.store, SqliteStore))
+    @rule()
+    def restart(self) -> None:
+        """A durable store closed and opened again holds exactly what it held: every task in
+        the collection it was in, ready ones in order, leases, the DLQ and the totals."""
+        store = self.store
+        assert isinstance(store, SqliteStore)
+        self.run(store.close())
+        self.store = self.run(
+            SqliteStore.open(store.path, store._backoff, random.Random(self.seq), sync="normal")
+        )
 
     # -- invariants ------------------------------------------------------------------------
 

@@ -18,9 +18,10 @@ at start). ``synchronous`` is FULL by default: a commit is on disk before the an
 acknowledged is lost even on power loss. With NORMAL, commits survive a crash of the broker
 (kill -9) but the last ones may be lost on power loss or an OS crash.
 
-Restart: every task comes back in the collection it was in. Handed-out tasks keep their lease: a
-worker still holding one can ack it after the restart; otherwise it is reclaimed when its deadline
-passes (at once, if it passed while the broker was down). Counters survive too.
+Restart: every task comes back in the collection it was in (ready ones in the same order, the
+dead-letter queue in order of burial). Handed-out tasks keep their lease: a worker still holding
+one can ack it after the restart; otherwise it is reclaimed when its deadline passes (at once, if
+it passed while the broker was down). Counters survive too.
 """
 
 from __future__ import annotations
@@ -48,18 +49,19 @@ SYNC_MODES: Final = ("full", "normal")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
-    seq INTEGER PRIMARY KEY,          -- arrival order: ties in ready order are broken by it
+    seq INTEGER PRIMARY KEY,          -- arrival order
     id TEXT NOT NULL UNIQUE,
     payload BLOB NOT NULL,            -- the JSON text as received
     attempts INTEGER NOT NULL,
     max_attempts INTEGER NOT NULL,
     created_at REAL NOT NULL,
-    available_at REAL NOT NULL,       -- ready: order; delayed: when it becomes ready
+    available_at REAL NOT NULL,       -- delayed: when it becomes ready
     last_error TEXT,
     state INTEGER NOT NULL,           -- 0 ready, 1 handed out, 2 delayed, 3 dead
     lease_id TEXT,
     deadline REAL,                    -- handed out: when the lease runs out
-    burial INTEGER                    -- dead: order of burial
+    ord INTEGER                       -- ready: place in line; delayed, handed out: tie-break
+                                      -- among equal due times; dead: order of burial
 );
 CREATE TABLE IF NOT EXISTS totals (
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -72,11 +74,11 @@ INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0);
 
 _INSERT = (
     "INSERT INTO tasks (id, payload, attempts, max_attempts, created_at, available_at, "
-    "last_error, state, lease_id, deadline, burial) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "last_error, state, lease_id, deadline, ord) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _UPDATE = (
     "UPDATE tasks SET attempts = ?, available_at = ?, last_error = ?, state = ?, lease_id = ?, "
-    "deadline = ?, burial = ? WHERE id = ?"
+    "deadline = ?, ord = ? WHERE id = ?"
 )
 _DELETE = "DELETE FROM tasks WHERE id = ?"
 _TOTALS = (
@@ -131,8 +133,13 @@ class SqliteStore(MemoryStore):
         self._flushing: asyncio.Task[None] | None = None
         self._last_commit: asyncio.Future[None] | None = None
         self._failed: str | None = None
+        # Order to persist: a ready task's place in line (appended: counting up from 0; put back
+        # at the head: counting down), a delayed or handed-out task's heap sequence (ties between
+        # equal due times), a dead task's order of burial.
+        self._ord: dict[str, int] = {}
+        self._tail = 0
+        self._head = 0
         self._burials = 0
-        self._burial_of: dict[str, int] = {}
         self.commits = 0  # for tests and benchmarks
 
     # -- opening -----------------------------------------------------------------------------
@@ -182,8 +189,8 @@ class SqliteStore(MemoryStore):
             if check != "ok":
                 raise sqlite3.DatabaseError(f"database disk image is malformed: {check}")
             rows = conn.execute(
-                "SELECT seq, id, payload, attempts, max_attempts, created_at, available_at, "
-                "last_error, state, lease_id, deadline, burial FROM tasks"
+                "SELECT id, payload, attempts, max_attempts, created_at, available_at, "
+                "last_error, state, lease_id, deadline, ord FROM tasks"
             ).fetchall()
             totals = conn.execute(
                 "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued "
@@ -197,10 +204,9 @@ class SqliteStore(MemoryStore):
 
     def _load(self, rows: list[tuple[Any, ...]], totals: tuple[int, ...]) -> None:
         """Rebuild the index from the file's rows."""
-        ready: list[tuple[float, int, _Task]] = []
+        ready: list[tuple[int, _Task]] = []
         dead: list[tuple[int, _Task]] = []
         for (
-            seq,
             task_id,
             payload,
             attempts,
@@ -211,36 +217,41 @@ class SqliteStore(MemoryStore):
             state,
             lease_id,
             deadline,
-            burial,
+            ord_,
         ) in rows:
             task = _Task(task_id, bytes(payload), max_attempts, created_at, available_at)
             task.attempts = attempts
             task.last_error = last_error
             task.state = state
-            self._seq = max(self._seq, seq)
             if state == DEAD:
-                dead.append((burial or 0, task))
+                dead.append((ord_ or 0, task))
                 continue
             self._tasks[task_id] = task
             if state == READY:
-                ready.append((available_at, seq, task))
+                ready.append((ord_ or 0, task))
             elif state == DELAYED:
-                self._delayed.append((available_at, seq, task))
+                self._delayed.append((available_at, ord_, task))
+                self._seq = max(self._seq, ord_)
             elif state == HANDED_OUT:
                 task.lease_id = lease_id
                 task.deadline = deadline
-                self._leases.append((deadline, seq, lease_id, task))
+                self._leases.append((deadline, ord_, lease_id, task))
+                self._seq = max(self._seq, ord_)
                 self._handed_out += 1
             else:
                 raise StoreError(f"{self.path}: task {task_id} has an unknown state {state}")
-        ready.sort(key=lambda e: (e[0], e[1]))
-        self._ready.extend(t for _, _, t in ready)
+        ready.sort(key=lambda e: e[0])
+        self._ready.extend(t for _, t in ready)
+        for position, task in ready:
+            self._ord[task.id] = position
+            self._tail = max(self._tail, position)
+            self._head = min(self._head, position)
         heapq.heapify(self._delayed)
         heapq.heapify(self._leases)
         dead.sort(key=lambda e: e[0])
         for burial, task in dead:
             self._dead[task.id] = task
-            self._burial_of[task.id] = burial
+            self._ord[task.id] = burial
             self._burials = max(self._burials, burial)
         t = self._totals
         (
@@ -270,31 +281,44 @@ class SqliteStore(MemoryStore):
             batch = self._batch = _Batch(asyncio.get_running_loop().create_future())
         return batch
 
+    def _place(self, task: _Task) -> None:
+        """Note where ``task`` now stands, for the file (called right after each move)."""
+        state = task.state
+        if state == READY:
+            ready = self._ready
+            if ready and ready[-1] is task:
+                self._tail += 1
+                self._ord[task.id] = self._tail
+            else:  # released: put back at the head
+                self._head -= 1
+                self._ord[task.id] = self._head
+        elif state == DEAD:
+            self._burials += 1
+            self._ord[task.id] = self._burials
+        else:  # delayed or handed out: the heap entry just pushed has the latest sequence
+            self._ord[task.id] = self._seq
+
     def _created(self, task: _Task) -> None:
         self._open_batch().new[task.id] = task
+        self._place(task)
 
     def _touch(self, task: _Task) -> None:
         batch = self._open_batch()
-        task_id = task.id
-        if task_id not in batch.new:  # a new one is inserted with its state at the seal
-            batch.changed[task_id] = task
-        if task.state == DEAD:
-            if task_id not in self._burial_of:
-                self._burials += 1
-                self._burial_of[task_id] = self._burials
-        elif self._burial_of:
-            self._burial_of.pop(task_id, None)
+        if task.id not in batch.new:  # a new one is inserted with its state at the seal
+            batch.changed[task.id] = task
+        self._place(task)
 
     def _forget(self, task: _Task) -> None:
         batch = self._open_batch()
         task_id = task.id
+        self._ord.pop(task_id, None)
         if batch.new.pop(task_id, None) is None:  # else it never reached the file
             batch.changed.pop(task_id, None)
             batch.deleted.add(task_id)
 
     def _seal(self, batch: _Batch) -> tuple[list[Any], list[Any], list[Any], tuple[int, ...]]:
         """Rows for the batch, as the tasks are now (on the loop: a consistent cut)."""
-        burial = self._burial_of.get
+        position = self._ord.get
         inserts = [
             (
                 t.id,
@@ -307,7 +331,7 @@ class SqliteStore(MemoryStore):
                 t.state,
                 t.lease_id,
                 t.deadline if t.lease_id is not None else None,
-                burial(t.id),
+                position(t.id),
             )
             for t in batch.new.values()
         ]
@@ -319,7 +343,7 @@ class SqliteStore(MemoryStore):
                 t.state,
                 t.lease_id,
                 t.deadline if t.lease_id is not None else None,
-                burial(t.id),
+                position(t.id),
                 t.id,
             )
             for t in batch.changed.values()
