@@ -188,8 +188,10 @@ class GrpcStream:
         self._wake.set()
 
     async def close(self) -> None:
-        """Half-close after sending what is queued, and wait for the broker to end the call."""
+        """Drain, half-close after sending what is queued, and wait for the broker to end the
+        call. Tasks received and not settled are reclaimed by the broker."""
         if not self._closing:
+            self._outbox.append(pb.StreamJobsRequest(drain=True))
             self._closing = True
             self._wake.set()
         try:

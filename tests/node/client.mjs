@@ -92,7 +92,11 @@ if (opts.consume > 0) {
           }
         });
       }
-      if (settledCount >= opts.consume) call.end();
+      if (settledCount >= opts.consume) {
+        // Stop the pushes before ending, so no task is sent to a worker that is leaving.
+        call.write({ drain: true });
+        call.end();
+      }
     });
     call.on("end", resolve);
     call.on("error", reject);

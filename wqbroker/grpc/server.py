@@ -284,6 +284,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             try:
                 request = await anext(requests)
             except StopAsyncIteration:
+                # The worker half-closed: push nothing more (what is queued goes back to ready).
+                if not stream.draining:
+                    await stream.drain()
                 return
             if request.HasField("open"):
                 raise InvalidArgument("open may only be sent in the first StreamJobsRequest")

@@ -155,10 +155,12 @@ class BrokerServicer:
         slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
         order.
 
-        Send `drain` to stop receiving new tasks while you finish the ones you hold; then end the call.
-        When the call ends (the worker half-closes, cancels, or vanishes), the tasks it was sent and did
-        not finish are reclaimed at once (counted in totals.reclaimed, then retried or buried) rather
-        than waiting out their leases; tasks queued for it but not yet sent go back to ready untouched.
+        To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
+        end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+        was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
+        buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
+        ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
+        the worker's last acks were on their way is then reclaimed: drain first.
         Streams and HTTP long-pollers share ready tasks fairly (round robin).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

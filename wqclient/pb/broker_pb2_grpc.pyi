@@ -88,10 +88,12 @@ class BrokerStub:
     slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
     order.
 
-    Send `drain` to stop receiving new tasks while you finish the ones you hold; then end the call.
-    When the call ends (the worker half-closes, cancels, or vanishes), the tasks it was sent and did
-    not finish are reclaimed at once (counted in totals.reclaimed, then retried or buried) rather
-    than waiting out their leases; tasks queued for it but not yet sent go back to ready untouched.
+    To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
+    end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+    was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
+    buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
+    ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
+    the worker's last acks were on their way is then reclaimed: drain first.
     Streams and HTTP long-pollers share ready tasks fairly (round robin).
     """
 
@@ -133,10 +135,12 @@ class BrokerAsyncStub(BrokerStub):
     slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
     order.
 
-    Send `drain` to stop receiving new tasks while you finish the ones you hold; then end the call.
-    When the call ends (the worker half-closes, cancels, or vanishes), the tasks it was sent and did
-    not finish are reclaimed at once (counted in totals.reclaimed, then retried or buried) rather
-    than waiting out their leases; tasks queued for it but not yet sent go back to ready untouched.
+    To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
+    end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+    was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
+    buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
+    ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
+    the worker's last acks were on their way is then reclaimed: drain first.
     Streams and HTTP long-pollers share ready tasks fairly (round robin).
     """
 
@@ -229,10 +233,12 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
         order.
 
-        Send `drain` to stop receiving new tasks while you finish the ones you hold; then end the call.
-        When the call ends (the worker half-closes, cancels, or vanishes), the tasks it was sent and did
-        not finish are reclaimed at once (counted in totals.reclaimed, then retried or buried) rather
-        than waiting out their leases; tasks queued for it but not yet sent go back to ready untouched.
+        To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
+        end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+        was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
+        buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
+        ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
+        the worker's last acks were on their way is then reclaimed: drain first.
         Streams and HTTP long-pollers share ready tasks fairly (round robin).
         """
 
