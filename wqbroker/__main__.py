@@ -7,7 +7,8 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
 
 from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
@@ -114,6 +115,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity (default info)",
     )
     p.add_argument(
+        "-loop",
+        "--loop",
+        default="uvloop",
+        choices=["uvloop", "asyncio"],
+        help="event loop implementation (default uvloop)",
+    )
+    p.add_argument(
         "-access-log", "--access-log", action="store_true", help="log every HTTP request"
     )
     return p
@@ -155,6 +163,19 @@ async def serve(config: Config) -> None:
     log.info("stopped")
 
 
+def run(main: Coroutine[Any, Any, None], loop: str) -> None:
+    """Run on uvloop (a libuv event loop: faster I/O for the HTTP side) unless told otherwise."""
+    if loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - a dependency; absent only on odd platforms
+            log.warning("uvloop is not installed; using the asyncio event loop")
+        else:
+            uvloop.run(main)
+            return
+    asyncio.run(main)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
@@ -163,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stream=sys.stderr,
     )
     try:
-        asyncio.run(serve(config_from_args(args)))
+        run(serve(config_from_args(args)), args.loop)
     except StartupError as e:
         print(f"wqbroker: {e}", file=sys.stderr)
         return 1

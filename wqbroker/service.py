@@ -20,7 +20,7 @@ from itertools import islice
 from typing import Any, Final
 
 from wqbroker.clock import Clock
-from wqbroker.errors import InvalidArgument, Unavailable
+from wqbroker.errors import InvalidArgument, Unavailable, WqError
 from wqbroker.model import Delivery, Stats, TaskView
 from wqbroker.store import Store
 from wqbroker.sweeper import Sweeper
@@ -395,6 +395,52 @@ class Service:
             self._sweeper.wake_by(failure.retry_at)
         await self._finished(lid)
 
+    async def settle_many(
+        self,
+        acks: Sequence[tuple[object, object]],
+        nacks: Sequence[tuple[object, object, object | None]],
+    ) -> tuple[list[WqError | None], list[WqError | None]]:
+        """Acks, then nacks, all at once (one transaction in a durable store). Returns, for each,
+        None on success or the error the single call would have raised."""
+        ack_errors: list[WqError | None] = []
+        ack_items: list[tuple[str, str]] = []
+        for task_id, lease_id in acks:
+            try:
+                ack_items.append((id_value("id", task_id), id_value("lease_id", lease_id)))
+                ack_errors.append(None)
+            except WqError as e:
+                ack_errors.append(e)
+        nack_errors: list[WqError | None] = []
+        nack_items: list[tuple[str, str, str | None]] = []
+        for task_id, lease_id, error in nacks:
+            try:
+                lid = id_value("lease_id", lease_id)
+                nack_items.append((id_value("id", task_id), lid, error_value(error)))
+                nack_errors.append(None)
+            except WqError as e:
+                nack_errors.append(e)
+        acked, nacked = await self._store.settle_many(ack_items, nack_items, now=self._clock.now())
+        finished: list[str] = []
+        ack_results = iter(zip(ack_items, acked, strict=True))
+        for i, error in enumerate(ack_errors):
+            if error is None:
+                (_, lid), outcome = next(ack_results)
+                ack_errors[i] = outcome
+                if outcome is None:
+                    finished.append(lid)
+        nack_results = iter(zip(nack_items, nacked, strict=True))
+        for i, error in enumerate(nack_errors):
+            if error is None:
+                (_, lid, _), result = next(nack_results)
+                if isinstance(result, WqError):
+                    nack_errors[i] = result
+                    continue
+                finished.append(lid)
+                if result.retry_at is not None:
+                    self._sweeper.wake_by(result.retry_at)
+        await self._finished(*finished)
+        return ack_errors, nack_errors
+
     async def release(self, delivery: Delivery) -> None:
         """Hand back a delivery that never reached a worker (its client disconnected)."""
         stream = self._stream_leases.pop(delivery.lease_id, None)
@@ -403,7 +449,7 @@ class Service:
         if await self._store.release(delivery.task.id, delivery.lease_id):
             log.debug("released task %s: its consumer went away", delivery.task.id)
             if stream is not None:
-                await self._freed(stream)
+                self._freed(stream)
             await self._pump()
 
     async def stats(self) -> Stats:
@@ -427,8 +473,8 @@ class Service:
         """One sweep: reclaim expired leases, promote due delayed tasks, feed waiting consumers.
         Returns when the next thing is due. The sweeper calls this; tests may call it directly."""
         result, next_due = await self._store.sweep(now=self._clock.now())
-        for _, lease_id in result.reclaimed:
-            await self._finished(lease_id)
+        if result.reclaimed:
+            await self._finished(*(lease_id for _, lease_id in result.reclaimed))
         if result.promoted and self._consumers:
             await self._pump()
         return next_due
@@ -483,18 +529,25 @@ class Service:
         if released and self._consumers:
             await self._pump()
 
-    async def _finished(self, lease_id: str) -> None:
-        """A lease ended (ack, nack, reclaim): free the slot of the stream that held it."""
-        stream = self._stream_leases.pop(lease_id, None)
-        if stream is not None:
-            stream._sent.pop(lease_id, None)
-            await self._freed(stream)
+    async def _finished(self, *lease_ids: str) -> None:
+        """Leases ended (ack, nack, reclaim): free the slots of the streams that held them, then
+        hand out what is ready (once, for all of them)."""
+        wanted = False
+        for lease_id in lease_ids:
+            stream = self._stream_leases.pop(lease_id, None)
+            if stream is not None:
+                stream._sent.pop(lease_id, None)
+                wanted |= self._freed(stream)
+        if wanted:
+            await self._pump()
 
-    async def _freed(self, stream: Stream) -> None:
+    def _freed(self, stream: Stream) -> bool:
+        """One of the stream's slots is free. True if it went back in line for tasks."""
         stream.room += 1
         if not stream.closed and not stream.draining and stream not in self._consumers:
             self._consumers[stream] = None
-            await self._pump()
+            return True
+        return False
 
     # -- the hand-off ------------------------------------------------------------------------
 

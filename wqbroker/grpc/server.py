@@ -108,6 +108,18 @@ def delivery_pb(delivery: Delivery) -> pb.Delivery:
     )
 
 
+def _settled(task_id: str, lease_id: str, error: WqError | None, *, nack: bool) -> pb.Settled:
+    if error is None:
+        return pb.Settled(id=task_id, lease_id=lease_id, nack=nack)
+    return pb.Settled(
+        id=task_id,
+        lease_id=lease_id,
+        nack=nack,
+        code=code_for(error).value[0],
+        message=error.message,
+    )
+
+
 def _optional(message: Any, name: str) -> int | None:
     return getattr(message, name) if message.HasField(name) else None
 
@@ -294,24 +306,18 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def _settle(
         self, request: pb.StreamJobsRequest, stream: Stream, settled: list[pb.Settled]
     ) -> None:
-        service = self._service
-        for ack in request.acks:
-            outcome = pb.Settled(id=ack.id, lease_id=ack.lease_id)
-            try:
-                await service.ack(ack.id, ack.lease_id)
-            except WqError as e:
-                outcome.code = code_for(e).value[0]
-                outcome.message = e.message
-            settled.append(outcome)
-        for nack in request.nacks:
-            outcome = pb.Settled(id=nack.id, lease_id=nack.lease_id, nack=True)
-            try:
-                error = nack.error if nack.HasField("error") else None
-                await service.nack(nack.id, nack.lease_id, error)
-            except WqError as e:
-                outcome.code = code_for(e).value[0]
-                outcome.message = e.message
-            settled.append(outcome)
+        if request.acks or request.nacks:
+            ack_errors, nack_errors = await self._service.settle_many(
+                [(a.id, a.lease_id) for a in request.acks],
+                [
+                    (n.id, n.lease_id, n.error if n.HasField("error") else None)
+                    for n in request.nacks
+                ],
+            )
+            for ack, error in zip(request.acks, ack_errors, strict=True):
+                settled.append(_settled(ack.id, ack.lease_id, error, nack=False))
+            for nack, error in zip(request.nacks, nack_errors, strict=True):
+                settled.append(_settled(nack.id, nack.lease_id, error, nack=True))
         if request.drain and not stream.draining:
             await stream.drain()
 

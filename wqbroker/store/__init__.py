@@ -31,6 +31,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from wqbroker.errors import WqError
 from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView
 
 __all__ = ["Store"]
@@ -59,6 +60,17 @@ class Store(Protocol):
         ...
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None: ...
+
+    async def settle_many(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[tuple[str, str, str | None]],
+        *,
+        now: float,
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        """Acks (task_id, lease_id), then nacks (task_id, lease_id, error), in one transaction:
+        each outcome is None / a Failure for success, or the error that ack or nack would raise."""
+        ...
 
     async def nack(
         self, task_id: str, lease_id: str, error: str | None, *, now: float

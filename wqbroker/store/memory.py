@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
-from wqbroker.errors import LeaseMismatch, NotFound
+from wqbroker.errors import LeaseMismatch, NotFound, WqError
 from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView, Totals
 from wqbroker.retry import Backoff
 
@@ -232,6 +232,29 @@ class MemoryStore:
         del self._tasks[task_id]
         self._totals.acked += 1
         self._forget(task)
+
+    async def settle_many(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[tuple[str, str, str | None]],
+        *,
+        now: float,
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        # MemoryStore's own ack and nack: a durable subclass commits once, after all of them.
+        acked: list[WqError | None] = []
+        for task_id, lease_id in acks:
+            try:
+                await MemoryStore.ack(self, task_id, lease_id, now=now)
+                acked.append(None)
+            except WqError as e:
+                acked.append(e)
+        nacked: list[Failure | WqError] = []
+        for task_id, lease_id, error in nacks:
+            try:
+                nacked.append(await MemoryStore.nack(self, task_id, lease_id, error, now=now))
+            except WqError as e:
+                nacked.append(e)
+        return acked, nacked
 
     async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
         task = self._held(task_id, lease_id)

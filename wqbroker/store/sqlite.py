@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
-from wqbroker.errors import StoreError
+from wqbroker.errors import StoreError, WqError
 from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView
 from wqbroker.retry import Backoff
 from wqbroker.store.memory import DEAD, DELAYED, HANDED_OUT, READY, MemoryStore, _Task
@@ -49,8 +49,7 @@ SYNC_MODES: Final = ("full", "normal")
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
-    seq INTEGER PRIMARY KEY,          -- arrival order
-    id TEXT NOT NULL UNIQUE,
+    id INTEGER PRIMARY KEY,           -- the task id (16 hex digits) as a signed 64-bit integer
     payload BLOB NOT NULL,            -- the JSON text as received
     attempts INTEGER NOT NULL,
     max_attempts INTEGER NOT NULL,
@@ -85,6 +84,21 @@ _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
     "retried = ?, buried = ?, requeued = ? WHERE id = 1"
 )
+
+
+_OFFSET: Final = 2**63
+# Before sealing a batch, let the event loop run this many times so that operations already
+# under way (the rest of a burst of requests) join it: fewer, larger commits.
+_GATHER_ROUNDS: Final = 3
+
+
+def _key(task_id: str) -> int:
+    """A task id (16 hex digits, 64 random bits) as the table's integer key."""
+    return int(task_id, 16) - _OFFSET
+
+
+def _task_id(key: int) -> str:
+    return f"{key + _OFFSET:016x}"
 
 
 class _Batch:
@@ -207,7 +221,7 @@ class SqliteStore(MemoryStore):
         ready: list[tuple[int, _Task]] = []
         dead: list[tuple[int, _Task]] = []
         for (
-            task_id,
+            key,
             payload,
             attempts,
             max_attempts,
@@ -219,6 +233,7 @@ class SqliteStore(MemoryStore):
             deadline,
             ord_,
         ) in rows:
+            task_id = _task_id(key)
             task = _Task(task_id, bytes(payload), max_attempts, created_at, available_at)
             task.attempts = attempts
             task.last_error = last_error
@@ -321,7 +336,7 @@ class SqliteStore(MemoryStore):
         position = self._ord.get
         inserts = [
             (
-                t.id,
+                _key(t.id),
                 t.payload,
                 t.attempts,
                 t.max_attempts,
@@ -344,11 +359,11 @@ class SqliteStore(MemoryStore):
                 t.lease_id,
                 t.deadline if t.lease_id is not None else None,
                 position(t.id),
-                t.id,
+                _key(t.id),
             )
             for t in batch.changed.values()
         ]
-        deletes = [(task_id,) for task_id in batch.deleted]
+        deletes = [(_key(task_id),) for task_id in batch.deleted]
         t = self._totals
         totals = (
             t.enqueued,
@@ -386,6 +401,8 @@ class SqliteStore(MemoryStore):
         """Commit batches until none is open (group commit)."""
         loop = asyncio.get_running_loop()
         while self._batch is not None:
+            for _ in range(_GATHER_ROUNDS):
+                await asyncio.sleep(0)  # let what is already runnable join this batch
             batch, self._batch = self._batch, None
             rows = self._seal(batch)
             try:
@@ -460,6 +477,18 @@ class SqliteStore(MemoryStore):
         self._check()
         await super().ack(task_id, lease_id, now=now)
         await self._durable()
+
+    async def settle_many(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[tuple[str, str, str | None]],
+        *,
+        now: float,
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        self._check()
+        outcomes = await super().settle_many(acks, nacks, now=now)
+        await self._durable()
+        return outcomes
 
     async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
         self._check()

@@ -1,0 +1,299 @@
+"""Load generators, each run in a process of its own by the benchmark.
+
+    python -m bench.load produce URL MODE N CONCURRENCY
+    python -m bench.load consume URL MODE N CONCURRENCY
+    python -m bench.load latency URL MODE N GAP_MS [DELAY_MS]
+
+MODE is ``http`` (one task per request: POST /jobs, GET /jobs/next, POST ack), ``unary`` (gRPC
+Enqueue, NextJob, Ack) or ``stream`` (gRPC EnqueueBatch, StreamJobs with batched acks). Each prints
+one JSON line with its figures; times are ``time.time()`` so processes can be compared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+import aiohttp
+
+PAYLOAD = b'{"line":"benchmark task","pad":"' + b"x" * 40 + b'"}'
+BATCH = 500
+
+
+def _loop_policy() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # pragma: no cover - uvloop is a dependency
+        pass
+
+
+# -- producers ------------------------------------------------------------------------------------
+
+
+async def produce_http(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    body = b'{"payload":' + PAYLOAD + b"}"
+    counter = iter(range(n))
+    first = time.time()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def post() -> None:
+            for _ in counter:
+                async with session.post(url + "/jobs", data=body) as resp:
+                    assert resp.status == 201, resp.status
+                    await resp.read()
+
+        await asyncio.gather(*(post() for _ in range(concurrency)))
+    return {"first": first, "last": time.time(), "n": n}
+
+
+async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> dict[str, Any]:
+    import grpc
+
+    from wqclient.pb import broker_pb2 as pb
+    from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+    first = time.time()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        if batch:
+            request = pb.EnqueueBatchRequest(
+                tasks=[pb.EnqueueRequest(payload=PAYLOAD) for _ in range(BATCH)]
+            )
+            batches = iter(range(0, n, BATCH))
+
+            async def send_batches() -> None:
+                for start in batches:
+                    size = min(BATCH, n - start)
+                    req = (
+                        request
+                        if size == BATCH
+                        else pb.EnqueueBatchRequest(
+                            tasks=[pb.EnqueueRequest(payload=PAYLOAD) for _ in range(size)]
+                        )
+                    )
+                    await stub.EnqueueBatch(req)
+
+            await asyncio.gather(*(send_batches() for _ in range(min(concurrency, 4))))
+        else:
+            counter = iter(range(n))
+            request = pb.EnqueueRequest(payload=PAYLOAD)
+
+            async def send() -> None:
+                for _ in counter:
+                    await stub.Enqueue(request)
+
+            await asyncio.gather(*(send() for _ in range(concurrency)))
+    return {"first": first, "last": time.time(), "n": n}
+
+
+# -- consumers ------------------------------------------------------------------------------------
+
+
+async def consume_http(url: str, n: int, concurrency: int) -> dict[str, Any]:
+    done = 0
+    finished = asyncio.Event()
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def loop() -> None:
+            nonlocal done
+            while not finished.is_set():
+                async with session.get(url + "/jobs/next?wait_ms=1000") as resp:
+                    if resp.status == 204:
+                        continue
+                    body = json.loads(await resp.read())
+                ack = f"{url}/jobs/{body['task']['id']}/ack?lease_id={body['lease_id']}"
+                async with session.post(ack) as resp:
+                    assert resp.status == 204, resp.status
+                done += 1
+                if done >= n:
+                    finished.set()
+
+        workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
+        await finished.wait()
+        last = time.time()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return {"last": last, "n": done}
+
+
+async def consume_unary(target: str, n: int, concurrency: int) -> dict[str, Any]:
+    import grpc
+
+    from wqclient.pb import broker_pb2 as pb
+    from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+    done = 0
+    finished = asyncio.Event()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        request = pb.NextJobRequest(wait_ms=1000)
+
+        async def loop() -> None:
+            nonlocal done
+            while not finished.is_set():
+                response = await stub.NextJob(request)
+                if not response.HasField("delivery"):
+                    continue
+                d = response.delivery
+                await stub.Ack(pb.AckRequest(id=d.task.id, lease_id=d.lease_id))
+                done += 1
+                if done >= n:
+                    finished.set()
+
+        workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
+        await finished.wait()
+        last = time.time()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return {"last": last, "n": done}
+
+
+async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:
+    import grpc
+
+    from wqclient.pb import broker_pb2 as pb
+    from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+    done = 0
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        call = stub.StreamJobs()
+        await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch)))
+        while done < n:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                break
+            if response.deliveries:
+                # Ack everything this response brought, in one request.
+                acks = [
+                    pb.AckRequest(id=d.task.id, lease_id=d.lease_id) for d in response.deliveries
+                ]
+                await call.write(pb.StreamJobsRequest(acks=acks))
+                done += len(acks)
+        last = time.time()
+        await call.write(pb.StreamJobsRequest(drain=True))
+        await call.done_writing()
+        call.cancel()
+    return {"last": last, "n": done}
+
+
+# -- latency --------------------------------------------------------------------------------------
+
+
+async def latency(url: str, mode: str, n: int, gap_ms: float, delay_ms: int) -> dict[str, Any]:
+    """Enqueue one task every gap_ms (each carrying its due time) while a parked consumer in this
+    same process takes them; report how late each arrived after it was due."""
+    import grpc
+
+    from wqclient.pb import broker_pb2 as pb
+    from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+    samples: list[float] = []
+    got = asyncio.Event()
+    async with aiohttp.ClientSession() as session:
+        if mode == "http":
+            base = url
+
+            async def receive() -> None:
+                while len(samples) < n:
+                    async with session.get(base + "/jobs/next?wait_ms=5000") as resp:
+                        if resp.status == 204:
+                            continue
+                        raw = await resp.read()
+                    now = time.time()
+                    body = json.loads(raw)
+                    samples.append(now - body["task"]["payload"]["due"])
+                    got.set()
+                    ack = f"{base}/jobs/{body['task']['id']}/ack?lease_id={body['lease_id']}"
+                    async with session.post(ack) as r:
+                        await r.read()
+
+            async def send(due: float) -> None:
+                body = {"payload": {"due": due}, "delay_ms": delay_ms}
+                async with session.post(base + "/jobs", json=body) as resp:
+                    await resp.read()
+
+            receiver = asyncio.ensure_future(receive())
+            await asyncio.sleep(0.3)  # let the consumer park
+            for _ in range(n):
+                got.clear()
+                now = time.time()
+                await send(now + delay_ms / 1000.0)
+                await asyncio.wait_for(got.wait(), 10 + delay_ms / 1000.0)
+                await asyncio.sleep(gap_ms / 1000.0)
+            await receiver
+        else:
+            async with grpc.aio.insecure_channel(url) as channel:
+                stub = pb_grpc.BrokerStub(channel)
+                call = stub.StreamJobs()
+                await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=1)))
+                await call.read()  # the open acknowledgement
+
+                async def receive_stream() -> None:
+                    while len(samples) < n:
+                        response = await call.read()
+                        now = time.time()
+                        for d in response.deliveries:
+                            samples.append(now - json.loads(d.task.payload)["due"])
+                            got.set()
+                            await call.write(
+                                pb.StreamJobsRequest(
+                                    acks=[pb.AckRequest(id=d.task.id, lease_id=d.lease_id)]
+                                )
+                            )
+
+                receiver = asyncio.ensure_future(receive_stream())
+                for _ in range(n):
+                    got.clear()
+                    now = time.time()
+                    due = now + delay_ms / 1000.0
+                    payload = json.dumps({"due": due}).encode()
+                    await stub.Enqueue(pb.EnqueueRequest(payload=payload, delay_ms=delay_ms))
+                    await asyncio.wait_for(got.wait(), 10 + delay_ms / 1000.0)
+                    await asyncio.sleep(gap_ms / 1000.0)
+                await receiver
+                call.cancel()
+    samples.sort()
+    return {
+        "n": len(samples),
+        "p50_ms": samples[len(samples) // 2] * 1000,
+        "p99_ms": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1000,
+    }
+
+
+def main(argv: list[str]) -> None:
+    _loop_policy()
+    role, url, mode = argv[0], argv[1], argv[2]
+    n = int(argv[3])
+    if role == "produce":
+        concurrency = int(argv[4])
+        if mode == "http":
+            result = asyncio.run(produce_http(url, n, concurrency))
+        else:
+            result = asyncio.run(produce_grpc(url, n, concurrency, batch=mode == "stream"))
+    elif role == "consume":
+        concurrency = int(argv[4])
+        if mode == "http":
+            result = asyncio.run(consume_http(url, n, concurrency))
+        elif mode == "unary":
+            result = asyncio.run(consume_unary(url, n, concurrency))
+        else:
+            result = asyncio.run(consume_stream(url, n, concurrency))
+    elif role == "latency":
+        gap = float(argv[4])
+        delay = int(argv[5]) if len(argv) > 5 else 0
+        result = asyncio.run(latency(url, mode, n, gap, delay))
+    else:
+        raise SystemExit(f"unknown role {role}")
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
