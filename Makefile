@@ -25,13 +25,13 @@ producer: install
 	$(VENV)/bin/wq-producer $(ARGS)
 
 lint: install
-	$(PY) -m ruff check wqbroker wqclient tests
-	$(PY) -m ruff format --check wqbroker wqclient tests
+	$(PY) -m ruff check wqbroker wqclient tests bench proto
+	$(PY) -m ruff format --check wqbroker wqclient tests bench proto
 	$(PY) -m mypy
 
 format: install
-	$(PY) -m ruff format wqbroker wqclient tests
-	$(PY) -m ruff check --fix wqbroker wqclient tests
+	$(PY) -m ruff format wqbroker wqclient tests bench proto
+	$(PY) -m ruff check --fix wqbroker wqclient tests bench proto
 
 test: install node-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -43,6 +43,10 @@ node-deps: $(NODE_STAMP)
 $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 	npm ci --prefix tests/node --no-audit --no-fund --loglevel=error
 	touch $(NODE_STAMP)
+
+# Start brokers, drive them from processes of their own, print one table of figures (a few minutes).
+bench: install
+	$(PY) -m bench $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules

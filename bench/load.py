@@ -155,6 +155,45 @@ async def consume_unary(target: str, n: int, concurrency: int) -> dict[str, Any]
     return {"last": last, "n": done}
 
 
+async def consume_unary_piggyback(target: str, n: int, concurrency: int) -> dict[str, Any]:
+    """NextJob carrying the ack of the previous task: one call per task."""
+    import grpc
+
+    from wqclient.pb import broker_pb2 as pb
+    from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+    done = 0
+    finished = asyncio.Event()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+
+        async def loop() -> None:
+            nonlocal done
+            pending: list[Any] = []
+            while not finished.is_set():
+                response = await stub.NextJob(pb.NextJobRequest(wait_ms=1000, acks=pending))
+                done += len(response.settled)
+                pending = []
+                if done >= n:
+                    finished.set()
+                if response.HasField("delivery"):
+                    d = response.delivery
+                    pending = [pb.AckRequest(id=d.task.id, lease_id=d.lease_id)]
+                    if done + 1 >= n:  # the last one: ack it now
+                        await stub.Ack(pending[0])
+                        done += 1
+                        pending = []
+                        finished.set()
+
+        workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
+        await finished.wait()
+        last = time.time()
+        for w in workers:
+            w.cancel()
+        await asyncio.gather(*workers, return_exceptions=True)
+    return {"last": last, "n": done}
+
+
 async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:
     import grpc
 
@@ -277,13 +316,16 @@ def main(argv: list[str]) -> None:
         if mode == "http":
             result = asyncio.run(produce_http(url, n, concurrency))
         else:
-            result = asyncio.run(produce_grpc(url, n, concurrency, batch=mode == "stream"))
+            batch = mode in ("stream", "unary-batched")
+            result = asyncio.run(produce_grpc(url, n, concurrency, batch=batch))
     elif role == "consume":
         concurrency = int(argv[4])
         if mode == "http":
             result = asyncio.run(consume_http(url, n, concurrency))
         elif mode == "unary":
             result = asyncio.run(consume_unary(url, n, concurrency))
+        elif mode == "unary-batched":
+            result = asyncio.run(consume_unary_piggyback(url, n, concurrency))
         else:
             result = asyncio.run(consume_stream(url, n, concurrency))
     elif role == "latency":

@@ -16,7 +16,6 @@ import asyncio
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Coroutine, Sequence
-from itertools import islice
 from typing import Any, Final
 
 from wqbroker.clock import Clock
@@ -569,8 +568,13 @@ class Service:
     async def _pump_once(self) -> None:
         consumers = self._consumers
         store = self._store
+        # Claim about as many tasks as are ready (one commit in a durable store), and more per
+        # call while they keep coming: a single enqueue costs one slot however many consumers
+        # wait, and a burst moves in large batches.
+        hint = store.ready_hint()
+        batch = _PUMP_BATCH if hint is None else max(1, min(hint, _PUMP_BATCH))
         while consumers:
-            slots = self._slots()
+            slots = self._slots(batch)
             if not slots:
                 return
             deliveries = await store.claim_many(
@@ -594,22 +598,28 @@ class Service:
                     consumers[consumer] = None
             if len(deliveries) < len(slots):
                 return  # nothing more is ready
+            batch = min(batch * 8, _PUMP_BATCH)
 
-    def _slots(self) -> list[Consumer]:
-        """The next claims to make, one per consumer in queue order, round after round while
-        they have room: at most _PUMP_BATCH, looking at no more than _PUMP_BATCH consumers."""
+    def _slots(self, limit: int) -> list[Consumer]:
+        """The next ``limit`` claims to make: one per consumer in queue order, round after round
+        while they have room, from no more than ``limit`` consumers at the front."""
         consumers = self._consumers
         front: list[Consumer] = []
-        for consumer in list(islice(consumers, _PUMP_BATCH)):
+        gone: list[Consumer] = []
+        for consumer in consumers:
             if consumer._gone():
-                del consumers[consumer]
-            else:
-                front.append(consumer)
+                gone.append(consumer)
+                continue
+            front.append(consumer)
+            if len(front) >= limit:
+                break
+        for consumer in gone:
+            del consumers[consumer]
         slots: list[Consumer] = []
         round_ = 0
-        while front and len(slots) < _PUMP_BATCH:
+        while front and len(slots) < limit:
             front = [c for c in front if c.room > round_]
-            slots.extend(front[: _PUMP_BATCH - len(slots)])
+            slots.extend(front[: limit - len(slots)])
             round_ += 1
         return slots
 

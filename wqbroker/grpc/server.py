@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Final
 
@@ -28,7 +28,7 @@ from wqbroker.errors import (
     WqError,
 )
 from wqbroker.model import Delivery, TaskView
-from wqbroker.service import Service, Stream
+from wqbroker.service import Service, Stream, lease_seconds, wait_seconds
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -166,15 +166,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def NextJob(self, request: pb.NextJobRequest, context: Context) -> pb.NextJobResponse:
         async with _Errors(context):
-            delivery = await self._service.claim(
-                _optional(request, "wait_ms"), _optional(request, "lease_ms")
-            )
+            wait_ms, lease_ms = _optional(request, "wait_ms"), _optional(request, "lease_ms")
+            settled: list[pb.Settled] = []
+            if request.acks:
+                # Checked before settling: a bad wait or lease must not leave half of a call done.
+                wait_seconds(wait_ms)
+                lease_seconds(lease_ms)
+                await self._settle_acks(request.acks, settled)
+            delivery = await self._service.claim(wait_ms, lease_ms)
             if delivery is None:
-                return pb.NextJobResponse()
+                return pb.NextJobResponse(settled=settled)
             if context.done():  # the caller is gone: nobody will see this task
                 await self._service.release(delivery)
-                return pb.NextJobResponse()
-            return pb.NextJobResponse(delivery=delivery_pb(delivery))
+                return pb.NextJobResponse(settled=settled)
+            return pb.NextJobResponse(delivery=delivery_pb(delivery), settled=settled)
 
     async def Ack(self, request: pb.AckRequest, context: Context) -> pb.AckResponse:
         async with _Errors(context):
@@ -307,19 +312,25 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: pb.StreamJobsRequest, stream: Stream, settled: list[pb.Settled]
     ) -> None:
         if request.acks or request.nacks:
-            ack_errors, nack_errors = await self._service.settle_many(
-                [(a.id, a.lease_id) for a in request.acks],
-                [
-                    (n.id, n.lease_id, n.error if n.HasField("error") else None)
-                    for n in request.nacks
-                ],
-            )
-            for ack, error in zip(request.acks, ack_errors, strict=True):
-                settled.append(_settled(ack.id, ack.lease_id, error, nack=False))
-            for nack, error in zip(request.nacks, nack_errors, strict=True):
-                settled.append(_settled(nack.id, nack.lease_id, error, nack=True))
+            await self._settle_acks(request.acks, settled, request.nacks)
         if request.drain and not stream.draining:
             await stream.drain()
+
+    async def _settle_acks(
+        self,
+        acks: Sequence[pb.AckRequest],
+        settled: list[pb.Settled],
+        nacks: Sequence[pb.NackRequest] = (),
+    ) -> None:
+        """Settle acks, then nacks, at once; append their outcomes to ``settled``."""
+        ack_errors, nack_errors = await self._service.settle_many(
+            [(a.id, a.lease_id) for a in acks],
+            [(n.id, n.lease_id, n.error if n.HasField("error") else None) for n in nacks],
+        )
+        for ack, error in zip(acks, ack_errors, strict=True):
+            settled.append(_settled(ack.id, ack.lease_id, error, nack=False))
+        for nack, error in zip(nacks, nack_errors, strict=True):
+            settled.append(_settled(nack.id, nack.lease_id, error, nack=True))
 
 
 def create_server(service: Service, *, max_payload: int) -> tuple[grpc.aio.Server, Any]:

@@ -91,6 +91,11 @@ class Store(Protocol):
 
     async def stats(self) -> Stats: ...
 
+    def ready_hint(self) -> int | None:
+        """How many tasks are ready, if the store knows without any I/O (else None). Only a hint,
+        used to size batches of claims."""
+        ...
+
     async def dead(self, *, limit: int | None = None) -> list[TaskView]:
         """Dead tasks, in the order they were buried."""
         ...

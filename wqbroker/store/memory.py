@@ -292,6 +292,9 @@ class MemoryStore:
         result.promoted = self._promote(now)
         return result, self._next_due()
 
+    def ready_hint(self) -> int | None:
+        return len(self._ready)
+
     async def stats(self) -> Stats:
         return Stats(
             ready=len(self._ready),

@@ -225,6 +225,7 @@ class NextJobRequest(_message.Message):
 
     WAIT_MS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    ACKS_FIELD_NUMBER: _builtins.int
     wait_ms: _builtins.int
     """How long to wait for a task. Default 20000 when unset; values above 30000 are clamped to
     30000; 0 answers at once; negative is INVALID_ARGUMENT.
@@ -233,15 +234,23 @@ class NextJobRequest(_message.Message):
     """How long the task is yours. Default 30000 when unset; values above 300000 (5 min) are clamped
     to 300000; must be at least 1.
     """
+    @_builtins.property
+    def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___AckRequest]:
+        """An extension for unary workers: tasks to ack before claiming, in the same call, saving a
+        round trip per task. Their outcomes come back in NextJobResponse.settled; a failed ack does
+        not stop the claim.
+        """
+
     def __init__(
         self,
         *,
         wait_ms: _builtins.int | None = ...,
         lease_ms: _builtins.int | None = ...,
+        acks: _abc.Iterable[Global___AckRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_wait_ms", b"_wait_ms", "lease_ms", b"lease_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_wait_ms", b"_wait_ms", "lease_ms", b"lease_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_wait_ms", b"_wait_ms", "acks", b"acks", "lease_ms", b"lease_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_ms: _TypeAlias = _typing.Literal["lease_ms"]  # noqa: Y015
     _WhichOneofArgType__lease_ms: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms"]  # noqa: Y015
@@ -259,18 +268,24 @@ class NextJobResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DELIVERY_FIELD_NUMBER: _builtins.int
+    SETTLED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def delivery(self) -> Global___Delivery:
         """Unset when the wait elapsed with nothing available (HTTP 204)."""
+
+    @_builtins.property
+    def settled(self) -> _containers.RepeatedCompositeFieldContainer[Global___Settled]:
+        """The outcomes of NextJobRequest.acks, in order."""
 
     def __init__(
         self,
         *,
         delivery: Global___Delivery | None = ...,
+        settled: _abc.Iterable[Global___Settled] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_delivery", b"_delivery", "delivery", b"delivery"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delivery", b"_delivery", "delivery", b"delivery"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delivery", b"_delivery", "delivery", b"delivery", "settled", b"settled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__delivery: _TypeAlias = _typing.Literal["delivery"]  # noqa: Y015
     _WhichOneofArgType__delivery: _TypeAlias = _typing.Literal["_delivery", b"_delivery"]  # noqa: Y015

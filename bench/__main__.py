@@ -1,0 +1,436 @@
+"""``make bench``: start brokers, drive them from processes of their own, print one table.
+
+    python -m bench [--quick] [--json FILE]
+
+Every figure is measured on this machine, now; nothing here passes or fails a build. The targets
+column repeats the goals of the performance issue for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import resource
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+@dataclass
+class Row:
+    section: str
+    name: str
+    value: str
+    target: str = ""
+    ok: bool | None = None
+
+
+ROWS: list[Row] = []
+RESULTS: dict[str, Any] = {}
+
+
+def add(section: str, name: str, value: str, target: str = "", ok: bool | None = None) -> None:
+    ROWS.append(Row(section, name, value, target, ok))
+    mark = "" if ok is None else (" ok" if ok else " MISSED")
+    print(f"  {name}: {value}{'  (target ' + target + mark + ')' if target else ''}", flush=True)
+
+
+def env() -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1", GRPC_VERBOSITY="ERROR")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_port(port: int, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listens on {port}")
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    http: str
+    grpc: str
+
+
+@contextlib.contextmanager
+def broker(*args: str, grpc: bool = True) -> Iterator[Server]:
+    http_port, grpc_port = free_port(), free_port()
+    grpc_addr = f"127.0.0.1:{grpc_port}" if grpc else "off"
+    cmd = [
+        PY,
+        "-m",
+        "wqbroker",
+        "-addr",
+        f"127.0.0.1:{http_port}",
+        "-grpc-addr",
+        grpc_addr,
+        "-log-level",
+        "warning",
+        *args,
+    ]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env())
+    try:
+        wait_port(http_port)
+        if grpc:
+            wait_port(grpc_port)
+        yield Server(proc, f"http://127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}")
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def null_broker() -> Iterator[str]:
+    port = free_port()
+    proc = subprocess.Popen([PY, "-m", "bench.nullbroker", str(port)], cwd=ROOT, env=env())
+    try:
+        wait_port(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def run_json(*args: str, timeout: float = 600) -> dict[str, Any]:
+    out = subprocess.run(
+        [PY, "-m", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def end_to_end(target: str, mode: str, n: int, concurrency: int) -> float:
+    """Tasks/s from the producer's first enqueue to the consumer's last ack."""
+    consume = subprocess.Popen(
+        [PY, "-m", "bench.load", "consume", target, mode, str(n), str(concurrency)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.5)  # let the consumer park first
+    produced = run_json("bench.load", "produce", target, mode, str(n), str(concurrency))
+    consumed = json.loads(consume.communicate(timeout=600)[0].strip().splitlines()[-1])
+    elapsed = max(consumed["last"], produced["last"]) - produced["first"]
+    return n / elapsed
+
+
+def enqueue_rate(target: str, mode: str, n: int, concurrency: int) -> float:
+    produced = run_json("bench.load", "produce", target, mode, str(n), str(concurrency))
+    return n / (produced["last"] - produced["first"])
+
+
+def best_of(runs: int, fn: Any, *args: Any) -> float:
+    return max(fn(*args) for _ in range(runs))
+
+
+# -- sections -------------------------------------------------------------------------------------
+
+
+def throughput(q: bool) -> None:
+    print("End-to-end throughput (enqueue -> deliver -> ack), tasks/s", flush=True)
+    runs = 1 if q else 2
+    n_http, n_unary, n_stream = (8_000, 6_000, 40_000) if q else (30_000, 15_000, 150_000)
+    with null_broker() as url:
+        null = best_of(runs, end_to_end, url, "http", n_http, 32)
+    with broker() as b:
+        http = best_of(runs, end_to_end, b.http, "http", n_http, 32)
+        unary = best_of(runs, end_to_end, b.grpc, "unary", n_unary, 32)
+        batched = best_of(runs, end_to_end, b.grpc, "unary-batched", n_unary * 2, 32)
+        stream = best_of(runs, end_to_end, b.grpc, "stream", n_stream, 256)
+    RESULTS["throughput"] = {
+        "null": null,
+        "http": http,
+        "unary": unary,
+        "unary_batched": batched,
+        "stream": stream,
+    }
+    add("throughput", "null broker (aiohttp, canned answers), HTTP", f"{null:,.0f}")
+    add(
+        "throughput",
+        "HTTP long-poll, one task per request",
+        f"{http:,.0f} = {http / null:.0%} of null",
+        ">= 75% of null",
+        http / null >= 0.75,
+    )
+    add(
+        "throughput",
+        "unary gRPC (Enqueue, NextJob, Ack)",
+        f"{unary:,.0f}",
+        ">= 3,000",
+        unary >= 3000,
+    )
+    add(
+        "throughput",
+        "unary gRPC, EnqueueBatch + acks riding on NextJob",
+        f"{batched:,.0f}",
+        ">= 3,000",
+        batched >= 3000,
+    )
+    add(
+        "throughput",
+        "gRPC stream (EnqueueBatch, StreamJobs, batched acks)",
+        f"{stream:,.0f}",
+        ">= 15,000",
+        stream >= 15000,
+    )
+
+
+def durable(q: bool) -> None:
+    print("Memory versus SQLite store (SQLite: WAL, synchronous=FULL unless noted)", flush=True)
+    n_http, n_stream = (6_000, 30_000) if q else (20_000, 100_000)
+    figures: dict[str, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp:
+        for label, args in (
+            ("memory", ()),
+            ("sqlite full", ("-store", f"sqlite:{tmp}/full.db")),
+            ("sqlite normal", ("-store", f"sqlite:{tmp}/normal.db", "-sqlite-sync", "normal")),
+        ):
+            with broker(*args) as b:
+                figures[label] = {
+                    "e2e_http": end_to_end(b.http, "http", n_http, 32),
+                    "e2e_stream": end_to_end(b.grpc, "stream", n_stream, 256),
+                    # last: it leaves its tasks queued
+                    "enqueue_http": enqueue_rate(b.http, "http", n_http, 32),
+                }
+    RESULTS["stores"] = figures
+    mem = figures["memory"]
+    for label, f in figures.items():
+        add("stores", f"{label}: HTTP enqueue rate", f"{f['enqueue_http']:,.0f}/s")
+        ratio = f["e2e_http"] / mem["e2e_http"]
+        stream_ratio = f["e2e_stream"] / mem["e2e_stream"]
+        if label == "memory":
+            add("stores", "memory: HTTP end to end", f"{f['e2e_http']:,.0f}/s")
+            add("stores", "memory: stream end to end", f"{f['e2e_stream']:,.0f}/s")
+            continue
+        add(
+            "stores",
+            f"{label}: HTTP end to end",
+            f"{f['e2e_http']:,.0f}/s = {ratio:.0%} of memory",
+            ">= 50% of memory",
+            ratio >= 0.5,
+        )
+        add(
+            "stores",
+            f"{label}: stream end to end",
+            f"{f['e2e_stream']:,.0f}/s = {stream_ratio:.0%} of memory",
+        )
+
+
+def latency(q: bool) -> None:
+    print("Enqueue-to-delivery latency, one task at a time, a worker already parked", flush=True)
+    n = "300" if q else "2000"
+    with broker() as b:
+        http = run_json("bench.load", "latency", b.http, "http", n, "2", "0")
+        stream = run_json("bench.load", "latency", b.grpc, "stream", n, "2", "0")
+    RESULTS["latency"] = {"http": http, "stream": stream}
+    add("latency", "HTTP p50", f"{http['p50_ms']:.2f} ms", "<= 1 ms", http["p50_ms"] <= 1)
+    add("latency", "HTTP p99", f"{http['p99_ms']:.2f} ms", "<= 5 ms", http["p99_ms"] <= 5)
+    add("latency", "stream p50", f"{stream['p50_ms']:.2f} ms")
+    add("latency", "stream p99", f"{stream['p99_ms']:.2f} ms", "<= 3 ms", stream["p99_ms"] <= 3)
+
+
+def delayed(q: bool) -> None:
+    print("Delayed tasks: how late they become claimable (delay_ms 50, worker parked)", flush=True)
+    n = "200" if q else "1000"
+    with broker() as b:
+        http = run_json("bench.load", "latency", b.http, "http", n, "1", "50")
+        stream = run_json("bench.load", "latency", b.grpc, "stream", n, "1", "50")
+    RESULTS["delayed"] = {"http": http, "stream": stream}
+    for label, r in (("HTTP", http), ("stream", stream)):
+        add(
+            "delayed",
+            f"{label} lateness median",
+            f"{r['p50_ms']:.2f} ms",
+            "<= 5 ms",
+            r["p50_ms"] <= 5,
+        )
+        add(
+            "delayed",
+            f"{label} lateness p99",
+            f"{r['p99_ms']:.2f} ms",
+            "<= 20 ms",
+            r["p99_ms"] <= 20,
+        )
+
+
+def memory(q: bool) -> None:
+    print("Memory: RSS per ready task, 100-byte payloads, beyond the payload bytes", flush=True)
+    n = 200_000 if q else 1_000_000
+    r = run_json("bench.inproc", "memory", str(n))
+    RESULTS["memory"] = r
+    per = r["bytes_per_task_beyond_payload"]
+    add(
+        "memory",
+        f"{n:,} ready tasks",
+        f"{per:.0f} B/task (RSS {r['rss_mb']:.0f} MiB)",
+        "<= 300 B",
+        per <= 300,
+    )
+
+
+def scale(q: bool) -> None:
+    print(
+        "Scale: cost per operation with 1k versus 1M tasks each ready, delayed, handed out",
+        flush=True,
+    )
+    large = 200_000 if q else 1_000_000
+    r = run_json("bench.inproc", "scale", "1000", str(large), "20000")
+    RESULTS["scale"] = r
+    for op in ("enqueue", "claim", "ack"):
+        ratio = r["ratio"][op]
+        add(
+            "scale",
+            f"{op}: {r['us_small'][op]:.2f} us -> {r['us_large'][op]:.2f} us",
+            f"ratio {ratio:.2f}",
+            "<= 1.5",
+            ratio <= 1.5,
+        )
+    s = run_json("bench.inproc", "sweep", str(large))
+    RESULTS["sweep"] = s
+    add(
+        "scale",
+        f"sweeper tick, {large:,} leases none due",
+        f"median {s['tick_median_us']:.1f} us, max {s['tick_max_us']:.0f} us",
+        "<= 1 ms",
+        s["tick_median_us"] <= 1000,
+    )
+
+
+def pollers(q: bool) -> None:
+    print(
+        "Parked HTTP long-pollers: broker memory each, and a worker's latency with them", flush=True
+    )
+    count = 2000 if q else 10_000
+    samples = "300" if q else "1000"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, count * 2 + 1000)), hard))
+    with broker(grpc=False) as b:
+        base = run_json("bench.pollers", b.http, str(b.proc.pid), "1", samples, "2")
+    with broker(grpc=False) as b:
+        many = run_json("bench.pollers", b.http, str(b.proc.pid), str(count), samples, "2")
+    RESULTS["pollers"] = {"one": base, "many": many}
+    per = many["bytes_per_poller"]
+    add(
+        "pollers",
+        f"{count:,} parked pollers",
+        f"{per / 1024:.1f} KB each",
+        "<= 20 KB",
+        per <= 20 * 1024,
+    )
+    change = many["p50_ms"] / base["p50_ms"]
+    figure = f"{base['p50_ms']:.2f} -> {many['p50_ms']:.2f} ms ({change:.2f}x)"
+    add("pollers", "delivery latency p50, alone -> with them", figure, "<= 1.2x", change <= 1.2)
+    add(
+        "pollers",
+        "delivery latency p99, alone -> with them",
+        f"{base['p99_ms']:.2f} -> {many['p99_ms']:.2f} ms",
+    )
+
+
+def rabbitmq(q: bool) -> None:
+    print("RabbitMQ on 127.0.0.1:5672, same workload (aio-pika, confirms, manual acks)", flush=True)
+    try:
+        with socket.create_connection(("127.0.0.1", 5672), 1):
+            pass
+    except OSError:
+        add("rabbitmq", "RabbitMQ", "not running on 127.0.0.1:5672: skipped")
+        return
+    try:
+        import aio_pika  # noqa: F401
+    except ImportError:
+        add("rabbitmq", "RabbitMQ", "aio-pika is not installed: skipped")
+        return
+    n = 10_000 if q else 50_000
+    url = os.environ.get("WQ_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
+    queue = f"wq-bench-{os.getpid()}"
+    consume = subprocess.Popen(
+        [PY, "-m", "bench.rabbit", "consume", url, queue, str(n), "256"],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(1.0)
+    produced = run_json("bench.rabbit", "produce", url, queue, str(n), "64")
+    consumed = json.loads(consume.communicate(timeout=600)[0].strip().splitlines()[-1])
+    rate = n / (consumed["last"] - produced["first"])
+    RESULTS["rabbitmq"] = rate
+    add("rabbitmq", "RabbitMQ end to end (prefetch 256, 64 publishers)", f"{rate:,.0f}/s")
+    t = RESULTS.get("throughput")
+    if t:
+        add(
+            "rabbitmq", "wq for comparison", f"HTTP {t['http']:,.0f}/s, stream {t['stream']:,.0f}/s"
+        )
+
+
+SECTIONS = {
+    "throughput": throughput,
+    "stores": durable,
+    "latency": latency,
+    "delayed": delayed,
+    "memory": memory,
+    "scale": scale,
+    "pollers": pollers,
+    "rabbitmq": rabbitmq,
+}
+
+
+def table() -> str:
+    width = max(len(r.name) for r in ROWS)
+    vwidth = max(len(r.value) for r in ROWS)
+    lines = [f"{'measure':<{width}}  {'figure':<{vwidth}}  target", "-" * (width + vwidth + 30)]
+    section = None
+    for r in ROWS:
+        if r.section != section:
+            section = r.section
+            lines.append(f"[{section}]")
+        mark = "" if r.ok is None else ("  ok" if r.ok else "  MISSED")
+        lines.append(f"{r.name:<{width}}  {r.value:<{vwidth}}  {r.target}{mark}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="smaller runs (a smoke test)")
+    parser.add_argument("--json", metavar="FILE", help="also write the raw figures here")
+    parser.add_argument("sections", nargs="*", help=f"only these, of: {', '.join(SECTIONS)}")
+    args = parser.parse_args()
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section {unknown[0]!r}; choose from {', '.join(SECTIONS)}")
+    started = time.monotonic()
+    cpu = os.cpu_count()
+    print(f"wq benchmark on {cpu} cores, Python {sys.version.split()[0]}", flush=True)
+    for name in args.sections or SECTIONS:
+        SECTIONS[name](args.quick)
+    print()
+    print(table())
+    print(f"\n({time.monotonic() - started:.0f} s; `make bench` again for fresh figures)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(RESULTS, indent=2))
+
+
+if __name__ == "__main__":
+    main()
