@@ -78,12 +78,16 @@ async def settle(rounds: int = 5) -> None:
 
 @asynccontextmanager
 async def running_broker(
-    clock: Clock | None = None, rng: random.Random | None = None, **config: Any
+    clock: Clock | None = None,
+    rng: random.Random | None = None,
+    store: Store | None = None,
+    **config: Any,
 ) -> AsyncIterator[Broker]:
-    """A real broker (HTTP on 127.0.0.1, port 0) in this event loop."""
+    """A real broker (HTTP and gRPC on 127.0.0.1, port 0) in this event loop; ``config`` are
+    Config fields, ``store`` an already opened store to use."""
     config.setdefault("addr", "127.0.0.1:0")
     config.setdefault("grpc_addr", "127.0.0.1:0")
-    broker = Broker(Config(**config), clock=clock, rng=rng)
+    broker = Broker(Config(**config), clock=clock, rng=rng, store=store)
     await broker.start()
     try:
         yield broker

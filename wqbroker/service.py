@@ -451,6 +451,12 @@ class Service:
                 self._freed(stream)
             await self._pump()
 
+    def problem(self) -> str | None:
+        """Why the broker cannot serve (for health checks), or None when it can."""
+        if self._closing:
+            return "the broker is shutting down"
+        return self._store.problem()
+
     async def stats(self) -> Stats:
         return await self._store.stats()
 

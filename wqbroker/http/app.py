@@ -204,6 +204,9 @@ async def requeue(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    problem = request.app[SERVICE].problem()
+    if problem is not None:
+        return _json_response(codec.dumps({"status": "unavailable", "error": problem}), 503)
     return _json_response(b'{"status":"ok"}')
 
 

@@ -91,6 +91,10 @@ class Store(Protocol):
 
     async def stats(self) -> Stats: ...
 
+    def problem(self) -> str | None:
+        """Why the store cannot work (it failed and refuses further work), or None if it can."""
+        ...
+
     def ready_hint(self) -> int | None:
         """How many tasks are ready, if the store knows without any I/O (else None). Only a hint,
         used to size batches of claims."""

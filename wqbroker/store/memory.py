@@ -292,6 +292,9 @@ class MemoryStore:
         result.promoted = self._promote(now)
         return result, self._next_due()
 
+    def problem(self) -> str | None:
+        return None
+
     def ready_hint(self) -> int | None:
         return len(self._ready)
 

@@ -437,6 +437,11 @@ class SqliteStore(MemoryStore):
             self._flushing = asyncio.get_running_loop().create_task(self._flush())
         await asyncio.shield(future)
 
+    def problem(self) -> str | None:
+        if self._failed is not None:
+            return f"the store is unavailable: {self._failed}"
+        return None
+
     def _check(self) -> None:
         if self._failed is not None:
             raise StoreError(f"the store is unavailable: {self._failed}")

@@ -1,0 +1,175 @@
+"""What is particular to the SQLite store: the refusals at start, restarts through the real
+command, group commit, and the fail-stop after a failed commit. (The store contract and the state
+machine run against SQLite too, in test_store_contract.py and test_store_stateful.py; kill -9 is in
+test_crash.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import sqlite3
+import subprocess
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import http_client, running_broker
+from tests.procs import broker_command, broker_process
+from wqbroker.errors import StoreError
+from wqbroker.retry import Backoff
+from wqbroker.store.sqlite import SqliteStore
+
+pytestmark = pytest.mark.timeout(60)
+
+NOW = 1_800_000_000.0
+
+
+def call(method: str, url: str, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            raw = resp.read()
+            return resp.status, json.loads(raw) if raw else None
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"null")
+
+
+def start_fails(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        broker_command("-addr", "127.0.0.1:0", "-grpc-addr", "off", *args),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "wq.db"
+    path.write_bytes(b"this is not an SQLite database, just some text\n" * 100)
+    line = one_line_error(start_fails("-store", f"sqlite:{path}"))
+    assert "not a valid wq database" in line and str(path) in line
+
+
+def test_a_corrupt_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "wq.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE t (x)")
+        conn.executemany("INSERT INTO t VALUES (?)", [(b"x" * 1000,)] * 200)
+    data = bytearray(path.read_bytes())
+    data[4096:8192] = b"\xff" * 4096  # smash a page
+    path.write_bytes(bytes(data))
+    line = one_line_error(start_fails("-store", f"sqlite:{path}"))
+    assert str(path) in line
+
+
+def test_a_database_of_another_application_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "other.db"
+    with sqlite3.connect(path) as conn:
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.execute("INSERT INTO meta VALUES ('schema', '99')")
+    line = one_line_error(start_fails("-store", f"sqlite:{path}"))
+    assert "schema" in line
+
+
+def test_a_file_locked_by_another_broker_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "wq.db"
+    with broker_process("-grpc-addr", "off", "-store", f"sqlite:{path}"):
+        line = one_line_error(start_fails("-store", f"sqlite:{path}"))
+        assert "locked" in line and "another broker" in line
+
+
+def test_an_unwritable_place_is_refused(tmp_path: Path) -> None:
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    for place in (tmp_path / "missing" / "dir" / "wq.db", a_file / "wq.db", tmp_path):
+        line = one_line_error(start_fails("-store", f"sqlite:{place}"))
+        assert "cannot open" in line and str(place) in line
+
+
+def test_an_unknown_store_is_refused() -> None:
+    line = one_line_error(start_fails("-store", "postgres://nowhere"))
+    assert "unknown store" in line
+
+
+def test_everything_survives_a_restart_of_the_real_command(tmp_path: Path) -> None:
+    path = tmp_path / "wq.db"
+    args = ("-grpc-addr", "off", "-store", f"sqlite:{path}", "-backoff-base-ms", "60000")
+    with broker_process(*args) as b:
+        ids = [call("POST", b.url + "/jobs", {"payload": {"n": n}})[1]["id"] for n in range(5)]
+        call("POST", b.url + "/jobs", {"payload": "later", "delay_ms": 3_600_000})
+        _, held = call("GET", b.url + "/jobs/next?wait_ms=0&lease_ms=300000")  # ids[0]
+        _, failed = call("GET", b.url + "/jobs/next?wait_ms=0")  # ids[1]
+        nack = f"/jobs/{failed['task']['id']}/nack?lease_id={failed['lease_id']}"
+        assert call("POST", b.url + nack, {"error": "first try"})[0] == 204
+        _, doomed = call("POST", b.url + "/jobs", {"payload": "doomed", "max_attempts": 1})
+        claimed = None
+        for _ in range(4):  # ids[2..4] come first, then the doomed one
+            _, claimed = call("GET", b.url + "/jobs/next?wait_ms=0")
+            if claimed["task"]["id"] == doomed["id"]:
+                break
+            ack = f"/jobs/{claimed['task']['id']}/ack?lease_id={claimed['lease_id']}"
+            assert call("POST", b.url + ack)[0] == 204
+        assert claimed is not None and claimed["task"]["id"] == doomed["id"]
+        nack = f"/jobs/{doomed['id']}/nack?lease_id={claimed['lease_id']}"
+        assert call("POST", b.url + nack, {"error": "no hope"})[0] == 204
+        _, before = call("GET", b.url + "/stats")
+        _, dlq_before = call("GET", b.url + "/dlq")
+    assert held["task"]["id"] == ids[0]
+    with broker_process(*args) as b:
+        _, after = call("GET", b.url + "/stats")
+        _, dlq_after = call("GET", b.url + "/dlq")
+        assert after == before
+        assert (after["handed_out"], after["delayed"], after["dead"]) == (1, 2, 1)
+        assert dlq_after == dlq_before
+        assert dlq_after[0]["last_error"] == "no hope"
+        # The lease handed out before the restart is still good.
+        ack = f"/jobs/{held['task']['id']}/ack?lease_id={held['lease_id']}"
+        assert call("POST", b.url + ack)[0] == 204
+        _, final = call("GET", b.url + "/stats")
+        assert final["totals"]["acked"] == before["totals"]["acked"] + 1
+
+
+async def test_concurrent_requests_share_commits(tmp_path: Path) -> None:
+    store = await SqliteStore.open(str(tmp_path / "wq.db"), Backoff(1, 30, random.Random(1)))
+    try:
+        await asyncio.gather(
+            *(store.enqueue(b"1", max_attempts=3, delay=0, now=NOW) for _ in range(500))
+        )
+        assert (await store.stats()).ready == 500
+        assert store.commits < 50, f"500 concurrent enqueues took {store.commits} commits"
+    finally:
+        await store.close()
+
+
+async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(tmp_path: Path) -> None:
+    store = await SqliteStore.open(str(tmp_path / "wq.db"), Backoff(1, 30, random.Random(1)))
+
+    def broken_write(rows: Any) -> None:
+        raise sqlite3.OperationalError("disk I/O error")
+
+    async with running_broker(store=store, grpc_addr="off") as broker:
+        async with http_client(broker.http_url) as http:
+            assert (await http.request("GET", "/healthz"))[0] == 200
+            store._write = broken_write  # type: ignore[method-assign]
+            status, body = await http.request("POST", "/jobs", json={"payload": 1})
+            assert status == 503 and "disk I/O error" in body["error"]
+            # Everything after that is refused too, with the reason, never a 5xx other than 503.
+            status, body = await http.request("GET", "/stats")
+            assert status == 503 and "unavailable" in body["error"]
+            status, body = await http.request("GET", "/healthz")
+            assert status == 503 and body["status"] == "unavailable"
+            with pytest.raises(StoreError):
+                await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW)
