@@ -15,6 +15,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -94,32 +95,50 @@ async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> di
 # -- consumers ------------------------------------------------------------------------------------
 
 
-async def consume_http(url: str, n: int, concurrency: int) -> dict[str, Any]:
+Step = Callable[[], Awaitable[int]]
+
+
+async def until_done(n: int, concurrency: int, make_step: Callable[[], Step]) -> dict[str, Any]:
+    """Run ``concurrency`` loops, each repeating its own step (which returns how many tasks it
+    finished), until ``n`` are done; report when the last one finished."""
     done = 0
     finished = asyncio.Event()
+
+    async def loop() -> None:
+        nonlocal done
+        step = make_step()
+        while not finished.is_set():
+            count = await step()  # not `done += await ...`: that would race the other loops
+            done += count
+            if done >= n:
+                finished.set()
+
+    workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
+    await finished.wait()
+    last = time.time()
+    for w in workers:
+        w.cancel()
+    await asyncio.gather(*workers, return_exceptions=True)
+    return {"last": last, "n": done}
+
+
+async def consume_http(url: str, n: int, concurrency: int) -> dict[str, Any]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def loop() -> None:
-            nonlocal done
-            while not finished.is_set():
+        def make_step() -> Step:
+            async def step() -> int:
                 async with session.get(url + "/jobs/next?wait_ms=1000") as resp:
                     if resp.status == 204:
-                        continue
+                        return 0
                     body = json.loads(await resp.read())
                 ack = f"{url}/jobs/{body['task']['id']}/ack?lease_id={body['lease_id']}"
                 async with session.post(ack) as resp:
                     assert resp.status == 204, resp.status
-                done += 1
-                if done >= n:
-                    finished.set()
+                return 1
 
-        workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
-        await finished.wait()
-        last = time.time()
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    return {"last": last, "n": done}
+            return step
+
+        return await until_done(n, concurrency, make_step)
 
 
 async def consume_unary(target: str, n: int, concurrency: int) -> dict[str, Any]:
@@ -128,70 +147,57 @@ async def consume_unary(target: str, n: int, concurrency: int) -> dict[str, Any]
     from wqclient.pb import broker_pb2 as pb
     from wqclient.pb import broker_pb2_grpc as pb_grpc
 
-    done = 0
-    finished = asyncio.Event()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
         request = pb.NextJobRequest(wait_ms=1000)
 
-        async def loop() -> None:
-            nonlocal done
-            while not finished.is_set():
+        def make_step() -> Step:
+            async def step() -> int:
                 response = await stub.NextJob(request)
                 if not response.HasField("delivery"):
-                    continue
+                    return 0
                 d = response.delivery
                 await stub.Ack(pb.AckRequest(id=d.task.id, lease_id=d.lease_id))
-                done += 1
-                if done >= n:
-                    finished.set()
+                return 1
 
-        workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
-        await finished.wait()
-        last = time.time()
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    return {"last": last, "n": done}
+            return step
+
+        return await until_done(n, concurrency, make_step)
 
 
 async def consume_unary_piggyback(target: str, n: int, concurrency: int) -> dict[str, Any]:
-    """NextJob carrying the ack of the previous task: one call per task."""
+    """NextJob carrying the ack of the previous task: one call per task (and a last Ack)."""
     import grpc
 
     from wqclient.pb import broker_pb2 as pb
     from wqclient.pb import broker_pb2_grpc as pb_grpc
 
-    done = 0
-    finished = asyncio.Event()
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
+        left = n  # tasks not yet claimed by any loop
 
-        async def loop() -> None:
-            nonlocal done
+        def make_step() -> Step:
             pending: list[Any] = []
-            while not finished.is_set():
+
+            async def step() -> int:
+                nonlocal pending, left
                 response = await stub.NextJob(pb.NextJobRequest(wait_ms=1000, acks=pending))
-                done += len(response.settled)
+                finished = len(response.settled)
                 pending = []
-                if done >= n:
-                    finished.set()
                 if response.HasField("delivery"):
                     d = response.delivery
-                    pending = [pb.AckRequest(id=d.task.id, lease_id=d.lease_id)]
-                    if done + 1 >= n:  # the last one: ack it now
-                        await stub.Ack(pending[0])
-                        done += 1
-                        pending = []
-                        finished.set()
+                    ack = pb.AckRequest(id=d.task.id, lease_id=d.lease_id)
+                    left -= 1
+                    if left <= 0:  # nothing more will come to carry it: ack it now
+                        await stub.Ack(ack)
+                        finished += 1
+                    else:
+                        pending = [ack]
+                return finished
 
-        workers = [asyncio.ensure_future(loop()) for _ in range(concurrency)]
-        await finished.wait()
-        last = time.time()
-        for w in workers:
-            w.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
-    return {"last": last, "n": done}
+            return step
+
+        return await until_done(n, concurrency, make_step)
 
 
 async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:

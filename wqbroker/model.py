@@ -6,7 +6,7 @@ can build them from rows just as the memory backend builds them from its records
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True, frozen=True)
@@ -45,16 +45,7 @@ class Totals:
     requeued: int = 0
 
     def copy(self) -> Totals:
-        return Totals(
-            self.enqueued,
-            self.delivered,
-            self.acked,
-            self.nacked,
-            self.reclaimed,
-            self.retried,
-            self.buried,
-            self.requeued,
-        )
+        return replace(self)
 
 
 @dataclass(slots=True)

@@ -90,24 +90,26 @@ def delay_seconds(value: object | None) -> float:
     return n / 1000.0
 
 
+def _capped_ms(name: str, value: object | None, default: int, minimum: int, cap: int) -> float:
+    """A duration in ms: ``default`` when absent, at least ``minimum``, clamped to ``cap`` (the
+    spec clamps values above a cap rather than refusing them). Returns seconds."""
+    if value is None:
+        return default / 1000.0
+    n = _integer(name, value)
+    if n < minimum:
+        rule = "must not be negative" if minimum == 0 else f"must be at least {minimum}"
+        raise InvalidArgument(f"{name} {rule}, got {n}")
+    return min(n, cap) / 1000.0
+
+
 def wait_seconds(value: object | None) -> float:
     """``wait_ms``: default 20 s, values above 30 s are clamped to 30 s."""
-    if value is None:
-        return DEFAULT_WAIT_MS / 1000.0
-    n = _integer("wait_ms", value)
-    if n < 0:
-        raise InvalidArgument(f"wait_ms must not be negative, got {n}")
-    return min(n, MAX_WAIT_MS) / 1000.0
+    return _capped_ms("wait_ms", value, DEFAULT_WAIT_MS, 0, MAX_WAIT_MS)
 
 
 def lease_seconds(value: object | None) -> float:
-    """``lease_ms``: default 30 s, values above 5 min are clamped to 5 min."""
-    if value is None:
-        return DEFAULT_LEASE_MS / 1000.0
-    n = _integer("lease_ms", value)
-    if n < 1:
-        raise InvalidArgument(f"lease_ms must be at least 1, got {n}")
-    return min(n, MAX_LEASE_MS) / 1000.0
+    """``lease_ms``: default 30 s, at least 1 ms, values above 5 min are clamped to 5 min."""
+    return _capped_ms("lease_ms", value, DEFAULT_LEASE_MS, 1, MAX_LEASE_MS)
 
 
 def prefetch_value(value: object | None) -> int:

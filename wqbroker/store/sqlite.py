@@ -34,10 +34,11 @@ import random
 import sqlite3
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import astuple
 from typing import Any, Final
 
 from wqbroker.errors import StoreError, WqError
-from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView
+from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store.memory import DEAD, DELAYED, HANDED_OUT, READY, MemoryStore, _Task
 
@@ -268,17 +269,7 @@ class SqliteStore(MemoryStore):
             self._dead[task.id] = task
             self._ord[task.id] = burial
             self._burials = max(self._burials, burial)
-        t = self._totals
-        (
-            t.enqueued,
-            t.delivered,
-            t.acked,
-            t.nacked,
-            t.reclaimed,
-            t.retried,
-            t.buried,
-            t.requeued,
-        ) = totals
+        self._totals = Totals(*totals)
         log.info(
             "loaded %s: %d ready, %d handed out, %d delayed, %d dead",
             self.path,
@@ -364,18 +355,7 @@ class SqliteStore(MemoryStore):
             for t in batch.changed.values()
         ]
         deletes = [(_key(task_id),) for task_id in batch.deleted]
-        t = self._totals
-        totals = (
-            t.enqueued,
-            t.delivered,
-            t.acked,
-            t.nacked,
-            t.reclaimed,
-            t.retried,
-            t.buried,
-            t.requeued,
-        )
-        return inserts, updates, deletes, totals
+        return inserts, updates, deletes, astuple(self._totals)
 
     def _write(self, rows: tuple[list[Any], list[Any], list[Any], tuple[int, ...]]) -> None:
         """In the writer thread: one transaction for the whole batch."""
