@@ -201,10 +201,6 @@ class Stream(Consumer):
         self._waiter: asyncio.Future[None] | None = None
         self._sent: dict[str, str] = {}  # lease_id -> task_id, taken by next() and unfinished
 
-    @property
-    def unfinished(self) -> int:
-        return len(self._pending) + len(self._sent)
-
     def _deliver(self, delivery: Delivery) -> None:
         self._pending.append(delivery)
         self.poke()
@@ -504,21 +500,16 @@ class Service:
             return
         self._streams.discard(stream)
         stream._shutdown()
-        self._consumers.pop(stream, None)
-        pending, stream._pending = list(stream._pending), deque()
+        released = await self._release_pending(stream)
         sent, stream._sent = stream._sent, {}
         now = self._clock.now()
-        released = False
-        for delivery in reversed(pending):  # each goes to the head of ready: oldest last
-            self._stream_leases.pop(delivery.lease_id, None)
-            released |= await self._store.release(delivery.task.id, delivery.lease_id)
         for lease_id, task_id in sent.items():
             self._stream_leases.pop(lease_id, None)
             try:
                 failure = await self._store.reclaim(
                     task_id, lease_id, RECLAIM_STREAM_ENDED, now=now
                 )
-            except Exception:  # already finished or reclaimed by another path
+            except WqError:  # finished meanwhile (a unary ack) or its lease already ran out
                 continue
             if failure.retry_at is not None:
                 self._sweeper.wake_by(failure.retry_at)
@@ -527,14 +518,19 @@ class Service:
 
     async def _drain_stream(self, stream: Stream) -> None:
         stream.draining = True
+        if await self._release_pending(stream) and self._consumers:
+            await self._pump()
+
+    async def _release_pending(self, stream: Stream) -> bool:
+        """Take the stream out of line and put the tasks queued for it, not yet taken, back at
+        the head of ready in their order. True if any went back."""
         self._consumers.pop(stream, None)
         pending, stream._pending = list(stream._pending), deque()
         released = False
         for delivery in reversed(pending):  # each goes to the head of ready: oldest last
             if self._stream_leases.pop(delivery.lease_id, None) is stream:
                 released |= await self._store.release(delivery.task.id, delivery.lease_id)
-        if released and self._consumers:
-            await self._pump()
+        return released
 
     async def _finished(self, *lease_ids: str) -> None:
         """Leases ended (ack, nack, reclaim): free the slots of the streams that held them, then
