@@ -98,27 +98,23 @@ def render_stats(stats: Stats) -> bytes:
 # -- request parsing ----------------------------------------------------------------------------
 
 
-def _query_int(request: web.Request, name: str) -> int | None:
-    values = request.query.getall(name, [])
-    if not values:
-        return None
-    if len(values) > 1:
-        raise InvalidArgument(f"{name} is given more than once")
-    raw = values[0].strip()
-    try:
-        # int() alone would also accept "1_000" and non-ASCII digits.
-        if not raw or not raw.lstrip("+-").isascii() or not raw.lstrip("+-").isdigit():
-            raise ValueError
-        return int(raw)
-    except ValueError:
-        raise InvalidArgument(f"{name} must be an integer, got {values[0]!r}") from None
-
-
 def _query_str(request: web.Request, name: str) -> str | None:
     values = request.query.getall(name, [])
     if len(values) > 1:
         raise InvalidArgument(f"{name} is given more than once")
     return values[0] if values else None
+
+
+def _query_int(request: web.Request, name: str) -> int | None:
+    raw = _query_str(request, name)
+    if raw is None:
+        return None
+    text = raw.strip()
+    digits = text[1:] if text[:1] in ("+", "-") else text
+    # Plain ASCII digits only: int() would also take "1_000" and other scripts' digits.
+    if not (digits.isascii() and digits.isdigit()):
+        raise InvalidArgument(f"{name} must be an integer, got {raw!r}")
+    return int(text)
 
 
 async def _read_body(request: web.Request) -> bytes:
