@@ -15,13 +15,18 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import http_client, running_broker
+from tests.conftest import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
+from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
 from wqbroker.retry import Backoff
 from wqbroker.store.sqlite import SqliteStore
+from wqclient.pb import broker_pb2 as pb
+from wqclient.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -154,22 +159,45 @@ async def test_concurrent_requests_share_commits(tmp_path: Path) -> None:
         await store.close()
 
 
-async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(tmp_path: Path) -> None:
+async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     store = await SqliteStore.open(str(tmp_path / "wq.db"), Backoff(1, 30, random.Random(1)))
+    clock = FakeClock()
 
     def broken_write(rows: Any) -> None:
         raise sqlite3.OperationalError("disk I/O error")
 
-    async with running_broker(store=store, grpc_addr="off") as broker:
-        async with http_client(broker.http_url) as http:
+    async with running_broker(clock=clock, store=store) as broker:
+        async with (
+            http_client(broker.http_url) as http,
+            grpc.aio.insecure_channel(broker.grpc_target) as channel,
+        ):
+            health = health_pb2_grpc.HealthStub(channel)
+            check = health_pb2.HealthCheckRequest(service="wq.v1.Broker")
+            serving = health_pb2.HealthCheckResponse.SERVING
+            assert (await health.Check(check)).status == serving
             assert (await http.request("GET", "/healthz"))[0] == 200
             store._write = broken_write  # type: ignore[method-assign]
             status, body = await http.request("POST", "/jobs", json={"payload": 1})
             assert status == 503 and "disk I/O error" in body["error"]
-            # Everything after that is refused too, with the reason, never a 5xx other than 503.
+            # Everything after that is refused too, with the reason: 503, never another 5xx.
             status, body = await http.request("GET", "/stats")
             assert status == 503 and "unavailable" in body["error"]
             status, body = await http.request("GET", "/healthz")
             assert status == 503 and body["status"] == "unavailable"
+            assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            stub = pb_grpc.BrokerStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Enqueue(pb.EnqueueRequest(payload=b"1"))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             with pytest.raises(StoreError):
                 await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW)
+            # The sweeper keeps ticking against the failed store, and says so once.
+            ticks = broker.service.sweeper.ticks
+            for _ in range(5):
+                clock.advance(1.0)
+                await settle()
+            assert broker.service.sweeper.ticks >= ticks + 5
+            failures = [r for r in caplog.records if "sweeper tick failed" in r.getMessage()]
+            assert len(failures) == 1

@@ -36,6 +36,7 @@ class Sweeper:
         self._waiter: asyncio.Future[None] | None = None
         self._task: asyncio.Task[None] | None = None
         self._due_now = False  # a timer fired while a tick was running
+        self._failing = False
         self.ticks = 0
 
     def start(self) -> None:
@@ -89,7 +90,13 @@ class Sweeper:
             except asyncio.CancelledError:
                 raise
             except Exception:  # a failing tick must not stop the sweeper
-                log.exception("sweeper tick failed")
+                if not self._failing:  # say it once, not four times a second
+                    log.exception("sweeper tick failed (it keeps trying)")
+                self._failing = True
+            else:
+                if self._failing:
+                    log.info("sweeper ticks again")
+                self._failing = False
             self.ticks += 1
             now = self._clock.now()
             when = now + self._interval

@@ -333,6 +333,21 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             settled.append(_settled(nack.id, nack.lease_id, error, nack=True))
 
 
+# grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
+class _Health(health.aio.HealthServicer):  # type: ignore[name-defined,misc]
+    """The standard health service; NOT_SERVING while the broker cannot serve (its store
+    failed, or it is shutting down), whatever was set."""
+
+    def __init__(self, service: Service) -> None:
+        super().__init__()
+        self._service = service
+
+    async def Check(self, request: Any, context: Context) -> Any:
+        if self._service.problem() is not None:
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
+        return await super().Check(request, context)
+
+
 def create_server(service: Service, *, max_payload: int) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with the Broker service, health checking and reflection.
     Returns the server and its health servicer (to flip to NOT_SERVING on shutdown)."""
@@ -352,8 +367,7 @@ def create_server(service: Service, *, max_payload: int) -> tuple[grpc.aio.Serve
         ]
     )
     pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service, max_payload=max_payload), server)
-    # grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
-    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
+    health_servicer = _Health(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
