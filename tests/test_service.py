@@ -9,6 +9,7 @@ rather than assuming a fixed number of loop rounds is enough."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from tests.conftest import settle
 from wqbroker.clock import FakeClock
 from wqbroker.errors import InvalidArgument, NotFound
 from wqbroker.model import Delivery, Stats
-from wqbroker.service import Service, Stream
+from wqbroker.service import Service, Stream, _Poller
 from wqbroker.store import Store
 
 PAYLOAD = b'{"line": "hello"}'
@@ -366,12 +367,18 @@ async def test_a_claim_cancelled_just_before_an_enqueue_gets_nothing(service: Se
 
 
 async def test_a_task_handed_to_a_claim_cancelled_before_it_ran_goes_back(
-    service: Service,
+    service: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     claim = await park(service, wait_ms=20_000)
-    view = await service.enqueue(PAYLOAD)  # handed to the parked claim ...
-    claim.cancel()  # ... whose client disconnects before the claim could return it
-    await settle()
+    deliver = _Poller._deliver
+
+    def deliver_then_disconnect(self: _Poller, delivery: Delivery) -> None:
+        deliver(self, delivery)  # the task is handed to the parked claim ...
+        claim.cancel()  # ... whose client disconnects before the claim could return it
+
+    monkeypatch.setattr(_Poller, "_deliver", deliver_then_disconnect)
+    view = await service.enqueue(PAYLOAD)
+    await until(claim.done, "the claim to end")
     assert claim.cancelled()
     stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
     assert (stats.ready, stats.handed_out) == (1, 0)
@@ -392,12 +399,22 @@ async def test_a_cancelled_claim_does_not_hold_up_the_next_one(service: Service)
     assert await gauges(service) == (0, 1, 0, 0)
 
 
-async def test_a_released_task_goes_to_the_next_parked_claim(service: Service) -> None:
+async def test_a_released_task_goes_to_the_next_parked_claim(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
     first = await park(service, wait_ms=20_000)
     second = await park(service, wait_ms=20_000)
+    deliver = _Poller._deliver
+
+    def deliver_then_disconnect(self: _Poller, delivery: Delivery) -> None:
+        deliver(self, delivery)
+        if not first.done():
+            first.cancel()  # the first claim's client goes away as the task reaches it
+
+    monkeypatch.setattr(_Poller, "_deliver", deliver_then_disconnect)
     view = await service.enqueue(PAYLOAD)
-    first.cancel()
     d = await answer(second)
+    assert first.cancelled()
     assert d is not None
     assert (d.task.id, d.task.attempts) == (view.id, 1)
     assert await gauges(service) == (0, 1, 0, 0)
@@ -835,3 +852,58 @@ async def test_2000_tasks_50_producers_3_workers(service: Service, clock: FakeCl
     t = stats.totals
     assert (t.enqueued, t.delivered, t.acked) == (total, total, total)
     assert (t.nacked, t.reclaimed, t.retried, t.buried) == (0, 0, 0, 0)
+
+
+# -- a caller that goes away half-way ------------------------------------------------------------
+# With a durable store an operation waits for its commit; if its caller is cancelled then (the
+# client went away), what the operation changed must still be followed through.
+
+
+async def test_an_enqueue_whose_caller_went_away_still_feeds_the_parked_claim(
+    service: Service,
+) -> None:
+    claim = await park(service, wait_ms=20_000)
+    enqueue = asyncio.ensure_future(service.enqueue(PAYLOAD))
+    await asyncio.sleep(0)  # it has started (and, with a durable store, waits for its commit)
+    enqueue.cancel()
+    d = await answer(claim)
+    assert d is not None and json.loads(d.task.payload) == json.loads(PAYLOAD)
+    assert await gauges(service) == (0, 1, 0, 0)
+
+
+async def test_an_ack_whose_caller_went_away_still_frees_the_stream_slot(
+    service: Service,
+) -> None:
+    for n in range(2):
+        await service.enqueue(payload(n))
+    stream = await service.open_stream(1, None)
+    first = await asyncio.wait_for(stream.next(), 5)
+    assert first is not None
+    ack = asyncio.ensure_future(service.ack(first.task.id, first.lease_id))
+    await asyncio.sleep(0)
+    ack.cancel()
+    second = await asyncio.wait_for(stream.next(), 5)  # the slot came free: the next one arrives
+    assert second is not None and second.task.id != first.task.id
+    stats = await stats_until(service, lambda s: s.totals.acked == 1, "the ack")
+    assert (stats.ready, stats.handed_out) == (0, 1)
+    await stream.close()
+
+
+async def test_a_claim_whose_caller_went_away_during_the_hand_out_gives_the_task_back(
+    service: Service,
+) -> None:
+    view = await service.enqueue(PAYLOAD)
+    claim = asyncio.ensure_future(service.claim(wait_ms=0))
+    await asyncio.sleep(0)
+    claim.cancel()
+    await until(claim.done, "the claim to end")
+    # A store whose calls never wait completes the claim before the cancel can land.
+    assert claim.cancelled() is not service.store.atomic
+    if claim.cancelled():  # it was cut short: the hand-out must have been undone
+        stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
+        assert (stats.ready, stats.totals.delivered) == (1, 0)
+        d = await service.claim(wait_ms=0)
+        assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)
+    else:
+        d = claim.result()
+        assert d is not None and d.task.id == view.id

@@ -13,10 +13,11 @@ queue, so streams and long-pollers share ready tasks fairly.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Sequence
-from typing import Any, Final
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 from wqbroker.clock import Clock
 from wqbroker.errors import InvalidArgument, Unavailable, WqError
@@ -133,6 +134,34 @@ def id_value(name: str, value: object) -> str:
     if not value:
         raise InvalidArgument(f"{name} is required")
     return value
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def _follow_through(
+    method: Callable[Concatenate[Service, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[Service, P], Coroutine[Any, Any, R]]:
+    """Run an operation to its end even if its caller is cancelled half-way (a client that goes
+    away while a durable store commits): what it changed in the store must be followed through,
+    a waiting consumer fed or a stream's slot freed. Only a store whose calls suspend needs it."""
+
+    @functools.wraps(method)
+    async def run(service: Service, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        if service._store.atomic:
+            return await method(service, *args, **kwargs)
+        task = asyncio.get_running_loop().create_task(method(service, *args, **kwargs))
+        task.add_done_callback(_outcome_seen)
+        return await asyncio.shield(task)
+
+    return run
+
+
+def _outcome_seen(task: asyncio.Task[Any]) -> None:
+    # The caller may have gone: fetch the outcome so asyncio does not report it as unretrieved.
+    if not task.cancelled():
+        task.exception()
 
 
 class Consumer:
@@ -309,6 +338,7 @@ class Service:
 
     # -- operations --------------------------------------------------------------------------
 
+    @_follow_through
     async def enqueue(
         self, payload: bytes, max_attempts: object | None = None, delay_ms: object | None = None
     ) -> TaskView:
@@ -323,6 +353,7 @@ class Service:
             await self._pump()
         return task
 
+    @_follow_through
     async def enqueue_many(
         self, items: Sequence[tuple[bytes, object | None, object | None]], *, what: str = "tasks"
     ) -> list[TaskView]:
@@ -352,7 +383,7 @@ class Service:
         if self._closing:
             return None
         if not self._consumers:
-            delivery = await self._store.claim(lease=lease, now=self._clock.now())
+            delivery = await self._claim_now(lease)
             if delivery is not None:
                 self._sweeper.wake_by(delivery.deadline)
                 return delivery
@@ -379,11 +410,31 @@ class Service:
             poller.closed = True
             self._consumers.pop(poller, None)
 
+    async def _claim_now(self, lease: float) -> Delivery | None:
+        claimed = self._store.claim(lease=lease, now=self._clock.now())
+        if self._store.atomic:
+            return await claimed
+        task = asyncio.get_running_loop().create_task(claimed)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The caller went away while the store committed the hand-out: undo it once done.
+            def undo(done: asyncio.Task[Delivery | None]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    delivery = done.result()
+                    if delivery is not None:
+                        self._spawn(self.release(delivery))
+
+            task.add_done_callback(undo)
+            raise
+
+    @_follow_through
     async def ack(self, task_id: object, lease_id: object) -> None:
         tid, lid = id_value("id", task_id), id_value("lease_id", lease_id)
         await self._store.ack(tid, lid, now=self._clock.now())
         await self._finished(lid)
 
+    @_follow_through
     async def nack(self, task_id: object, lease_id: object, error: object | None = None) -> None:
         tid, lid = id_value("id", task_id), id_value("lease_id", lease_id)
         message = error_value(error)
@@ -392,6 +443,7 @@ class Service:
             self._sweeper.wake_by(failure.retry_at)
         await self._finished(lid)
 
+    @_follow_through
     async def settle_many(
         self,
         acks: Sequence[tuple[object, object]],
@@ -438,6 +490,7 @@ class Service:
         await self._finished(*finished)
         return ack_errors, nack_errors
 
+    @_follow_through
     async def release(self, delivery: Delivery) -> None:
         """Hand back a delivery that never reached a worker (its client disconnected)."""
         stream = self._stream_leases.pop(delivery.lease_id, None)
@@ -466,6 +519,7 @@ class Service:
                 raise InvalidArgument(f"limit must not be negative, got {n}")
         return await self._store.dead(limit=n)
 
+    @_follow_through
     async def requeue(self, task_id: object) -> None:
         tid = id_value("id", task_id)
         await self._store.requeue(tid, now=self._clock.now())
@@ -560,6 +614,14 @@ class Service:
             self._pump_again = True
             return
         self._pumping = True
+        if self._store.atomic:
+            await self._pump_all()
+        else:
+            # Claimed tasks must reach their consumers even if the request that started the pump
+            # is cancelled (its client went away) while the store commits: run it on its own.
+            await asyncio.shield(asyncio.get_running_loop().create_task(self._pump_all()))
+
+    async def _pump_all(self) -> None:
         try:
             again = True
             while again:

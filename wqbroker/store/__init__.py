@@ -38,6 +38,11 @@ __all__ = ["Store"]
 
 
 class Store(Protocol):
+    #: True if no method ever suspends (each call is done in one step of the event loop), as
+    #: with the memory store; False if calls wait for I/O, and so may be cut short by a caller's
+    #: cancellation at that point.
+    atomic: bool
+
     async def enqueue(
         self, payload: bytes, *, max_attempts: int, delay: float, now: float
     ) -> TaskView:

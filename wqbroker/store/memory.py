@@ -75,6 +75,8 @@ class _Task:
 
 
 class MemoryStore:
+    atomic = True
+
     def __init__(self, backoff: Backoff | None = None, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
         self._backoff = backoff if backoff is not None else Backoff(rng=self._rng)

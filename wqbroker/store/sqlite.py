@@ -129,6 +129,8 @@ def _describe_open_error(path: str, error: sqlite3.Error) -> str:
 class SqliteStore(MemoryStore):
     """Open with :meth:`open` (it loads the file); close with :meth:`close`."""
 
+    atomic = False  # every change waits for its commit
+
     def __init__(
         self,
         path: str,
