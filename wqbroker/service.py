@@ -148,14 +148,19 @@ def _follow_through(
     a waiting consumer fed or a stream's slot freed. Only a store whose calls suspend needs it."""
 
     @functools.wraps(method)
-    async def run(service: Service, /, *args: P.args, **kwargs: P.kwargs) -> R:
+    def run(service: Service, /, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
+        operation = method(service, *args, **kwargs)
         if service._store.atomic:
-            return await method(service, *args, **kwargs)
-        task = asyncio.get_running_loop().create_task(method(service, *args, **kwargs))
-        task.add_done_callback(_outcome_seen)
-        return await asyncio.shield(task)
+            return operation  # nothing can cut it short: no extra task, no extra frame
+        return _to_the_end(operation)
 
     return run
+
+
+async def _to_the_end(operation: Coroutine[Any, Any, R]) -> R:
+    task = asyncio.get_running_loop().create_task(operation)
+    task.add_done_callback(_outcome_seen)
+    return await asyncio.shield(task)
 
 
 def _outcome_seen(task: asyncio.Task[Any]) -> None:
