@@ -93,26 +93,27 @@ async def timed_ops(service: Service, ops: int) -> dict[str, float]:
 
 
 async def scale(small: int, large: int, ops: int) -> dict[str, Any]:
-    results = {}
+    """Both populations are built first, then timed in turns (five rounds, best of each), so
+    that a machine speeding up or slowing down does not tilt the ratio."""
+    services = {}
     for n in (small, large):
         service, _, clock = make_service()
         await populate(service, clock, n)
-        gc.collect()
-        gc.freeze()  # the population is long-lived: keep the collector from rescanning it
-        best: dict[str, float] = {}
-        for _ in range(3):
+        services[n] = service
+    gc.collect()
+    gc.freeze()  # the populations are long-lived: keep the collector from rescanning them
+    best: dict[int, dict[str, float]] = {small: {}, large: {}}
+    for _ in range(5):
+        for n, service in services.items():
             for op, t in (await timed_ops(service, ops)).items():
-                best[op] = min(best.get(op, t), t)
-        results[n] = best
-        gc.unfreeze()
-        del service
-        gc.collect()
-    ratios = {op: results[large][op] / results[small][op] for op in results[small]}
+                best[n][op] = min(best[n].get(op, t), t)
+    gc.unfreeze()
+    ratios = {op: best[large][op] / best[small][op] for op in best[small]}
     return {
         "small": small,
         "large": large,
-        "us_small": {k: v * 1e6 for k, v in results[small].items()},
-        "us_large": {k: v * 1e6 for k, v in results[large].items()},
+        "us_small": {k: v * 1e6 for k, v in best[small].items()},
+        "us_large": {k: v * 1e6 for k, v in best[large].items()},
         "ratio": ratios,
     }
 
