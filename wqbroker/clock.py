@@ -76,10 +76,6 @@ class FakeClock:
         heapq.heappush(self._timers, (when, next(self._seq), timer))
         return timer
 
-    def pending(self) -> list[float]:
-        """Due times of the timers not yet fired or cancelled, soonest first."""
-        return sorted(t.when for _, _, t in self._timers if not t.cancelled)
-
     def advance(self, seconds: float) -> None:
         if seconds < 0:
             raise ValueError("a clock cannot go backwards")
