@@ -18,7 +18,7 @@ import pytest
 from tests.conftest import settle
 from wqbroker.clock import FakeClock
 from wqbroker.errors import InvalidArgument, NotFound
-from wqbroker.model import Delivery, Stats
+from wqbroker.models import Delivery, Stats
 from wqbroker.service import Service, Stream, _Poller
 from wqbroker.store import Store
 
@@ -113,7 +113,7 @@ async def test_the_default_max_attempts_buries_after_three_deliveries(
         assert (d.task.id, d.task.attempts) == (task.id, attempt)
         await service.nack(d.task.id, d.lease_id, f"failure {attempt}")
     assert await gauges(service) == (0, 0, 0, 1)
-    [dead] = await service.dead()
+    [dead] = await service.dead_letters()
     assert (dead.id, dead.attempts, dead.last_error) == (task.id, 3, "failure 3")
 
 
@@ -475,7 +475,7 @@ async def test_the_sweeper_reclaims_an_expired_lease(service: Service, clock: Fa
     stats = await balanced(service)
     assert (stats.ready, stats.handed_out, stats.dead) == (0, 0, 1)
     assert (stats.totals.reclaimed, stats.totals.buried) == (1, 1)
-    [dead] = await service.dead()
+    [dead] = await service.dead_letters()
     assert (dead.id, dead.last_error) == (view.id, "lease expired")
     with pytest.raises(NotFound):  # the silent worker comes back too late
         await service.ack(d.task.id, d.lease_id)
@@ -898,7 +898,7 @@ async def test_a_claim_whose_caller_went_away_during_the_hand_out_gives_the_task
     claim.cancel()
     await until(claim.done, "the claim to end")
     # A store whose calls never wait completes the claim before the cancel can land.
-    assert claim.cancelled() is not service.store.atomic
+    assert claim.cancelled() is not service.store.never_suspends
     if claim.cancelled():  # it was cut short: the hand-out must have been undone
         stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
         assert (stats.ready, stats.totals.delivered) == (1, 0)

@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from wqbroker.errors import LeaseMismatch, NotFound
-from wqbroker.model import Delivery, Failure, Stats, Totals
+from wqbroker.errors import LeaseLost, NotFound
+from wqbroker.models import Delivery, Failure, Stats, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
@@ -283,7 +283,7 @@ async def test_ack_forgets_the_task(store: Store) -> None:
     await store.ack(task_id, d.lease_id, now=NOW + 1)
     await expect(store, enqueued=1, delivered=1, acked=1)
     assert await store.claim(lease=LEASE, now=NOW + 100) is None
-    assert await store.dead() == []
+    assert await store.dead_letters() == []
     with pytest.raises(NotFound):
         await store.ack(task_id, d.lease_id, now=NOW + 1)
     with pytest.raises(NotFound):
@@ -310,7 +310,7 @@ async def test_ack_only_touches_its_own_task(store: Store) -> None:
 async def test_wrong_lease_on_a_held_task_is_a_lease_mismatch(store: Store, op: str) -> None:
     task_id = await enqueue(store)
     d = await claim(store)
-    with pytest.raises(LeaseMismatch):
+    with pytest.raises(LeaseLost):
         await finish(store, op, task_id, "not-the-lease")
     # nothing moved, and the real lease still works
     await expect(store, handed_out=1, enqueued=1, delivered=1)
@@ -412,7 +412,7 @@ async def test_a_stale_lease_on_a_task_handed_out_again_is_a_lease_mismatch(
     new = await claim(store, NOW + 10.0)  # backoff after attempt 1 is at most 1 s
     assert new.task.id == task_id and new.task.attempts == 2
     assert new.lease_id != old.lease_id
-    with pytest.raises(LeaseMismatch):
+    with pytest.raises(LeaseLost):
         await finish(store, op, task_id, old.lease_id, NOW + 10.0)
     assert await store.release(task_id, old.lease_id) is False
     stats = dict(enqueued=1, delivered=2, reclaimed=1, retried=1)
@@ -476,7 +476,7 @@ async def test_nack_with_no_attempts_left_buries_the_task(store: Store) -> None:
     failure = await store.nack(task_id, d.lease_id, "out of luck", now=NOW + 1)
     assert failure == Failure(task_id, True, None)
     await expect(store, dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
-    [view] = await store.dead()
+    [view] = await store.dead_letters()
     assert view.id == task_id
     assert view.last_error == "out of luck"
     assert view.attempts == 1
@@ -496,7 +496,7 @@ async def test_nack_without_an_error_records_none(store: Store) -> None:
     d = await claim(store, failure.retry_at)
     assert d.task.last_error == "first"
     await store.nack(task_id, d.lease_id, None, now=failure.retry_at)
-    [view] = await store.dead()
+    [view] = await store.dead_letters()
     assert view.last_error is None
 
 
@@ -511,7 +511,7 @@ async def test_the_last_failure_wins_as_last_error(store: Store) -> None:
     d = await claim(store, now)
     assert d.task.last_error == "two"
     await store.reclaim(task_id, d.lease_id, "three", now=now)
-    [view] = await store.dead()
+    [view] = await store.dead_letters()
     assert (view.attempts, view.last_error) == (3, "three")
     await expect(store, dead=1, enqueued=1, delivered=3, nacked=2, reclaimed=1, retried=2, buried=1)
 
@@ -560,7 +560,7 @@ async def test_sweep_buries_an_expired_task_with_no_attempts_left(store: Store) 
     assert result.reclaimed == [(task_id, d.lease_id)]
     assert next_due is None
     await expect(store, dead=1, enqueued=1, delivered=1, reclaimed=1, buried=1)
-    [view] = await store.dead()
+    [view] = await store.dead_letters()
     assert (view.id, view.last_error, view.attempts) == (task_id, "lease expired", 1)
 
 
@@ -647,7 +647,7 @@ async def test_reclaim_buries_when_no_attempts_are_left(store: Store) -> None:
     failure = await store.reclaim(task_id, d.lease_id, "worker gone", now=NOW)
     assert failure == Failure(task_id, True, None)
     await expect(store, dead=1, enqueued=1, delivered=1, reclaimed=1, buried=1)
-    [view] = await store.dead()
+    [view] = await store.dead_letters()
     assert view.last_error == "worker gone"
 
 
@@ -731,7 +731,7 @@ async def test_requeue_gives_a_dead_task_a_clean_start(store: Store) -> None:
 
     await store.requeue(task_id, now=now + 1)
     await expect(store, ready=2, enqueued=2, delivered=2, nacked=2, retried=1, buried=1, requeued=1)
-    assert await store.dead() == []
+    assert await store.dead_letters() == []
     # to the tail of ready
     assert (await claim(store, now + 1)).task.id == other
     d = await claim(store, now + 1)
@@ -758,7 +758,7 @@ async def test_requeue_gives_a_dead_task_a_clean_start(store: Store) -> None:
         buried=2,
         requeued=1,
     )
-    [view] = await store.dead()
+    [view] = await store.dead_letters()
     assert view.last_error == "e4"
 
 
@@ -787,14 +787,14 @@ async def test_dead_lists_in_burial_order_and_honours_limit(store: Store) -> Non
     for n in [3, 0, 4, 1, 2]:
         await store.nack(ids[n], got[n].lease_id, f"error {n}", now=NOW)
     order = [ids[n] for n in [3, 0, 4, 1, 2]]
-    views = await store.dead()
+    views = await store.dead_letters()
     assert [v.id for v in views] == order
     assert [v.last_error for v in views] == ["error 3", "error 0", "error 4", "error 1", "error 2"]
-    assert [v.id for v in await store.dead(limit=2)] == order[:2]
-    assert await store.dead(limit=0) == []
-    assert [v.id for v in await store.dead(limit=50)] == order
+    assert [v.id for v in await store.dead_letters(limit=2)] == order[:2]
+    assert await store.dead_letters(limit=0) == []
+    assert [v.id for v in await store.dead_letters(limit=50)] == order
     await store.requeue(ids[4], now=NOW)
-    assert [v.id for v in await store.dead()] == [ids[3], ids[0], ids[1], ids[2]]
+    assert [v.id for v in await store.dead_letters()] == [ids[3], ids[0], ids[1], ids[2]]
     await expect(store, ready=1, dead=4, enqueued=5, delivered=5, nacked=5, buried=5, requeued=1)
 
 
@@ -804,7 +804,7 @@ async def test_a_requeued_task_buried_again_goes_to_the_end(store: Store) -> Non
     await bury(store, b, "b1")
     await store.requeue(a, now=NOW)
     await bury(store, a, "a2")
-    views = await store.dead()
+    views = await store.dead_letters()
     assert [(v.id, v.last_error) for v in views] == [(b, "b1"), (a, "a2")]
 
 

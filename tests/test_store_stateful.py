@@ -36,8 +36,8 @@ from hypothesis.stateful import (
 )
 
 from tests.conftest import BACKENDS, make_store
-from wqbroker.errors import LeaseMismatch, NotFound
-from wqbroker.model import Delivery, Totals
+from wqbroker.errors import LeaseLost, NotFound
+from wqbroker.models import Delivery, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
@@ -364,7 +364,7 @@ class StoreMachine(RuleBasedStateMachine):
         if op == "release":
             assert self.run(self.store.release(task_id, lease_id)) is False
             return
-        expected = LeaseMismatch if task_id in self.handed else NotFound
+        expected = LeaseLost if task_id in self.handed else NotFound
         try:
             if op == "ack":
                 self.run(self.store.ack(task_id, lease_id, now=self.now))
@@ -372,7 +372,7 @@ class StoreMachine(RuleBasedStateMachine):
                 self.run(self.store.nack(task_id, lease_id, "late", now=self.now))
             else:
                 self.run(self.store.reclaim(task_id, lease_id, "late", now=self.now))
-        except (LeaseMismatch, NotFound) as exc:
+        except (LeaseLost, NotFound) as exc:
             assert type(exc) is expected, (op, type(exc).__name__, expected.__name__)
             return
         raise AssertionError(f"{op} with a stale lease succeeded")
@@ -411,7 +411,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_dead_letter_queue_matches_the_model(self) -> None:
-        views = self.run(self.store.dead())
+        views = self.run(self.store.dead_letters())
         assert [v.id for v in views] == self.dead
         for view in views:
             task = self.tasks[view.id]

@@ -24,7 +24,7 @@ class NotFound(WqError):
     """No such task, or nobody holds it (for ack/nack), or it is not dead (for requeue)."""
 
 
-class LeaseMismatch(WqError):
+class LeaseLost(WqError):
     """The task is held, but under a different lease: the caller's lease is no longer valid."""
 
 

@@ -21,7 +21,7 @@ from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 from wqbroker.clock import Clock
 from wqbroker.errors import InvalidArgument, Unavailable, WqError
-from wqbroker.model import Delivery, Stats, TaskView
+from wqbroker.models import Delivery, Stats, Task
 from wqbroker.store import Store
 from wqbroker.sweeper import Sweeper
 
@@ -150,7 +150,7 @@ def _follow_through(
     @functools.wraps(method)
     def run(service: Service, /, *args: P.args, **kwargs: P.kwargs) -> Coroutine[Any, Any, R]:
         operation = method(service, *args, **kwargs)
-        if service._store.atomic:
+        if service._store.never_suspends:
             return operation  # nothing can cut it short: no extra task, no extra frame
         return _to_the_end(operation)
 
@@ -346,7 +346,7 @@ class Service:
     @_follow_through
     async def enqueue(
         self, payload: bytes, max_attempts: object | None = None, delay_ms: object | None = None
-    ) -> TaskView:
+    ) -> Task:
         attempts = max_attempts_value(max_attempts)
         delay = delay_seconds(delay_ms)
         task = await self._store.enqueue(
@@ -361,7 +361,7 @@ class Service:
     @_follow_through
     async def enqueue_many(
         self, items: Sequence[tuple[bytes, object | None, object | None]], *, what: str = "tasks"
-    ) -> list[TaskView]:
+    ) -> list[Task]:
         """Enqueue (payload, max_attempts, delay_ms) triples, all or none: an invalid one is
         reported as ``{what}[i]: problem`` and nothing is enqueued."""
         checked = []
@@ -417,7 +417,7 @@ class Service:
 
     async def _claim_now(self, lease: float) -> Delivery | None:
         claimed = self._store.claim(lease=lease, now=self._clock.now())
-        if self._store.atomic:
+        if self._store.never_suspends:
             return await claimed
         task = asyncio.get_running_loop().create_task(claimed)
         try:
@@ -516,13 +516,13 @@ class Service:
     async def stats(self) -> Stats:
         return await self._store.stats()
 
-    async def dead(self, limit: object | None = None) -> list[TaskView]:
+    async def dead_letters(self, limit: object | None = None) -> list[Task]:
         n = None
         if limit is not None:
             n = _integer("limit", limit)
             if n < 0:
                 raise InvalidArgument(f"limit must not be negative, got {n}")
-        return await self._store.dead(limit=n)
+        return await self._store.dead_letters(limit=n)
 
     @_follow_through
     async def requeue(self, task_id: object) -> None:
@@ -619,7 +619,7 @@ class Service:
             self._pump_again = True
             return
         self._pumping = True
-        if self._store.atomic:
+        if self._store.never_suspends:
             await self._pump_all()
         else:
             # Claimed tasks must reach their consumers even if the request that started the pump

@@ -285,7 +285,7 @@ class GrpcTransport:
             ),
         )
 
-    async def dead(self, limit: int | None) -> list[Task]:
+    async def dead_letters(self, limit: int | None) -> list[Task]:
         response = await self._unary(self._stub.ListDead, pb.ListDeadRequest(limit=limit))
         return [_task(t) for t in response.tasks]
 

@@ -262,7 +262,7 @@ class HttpTransport:
             totals=Totals(**body["totals"]),
         )
 
-    async def dead(self, limit: int | None) -> list[Task]:
+    async def dead_letters(self, limit: int | None) -> list[Task]:
         query = f"?limit={limit}" if limit is not None else ""
         _, data = await self._call("GET", "/dlq" + query)
         return [_task(t) for t in _loads(data)]

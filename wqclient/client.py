@@ -143,7 +143,7 @@ class AsyncClient:
 
     async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
         """The dead-letter queue, oldest burial first, each task with its last_error."""
-        return await self._transport.dead(limit)
+        return await self._transport.dead_letters(limit)
 
     async def requeue(self, task_id: str) -> None:
         """Give a dead task a clean start (attempts 0, back of ready)."""

@@ -20,14 +20,14 @@ from grpc_reflection.v1alpha import reflection
 from wqbroker import codec
 from wqbroker.errors import (
     InvalidArgument,
-    LeaseMismatch,
+    LeaseLost,
     NotFound,
     PayloadTooLarge,
     StoreError,
     Unavailable,
     WqError,
 )
-from wqbroker.model import Delivery, TaskView
+from wqbroker.models import Delivery, Task
 from wqbroker.service import Service, Stream, lease_seconds, wait_seconds
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
@@ -38,7 +38,7 @@ log = logging.getLogger("wqbroker.grpc")
 CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
-    LeaseMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,
     StoreError: grpc.StatusCode.UNAVAILABLE,
@@ -88,7 +88,7 @@ def timestamp(ts: float) -> Timestamp:
     return Timestamp(seconds=seconds, nanos=nanos)
 
 
-def task_pb(task: TaskView) -> pb.Task:
+def task_pb(task: Task) -> pb.Task:
     return pb.Task(
         id=task.id,
         payload=task.payload,
@@ -215,7 +215,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def ListDead(self, request: pb.ListDeadRequest, context: Context) -> pb.ListDeadResponse:
         async with _Errors(context):
-            tasks = await self._service.dead(_optional(request, "limit"))
+            tasks = await self._service.dead_letters(_optional(request, "limit"))
             return pb.ListDeadResponse(tasks=[task_pb(t) for t in tasks])
 
     async def Requeue(self, request: pb.RequeueRequest, context: Context) -> pb.RequeueResponse:

@@ -17,14 +17,14 @@ from aiohttp import web
 from wqbroker import codec
 from wqbroker.errors import (
     InvalidArgument,
-    LeaseMismatch,
+    LeaseLost,
     NotFound,
     PayloadTooLarge,
     StoreError,
     Unavailable,
     WqError,
 )
-from wqbroker.model import Delivery, Stats, TaskView
+from wqbroker.models import Delivery, Stats, Task
 from wqbroker.service import Service
 
 log = logging.getLogger("wqbroker.http")
@@ -35,7 +35,7 @@ DEFAULT_MAX_BODY: Final = 1024 * 1024
 STATUS: Final[dict[type[WqError], int]] = {
     InvalidArgument: 400,
     NotFound: 404,
-    LeaseMismatch: 409,
+    LeaseLost: 409,
     PayloadTooLarge: 413,
     Unavailable: 503,
     StoreError: 503,
@@ -59,7 +59,7 @@ def _error_response(status: int, message: str) -> web.Response:
 # -- rendering ----------------------------------------------------------------------------------
 
 
-def render_task(task: TaskView) -> bytes:
+def render_task(task: Task) -> bytes:
     ts = codec.rfc3339
     error = "null" if task.last_error is None else codec.dumps(task.last_error).decode("utf-8")
     return b"".join(
@@ -190,7 +190,7 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def dlq(request: web.Request) -> web.Response:
-    tasks = await request.app[SERVICE].dead(_query_int(request, "limit"))
+    tasks = await request.app[SERVICE].dead_letters(_query_int(request, "limit"))
     return _json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
 
 

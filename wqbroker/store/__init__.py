@@ -12,7 +12,7 @@ Rules every backend follows (the contract test suite checks them against each on
 - ``claim`` first promotes delayed tasks that are due, then hands out the oldest ready task under a
   fresh random lease: ``attempts`` +1, ``delivered`` +1, deadline ``now + lease``.
 - ``ack``, ``nack`` and ``reclaim`` need the task to be handed out (else :class:`NotFound`) under
-  the given lease (else :class:`LeaseMismatch`). ``ack`` forgets the task (``acked`` +1). ``nack``
+  the given lease (else :class:`LeaseLost`). ``ack`` forgets the task (``acked`` +1). ``nack``
   (``nacked`` +1) and ``reclaim`` (``reclaimed`` +1) record the error, then either delay the task
   by the backoff (``retried`` +1) when ``attempts < max_attempts``, or bury it in the dead-letter
   queue (``buried`` +1).
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from wqbroker.errors import WqError
-from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView
+from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task
 
 __all__ = ["Store"]
 
@@ -41,17 +41,15 @@ class Store(Protocol):
     #: True if no method ever suspends (each call is done in one step of the event loop), as
     #: with the memory store; False if calls wait for I/O, and so may be cut short by a caller's
     #: cancellation at that point.
-    atomic: bool
+    never_suspends: bool
 
-    async def enqueue(
-        self, payload: bytes, *, max_attempts: int, delay: float, now: float
-    ) -> TaskView:
+    async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
         """Accept a new task. ``delay`` is in seconds (0 for at once)."""
         ...
 
     async def enqueue_many(
         self, items: Sequence[tuple[bytes, int, float]], *, now: float
-    ) -> list[TaskView]:
+    ) -> list[Task]:
         """Accept (payload, max_attempts, delay) tasks at once, in order (one transaction)."""
         ...
 
@@ -105,7 +103,7 @@ class Store(Protocol):
         used to size batches of claims."""
         ...
 
-    async def dead(self, *, limit: int | None = None) -> list[TaskView]:
+    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
         """Dead tasks, in the order they were buried."""
         ...
 

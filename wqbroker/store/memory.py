@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Final
 
-from wqbroker.errors import LeaseMismatch, NotFound, WqError
-from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView, Totals
+from wqbroker.errors import LeaseLost, NotFound, WqError
+from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task, Totals
 from wqbroker.retry import Backoff
 
 READY: Final = 0
@@ -62,8 +62,8 @@ class _Task:
         self.deadline = 0.0
         self.state = READY
 
-    def view(self) -> TaskView:
-        return TaskView(
+    def view(self) -> Task:
+        return Task(
             self.id,
             self.payload,
             self.attempts,
@@ -75,7 +75,7 @@ class _Task:
 
 
 class MemoryStore:
-    atomic = True
+    never_suspends = True
 
     def __init__(self, backoff: Backoff | None = None, rng: random.Random | None = None) -> None:
         self._rng = rng if rng is not None else random.Random()
@@ -114,7 +114,7 @@ class MemoryStore:
         if task is None or task.state != HANDED_OUT:
             raise NotFound(f"task {task_id} is not held by anyone")
         if task.lease_id != lease_id:
-            raise LeaseMismatch(f"task {task_id} is held under a different lease")
+            raise LeaseLost(f"task {task_id} is held under a different lease")
         return task
 
     def _drop_lease(self, task: _Task, *, in_heap: bool = True) -> None:
@@ -175,9 +175,7 @@ class MemoryStore:
 
     # -- the contract ------------------------------------------------------------------------
 
-    async def enqueue(
-        self, payload: bytes, *, max_attempts: int, delay: float, now: float
-    ) -> TaskView:
+    async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
         task = _Task(self._new_id(), payload, max_attempts, now, now + delay if delay > 0 else now)
         self._tasks[task.id] = task
         if delay > 0:
@@ -192,7 +190,7 @@ class MemoryStore:
 
     async def enqueue_many(
         self, items: Sequence[tuple[bytes, int, float]], *, now: float
-    ) -> list[TaskView]:
+    ) -> list[Task]:
         return [
             await self.enqueue(payload, max_attempts=attempts, delay=delay, now=now)
             for payload, attempts, delay in items
@@ -309,8 +307,8 @@ class MemoryStore:
             totals=self._totals.copy(),
         )
 
-    async def dead(self, *, limit: int | None = None) -> list[TaskView]:
-        views: list[TaskView] = []
+    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
+        views: list[Task] = []
         for task in self._dead.values():
             if limit is not None and len(views) >= limit:
                 break

@@ -38,7 +38,7 @@ from dataclasses import astuple
 from typing import Any, Final
 
 from wqbroker.errors import StoreError, WqError
-from wqbroker.model import Delivery, Failure, Stats, SweepResult, TaskView, Totals
+from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store.memory import DEAD, DELAYED, HANDED_OUT, READY, MemoryStore, _Task
 
@@ -129,7 +129,7 @@ def _describe_open_error(path: str, error: sqlite3.Error) -> str:
 class SqliteStore(MemoryStore):
     """Open with :meth:`open` (it loads the file); close with :meth:`close`."""
 
-    atomic = False  # every change waits for its commit
+    never_suspends = False  # every change waits for its commit
 
     def __init__(
         self,
@@ -432,9 +432,7 @@ class SqliteStore(MemoryStore):
 
     # -- the contract: each change, then wait for it to be durable ------------------------------
 
-    async def enqueue(
-        self, payload: bytes, *, max_attempts: int, delay: float, now: float
-    ) -> TaskView:
+    async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
         self._check()
         view = await super().enqueue(payload, max_attempts=max_attempts, delay=delay, now=now)
         await self._durable()
@@ -442,7 +440,7 @@ class SqliteStore(MemoryStore):
 
     async def enqueue_many(
         self, items: Sequence[tuple[bytes, int, float]], *, now: float
-    ) -> list[TaskView]:
+    ) -> list[Task]:
         self._check()
         views = await super().enqueue_many(items, now=now)
         await self._durable()
@@ -511,10 +509,10 @@ class SqliteStore(MemoryStore):
         await self._durable()  # never report what is not yet committed
         return await super().stats()
 
-    async def dead(self, *, limit: int | None = None) -> list[TaskView]:
+    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
         self._check()
         await self._durable()
-        return await super().dead(limit=limit)
+        return await super().dead_letters(limit=limit)
 
     async def close(self) -> None:
         if self._conn is None:

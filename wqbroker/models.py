@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 
 @dataclass(slots=True, frozen=True)
-class TaskView:
+class Task:
     """A snapshot of one task, as a client sees it."""
 
     id: str
@@ -26,7 +26,7 @@ class TaskView:
 class Delivery:
     """A task handed out under a lease."""
 
-    task: TaskView
+    task: Task
     lease_id: str
     deadline: float  # epoch seconds
 
