@@ -154,7 +154,7 @@ async def test_concurrent_requests_share_commits(tmp_path: Path) -> None:
             *(store.enqueue(b"1", max_attempts=3, delay=0, now=NOW) for _ in range(500))
         )
         assert (await store.stats()).ready == 500
-        assert store.commits < 50, f"500 concurrent enqueues took {store.commits} commits"
+        assert store.transactions < 50, f"500 concurrent enqueues took {store.transactions} commits"
     finally:
         await store.close()
 

@@ -1,67 +1,81 @@
 """The SQLite store: durable, through the standard library's sqlite3.
 
-Design: the SQLite file is the truth; the in-memory structures of :class:`MemoryStore` (dict, deque,
-heaps) are an index over it, rebuilt from the file at start. Every operation changes the index
-atomically on the event loop, exactly as the memory store does (so the semantics are identical and
-the sweeper still works from heaps keyed by deadline, never a table scan), records which tasks it
-touched, and then waits until those changes are committed. Only then does the service answer.
+Design: the SQLite file is the truth. In memory the store keeps an
+:class:`~wqbroker.store.index.Index` over it: ids, states, attempts, the order of ready and dead
+tasks, delay and lease deadlines, the errors of tasks waiting for a retry -- never payloads (nor
+creation times, nor the errors of dead tasks), which are read back from the file when a task is
+handed out or listed. So the backlog is bounded by the disk, not by memory (a small cache keeps the
+payloads of tasks just enqueued, which are usually handed out at once). Every operation changes the
+index atomically on the event loop, exactly as the memory store does (the semantics are the same,
+and the sweeper works from heaps keyed by deadline, never a table scan); the index reports each
+change to a journal, and the operation then waits until those changes are committed. Only then does
+the service answer.
 
 Group commit: one writer thread owns the connection. While it commits one batch, every operation
 that arrives joins the next one, so many concurrent requests share one transaction and one sync to
-disk. A batch is a consistent cut of the index (it is sealed between two operations on the loop),
-and batches commit in order, so nothing a client was told can be lost by a crash. If a commit fails
-(disk full, I/O error) the store stops accepting work and every call fails with StoreError, because
-the index would be ahead of the file: restart the broker to reload what was committed.
+disk, and a call that changes many tasks (a batch enqueue, a batch of settlements) is one
+transaction. A batch is a consistent cut of the index (it is sealed between two operations on the
+loop), and batches commit in order, so nothing a client was told can be lost by a crash. If a
+commit fails (disk full, I/O error) nothing of its batch is in the file, but the index is ahead of
+the file: the store stops accepting work and every call fails with StoreError. Restart the broker
+to reload what was committed.
 
 The file is opened in WAL mode with an exclusive lock (a second broker on the same file is refused
 at start). ``synchronous`` is FULL by default: a commit is on disk before the answer, so nothing
 acknowledged is lost even on power loss. With NORMAL, commits survive a crash of the broker
 (kill -9) but the last ones may be lost on power loss or an OS crash.
 
-Restart: every task comes back in the collection it was in (ready ones in the same order, the
-dead-letter queue in order of burial). Handed-out tasks keep their lease: a worker still holding
-one can ack it after the restart; otherwise it is reclaimed when its deadline passes (at once, if
-it passed while the broker was down). Counters survive too.
+Restart: the index is rebuilt by streaming the rows (payloads are not read). Every task comes back
+in the collection it was in (ready ones in the same order, the dead-letter queue in order of
+burial). Handed-out tasks keep their lease: a worker still holding one can ack it after the
+restart; otherwise it is reclaimed when its deadline passes (at once, if it passed while the broker
+was down). Counters survive too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import heapq
 import logging
 import os
 import random
 import sqlite3
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple
-from typing import Any, Final
+from typing import Final, TypeVar
 
 from wqbroker.errors import StoreError, WqError
 from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task, Totals
 from wqbroker.retry import Backoff
-from wqbroker.store.memory import DEAD, DELAYED, HANDED_OUT, READY, MemoryStore, _Task
+from wqbroker.store.index import DEAD, DELAYED, HANDED_OUT, READY, Index, Record
 
 log = logging.getLogger("wqbroker.store.sqlite")
 
-SCHEMA_VERSION: Final = 1
+R = TypeVar("R")
+
+SCHEMA_VERSION: Final = 2
 SYNC_MODES: Final = ("full", "normal")
 
+# Two tables: what the index is rebuilt from at start (small rows: a restart reads no payloads), and
+# what only views need (read back by key when a task is handed out or listed).
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
     id INTEGER PRIMARY KEY,           -- the task id (16 hex digits) as a signed 64-bit integer
-    payload BLOB NOT NULL,            -- the JSON text as received
     attempts INTEGER NOT NULL,
     max_attempts INTEGER NOT NULL,
-    created_at REAL NOT NULL,
     available_at REAL NOT NULL,       -- delayed: when it becomes ready
-    last_error TEXT,
     state INTEGER NOT NULL,           -- 0 ready, 1 handed out, 2 delayed, 3 dead
     lease_id TEXT,
     deadline REAL,                    -- handed out: when the lease runs out
-    ord INTEGER                       -- ready: place in line; delayed, handed out: tie-break
-                                      -- among equal due times; dead: order of burial
+    ord INTEGER NOT NULL,             -- where it stands: place in line (ready), tie-break among
+                                      -- equal due times (delayed, handed out), burial (dead)
+    last_error TEXT
+);
+CREATE TABLE IF NOT EXISTS bodies (
+    id INTEGER PRIMARY KEY,           -- as tasks.id
+    payload BLOB NOT NULL,            -- the JSON text as received
+    created_at REAL NOT NULL
 );
 CREATE TABLE IF NOT EXISTS totals (
     id INTEGER PRIMARY KEY CHECK (id = 1),
@@ -72,25 +86,64 @@ CREATE TABLE IF NOT EXISTS totals (
 INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0);
 """
 
+# Schema 1 kept payloads in the tasks table.
+_MIGRATE_FROM_1 = (
+    """
+ALTER TABLE tasks RENAME TO tasks_v1;
+"""
+    + _SCHEMA
+    + """
+INSERT INTO bodies (id, payload, created_at) SELECT id, payload, created_at FROM tasks_v1;
+INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord,
+                   last_error)
+    SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, COALESCE(ord, 0),
+           last_error FROM tasks_v1;
+DROP TABLE tasks_v1;
+UPDATE meta SET value = '2' WHERE key = 'schema';
+"""
+)
+
 _INSERT = (
-    "INSERT INTO tasks (id, payload, attempts, max_attempts, created_at, available_at, "
-    "last_error, state, lease_id, deadline, ord) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
 )
+_INSERT_BODY = "INSERT INTO bodies (id, payload, created_at) VALUES (?, ?, ?)"
 _UPDATE = (
-    "UPDATE tasks SET attempts = ?, available_at = ?, last_error = ?, state = ?, lease_id = ?, "
-    "deadline = ?, ord = ? WHERE id = ?"
+    "UPDATE tasks SET attempts = ?, available_at = ?, state = ?, lease_id = ?, deadline = ?, "
+    "ord = ? WHERE id = ?"
 )
+_SET_ERROR = "UPDATE tasks SET last_error = ? WHERE id = ?"
 _DELETE = "DELETE FROM tasks WHERE id = ?"
+_DELETE_BODY = "DELETE FROM bodies WHERE id = ?"
 _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
     "retried = ?, buried = ?, requeued = ? WHERE id = 1"
 )
-
+# The index, streamed at start, one state at a time (ready and dead ones are put in order by
+# their ``ord``); the errors of live tasks (a dead task's error stays in the file).
+_LOAD = (
+    "SELECT id, attempts, max_attempts, available_at, lease_id, deadline, ord, "
+    "CASE WHEN state = 3 THEN NULL ELSE last_error END FROM tasks WHERE state = ?"
+)
+_READ = (
+    "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
+    "WHERE b.id IN ({})"
+)
 
 _OFFSET: Final = 2**63
 # Before sealing a batch, let the event loop run this many times so that operations already
 # under way (the rest of a burst of requests) join it: fewer, larger commits.
 _GATHER_ROUNDS: Final = 3
+# Payloads of tasks just enqueued, kept until they are handed out (up to this many bytes).
+_CACHE_BYTES: Final = 8 * 1024 * 1024
+# Rows read back by key per SELECT.
+_READ_CHUNK: Final = 500
+# What a record holds instead of what the file keeps.
+_NO_PAYLOAD: Final = b""
+_NO_TIME: Final = 0.0
+
+# A row of the file, as read back for a view: payload, created_at, last_error.
+Row = tuple[bytes, float, str | None]
 
 
 def _key(task_id: str) -> int:
@@ -102,16 +155,25 @@ def _task_id(key: int) -> str:
     return f"{key + _OFFSET:016x}"
 
 
-class _Batch:
-    """Changes made since the last seal, and the future their commit resolves."""
+def _schema_version(conn: sqlite3.Connection) -> int | None:
+    """The file's wq schema version; None for an empty file. ValueError if it is not wq's."""
+    listed = conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+    tables = {name for (name,) in listed}
+    if not tables:
+        return None
+    found = None
+    if "meta" in tables:
+        found = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+    if found is None or not str(found[0]).isdigit():
+        raise ValueError("not a wq database: it holds other tables and no wq schema version")
+    return int(found[0])
 
-    __slots__ = ("new", "changed", "deleted", "future")
 
-    def __init__(self, future: asyncio.Future[None]) -> None:
-        self.new: dict[str, _Task] = {}  # not yet in the file
-        self.changed: dict[str, _Task] = {}  # in the file, to update
-        self.deleted: set[str] = set()  # in the file, to delete
-        self.future = future
+def _run_script(conn: sqlite3.Connection, script: str) -> None:
+    """Run ``;``-separated statements inside the open transaction (executescript would commit)."""
+    for statement in script.split(";"):
+        if statement.strip():
+            conn.execute(statement)
 
 
 def _describe_open_error(path: str, error: sqlite3.Error) -> str:
@@ -126,8 +188,127 @@ def _describe_open_error(path: str, error: sqlite3.Error) -> str:
     return f"cannot use {path}: {text}"
 
 
-class SqliteStore(MemoryStore):
-    """Open with :meth:`open` (it loads the file); close with :meth:`close`."""
+class _Batch:
+    """Changes made since the last seal, rows to read back once they are committed, and the
+    future the commit resolves (with the rows read)."""
+
+    __slots__ = ("new", "moved", "errors", "deleted", "reads", "future")
+
+    def __init__(self, future: asyncio.Future[dict[int, Row]]) -> None:
+        self.new: dict[str, tuple[Record, bytes, float]] = {}  # with payload and created_at
+        self.moved: dict[str, Record] = {}  # in the file: update
+        self.errors: dict[str, str | None] = {}  # last_error to write
+        self.deleted: set[str] = set()  # in the file: delete
+        self.reads: set[int] = set()  # keys to read back after the commit
+        self.future = future
+
+
+class _Cache:
+    """Payloads (and creation times) of tasks not handed out yet, up to a number of bytes."""
+
+    __slots__ = ("_entries", "_bytes")
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[bytes, float]] = {}
+        self._bytes = 0
+
+    def put(self, task_id: str, payload: bytes, created_at: float) -> None:
+        if self._bytes + len(payload) <= _CACHE_BYTES:
+            self._entries[task_id] = (payload, created_at)
+            self._bytes += len(payload)
+
+    def take(self, task_id: str) -> tuple[bytes, float] | None:
+        entry = self._entries.pop(task_id, None)
+        if entry is not None:
+            self._bytes -= len(entry[0])
+        return entry
+
+
+class _Journal:
+    """Writes the index's changes down in the open batch (implements index.Journal)."""
+
+    __slots__ = ("batch", "cache")
+
+    def __init__(self) -> None:
+        self.batch: _Batch | None = None
+        self.cache = _Cache()
+
+    def open(self) -> _Batch:
+        batch = self.batch
+        if batch is None:
+            batch = self.batch = _Batch(asyncio.get_running_loop().create_future())
+        return batch
+
+    def created(self, record: Record) -> None:
+        self.open().new[record.id] = (record, record.payload, record.created_at)
+        self.cache.put(record.id, record.payload, record.created_at)
+        record.payload, record.created_at = _NO_PAYLOAD, _NO_TIME  # the file keeps them
+
+    def moved(self, record: Record) -> None:
+        batch = self.open()
+        if record.id not in batch.new:  # a new one is inserted as it stands at the seal
+            batch.moved[record.id] = record
+
+    def errored(self, record: Record) -> None:
+        self.moved(record)
+        self.open().errors[record.id] = record.last_error
+
+    def deleted(self, record: Record) -> None:
+        batch = self.open()
+        task_id = record.id
+        batch.errors.pop(task_id, None)
+        if batch.new.pop(task_id, None) is None:  # else it never reached the file
+            batch.moved.pop(task_id, None)
+            batch.deleted.add(task_id)
+
+
+class _Rows:
+    """What one batch writes, taken on the event loop at the seal."""
+
+    __slots__ = ("inserts", "bodies", "updates", "errors", "deletes", "totals", "reads")
+
+    def __init__(self, batch: _Batch, totals: Totals) -> None:
+        self.inserts = [
+            (
+                _key(r.id),
+                r.attempts,
+                r.max_attempts,
+                r.available_at,
+                r.state,
+                r.lease_id,
+                r.deadline if r.lease_id is not None else None,
+                r.seq,
+            )
+            for r, _, _ in batch.new.values()
+        ]
+        self.bodies = [
+            (_key(r.id), payload, created_at) for r, payload, created_at in batch.new.values()
+        ]
+        self.updates = [
+            (
+                r.attempts,
+                r.available_at,
+                r.state,
+                r.lease_id,
+                r.deadline if r.lease_id is not None else None,
+                r.seq,
+                _key(r.id),
+            )
+            for r in batch.moved.values()
+        ]
+        self.errors = [(error, _key(task_id)) for task_id, error in batch.errors.items()]
+        self.deletes = [(_key(task_id),) for task_id in batch.deleted]
+        self.totals = astuple(totals)
+        self.reads = list(batch.reads)
+        # The error of a dead task is kept by the file alone.
+        for task_id in batch.errors:
+            record = batch.moved.get(task_id) or batch.new.get(task_id, (None,))[0]
+            if record is not None and record.state == DEAD:
+                record.last_error = None
+
+
+class SqliteStore:
+    """Open with :meth:`open` (it loads the index from the file); close with :meth:`close`."""
 
     never_suspends = False  # every change waits for its commit
 
@@ -139,25 +320,20 @@ class SqliteStore(MemoryStore):
         *,
         sync: str = "full",
     ) -> None:
-        super().__init__(backoff, rng)
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
+        rng = rng if rng is not None else random.Random()
+        backoff = backoff if backoff is not None else Backoff(rng=rng)
         self.path = path
         self.sync = sync
+        self._journal = _Journal()
+        self._index = Index(backoff.delay, rng, self._journal)
         self._conn: sqlite3.Connection | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="wq-sqlite")
-        self._batch: _Batch | None = None
         self._flushing: asyncio.Task[None] | None = None
-        self._last_commit: asyncio.Future[None] | None = None
+        self._last_commit: asyncio.Future[dict[int, Row]] | None = None
         self._failed: str | None = None
-        # Order to persist: a ready task's place in line (appended: counting up from 0; put back
-        # at the head: counting down), a delayed or handed-out task's heap sequence (ties between
-        # equal due times), a dead task's order of burial.
-        self._ord: dict[str, int] = {}
-        self._tail = 0
-        self._head = 0
-        self._burials = 0
-        self.commits = 0  # for tests and benchmarks
+        self.transactions = 0
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -173,295 +349,180 @@ class SqliteStore(MemoryStore):
         store = cls(path, backoff, rng, sync=sync)
         loop = asyncio.get_running_loop()
         try:
-            rows, totals = await loop.run_in_executor(store._writer, store._open_file)
+            await loop.run_in_executor(store._writer, store._open_file)
         except sqlite3.Error as e:
             store._writer.shutdown(wait=False)
             raise StoreError(_describe_open_error(path, e)) from None
-        store._load(rows, totals)
+        except ValueError as e:
+            store._writer.shutdown(wait=False)
+            raise StoreError(f"{path} is refused: {e}") from None
+        stats = store._index.stats()
+        log.info(
+            "loaded %s: %d ready, %d handed out, %d delayed, %d dead",
+            path,
+            stats.ready,
+            stats.handed_out,
+            stats.delayed,
+            stats.dead,
+        )
         return store
 
-    def _open_file(self) -> tuple[list[tuple[Any, ...]], tuple[int, ...]]:
-        """In the writer thread: open, lock, create or check the schema, read everything."""
+    def _open_file(self) -> None:
+        """In the writer thread: open, lock, create or check the schema, load the index."""
         conn = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=0.5
         )
         try:
-            # Exclusive locking: the lock taken by the first write below is held until close,
-            # so a second broker on the same file is refused at its start.
-            conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
-            conn.execute(f"PRAGMA synchronous = {self.sync.upper()}")
-            conn.executescript(_SCHEMA)
-            conn.execute("BEGIN IMMEDIATE")
-            found = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
-            if found is None:
-                conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif found[0] != str(SCHEMA_VERSION):
-                raise sqlite3.DatabaseError(f"unsupported schema version {found[0]}")
-            conn.execute("INSERT OR REPLACE INTO meta VALUES ('pid', ?)", (str(os.getpid()),))
-            conn.execute("COMMIT")
-            check = conn.execute("PRAGMA quick_check").fetchone()[0]
-            if check != "ok":
-                raise sqlite3.DatabaseError(f"database disk image is malformed: {check}")
-            rows = conn.execute(
-                "SELECT id, payload, attempts, max_attempts, created_at, available_at, "
-                "last_error, state, lease_id, deadline, ord FROM tasks"
-            ).fetchall()
-            totals = conn.execute(
-                "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued "
-                "FROM totals WHERE id = 1"
-            ).fetchone()
+            self._prepare(conn)
+            self._load(conn)
         except BaseException:
             conn.close()
             raise
         self._conn = conn
-        return rows, tuple(totals)
 
-    def _load(self, rows: list[tuple[Any, ...]], totals: tuple[int, ...]) -> None:
-        """Rebuild the index from the file's rows."""
-        ready: list[tuple[int, _Task]] = []
-        dead: list[tuple[int, _Task]] = []
-        for (
-            key,
-            payload,
-            attempts,
-            max_attempts,
-            created_at,
-            available_at,
-            last_error,
-            state,
-            lease_id,
-            deadline,
-            ord_,
-        ) in rows:
-            task_id = _task_id(key)
-            task = _Task(task_id, bytes(payload), max_attempts, created_at, available_at)
-            task.attempts = attempts
-            task.last_error = last_error
-            task.state = state
-            if state == DEAD:
-                dead.append((ord_ or 0, task))
-                continue
-            self._tasks[task_id] = task
-            if state == READY:
-                ready.append((ord_ or 0, task))
-            elif state == DELAYED:
-                self._delayed.append((available_at, ord_, task))
-                self._seq = max(self._seq, ord_)
-            elif state == HANDED_OUT:
-                task.lease_id = lease_id
-                task.deadline = deadline
-                self._leases.append((deadline, ord_, lease_id, task))
-                self._seq = max(self._seq, ord_)
-                self._handed_out += 1
-            else:
-                raise StoreError(f"{self.path}: task {task_id} has an unknown state {state}")
-        ready.sort(key=lambda e: e[0])
-        self._ready.extend(t for _, t in ready)
-        for position, task in ready:
-            self._ord[task.id] = position
-            self._tail = max(self._tail, position)
-            self._head = min(self._head, position)
-        heapq.heapify(self._delayed)
-        heapq.heapify(self._leases)
-        dead.sort(key=lambda e: e[0])
-        for burial, task in dead:
-            self._dead[task.id] = task
-            self._ord[task.id] = burial
-            self._burials = max(self._burials, burial)
-        self._totals = Totals(*totals)
-        log.info(
-            "loaded %s: %d ready, %d handed out, %d delayed, %d dead",
-            self.path,
-            len(self._ready),
-            self._handed_out,
-            len(self._delayed),
-            len(self._dead),
-        )
-
-    # -- recording changes ---------------------------------------------------------------------
-
-    def _open_batch(self) -> _Batch:
-        batch = self._batch
-        if batch is None:
-            batch = self._batch = _Batch(asyncio.get_running_loop().create_future())
-        return batch
-
-    def _place(self, task: _Task) -> None:
-        """Note where ``task`` now stands, for the file (called right after each move)."""
-        state = task.state
-        if state == READY:
-            ready = self._ready
-            if ready and ready[-1] is task:
-                self._tail += 1
-                self._ord[task.id] = self._tail
-            else:  # released: put back at the head
-                self._head -= 1
-                self._ord[task.id] = self._head
-        elif state == DEAD:
-            self._burials += 1
-            self._ord[task.id] = self._burials
-        else:  # delayed or handed out: the heap entry just pushed has the latest sequence
-            self._ord[task.id] = self._seq
-
-    def _created(self, task: _Task) -> None:
-        self._open_batch().new[task.id] = task
-        self._place(task)
-
-    def _touch(self, task: _Task) -> None:
-        batch = self._open_batch()
-        if task.id not in batch.new:  # a new one is inserted with its state at the seal
-            batch.changed[task.id] = task
-        self._place(task)
-
-    def _forget(self, task: _Task) -> None:
-        batch = self._open_batch()
-        task_id = task.id
-        self._ord.pop(task_id, None)
-        if batch.new.pop(task_id, None) is None:  # else it never reached the file
-            batch.changed.pop(task_id, None)
-            batch.deleted.add(task_id)
-
-    def _seal(self, batch: _Batch) -> tuple[list[Any], list[Any], list[Any], tuple[int, ...]]:
-        """Rows for the batch, as the tasks are now (on the loop: a consistent cut)."""
-        position = self._ord.get
-        inserts = [
-            (
-                _key(t.id),
-                t.payload,
-                t.attempts,
-                t.max_attempts,
-                t.created_at,
-                t.available_at,
-                t.last_error,
-                t.state,
-                t.lease_id,
-                t.deadline if t.lease_id is not None else None,
-                position(t.id),
-            )
-            for t in batch.new.values()
-        ]
-        updates = [
-            (
-                t.attempts,
-                t.available_at,
-                t.last_error,
-                t.state,
-                t.lease_id,
-                t.deadline if t.lease_id is not None else None,
-                position(t.id),
-                _key(t.id),
-            )
-            for t in batch.changed.values()
-        ]
-        deletes = [(_key(task_id),) for task_id in batch.deleted]
-        return inserts, updates, deletes, astuple(self._totals)
-
-    def _write(self, rows: tuple[list[Any], list[Any], list[Any], tuple[int, ...]]) -> None:
-        """In the writer thread: one transaction for the whole batch."""
-        inserts, updates, deletes, totals = rows
-        conn = self._conn
-        assert conn is not None
-        conn.execute("BEGIN")
+    def _prepare(self, conn: sqlite3.Connection) -> None:
+        # Exclusive locking: the lock taken by the first write below is held until close, so a
+        # second broker on the same file is refused at its start.
+        conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
+        conn.execute(f"PRAGMA synchronous = {self.sync.upper()}")
+        conn.execute("BEGIN IMMEDIATE")
         try:
-            if deletes:
-                conn.executemany(_DELETE, deletes)
-            if inserts:
-                conn.executemany(_INSERT, inserts)
-            if updates:
-                conn.executemany(_UPDATE, updates)
-            conn.execute(_TOTALS, totals)
+            version = _schema_version(conn)
+            if version is None:
+                _run_script(conn, _SCHEMA)
+                conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+            elif version == 1:
+                log.info("%s: upgrading the schema from version 1 to %d", self.path, SCHEMA_VERSION)
+                _run_script(conn, _MIGRATE_FROM_1)
+            elif version != SCHEMA_VERSION:
+                raise ValueError(
+                    f"schema version {version} is not one this broker knows (it knows up to "
+                    f"{SCHEMA_VERSION}): was it written by a newer wq?"
+                )
+            conn.execute("INSERT OR REPLACE INTO meta VALUES ('pid', ?)", (str(os.getpid()),))
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
+        check = conn.execute("PRAGMA quick_check").fetchone()[0]
+        if check != "ok":
+            raise sqlite3.DatabaseError(f"database disk image is malformed: {check}")
 
-    async def _flush(self) -> None:
-        """Commit batches until none is open (group commit)."""
-        loop = asyncio.get_running_loop()
-        while self._batch is not None:
-            for _ in range(_GATHER_ROUNDS):
-                await asyncio.sleep(0)  # let what is already runnable join this batch
-            batch, self._batch = self._batch, None
-            rows = self._seal(batch)
-            try:
-                await loop.run_in_executor(self._writer, self._write, rows)
-            except Exception as e:
-                self._fail_stop(f"a commit to {self.path} failed: {e}")
-                batch.future.set_exception(StoreError(self._failed or "commit failed"))
-                continue
-            self.commits += 1
-            batch.future.set_result(None)
-        self._flushing = None
+    def _load(self, conn: sqlite3.Connection) -> None:
+        """Rebuild the index from the tasks table, streamed a state at a time (no payloads)."""
+        for state in (READY, DELAYED, HANDED_OUT, DEAD):
+            records = (
+                Record(
+                    _task_id(key),
+                    _NO_PAYLOAD,
+                    max_attempts,
+                    _NO_TIME,
+                    available_at,
+                    attempts=attempts,
+                    state=state,
+                    seq=seq,
+                    last_error=error,
+                    lease_id=lease_id,
+                    deadline=deadline or 0.0,
+                )
+                for key, attempts, max_attempts, available_at, lease_id, deadline, seq, error in (
+                    conn.execute(_LOAD, (state,))
+                )
+            )
+            self._index.restore(state, records)
+        totals = conn.execute(
+            "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued "
+            "FROM totals WHERE id = 1"
+        ).fetchone()
+        self._index.restored(Totals(*totals))
 
-    def _fail_stop(self, reason: str) -> None:
-        if self._failed is None:
-            log.error("%s; the store refuses further work: restart the broker", reason)
-            self._failed = reason
-            batch, self._batch = self._batch, None
-            if batch is not None:
-                batch.future.set_exception(StoreError(reason))
-
-    async def _durable(self) -> None:
-        """Wait until every change made so far is committed."""
-        batch = self._batch
-        if batch is None:
-            last = self._last_commit
-            if last is not None and not last.done():
-                await asyncio.shield(last)
-            return
-        future = batch.future
-        self._last_commit = future
-        if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
-        await asyncio.shield(future)
-
-    def problem(self) -> str | None:
-        if self._failed is not None:
-            return f"the store is unavailable: {self._failed}"
-        return None
-
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise StoreError(f"the store is unavailable: {self._failed}")
-        if self._conn is None:
-            raise StoreError("the store is closed")
-
-    # -- the contract: each change, then wait for it to be durable ------------------------------
+    # -- the contract ------------------------------------------------------------------------
 
     async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
-        self._check()
-        view = await super().enqueue(payload, max_attempts=max_attempts, delay=delay, now=now)
-        await self._durable()
-        return view
+        def change() -> Task:
+            record = self._index.enqueue(payload, max_attempts, delay, now)
+            return Task(record.id, payload, 0, max_attempts, now, record.available_at)
+
+        return await self._change(change)
 
     async def enqueue_many(
         self, items: Sequence[tuple[bytes, int, float]], *, now: float
     ) -> list[Task]:
-        self._check()
-        views = await super().enqueue_many(items, now=now)
-        await self._durable()
-        return views
+        def change() -> list[Task]:
+            enqueue = self._index.enqueue
+            tasks = []
+            for payload, max_attempts, delay in items:
+                record = enqueue(payload, max_attempts, delay, now)
+                tasks.append(Task(record.id, payload, 0, max_attempts, now, record.available_at))
+            return tasks
+
+        return await self._change(change)
 
     async def claim(self, *, lease: float, now: float) -> Delivery | None:
-        self._check()
-        delivery = await super().claim(lease=lease, now=now)
-        await self._durable()
-        return delivery
+        deliveries = await self.claim_many((lease,), now=now)
+        return deliveries[0] if deliveries else None
 
     async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
         self._check()
-        deliveries = await super().claim_many(leases, now=now)
-        await self._durable()
-        return deliveries
+        claim = self._index.claim
+        claimed: list[tuple[Record, Delivery]] = []
+        for lease in leases:
+            record = claim(lease, now)
+            if record is None:
+                break
+            claimed.append((record, self._delivery(record)))
+        if not claimed:
+            return []
+        reads = self._journal.open().reads
+        for record, delivery in claimed:
+            if not delivery.task.payload:
+                reads.add(_key(record.id))
+        rows = await self._durable()
+        return [self._complete(delivery, rows) for _, delivery in claimed]
+
+    def _delivery(self, record: Record) -> Delivery:
+        """A hand-out as it stands now; the payload comes from the cache, or (when it is empty
+        here) from the file once committed."""
+        assert record.lease_id is not None
+        cached = self._journal.cache.take(record.id)
+        payload, created_at = cached if cached is not None else (_NO_PAYLOAD, _NO_TIME)
+        task = Task(
+            record.id,
+            payload,
+            record.attempts,
+            record.max_attempts,
+            created_at,
+            record.available_at,
+            record.last_error,
+        )
+        return Delivery(task, record.lease_id, record.deadline)
+
+    @staticmethod
+    def _complete(delivery: Delivery, rows: dict[int, Row]) -> Delivery:
+        task = delivery.task
+        if task.payload:
+            return delivery
+        payload, created_at, _ = rows[_key(task.id)]
+        task = Task(
+            task.id,
+            payload,
+            task.attempts,
+            task.max_attempts,
+            created_at,
+            task.available_at,
+            task.last_error,
+        )
+        return Delivery(task, delivery.lease_id, delivery.deadline)
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
-        self._check()
-        await super().ack(task_id, lease_id, now=now)
-        await self._durable()
+        await self._change(lambda: self._index.ack(task_id, lease_id))
+
+    async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
+        return await self._change(lambda: self._index.nack(task_id, lease_id, error, now))
 
     async def settle_many(
         self,
@@ -470,54 +531,56 @@ class SqliteStore(MemoryStore):
         *,
         now: float,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        self._check()
-        outcomes = await super().settle_many(acks, nacks, now=now)
-        await self._durable()
-        return outcomes
-
-    async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
-        self._check()
-        failure = await super().nack(task_id, lease_id, error, now=now)
-        await self._durable()
-        return failure
+        return await self._change(lambda: self._index.settle(acks, nacks, now))
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
-        self._check()
-        failure = await super().reclaim(task_id, lease_id, error, now=now)
-        await self._durable()
-        return failure
+        return await self._change(lambda: self._index.reclaim(task_id, lease_id, error, now))
 
     async def release(self, task_id: str, lease_id: str) -> bool:
-        self._check()
-        released = await super().release(task_id, lease_id)
-        await self._durable()
-        return released
+        return await self._change(lambda: self._index.release(task_id, lease_id))
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
-        self._check()
-        result = await super().sweep(now=now)
-        await self._durable()
-        return result
+        result = await self._change(lambda: self._index.sweep(now))
+        return result, self._index.next_due()
 
     async def requeue(self, task_id: str, *, now: float) -> None:
-        self._check()
-        await super().requeue(task_id, now=now)
-        await self._durable()
+        await self._change(lambda: self._index.requeue(task_id, now))
 
     async def stats(self) -> Stats:
         self._check()
         await self._durable()  # never report what is not yet committed
-        return await super().stats()
+        return self._index.stats()
 
     async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
         self._check()
         await self._durable()
-        return await super().dead_letters(limit=limit)
+        records = self._index.dead(limit)
+        keys = [_key(r.id) for r in records]
+        loop = asyncio.get_running_loop()
+        rows = await loop.run_in_executor(self._writer, self._read, keys)
+        views = []
+        for r in records:
+            row = rows.get(_key(r.id))
+            if row is None:  # requeued and acked while the rows were read: no longer dead
+                continue
+            payload, created_at, error = row
+            views.append(
+                Task(r.id, payload, r.attempts, r.max_attempts, created_at, r.available_at, error)
+            )
+        return views
+
+    def problem(self) -> str | None:
+        if self._failed is not None:
+            return f"the store is unavailable: {self._failed}"
+        return None
+
+    def ready_hint(self) -> int | None:
+        return self._index.ready_count
 
     async def close(self) -> None:
         if self._conn is None:
             return
-        if self._failed is None and (self._batch is not None or self._flushing is not None):
+        if self._failed is None and (self._journal.batch is not None or self._flushing):
             try:
                 await self._durable()
             except StoreError:
@@ -529,3 +592,102 @@ class SqliteStore(MemoryStore):
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(self._writer, conn.close)
         self._writer.shutdown(wait=True)
+
+    def check_invariants(self) -> None:
+        """Assert the index's structures agree with each other (used by the tests)."""
+        self._index.check_invariants()
+
+    # -- the one mechanism: change the index, then wait for the change to be committed ---------
+
+    async def _change(self, change: Callable[[], R]) -> R:
+        self._check()
+        result = change()
+        await self._durable()
+        return result
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise StoreError(f"the store is unavailable: {self._failed}")
+        if self._conn is None:
+            raise StoreError("the store is closed")
+
+    async def _durable(self) -> dict[int, Row]:
+        """Wait until every change made so far is committed; the rows the open batch was asked
+        to read back."""
+        batch = self._journal.batch
+        if batch is None:
+            last = self._last_commit
+            if last is not None and not last.done():
+                await asyncio.shield(last)
+            return {}
+        future = batch.future
+        self._last_commit = future
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        return await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        """Commit batches until none is open (group commit)."""
+        loop = asyncio.get_running_loop()
+        journal = self._journal
+        while journal.batch is not None:
+            for _ in range(_GATHER_ROUNDS):
+                await asyncio.sleep(0)  # let what is already runnable join this batch
+            batch, journal.batch = journal.batch, None
+            if batch is None:  # the store failed meanwhile
+                break
+            rows = _Rows(batch, self._index.totals)
+            try:
+                read = await loop.run_in_executor(self._writer, self._write, rows)
+            except Exception as e:
+                self._fail_stop(f"a commit to {self.path} failed: {e}")
+                batch.future.set_exception(StoreError(self._failed or "commit failed"))
+                continue
+            self.transactions += 1
+            batch.future.set_result(read)
+        self._flushing = None
+
+    def _write(self, rows: _Rows) -> dict[int, Row]:
+        """In the writer thread: one transaction for the whole batch, then the reads."""
+        conn = self._conn
+        assert conn is not None
+        conn.execute("BEGIN")
+        try:
+            if rows.deletes:
+                conn.executemany(_DELETE, rows.deletes)
+                conn.executemany(_DELETE_BODY, rows.deletes)
+            if rows.inserts:
+                conn.executemany(_INSERT, rows.inserts)
+                conn.executemany(_INSERT_BODY, rows.bodies)
+            if rows.updates:
+                conn.executemany(_UPDATE, rows.updates)
+            if rows.errors:
+                conn.executemany(_SET_ERROR, rows.errors)
+            conn.execute(_TOTALS, rows.totals)
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        return self._read(rows.reads) if rows.reads else {}
+
+    def _read(self, keys: Iterable[int]) -> dict[int, Row]:
+        """In the writer thread: payload, created_at and last_error by key."""
+        conn = self._conn
+        assert conn is not None
+        wanted = list(keys)
+        out: dict[int, Row] = {}
+        for i in range(0, len(wanted), _READ_CHUNK):
+            chunk = wanted[i : i + _READ_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            for key, payload, created_at, last_error in conn.execute(_READ.format(marks), chunk):
+                out[key] = (bytes(payload), created_at, last_error)
+        return out
+
+    def _fail_stop(self, reason: str) -> None:
+        if self._failed is None:
+            log.error("%s; the store refuses further work: restart the broker", reason)
+            self._failed = reason
+            batch, self._journal.batch = self._journal.batch, None
+            if batch is not None:
+                batch.future.set_exception(StoreError(reason))
