@@ -74,7 +74,6 @@ class Record:
         max_attempts: int,
         created_at: float,
         available_at: float,
-        *,
         attempts: int = 0,
         state: int = READY,
         seq: int = 0,
@@ -335,11 +334,11 @@ class Index:
             self._seq = max(self._seq, record.seq)
             if state == DELAYED:
                 self._delayed.append((record.available_at, record.seq, record))
-            elif state == HANDED_OUT and record.lease_id is not None:
+            elif record.lease_id is not None:  # handed out
                 self._leases.append((record.deadline, record.seq, record.lease_id, record))
                 self._handed_out += 1
             else:
-                raise ValueError(f"task {record.id} is in an unknown state {state}")
+                raise ValueError(f"task {record.id} (state {state}) has no lease")
 
     def restored(self, totals: Totals) -> None:
         heapq.heapify(self._delayed)

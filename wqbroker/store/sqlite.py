@@ -119,11 +119,13 @@ _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
     "retried = ?, buried = ?, requeued = ? WHERE id = 1"
 )
-# The index, streamed at start, one state at a time (ready and dead ones are put in order by
-# their ``ord``); the errors of live tasks (a dead task's error stays in the file).
+# The index, streamed at start: the id as the hex text clients use (the key with its top bit
+# flipped), and the error of a live task (a dead task's error stays in the file).
+_SIGN = -(2**63)
 _LOAD = (
-    "SELECT id, attempts, max_attempts, available_at, lease_id, deadline, ord, "
-    "CASE WHEN state = 3 THEN NULL ELSE last_error END FROM tasks WHERE state = ?"
+    f"SELECT printf('%016x', (id | {_SIGN}) - (id & {_SIGN})), attempts, max_attempts, "
+    "available_at, state, lease_id, deadline, ord, "
+    "CASE WHEN state = 3 THEN NULL ELSE last_error END FROM tasks"
 )
 _READ = (
     "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
@@ -136,6 +138,8 @@ _OFFSET: Final = 2**63
 _GATHER_ROUNDS: Final = 3
 # Payloads of tasks just enqueued, kept until they are handed out (up to this many bytes).
 _CACHE_BYTES: Final = 8 * 1024 * 1024
+# How many distinct times a restart remembers, to share one object among equal ones.
+_SHARED_TIMES: Final = 4096
 # Rows read back by key per SELECT.
 _READ_CHUNK: Final = 500
 # What a record holds instead of what the file keeps.
@@ -413,27 +417,38 @@ class SqliteStore:
             raise sqlite3.DatabaseError(f"database disk image is malformed: {check}")
 
     def _load(self, conn: sqlite3.Connection) -> None:
-        """Rebuild the index from the tasks table, streamed a state at a time (no payloads)."""
-        for state in (READY, DELAYED, HANDED_OUT, DEAD):
-            records = (
+        """Rebuild the index from the tasks table in one streamed pass (no payloads)."""
+        by_state: dict[int, list[Record]] = {READY: [], DELAYED: [], HANDED_OUT: [], DEAD: []}
+        # Tasks enqueued together share one time object, as they did before the restart.
+        times: dict[float, float] = {}
+        for row in conn.execute(_LOAD):
+            task_id, attempts, max_attempts, available_at, state, lease_id, deadline, seq, err = row
+            records = by_state.get(state)
+            if records is None:
+                raise ValueError(f"task {task_id} is in an unknown state {state!r}")
+            shared = times.get(available_at)
+            if shared is None:
+                if len(times) >= _SHARED_TIMES:
+                    times.clear()
+                times[available_at] = shared = available_at
+            records.append(
                 Record(
-                    _task_id(key),
+                    task_id,
                     _NO_PAYLOAD,
                     max_attempts,
                     _NO_TIME,
-                    available_at,
-                    attempts=attempts,
-                    state=state,
-                    seq=seq,
-                    last_error=error,
-                    lease_id=lease_id,
-                    deadline=deadline or 0.0,
-                )
-                for key, attempts, max_attempts, available_at, lease_id, deadline, seq, error in (
-                    conn.execute(_LOAD, (state,))
+                    shared,
+                    attempts,
+                    state,
+                    seq,
+                    err,
+                    lease_id,
+                    deadline or _NO_TIME,
                 )
             )
+        for state, records in by_state.items():
             self._index.restore(state, records)
+        del by_state
         totals = conn.execute(
             "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued "
             "FROM totals WHERE id = 1"
