@@ -51,7 +51,8 @@ bench: install
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules
 
-# Regenerate the gRPC/protobuf stubs in wqclient/pb from proto/ (committed; CI checks for drift).
+# Regenerate the gRPC/protobuf stubs in wqclient/pb from proto/wqclient/pb/broker.proto: protoc
+# writes them at their import path, nothing is rewritten (committed; CI checks for drift).
 proto: install
 	$(PY) proto/generate.py
 

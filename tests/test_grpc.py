@@ -863,7 +863,7 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
     for raw in response.file_descriptor_response.file_descriptor_proto:
         fd = descriptor_pb2.FileDescriptorProto.FromString(raw)
         files[fd.name] = fd
-    fd = files["wq/v1/broker.proto"]
+    fd = files["wqclient/pb/broker.proto"]
     assert fd.package == "wq.v1"
     (service,) = fd.service
     assert service.name == "Broker"

@@ -7,26 +7,14 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
+from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
 
 log = logging.getLogger("wqbroker")
-
-
-def _number(minimum: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
-        return value
-
-    return parse
 
 
 def _address(text: str) -> str:
@@ -39,92 +27,90 @@ def _address(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="wqbroker",
-        description="wq job-queue broker: the HTTP/JSON API of the worker-queue spec, and gRPC.",
-        allow_abbrev=False,
-    )
-    p.add_argument(
-        "-addr",
-        "--addr",
+# The broker's flags, one row each; every flag is -name or --name, its value after a space or "=".
+# The help text gets " (default X)" from the row's default.
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "addr",
         default=":8080",
+        parse=_address,
         metavar="ADDR",
-        type=_address,
-        help="HTTP address to listen on: host:port or :port (default :8080); off to disable",
-    )
-    p.add_argument(
-        "-grpc-addr",
-        "--grpc-addr",
+        help="HTTP address to listen on: host:port or :port (every interface); off to disable",
+    ),
+    Flag(
+        "grpc-addr",
         default=":50051",
+        parse=_address,
         metavar="ADDR",
-        type=_address,
-        help="gRPC address to listen on (default :50051); off to disable",
-    )
-    p.add_argument(
-        "-sweep-interval-ms",
-        "--sweep-interval-ms",
-        type=_number(1),
+        help="gRPC address to listen on; off to disable",
+    ),
+    Flag(
+        "sweep-interval-ms",
         default=250,
+        parse=positive_int,
         metavar="MS",
-        help="how often the sweeper ticks at the latest (default 250)",
-    )
-    p.add_argument(
-        "-backoff-base-ms",
-        "--backoff-base-ms",
-        type=_number(0),
+        help="how often the sweeper ticks at the latest",
+    ),
+    Flag(
+        "backoff-base-ms",
         default=1000,
+        parse=non_negative_int,
         metavar="MS",
-        help="first retry delay; doubles with each attempt (default 1000)",
-    )
-    p.add_argument(
-        "-backoff-cap-ms",
-        "--backoff-cap-ms",
-        type=_number(0),
+        help="first retry delay; doubles with each attempt",
+    ),
+    Flag(
+        "backoff-cap-ms",
         default=30000,
+        parse=non_negative_int,
         metavar="MS",
-        help="longest retry delay (default 30000)",
-    )
-    p.add_argument(
-        "-max-body-bytes",
-        "--max-body-bytes",
-        type=_number(1),
+        help="longest retry delay",
+    ),
+    Flag(
+        "max-body-bytes",
         default=DEFAULT_MAX_BODY,
+        parse=positive_int,
         metavar="N",
-        help=f"largest request body accepted (default {DEFAULT_MAX_BODY})",
-    )
-    p.add_argument(
-        "-store",
-        "--store",
+        help="largest request body accepted",
+    ),
+    Flag(
+        "store",
         default="memory",
         metavar="STORE",
-        help="memory (the default; lost on restart) or sqlite:PATH (durable)",
-    )
-    p.add_argument(
-        "-sqlite-sync",
-        "--sqlite-sync",
+        help="memory (lost on restart) or sqlite:PATH (durable)",
+    ),
+    Flag(
+        "sqlite-sync",
         default="full",
-        choices=["full", "normal"],
-        help="full (default): every answer is on disk; normal: survives kill -9, not power loss",
-    )
-    p.add_argument(
-        "-log-level",
-        "--log-level",
+        choices=("full", "normal"),
+        help="full: every answer is on disk; normal: survives kill -9, not power loss",
+    ),
+    Flag(
+        "log-level",
         default="info",
-        choices=["debug", "info", "warning", "error"],
-        help="log verbosity (default info)",
-    )
-    p.add_argument(
-        "-loop",
-        "--loop",
+        choices=("debug", "info", "warning", "error"),
+        help="log verbosity",
+    ),
+    Flag(
+        "loop",
         default="uvloop",
-        choices=["uvloop", "asyncio"],
-        help="event loop implementation (default uvloop)",
+        choices=("uvloop", "asyncio"),
+        help="event loop implementation",
+    ),
+    Flag("access-log", default=False, help="log every HTTP request"),
+)
+
+
+def build_parser() -> FlagParser:
+    return FlagParser(
+        "wqbroker",
+        "wq job-queue broker: the HTTP/JSON API of the worker-queue spec, and gRPC.",
+        FLAGS,
     )
-    p.add_argument(
-        "-access-log", "--access-log", action="store_true", help="log every HTTP request"
-    )
-    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The flags as given (``sys.argv`` by default); a bad one exits 2 with a one-line error."""
+    return build_parser().parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
@@ -177,7 +163,7 @@ def run(main: Coroutine[Any, Any, None], loop: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     logging.basicConfig(
         level=getattr(logging, args.log_level.upper()),
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

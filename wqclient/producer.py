@@ -11,16 +11,15 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from wqclient.cli import FlagParser, bool_flag, non_negative_int, positive_int
 from wqclient.client import DEFAULT_URL, AsyncClient
 from wqclient.errors import WqError
+from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = FlagParser(
         prog="wq-producer",
         description="Enqueue test tasks on a wq broker.",
-        allow_abbrev=False,
     )
     p.add_argument(
         "-broker",

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from wqclient.cli import FlagParser, bool_flag, positive_int
 from wqclient.client import DEFAULT_URL, AsyncClient
 from wqclient.errors import LeaseLost, NotFound, StreamEnded, Unavailable, WqError
+from wqclient.flags import FlagParser, bool_flag, positive_int
 from wqclient.models import Delivery, Task
 from wqclient.transport import AsyncStream
 
@@ -332,7 +332,6 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wq-worker",
         description="Claim tasks from a wq broker and append each to a log file as a JSON line. "
         'A payload containing "fail": true fails on purpose (a nack with an error).',
-        allow_abbrev=False,
     )
     p.add_argument(
         "-broker",

@@ -29,7 +29,7 @@ function parseArgs(argv) {
 }
 
 const opts = parseArgs(process.argv.slice(2));
-const definition = protoLoader.loadSync("wq/v1/broker.proto", {
+const definition = protoLoader.loadSync("wqclient/pb/broker.proto", {
   includeDirs: [protoRoot],
   keepCase: true,
   longs: Number,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from wqclient.pb import broker_pb2 as wq_dot_v1_dot_broker__pb2
+from wqclient.pb import broker_pb2 as wqclient_dot_pb_dot_broker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in wq/v1/broker_pb2_grpc.py depends on'
+        + ' but the generated code in wqclient/pb/broker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,48 +36,48 @@ class BrokerStub:
         """
         self.Enqueue = channel.unary_unary(
                 '/wq.v1.Broker/Enqueue',
-                request_serializer=wq_dot_v1_dot_broker__pb2.EnqueueRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.EnqueueResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueResponse.FromString,
                 _registered_method=True)
         self.EnqueueBatch = channel.unary_unary(
                 '/wq.v1.Broker/EnqueueBatch',
-                request_serializer=wq_dot_v1_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.EnqueueBatchResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
                 _registered_method=True)
         self.NextJob = channel.unary_unary(
                 '/wq.v1.Broker/NextJob',
-                request_serializer=wq_dot_v1_dot_broker__pb2.NextJobRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.NextJobResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.NextJobResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/wq.v1.Broker/Ack',
-                request_serializer=wq_dot_v1_dot_broker__pb2.AckRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.AckResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.AckRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.Nack = channel.unary_unary(
                 '/wq.v1.Broker/Nack',
-                request_serializer=wq_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.NackResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.NackResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/wq.v1.Broker/Stats',
-                request_serializer=wq_dot_v1_dot_broker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.StatsResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.ListDead = channel.unary_unary(
                 '/wq.v1.Broker/ListDead',
-                request_serializer=wq_dot_v1_dot_broker__pb2.ListDeadRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.ListDeadResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.ListDeadRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ListDeadResponse.FromString,
                 _registered_method=True)
         self.Requeue = channel.unary_unary(
                 '/wq.v1.Broker/Requeue',
-                request_serializer=wq_dot_v1_dot_broker__pb2.RequeueRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.RequeueResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
                 _registered_method=True)
         self.StreamJobs = channel.stream_stream(
                 '/wq.v1.Broker/StreamJobs',
-                request_serializer=wq_dot_v1_dot_broker__pb2.StreamJobsRequest.SerializeToString,
-                response_deserializer=wq_dot_v1_dot_broker__pb2.StreamJobsResponse.FromString,
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
                 _registered_method=True)
 
 
@@ -172,48 +172,48 @@ def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Enqueue': grpc.unary_unary_rpc_method_handler(
                     servicer.Enqueue,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.EnqueueRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.EnqueueResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueResponse.SerializeToString,
             ),
             'EnqueueBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.EnqueueBatch,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.EnqueueBatchRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.EnqueueBatchResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.SerializeToString,
             ),
             'NextJob': grpc.unary_unary_rpc_method_handler(
                     servicer.NextJob,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.NextJobRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.NextJobResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.NextJobRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.NextJobResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.AckRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.AckResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.AckRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.AckResponse.SerializeToString,
             ),
             'Nack': grpc.unary_unary_rpc_method_handler(
                     servicer.Nack,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.NackRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.NackResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.NackRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.NackResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.StatsRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.StatsRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.StatsResponse.SerializeToString,
             ),
             'ListDead': grpc.unary_unary_rpc_method_handler(
                     servicer.ListDead,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.ListDeadRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.ListDeadResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ListDeadRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ListDeadResponse.SerializeToString,
             ),
             'Requeue': grpc.unary_unary_rpc_method_handler(
                     servicer.Requeue,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.RequeueRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.RequeueResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueResponse.SerializeToString,
             ),
             'StreamJobs': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamJobs,
-                    request_deserializer=wq_dot_v1_dot_broker__pb2.StreamJobsRequest.FromString,
-                    response_serializer=wq_dot_v1_dot_broker__pb2.StreamJobsResponse.SerializeToString,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -241,8 +241,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Enqueue',
-            wq_dot_v1_dot_broker__pb2.EnqueueRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.EnqueueResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.EnqueueRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.EnqueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -268,8 +268,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/EnqueueBatch',
-            wq_dot_v1_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.EnqueueBatchResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -295,8 +295,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/NextJob',
-            wq_dot_v1_dot_broker__pb2.NextJobRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.NextJobResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.NextJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -322,8 +322,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Ack',
-            wq_dot_v1_dot_broker__pb2.AckRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.AckResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.AckRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -349,8 +349,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Nack',
-            wq_dot_v1_dot_broker__pb2.NackRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.NackResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.NackResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -376,8 +376,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Stats',
-            wq_dot_v1_dot_broker__pb2.StatsRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.StatsResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -403,8 +403,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/ListDead',
-            wq_dot_v1_dot_broker__pb2.ListDeadRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.ListDeadResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.ListDeadRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.ListDeadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -430,8 +430,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Requeue',
-            wq_dot_v1_dot_broker__pb2.RequeueRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.RequeueResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -457,8 +457,8 @@ class Broker:
             request_iterator,
             target,
             '/wq.v1.Broker/StreamJobs',
-            wq_dot_v1_dot_broker__pb2.StreamJobsRequest.SerializeToString,
-            wq_dot_v1_dot_broker__pb2.StreamJobsResponse.FromString,
+            wqclient_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,7 @@ Errors (the same error tree as the HTTP API; one table maps it):
   UNAVAILABLE          the broker is shutting down or its store failed           (HTTP 503)
 
 Generate a client for any language from this file (see the README), e.g.
-  protoc -I proto --go_out=. --go-grpc_out=. wq/v1/broker.proto
+  protoc -I proto --go_out=. --go-grpc_out=. wqclient/pb/broker.proto
 """
 
 from collections import abc as _abc
