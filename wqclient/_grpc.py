@@ -20,6 +20,7 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
+from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
 from wqclient.models import Delivery, Stats, Task, Totals
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
@@ -36,7 +37,6 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
 }
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
 
-_POLL_SLACK = 15.0
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
@@ -202,7 +202,7 @@ class GrpcStream:
 
 
 class GrpcTransport:
-    def __init__(self, target: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._target = target
         self._timeout = timeout
         self._channel = grpc.aio.insecure_channel(
@@ -247,11 +247,10 @@ class GrpcTransport:
         return list(response.ids)
 
     async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None:
-        wait = min(wait_ms if wait_ms is not None else 20_000, 30_000) / 1000.0
         response = await self._unary(
             self._stub.NextJob,
             pb.NextJobRequest(wait_ms=wait_ms, lease_ms=lease_ms),
-            timeout=wait + _POLL_SLACK,
+            timeout=poll_timeout(wait_ms),
         )
         if not response.HasField("delivery"):
             return None

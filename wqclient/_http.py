@@ -20,6 +20,7 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
+from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
 from wqclient.models import Delivery, Stats, Task, Totals
 from wqclient.transport import AsyncStream
 
@@ -30,9 +31,6 @@ _ERRORS: dict[int, type[WqError]] = {
     413: PayloadTooLarge,
     503: Unavailable,
 }
-
-# Extra time allowed beyond a long-poll's wait before the request is considered lost.
-_POLL_SLACK = 15.0
 
 
 def _ts(text: str) -> datetime:
@@ -150,7 +148,7 @@ def _q(value: str) -> str:
 
 
 class HttpTransport:
-    def __init__(self, base_url: str, *, timeout: float = 30.0) -> None:
+    def __init__(self, base_url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._base = base_url.rstrip("/")
         self._timeout = timeout
         self._session: aiohttp.ClientSession | None = None
@@ -237,8 +235,7 @@ class HttpTransport:
         if lease_ms is not None:
             params.append(f"lease_ms={lease_ms}")
         query = "?" + "&".join(params) if params else ""
-        wait = min(wait_ms if wait_ms is not None else 20_000, 30_000) / 1000.0
-        status, data = await self._call("GET", "/jobs/next" + query, timeout=wait + _POLL_SLACK)
+        status, data = await self._call("GET", "/jobs/next" + query, timeout=poll_timeout(wait_ms))
         if status == 204:
             return None
         body = _loads(data)

@@ -17,12 +17,11 @@ from urllib.parse import urlsplit
 from wqclient._grpc import GrpcTransport
 from wqclient._http import HttpTransport
 from wqclient.errors import InvalidArgument, Unavailable, WqError
+from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
 from wqclient.models import Delivery, Stats, Task
 from wqclient.transport import AsyncStream, Transport
 
 T = TypeVar("T")
-
-DEFAULT_URL = "http://localhost:8080"
 
 
 def encode_payload(payload: Any) -> bytes:
@@ -50,7 +49,7 @@ def _option(name: str, value: int | None) -> int | None:
     return value
 
 
-def make_transport(url: str, *, timeout: float = 30.0) -> Transport:
+def make_transport(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Transport:
     parts = urlsplit(url if "://" in url else "http://" + url)
     if parts.scheme in ("http", "https"):
         return HttpTransport(f"{parts.scheme}://{parts.netloc}{parts.path}", timeout=timeout)
@@ -78,7 +77,7 @@ class AsyncClient:
     ...     await wq.ack(delivery)
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
+    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.url = url
         self._transport = make_transport(url, timeout=timeout)
 
@@ -119,7 +118,8 @@ class AsyncClient:
     async def claim(
         self, *, wait_ms: int | None = None, lease_ms: int | None = None
     ) -> Delivery | None:
-        """Claim the oldest ready task, waiting up to ``wait_ms`` (broker default 20 s, max 30 s).
+        """Claim the oldest ready task, waiting up to ``wait_ms`` for one (unset: the broker's
+        default, 20 s; at most 30 s: see :mod:`wqclient.limits`), and hold it for ``lease_ms``.
         None if nothing came. Cancelling the call while it is parked loses no task (the broker
         never hands a task to a caller that went away); but a task handed out at the very moment
         of the cancel is only returned when its lease runs out."""
@@ -220,7 +220,7 @@ class Client:
     ...     print(wq.stats())
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
+    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.url = url
         self._runner = _LoopThread()
         try:

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from wqclient.cli import FlagParser, bool_flag, non_negative_int, positive_int
-from wqclient.client import DEFAULT_URL, AsyncClient
+from wqclient.client import AsyncClient
 from wqclient.errors import WqError
+from wqclient.limits import DEFAULT_URL
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -27,8 +27,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from wqclient.cli import FlagParser, bool_flag, positive_int
-from wqclient.client import DEFAULT_URL, AsyncClient
+from wqclient.client import AsyncClient
 from wqclient.errors import LeaseLost, NotFound, StreamEnded, Unavailable, WqError
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import Delivery, Task
 from wqclient.transport import AsyncStream
 
@@ -62,8 +63,8 @@ class Worker:
         handler: Handler,
         *,
         concurrency: int = 3,
-        wait_ms: int = 20_000,
-        lease_ms: int = 30_000,
+        wait_ms: int = DEFAULT_WAIT_MS,
+        lease_ms: int = DEFAULT_LEASE_MS,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -354,15 +355,15 @@ def build_parser() -> argparse.ArgumentParser:
         "-wait-ms",
         "--wait-ms",
         type=positive_int,
-        default=20_000,
-        help="how long each long-poll waits for a task (default 20000)",
+        default=DEFAULT_WAIT_MS,
+        help=f"how long each long-poll waits for a task (default {DEFAULT_WAIT_MS})",
     )
     p.add_argument(
         "-lease-ms",
         "--lease-ms",
         type=positive_int,
-        default=30_000,
-        help="how long to claim each task for (default 30000)",
+        default=DEFAULT_LEASE_MS,
+        help=f"how long to claim each task for (default {DEFAULT_LEASE_MS})",
     )
     p.add_argument(
         "-quiet",
