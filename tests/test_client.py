@@ -550,8 +550,10 @@ async def test_a_url_with_another_scheme_or_no_address_is_refused() -> None:
     assert "http://host:port or grpc://host:port" in e.value.message
     with pytest.raises(WqError):
         AsyncClient("grpc://")
-    async with AsyncClient("localhost:1") as c:  # no scheme: HTTP
-        assert not c.is_grpc
+    async with AsyncClient("localhost:1") as c:  # no scheme: HTTP, which cannot stream
+        assert not c.can_stream
+    async with AsyncClient("grpc://localhost:1") as c:
+        assert c.can_stream
 
 
 # -- the blocking Client ------------------------------------------------------------------------

@@ -202,6 +202,8 @@ class GrpcStream:
 
 
 class GrpcTransport:
+    """The gRPC API over one channel: a :class:`~wqclient.transport.StreamingTransport`."""
+
     def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._target = target
         self._timeout = timeout

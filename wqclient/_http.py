@@ -22,7 +22,6 @@ from wqclient.errors import (
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
 from wqclient.models import Delivery, Stats, Task, Totals
-from wqclient.transport import AsyncStream
 
 _ERRORS: dict[int, type[WqError]] = {
     400: InvalidArgument,
@@ -148,6 +147,9 @@ def _q(value: str) -> str:
 
 
 class HttpTransport:
+    """The HTTP/JSON API over one keep-alive aiohttp session (opened on first use). A
+    :class:`~wqclient.transport.Transport`: the HTTP API has no streams."""
+
     def __init__(self, base_url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._base = base_url.rstrip("/")
         self._timeout = timeout
@@ -266,9 +268,6 @@ class HttpTransport:
 
     async def requeue(self, task_id: str) -> None:
         await self._call("POST", f"/dlq/{_q(task_id)}/requeue")
-
-    async def stream(self, prefetch: int, lease_ms: int | None) -> AsyncStream:
-        raise WqError("streamed consumption needs a gRPC broker URL (grpc://host:port)")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -2,9 +2,9 @@
 
 Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :class:`Worker` runs
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
-with the exception's text. Over HTTP the worker long-polls (one claim loop per unit of concurrency);
-over gRPC it consumes one stream whose prefetch is the concurrency. Synchronous handlers run in a
-thread pool of that size, so they may block.
+with the exception's text. Over a transport that can stream (gRPC) it consumes one stream whose
+prefetch is the concurrency; otherwise (HTTP) it long-polls, one claim loop per unit of
+concurrency. Synchronous handlers run in a thread pool of that size, so they may block.
 
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
 and returns. A broker that is down or restarting is reported once and retried with backoff.
@@ -55,7 +55,13 @@ def describe(error: BaseException) -> str:
 
 
 class Worker:
-    """Runs ``handler`` on tasks from a broker until ``stop()``."""
+    """Runs ``handler`` on tasks from a broker until ``stop()``.
+
+    ``broker``: a URL (the worker then makes and closes its own client) or an
+    :class:`AsyncClient` (yours to close; ``AsyncClient(transport=...)`` to run on a transport of
+    your own). At most ``concurrency`` tasks are in hand at once; each claim long-polls up to
+    ``wait_ms`` and holds its task for ``lease_ms``.
+    """
 
     def __init__(
         self,
@@ -108,7 +114,7 @@ class Worker:
         if not self._is_async:
             self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="wq-handler")
         try:
-            if self._client.is_grpc:
+            if self._client.can_stream:
                 await self._run_stream()
             else:
                 await asyncio.gather(*(self._poll_loop() for _ in range(self.concurrency)))
@@ -398,7 +404,7 @@ async def _main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
-    mode = "streaming" if client.is_grpc else "long-polling"
+    mode = "streaming" if client.can_stream else "long-polling"
     log.info("%d workers %s %s, logging to %s", args.concurrency, mode, args.broker, args.log_file)
     try:
         await worker.run()
