@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from wqclient.errors import (
@@ -21,7 +22,7 @@ from wqclient.errors import (
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
-from wqclient.models import Delivery, Stats, Task, Totals
+from wqclient.models import Delivery, Stats, Task
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -49,20 +50,40 @@ def _ts(ts: Timestamp) -> datetime:
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, UTC)
 
 
-def _task(t: pb.Task) -> Task:
-    return Task(
-        id=t.id,
-        payload_json=t.payload,
-        attempts=t.attempts,
-        max_attempts=t.max_attempts,
-        created_at=_ts(t.created_at),
-        available_at=_ts(t.available_at),
-        last_error=t.last_error if t.HasField("last_error") else None,
-    )
+class _Fields(Mapping[str, Any]):
+    """A message seen as the mapping of its fields that the models' ``from_mapping``
+    constructors read: a Timestamp field as an aware datetime, another message field as such a
+    mapping, and a field with presence (``optional``, or a message) that is unset as absent."""
+
+    __slots__ = ("_message",)
+
+    def __init__(self, message: Message) -> None:
+        self._message = message
+
+    def __getitem__(self, name: str) -> Any:
+        message = self._message
+        field = message.DESCRIPTOR.fields_by_name.get(name)
+        if field is None or (field.has_presence and not message.HasField(name)):
+            raise KeyError(name)
+        value = getattr(message, name)
+        if isinstance(value, Timestamp):
+            return _ts(value)
+        if isinstance(value, Message):
+            return _Fields(value)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        message = self._message
+        for field in message.DESCRIPTOR.fields:
+            if not field.has_presence or message.HasField(field.name):
+                yield field.name
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _delivery(d: pb.Delivery) -> Delivery:
-    return Delivery(_task(d.task), d.lease_id, _ts(d.deadline))
+    return Delivery.from_mapping(_Fields(d))
 
 
 def _enqueue_request(
@@ -267,28 +288,11 @@ class GrpcTransport:
         )
 
     async def stats(self) -> Stats:
-        s = await self._unary(self._stub.Stats, pb.StatsRequest())
-        t = s.totals
-        return Stats(
-            ready=s.ready,
-            handed_out=s.handed_out,
-            delayed=s.delayed,
-            dead=s.dead,
-            totals=Totals(
-                enqueued=t.enqueued,
-                delivered=t.delivered,
-                acked=t.acked,
-                nacked=t.nacked,
-                reclaimed=t.reclaimed,
-                retried=t.retried,
-                buried=t.buried,
-                requeued=t.requeued,
-            ),
-        )
+        return Stats.from_mapping(_Fields(await self._unary(self._stub.Stats, pb.StatsRequest())))
 
     async def dead_letters(self, limit: int | None) -> list[Task]:
         response = await self._unary(self._stub.ListDead, pb.ListDeadRequest(limit=limit))
-        return [_task(t) for t in response.tasks]
+        return [Task.from_mapping(_Fields(t)) for t in response.tasks]
 
     async def requeue(self, task_id: str) -> None:
         await self._unary(self._stub.Requeue, pb.RequeueRequest(id=task_id))
