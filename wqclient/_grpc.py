@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -125,36 +125,59 @@ class GrpcStream:
                 return
 
     async def _read(self) -> None:
+        """Take the broker's responses until the call ends, then end the stream."""
         end: BaseException | None = None
         try:
             async for response in self._call:
                 self._opened.set()
-                for outcome in response.settled:
-                    future = self._settling.popleft() if self._settling else None
-                    if future is None or future.done():
-                        continue
-                    if outcome.code == 0:
-                        future.set_result(None)
-                    else:
-                        kind = _BY_NUMBER.get(outcome.code, WqError)
-                        future.set_exception(kind(outcome.message))
-                for delivery in response.deliveries:
-                    self._deliveries.put_nowait(_delivery(delivery))
+                self._settled(response.settled)
+                self._received(response.deliveries)
         except grpc.aio.AioRpcError as e:
-            if not (self._closing and e.code() == grpc.StatusCode.CANCELLED):
-                end = _error(e)
-                if isinstance(end, Unavailable):
-                    end = StreamEnded(f"the stream broke: {end.message}")
+            end = self._why_broken(e)
+        except WqError as e:  # a response this client cannot read
+            end = e
+            self._call.cancel()
         except asyncio.CancelledError:
             end = StreamEnded("the stream was closed")
         finally:
-            self._opened.set()
-            failure = end or StreamEnded("the stream has ended")
-            while self._settling:
-                future = self._settling.popleft()
-                if not future.done():
-                    future.set_exception(failure)
-            self._deliveries.put_nowait(end)
+            self._ended(end)
+
+    def _settled(self, outcomes: Iterable[pb.Settled]) -> None:
+        """Resolve the waiting settlements with the broker's outcomes, oldest first."""
+        for outcome in outcomes:
+            future = self._settling.popleft() if self._settling else None
+            if future is None or future.done():
+                continue
+            if outcome.code == 0:
+                future.set_result(None)
+            else:
+                kind = _BY_NUMBER.get(outcome.code, WqError)
+                future.set_exception(kind(outcome.message))
+
+    def _received(self, deliveries: Iterable[pb.Delivery]) -> None:
+        for delivery in deliveries:
+            self._deliveries.put_nowait(_delivery(delivery))
+
+    def _why_broken(self, e: grpc.aio.AioRpcError) -> WqError | None:
+        """The error a call that failed with ``e`` ends the stream with: None if close()
+        cancelled it; StreamEnded if the connection broke or the broker went away."""
+        if self._closing and e.code() == grpc.StatusCode.CANCELLED:
+            return None
+        error = _error(e)
+        if isinstance(error, Unavailable):
+            return StreamEnded(f"the stream broke: {error.message}")
+        return error
+
+    def _ended(self, end: BaseException | None) -> None:
+        """The call is over: fail the settlements still waiting (with ``end``, or StreamEnded),
+        and end the iteration (raising ``end`` if it is an error)."""
+        self._opened.set()
+        failure = end or StreamEnded("the stream has ended")
+        while self._settling:
+            future = self._settling.popleft()
+            if not future.done():
+                future.set_exception(failure)
+        self._deliveries.put_nowait(end)
 
     def __aiter__(self) -> GrpcStream:
         return self
