@@ -73,16 +73,6 @@ def _ids(task: Delivery | str, lease_id: str | None) -> tuple[str, str]:
     return task, lease_id
 
 
-def _transport(url: str | None, transport: Transport | None, timeout: float | None) -> Transport:
-    if transport is None:
-        return make_transport(
-            url or DEFAULT_URL, timeout=DEFAULT_TIMEOUT if timeout is None else timeout
-        )
-    if timeout is not None:
-        raise WqError("timeout applies to the transport made from a URL: set it on your transport")
-    return transport
-
-
 class AsyncClient:
     """An asyncio client for a wq broker.
 
@@ -106,8 +96,14 @@ class AsyncClient:
         transport: Transport | None = None,
         timeout: float | None = None,
     ) -> None:
-        self._transport = _transport(url, transport, timeout)
-        self.url: str | None = url if url is not None or transport is not None else DEFAULT_URL
+        self.url: str | None = url
+        if transport is None:
+            self.url = DEFAULT_URL if url is None else url
+            timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+            transport = make_transport(self.url, timeout=timeout)
+        elif timeout is not None:
+            raise WqError("timeout applies to the transport made from a URL: set it on yours")
+        self._transport: Transport = transport
 
     @property
     def transport(self) -> Transport:
