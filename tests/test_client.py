@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import running_broker
+from tests.fake_transport import FakeStreamingTransport, FakeTransport
 from wqbroker.broker import Broker
 from wqclient import (
     AsyncClient,
@@ -35,6 +36,7 @@ from wqclient import (
     LeaseLost,
     NotFound,
     PayloadTooLarge,
+    ProtocolError,
     Stats,
     Task,
     Totals,
@@ -550,8 +552,10 @@ async def test_a_url_with_another_scheme_or_no_address_is_refused() -> None:
     assert "http://host:port or grpc://host:port" in e.value.message
     with pytest.raises(WqError):
         AsyncClient("grpc://")
-    async with AsyncClient("localhost:1") as c:  # no scheme: HTTP
-        assert not c.is_grpc
+    async with AsyncClient("localhost:1") as c:  # no scheme: HTTP, which cannot stream
+        assert not c.can_stream
+    async with AsyncClient("grpc://localhost:1") as c:
+        assert c.can_stream
 
 
 # -- the blocking Client ------------------------------------------------------------------------
@@ -1197,3 +1201,76 @@ def test_log_file_handlers_sharing_a_file_never_tear_lines(tmp_path: Path) -> No
         f"{k}-{i}" for k in range(threads_n) for i in range(per_thread)
     )
     assert all(r["payload"]["blob"] == blob for r in records)
+
+
+# -- the transport seam, without a broker -------------------------------------------------------
+
+
+async def test_an_injected_transport_is_used_as_it_is_and_closed_with_the_client() -> None:
+    fake = FakeTransport()
+    async with AsyncClient(transport=fake) as c:
+        assert c.transport is fake and c.url is None
+        task_id = await c.enqueue({"a": 1}, max_attempts=2)
+        d = await c.claim(wait_ms=0, lease_ms=1_000)
+        assert d is not None and (d.id, d.payload, d.task.attempts) == (task_id, {"a": 1}, 1)
+        await c.ack(d)
+        assert (await c.stats()).totals.acked == 1
+    assert fake.closed
+    assert [call.op for call in fake.calls] == ["enqueue", "claim", "ack", "stats", "close"]
+
+
+async def test_a_timeout_with_an_injected_transport_is_refused() -> None:
+    # The timeout configures the transport made from a URL; silently ignoring it would mislead.
+    with pytest.raises(WqError) as e:
+        AsyncClient(transport=FakeTransport(), timeout=5)
+    assert "timeout" in e.value.message
+    with pytest.raises(WqError):
+        Client(transport=FakeTransport(), timeout=5)
+
+
+async def test_blocking_client_on_an_injected_transport() -> None:
+    fake = FakeStreamingTransport()
+
+    def scenario() -> None:
+        with Client(transport=fake) as c:
+            assert c.can_stream
+            c.enqueue_many(["a", "b"])
+            stream = c.stream(prefetch=2)
+            first, second = next(stream), next(stream)
+            stream.ack(first)
+            stream.nack(second, "bad b")
+            stream.close()
+        with Client(transport=FakeTransport()) as c, pytest.raises(WqError) as e:
+            c.stream()
+        assert "cannot stream" in e.value.message
+
+    await asyncio.to_thread(scenario)
+    assert fake.acked == ["t1"] and fake.nacked == [("t2", "bad b")] and fake.closed
+
+
+def test_an_answer_missing_a_field_is_a_protocol_error_naming_it() -> None:
+    task = {
+        "id": "t1",
+        "payload": b"{}",
+        "attempts": 1,
+        "max_attempts": 3,
+        "created_at": "2026-11-29T23:14:20.774938Z",
+        "available_at": "2026-11-29T23:14:20.774938Z",
+    }
+    d = Delivery.from_mapping(
+        {"task": task, "lease_id": "l1", "deadline": "2026-11-29T23:14:50.782998Z"}
+    )
+    assert (d.id, d.payload, d.task.last_error, d.deadline.tzinfo) == ("t1", {}, None, UTC)
+    with pytest.raises(ProtocolError) as e:
+        Delivery.from_mapping({"task": task, "lease_id": "l1"})
+    assert "deadline" in e.value.message
+    with pytest.raises(ProtocolError) as e:
+        Task.from_mapping({**task, "created_at": "yesterday"})
+    assert "yesterday" in e.value.message
+
+
+def test_stats_are_read_field_by_field_whatever_else_comes() -> None:
+    stats = Stats.from_mapping(
+        {"ready": 1, "dead": 2, "future_gauge": 9, "totals": {"buried": 2, "future": 1}}
+    )
+    assert stats == Stats(ready=1, dead=2, totals=Totals(buried=2))

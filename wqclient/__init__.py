@@ -21,7 +21,7 @@ from wqclient.errors import (
     WqError,
 )
 from wqclient.models import Delivery, Stats, Task, Totals
-from wqclient.transport import AsyncStream
+from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 if TYPE_CHECKING:
     from wqclient.worker import TaskFailed, Worker
@@ -49,9 +49,11 @@ __all__ = [
     "Stats",
     "Stream",
     "StreamEnded",
+    "StreamingTransport",
     "Task",
     "TaskFailed",
     "Totals",
+    "Transport",
     "Unavailable",
     "Worker",
     "WqError",

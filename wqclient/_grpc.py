@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import grpc
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from wqclient.errors import (
@@ -20,7 +21,8 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.models import Delivery, Stats, Task, Totals
+from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
+from wqclient.models import Delivery, Stats, Task
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -36,7 +38,6 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
 }
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
 
-_POLL_SLACK = 15.0
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
@@ -49,20 +50,40 @@ def _ts(ts: Timestamp) -> datetime:
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, UTC)
 
 
-def _task(t: pb.Task) -> Task:
-    return Task(
-        id=t.id,
-        payload_json=t.payload,
-        attempts=t.attempts,
-        max_attempts=t.max_attempts,
-        created_at=_ts(t.created_at),
-        available_at=_ts(t.available_at),
-        last_error=t.last_error if t.HasField("last_error") else None,
-    )
+class _Fields(Mapping[str, Any]):
+    """A message seen as the mapping of its fields that the models' ``from_mapping``
+    constructors read: a Timestamp field as an aware datetime, another message field as such a
+    mapping, and a field with presence (``optional``, or a message) that is unset as absent."""
+
+    __slots__ = ("_message",)
+
+    def __init__(self, message: Message) -> None:
+        self._message = message
+
+    def __getitem__(self, name: str) -> Any:
+        message = self._message
+        field = message.DESCRIPTOR.fields_by_name.get(name)
+        if field is None or (field.has_presence and not message.HasField(name)):
+            raise KeyError(name)
+        value = getattr(message, name)
+        if isinstance(value, Timestamp):
+            return _ts(value)
+        if isinstance(value, Message):
+            return _Fields(value)
+        return value
+
+    def __iter__(self) -> Iterator[str]:
+        message = self._message
+        for field in message.DESCRIPTOR.fields:
+            if not field.has_presence or message.HasField(field.name):
+                yield field.name
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
 
 
 def _delivery(d: pb.Delivery) -> Delivery:
-    return Delivery(_task(d.task), d.lease_id, _ts(d.deadline))
+    return Delivery.from_mapping(_Fields(d))
 
 
 def _enqueue_request(
@@ -104,36 +125,59 @@ class GrpcStream:
                 return
 
     async def _read(self) -> None:
+        """Take the broker's responses until the call ends, then end the stream."""
         end: BaseException | None = None
         try:
             async for response in self._call:
                 self._opened.set()
-                for outcome in response.settled:
-                    future = self._settling.popleft() if self._settling else None
-                    if future is None or future.done():
-                        continue
-                    if outcome.code == 0:
-                        future.set_result(None)
-                    else:
-                        kind = _BY_NUMBER.get(outcome.code, WqError)
-                        future.set_exception(kind(outcome.message))
-                for delivery in response.deliveries:
-                    self._deliveries.put_nowait(_delivery(delivery))
+                self._settled(response.settled)
+                self._received(response.deliveries)
         except grpc.aio.AioRpcError as e:
-            if not (self._closing and e.code() == grpc.StatusCode.CANCELLED):
-                end = _error(e)
-                if isinstance(end, Unavailable):
-                    end = StreamEnded(f"the stream broke: {end.message}")
+            end = self._why_broken(e)
+        except WqError as e:  # a response this client cannot read
+            end = e
+            self._call.cancel()
         except asyncio.CancelledError:
             end = StreamEnded("the stream was closed")
         finally:
-            self._opened.set()
-            failure = end or StreamEnded("the stream has ended")
-            while self._settling:
-                future = self._settling.popleft()
-                if not future.done():
-                    future.set_exception(failure)
-            self._deliveries.put_nowait(end)
+            self._ended(end)
+
+    def _settled(self, outcomes: Iterable[pb.Settled]) -> None:
+        """Resolve the waiting settlements with the broker's outcomes, oldest first."""
+        for outcome in outcomes:
+            future = self._settling.popleft() if self._settling else None
+            if future is None or future.done():
+                continue
+            if outcome.code == 0:
+                future.set_result(None)
+            else:
+                kind = _BY_NUMBER.get(outcome.code, WqError)
+                future.set_exception(kind(outcome.message))
+
+    def _received(self, deliveries: Iterable[pb.Delivery]) -> None:
+        for delivery in deliveries:
+            self._deliveries.put_nowait(_delivery(delivery))
+
+    def _why_broken(self, e: grpc.aio.AioRpcError) -> WqError | None:
+        """The error a call that failed with ``e`` ends the stream with: None if close()
+        cancelled it; StreamEnded if the connection broke or the broker went away."""
+        if self._closing and e.code() == grpc.StatusCode.CANCELLED:
+            return None
+        error = _error(e)
+        if isinstance(error, Unavailable):
+            return StreamEnded(f"the stream broke: {error.message}")
+        return error
+
+    def _ended(self, end: BaseException | None) -> None:
+        """The call is over: fail the settlements still waiting (with ``end``, or StreamEnded),
+        and end the iteration (raising ``end`` if it is an error)."""
+        self._opened.set()
+        failure = end or StreamEnded("the stream has ended")
+        while self._settling:
+            future = self._settling.popleft()
+            if not future.done():
+                future.set_exception(failure)
+        self._deliveries.put_nowait(end)
 
     def __aiter__(self) -> GrpcStream:
         return self
@@ -202,7 +246,9 @@ class GrpcStream:
 
 
 class GrpcTransport:
-    def __init__(self, target: str, *, timeout: float = 30.0) -> None:
+    """The gRPC API over one channel: a :class:`~wqclient.transport.StreamingTransport`."""
+
+    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._target = target
         self._timeout = timeout
         self._channel = grpc.aio.insecure_channel(
@@ -247,11 +293,10 @@ class GrpcTransport:
         return list(response.ids)
 
     async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None:
-        wait = min(wait_ms if wait_ms is not None else 20_000, 30_000) / 1000.0
         response = await self._unary(
             self._stub.NextJob,
             pb.NextJobRequest(wait_ms=wait_ms, lease_ms=lease_ms),
-            timeout=wait + _POLL_SLACK,
+            timeout=poll_timeout(wait_ms),
         )
         if not response.HasField("delivery"):
             return None
@@ -266,28 +311,11 @@ class GrpcTransport:
         )
 
     async def stats(self) -> Stats:
-        s = await self._unary(self._stub.Stats, pb.StatsRequest())
-        t = s.totals
-        return Stats(
-            ready=s.ready,
-            handed_out=s.handed_out,
-            delayed=s.delayed,
-            dead=s.dead,
-            totals=Totals(
-                enqueued=t.enqueued,
-                delivered=t.delivered,
-                acked=t.acked,
-                nacked=t.nacked,
-                reclaimed=t.reclaimed,
-                retried=t.retried,
-                buried=t.buried,
-                requeued=t.requeued,
-            ),
-        )
+        return Stats.from_mapping(_Fields(await self._unary(self._stub.Stats, pb.StatsRequest())))
 
     async def dead_letters(self, limit: int | None) -> list[Task]:
         response = await self._unary(self._stub.ListDead, pb.ListDeadRequest(limit=limit))
-        return [_task(t) for t in response.tasks]
+        return [Task.from_mapping(_Fields(t)) for t in response.tasks]
 
     async def requeue(self, task_id: str) -> None:
         await self._unary(self._stub.Requeue, pb.RequeueRequest(id=task_id))

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Sequence
-from datetime import datetime
 from typing import Any, NoReturn, cast
 from urllib.parse import quote
 
@@ -20,8 +19,8 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.models import Delivery, Stats, Task, Totals
-from wqclient.transport import AsyncStream
+from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
+from wqclient.models import Delivery, Stats, Task
 
 _ERRORS: dict[int, type[WqError]] = {
     400: InvalidArgument,
@@ -30,13 +29,6 @@ _ERRORS: dict[int, type[WqError]] = {
     413: PayloadTooLarge,
     503: Unavailable,
 }
-
-# Extra time allowed beyond a long-poll's wait before the request is considered lost.
-_POLL_SLACK = 15.0
-
-
-def _ts(text: str) -> datetime:
-    return datetime.fromisoformat(text)
 
 
 # -- reading answers while keeping each payload's exact JSON text ---------------------------------
@@ -132,25 +124,15 @@ def _loads(data: bytes) -> Any:
         ) from None
 
 
-def _task(data: dict[str, Any]) -> Task:
-    payload = data["payload"]
-    return Task(
-        id=data["id"],
-        payload_json=bytes(payload) if isinstance(payload, _Raw) else json.dumps(payload).encode(),
-        attempts=data["attempts"],
-        max_attempts=data["max_attempts"],
-        created_at=_ts(data["created_at"]),
-        available_at=_ts(data["available_at"]),
-        last_error=data.get("last_error"),
-    )
-
-
 def _q(value: str) -> str:
     return quote(value, safe="")
 
 
 class HttpTransport:
-    def __init__(self, base_url: str, *, timeout: float = 30.0) -> None:
+    """The HTTP/JSON API over one keep-alive aiohttp session (opened on first use). A
+    :class:`~wqclient.transport.Transport`: the HTTP API has no streams."""
+
+    def __init__(self, base_url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._base = base_url.rstrip("/")
         self._timeout = timeout
         self._session: aiohttp.ClientSession | None = None
@@ -237,12 +219,10 @@ class HttpTransport:
         if lease_ms is not None:
             params.append(f"lease_ms={lease_ms}")
         query = "?" + "&".join(params) if params else ""
-        wait = min(wait_ms if wait_ms is not None else 20_000, 30_000) / 1000.0
-        status, data = await self._call("GET", "/jobs/next" + query, timeout=wait + _POLL_SLACK)
+        status, data = await self._call("GET", "/jobs/next" + query, timeout=poll_timeout(wait_ms))
         if status == 204:
             return None
-        body = _loads(data)
-        return Delivery(_task(body["task"]), body["lease_id"], _ts(body["deadline"]))
+        return Delivery.from_mapping(_loads(data))
 
     async def ack(self, task_id: str, lease_id: str) -> None:
         await self._call("POST", f"/jobs/{_q(task_id)}/ack?lease_id={_q(lease_id)}")
@@ -253,25 +233,15 @@ class HttpTransport:
 
     async def stats(self) -> Stats:
         _, data = await self._call("GET", "/stats")
-        body = self._json(data)
-        return Stats(
-            ready=body["ready"],
-            handed_out=body["handed_out"],
-            delayed=body["delayed"],
-            dead=body["dead"],
-            totals=Totals(**body["totals"]),
-        )
+        return Stats.from_mapping(self._json(data))
 
     async def dead_letters(self, limit: int | None) -> list[Task]:
         query = f"?limit={limit}" if limit is not None else ""
         _, data = await self._call("GET", "/dlq" + query)
-        return [_task(t) for t in _loads(data)]
+        return [Task.from_mapping(t) for t in _loads(data)]
 
     async def requeue(self, task_id: str) -> None:
         await self._call("POST", f"/dlq/{_q(task_id)}/requeue")
-
-    async def stream(self, prefetch: int, lease_ms: int | None) -> AsyncStream:
-        raise WqError("streamed consumption needs a gRPC broker URL (grpc://host:port)")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -1,7 +1,8 @@
 """``AsyncClient`` (asyncio) and ``Client`` (blocking): the same methods over HTTP or gRPC.
 
 The transport is chosen by the URL: ``http://host:8080`` for the HTTP/JSON API, ``grpc://host:50051``
-for gRPC. Connections are reused: one keep-alive HTTP session, or one gRPC channel, per client.
+for gRPC; or pass one (``transport=``), any :class:`~wqclient.transport.Transport`. Connections are
+reused: one keep-alive HTTP session, or one gRPC channel, per client.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from urllib.parse import urlsplit
 from wqclient._grpc import GrpcTransport
 from wqclient._http import HttpTransport
 from wqclient.errors import InvalidArgument, Unavailable, WqError
+from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
 from wqclient.models import Delivery, Stats, Task
-from wqclient.transport import AsyncStream, Transport
+from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 T = TypeVar("T")
-
-DEFAULT_URL = "http://localhost:8080"
 
 
 def encode_payload(payload: Any) -> bytes:
@@ -50,7 +50,11 @@ def _option(name: str, value: int | None) -> int | None:
     return value
 
 
-def make_transport(url: str, *, timeout: float = 30.0) -> Transport:
+def make_transport(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Transport:
+    """The transport for a broker URL: ``http://`` or ``https://`` (also a bare ``host:port``)
+    for the HTTP API, ``grpc://host:port`` for gRPC (a :class:`StreamingTransport`).
+    ``timeout``: seconds for a connection, or for the answer to a call that does not long-poll.
+    Raises WqError for a URL of any other kind."""
     parts = urlsplit(url if "://" in url else "http://" + url)
     if parts.scheme in ("http", "https"):
         return HttpTransport(f"{parts.scheme}://{parts.netloc}{parts.path}", timeout=timeout)
@@ -76,15 +80,41 @@ class AsyncClient:
     ...     task_id = await wq.enqueue({"line": "hello"})
     ...     delivery = await wq.claim(wait_ms=1000)
     ...     await wq.ack(delivery)
+
+    ``url`` picks the transport (see :func:`make_transport`; default ``http://localhost:8080``)
+    and ``timeout`` configures it (seconds for a connection, or for the answer to a call that
+    does not long-poll; default 30). Or pass ``transport``, any
+    :class:`~wqclient.transport.Transport` (a fake one in tests, say): the client then uses it as
+    it is, ``url`` is only a label, and ``timeout`` must not be given. The client closes its
+    transport when it is closed.
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
-        self.url = url
-        self._transport = make_transport(url, timeout=timeout)
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        transport: Transport | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self.url: str | None = url
+        if transport is None:
+            self.url = DEFAULT_URL if url is None else url
+            timeout = DEFAULT_TIMEOUT if timeout is None else timeout
+            transport = make_transport(self.url, timeout=timeout)
+        elif timeout is not None:
+            raise WqError("timeout applies to the transport made from a URL: set it on yours")
+        self._transport: Transport = transport
 
     @property
-    def is_grpc(self) -> bool:
-        return isinstance(self._transport, GrpcTransport)
+    def transport(self) -> Transport:
+        """The transport this client talks through."""
+        return self._transport
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether :meth:`stream` is available: the transport is a
+        :class:`~wqclient.transport.StreamingTransport` (gRPC is; HTTP is not)."""
+        return isinstance(self._transport, StreamingTransport)
 
     async def __aenter__(self) -> AsyncClient:
         return self
@@ -119,7 +149,8 @@ class AsyncClient:
     async def claim(
         self, *, wait_ms: int | None = None, lease_ms: int | None = None
     ) -> Delivery | None:
-        """Claim the oldest ready task, waiting up to ``wait_ms`` (broker default 20 s, max 30 s).
+        """Claim the oldest ready task, waiting up to ``wait_ms`` for one (unset: the broker's
+        default, 20 s; at most 30 s: see :mod:`wqclient.limits`), and hold it for ``lease_ms``.
         None if nothing came. Cancelling the call while it is parked loses no task (the broker
         never hands a task to a caller that went away); but a task handed out at the very moment
         of the cancel is only returned when its lease runs out."""
@@ -139,6 +170,7 @@ class AsyncClient:
         await self._transport.nack(*_ids(task, lease_id), error)
 
     async def stats(self) -> Stats:
+        """Gauges (tasks in each collection now) and lifetime totals."""
         return await self._transport.stats()
 
     async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
@@ -150,16 +182,25 @@ class AsyncClient:
         await self._transport.requeue(task_id)
 
     async def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> AsyncStream:
-        """Consume tasks pushed by the broker (gRPC only): at most ``prefetch`` unsettled.
+        """Consume tasks pushed by the broker: at most ``prefetch`` unsettled at once, each held
+        for ``lease_ms``. Needs a transport that can stream (:attr:`can_stream`: gRPC); raises
+        WqError otherwise.
 
         >>> stream = await wq.stream(prefetch=8)
         >>> async for delivery in stream:
         ...     await stream.ack(delivery)
         """
+        transport = self._transport
+        if not isinstance(transport, StreamingTransport):
+            raise WqError(
+                f"cannot stream over {type(transport).__name__}: streamed consumption needs a "
+                "transport that streams, such as gRPC (a grpc://host:port broker URL)"
+            )
         prefetch = _option("prefetch", prefetch) or 0
-        return await self._transport.stream(prefetch, _option("lease_ms", lease_ms))
+        return await transport.stream(prefetch, _option("lease_ms", lease_ms))
 
     async def close(self) -> None:
+        """Close the transport (its connections)."""
         await self._transport.close()
 
 
@@ -200,15 +241,19 @@ class Stream:
         return await self._stream.__anext__()
 
     def ack(self, delivery: Delivery) -> None:
+        """Settle a delivery as done."""
         self._runner.run(self._stream.ack(delivery))
 
     def nack(self, delivery: Delivery, error: str | None = None) -> None:
+        """Settle a delivery as failed, with ``error``."""
         self._runner.run(self._stream.nack(delivery, error))
 
     def drain(self) -> None:
+        """Ask for no new tasks; those already pushed still arrive."""
         self._runner.run(self._stream.drain())
 
     def close(self) -> None:
+        """End the stream; unsettled tasks are reclaimed by the broker at once."""
         self._runner.run(self._stream.close())
 
 
@@ -218,21 +263,38 @@ class Client:
     >>> with Client("http://localhost:8080") as wq:
     ...     wq.enqueue({"line": "hello"})
     ...     print(wq.stats())
+
+    The arguments are AsyncClient's. The client runs an event loop of its own on a daemon
+    thread; a ``transport`` you pass is used (and closed) on that loop, so it must not be bound
+    to another one.
     """
 
-    def __init__(self, url: str = DEFAULT_URL, *, timeout: float = 30.0) -> None:
-        self.url = url
+    def __init__(
+        self,
+        url: str | None = None,
+        *,
+        transport: Transport | None = None,
+        timeout: float | None = None,
+    ) -> None:
         self._runner = _LoopThread()
         try:
-            self._client = self._runner.run(self._make(url, timeout))
+            self._client = self._runner.run(self._make(url, transport, timeout))
         except BaseException:
             self._runner.stop()
             raise
+        self.url = self._client.url
 
     @staticmethod
-    async def _make(url: str, timeout: float) -> AsyncClient:
+    async def _make(
+        url: str | None, transport: Transport | None, timeout: float | None
+    ) -> AsyncClient:
         # Built on the private loop: gRPC channels and aiohttp sessions belong to one loop.
-        return AsyncClient(url, timeout=timeout)
+        return AsyncClient(url, transport=transport, timeout=timeout)
+
+    @property
+    def can_stream(self) -> bool:
+        """Whether :meth:`stream` is available (see AsyncClient.can_stream)."""
+        return self._client.can_stream
 
     def _run(self, method: Callable[..., Awaitable[T]], *args: Any, **kwargs: Any) -> T:
         """Run ``method(*args, **kwargs)`` (a coroutine function) on the private loop."""
@@ -255,6 +317,7 @@ class Client:
     def enqueue(
         self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
     ) -> str:
+        """Enqueue a task and return its id (see AsyncClient.enqueue)."""
         return self._run(
             self._client.enqueue, payload, max_attempts=max_attempts, delay_ms=delay_ms
         )
@@ -266,36 +329,45 @@ class Client:
         max_attempts: int | None = None,
         delay_ms: int | None = None,
     ) -> list[str]:
+        """Enqueue several tasks; returns their ids (see AsyncClient.enqueue_many)."""
         return self._run(
             self._client.enqueue_many, payloads, max_attempts=max_attempts, delay_ms=delay_ms
         )
 
     def claim(self, *, wait_ms: int | None = None, lease_ms: int | None = None) -> Delivery | None:
+        """Claim the oldest ready task, or None (see AsyncClient.claim)."""
         return self._run(self._client.claim, wait_ms=wait_ms, lease_ms=lease_ms)
 
     def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
+        """Report success (see AsyncClient.ack)."""
         self._run(self._client.ack, task, lease_id)
 
     def nack(
         self, task: Delivery | str, lease_id: str | None = None, *, error: str | None = None
     ) -> None:
+        """Report failure (see AsyncClient.nack)."""
         self._run(self._client.nack, task, lease_id, error=error)
 
     def stats(self) -> Stats:
+        """Gauges and lifetime totals."""
         return self._run(self._client.stats)
 
     def dead_letters(self, *, limit: int | None = None) -> list[Task]:
+        """The dead-letter queue, oldest burial first (see AsyncClient.dead_letters)."""
         return self._run(self._client.dead_letters, limit=limit)
 
     def requeue(self, task_id: str) -> None:
+        """Give a dead task a clean start (see AsyncClient.requeue)."""
         self._run(self._client.requeue, task_id)
 
     def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> Stream:
+        """A blocking stream of pushed tasks (see AsyncClient.stream; needs can_stream)."""
         return Stream(
             self._runner, self._run(self._client.stream, prefetch=prefetch, lease_ms=lease_ms)
         )
 
     def close(self) -> None:
+        """Close the transport and stop the client's event loop. Safe to call more than once."""
         if self._runner.loop.is_closed():
             return
         self._run(self._client.close)

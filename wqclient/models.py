@@ -1,11 +1,33 @@
-"""Typed results, the same for both transports."""
+"""Typed results, the same for both transports.
+
+Each record has a ``from_mapping`` constructor that reads the fields as both protocols name them
+(the HTTP API's JSON members and the gRPC messages' fields are the same names), so the transports
+only have to present an answer as a mapping: the field lists live here, once.
+"""
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
+
+from wqclient.errors import ProtocolError
+
+# What reading a field that is missing or of the wrong kind raises: reported as the broker's fault.
+_UNREADABLE = (KeyError, TypeError, ValueError, AttributeError)
+
+
+def _unreadable(what: str, e: Exception) -> ProtocolError:
+    return ProtocolError(
+        f"the broker sent {what} this client cannot read ({type(e).__name__}: {e})"
+    )
+
+
+def _when(value: datetime | str) -> datetime:
+    """A timestamp given as a datetime, or as RFC 3339 text (the HTTP API's)."""
+    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +47,24 @@ class Task:
         """The payload, decoded from JSON."""
         return json.loads(self.payload_json)
 
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Task:
+        """A task from the wire's fields: ``payload`` is the JSON text (bytes), timestamps are
+        datetimes or RFC 3339 text, and ``last_error`` may be absent. Raises ProtocolError if a
+        field is missing or unreadable."""
+        try:
+            return cls(
+                id=data["id"],
+                payload_json=bytes(data["payload"]),
+                attempts=data["attempts"],
+                max_attempts=data["max_attempts"],
+                created_at=_when(data["created_at"]),
+                available_at=_when(data["available_at"]),
+                last_error=data.get("last_error"),
+            )
+        except _UNREADABLE as e:
+            raise _unreadable("a task", e) from None
+
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
@@ -36,15 +76,29 @@ class Delivery:
 
     @property
     def id(self) -> str:
+        """The task's id."""
         return self.task.id
 
     @property
     def payload(self) -> Any:
+        """The task's payload, decoded from JSON."""
         return self.task.payload
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Delivery:
+        """A delivery from the wire's fields: ``task`` (a mapping, see Task.from_mapping),
+        ``lease_id`` and ``deadline``. Raises ProtocolError if one is missing or unreadable."""
+        try:
+            task = Task.from_mapping(data["task"])
+            return cls(task, data["lease_id"], _when(data["deadline"]))
+        except _UNREADABLE as e:
+            raise _unreadable("a delivery", e) from None
 
 
 @dataclass(frozen=True, slots=True)
 class Totals:
+    """Lifetime counters. ``nacked + reclaimed == retried + buried`` always holds."""
+
     enqueued: int = 0
     delivered: int = 0
     acked: int = 0
@@ -53,6 +107,15 @@ class Totals:
     retried: int = 0
     buried: int = 0
     requeued: int = 0
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Totals:
+        """The counters from a mapping of their names. A counter the broker does not report
+        counts 0; names this client does not know are ignored."""
+        try:
+            return cls(**{f.name: int(data.get(f.name, 0)) for f in fields(cls)})
+        except _UNREADABLE as e:
+            raise _unreadable("totals", e) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,3 +132,13 @@ class Stats:
     def idle(self) -> bool:
         """Nothing ready, handed out or delayed."""
         return self.ready == 0 and self.handed_out == 0 and self.delayed == 0
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Stats:
+        """The gauges from a mapping of their names, the totals from its ``totals`` member
+        (see Totals.from_mapping). A gauge the broker does not report counts 0."""
+        try:
+            gauges = {f.name: int(data.get(f.name, 0)) for f in fields(cls) if f.name != "totals"}
+            return cls(totals=Totals.from_mapping(data.get("totals", {})), **gauges)
+        except _UNREADABLE as e:
+            raise _unreadable("stats", e) from None

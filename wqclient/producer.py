@@ -11,9 +11,10 @@ import time
 from collections.abc import Sequence
 from typing import Any, TextIO
 
-from wqclient.client import DEFAULT_URL, AsyncClient
+from wqclient.client import AsyncClient
 from wqclient.errors import WqError
 from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int
+from wqclient.limits import DEFAULT_URL
 
 
 def build_parser() -> argparse.ArgumentParser:

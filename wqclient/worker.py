@@ -2,9 +2,9 @@
 
 Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :class:`Worker` runs
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
-with the exception's text. Over HTTP the worker long-polls (one claim loop per unit of concurrency);
-over gRPC it consumes one stream whose prefetch is the concurrency. Synchronous handlers run in a
-thread pool of that size, so they may block.
+with the exception's text. Over a transport that can stream (gRPC) it consumes one stream whose
+prefetch is the concurrency; otherwise (HTTP) it long-polls, one claim loop per unit of
+concurrency. Synchronous handlers run in a thread pool of that size, so they may block.
 
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
 and returns. A broker that is down or restarting is reported once and retried with backoff.
@@ -26,9 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from wqclient.client import DEFAULT_URL, AsyncClient
+from wqclient.client import AsyncClient
 from wqclient.errors import LeaseLost, NotFound, StreamEnded, Unavailable, WqError
 from wqclient.flags import FlagParser, bool_flag, positive_int
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import Delivery, Task
 from wqclient.transport import AsyncStream
 
@@ -54,7 +55,13 @@ def describe(error: BaseException) -> str:
 
 
 class Worker:
-    """Runs ``handler`` on tasks from a broker until ``stop()``."""
+    """Runs ``handler`` on tasks from a broker until ``stop()``.
+
+    ``broker``: a URL (the worker then makes and closes its own client) or an
+    :class:`AsyncClient` (yours to close; ``AsyncClient(transport=...)`` to run on a transport of
+    your own). At most ``concurrency`` tasks are in hand at once; each claim long-polls up to
+    ``wait_ms`` and holds its task for ``lease_ms``.
+    """
 
     def __init__(
         self,
@@ -62,8 +69,8 @@ class Worker:
         handler: Handler,
         *,
         concurrency: int = 3,
-        wait_ms: int = 20_000,
-        lease_ms: int = 30_000,
+        wait_ms: int = DEFAULT_WAIT_MS,
+        lease_ms: int = DEFAULT_LEASE_MS,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -107,7 +114,7 @@ class Worker:
         if not self._is_async:
             self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="wq-handler")
         try:
-            if self._client.is_grpc:
+            if self._client.can_stream:
                 await self._run_stream()
             else:
                 await asyncio.gather(*(self._poll_loop() for _ in range(self.concurrency)))
@@ -353,15 +360,15 @@ def build_parser() -> argparse.ArgumentParser:
         "-wait-ms",
         "--wait-ms",
         type=positive_int,
-        default=20_000,
-        help="how long each long-poll waits for a task (default 20000)",
+        default=DEFAULT_WAIT_MS,
+        help=f"how long each long-poll waits for a task (default {DEFAULT_WAIT_MS})",
     )
     p.add_argument(
         "-lease-ms",
         "--lease-ms",
         type=positive_int,
-        default=30_000,
-        help="how long to claim each task for (default 30000)",
+        default=DEFAULT_LEASE_MS,
+        help=f"how long to claim each task for (default {DEFAULT_LEASE_MS})",
     )
     p.add_argument(
         "-quiet",
@@ -396,7 +403,7 @@ async def _main(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
-    mode = "streaming" if client.is_grpc else "long-polling"
+    mode = "streaming" if client.can_stream else "long-polling"
     log.info("%d workers %s %s, logging to %s", args.concurrency, mode, args.broker, args.log_file)
     try:
         await worker.run()

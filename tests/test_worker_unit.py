@@ -1,0 +1,267 @@
+"""The Worker runner without a broker: driven through ``AsyncClient(transport=fake)``.
+
+Each test runs over both of the worker's paths: claim loops on a unary transport (as over HTTP)
+and one stream on a streaming transport (as over gRPC). Nothing sleeps to let things happen:
+tests wait for conditions on the fake's state or for events their handlers set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+
+from tests.fake_transport import FakeStreamingTransport, FakeTransport
+from wqclient import AsyncClient, StreamingTransport, Task, Unavailable, WqError
+from wqclient.worker import TaskFailed, Worker
+
+pytestmark = pytest.mark.timeout(30)
+
+WORKER_LOG = "wqclient.worker"
+PATHS = ["unary", "stream"]
+
+
+@pytest.fixture(params=PATHS)
+def fake(request: pytest.FixtureRequest) -> FakeTransport:
+    return FakeStreamingTransport() if request.param == "stream" else FakeTransport()
+
+
+@asynccontextmanager
+async def running(
+    fake: FakeTransport, handler: Callable[[Task], Any], **options: Any
+) -> AsyncIterator[Worker]:
+    """A Worker on ``fake``, running in the background; on the way out it is stopped, and its
+    run() must return cleanly."""
+    async with AsyncClient(transport=fake) as client:
+        worker = Worker(client, handler, **options)
+        run = asyncio.ensure_future(worker.run())
+        try:
+            yield worker
+        finally:
+            worker.stop()
+            await asyncio.wait_for(run, 10)
+
+
+def logged(caplog: pytest.LogCaptureFixture, text: str) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == WORKER_LOG and text in r.getMessage()]
+
+
+# -- which path ---------------------------------------------------------------------------------
+
+
+async def test_a_client_streams_only_over_a_transport_that_can() -> None:
+    assert not isinstance(FakeTransport(), StreamingTransport)
+    async with AsyncClient(transport=FakeTransport()) as client:
+        assert not client.can_stream
+        with pytest.raises(WqError) as e:
+            await client.stream(prefetch=2)
+        assert "cannot stream over FakeTransport" in e.value.message
+    async with AsyncClient(transport=FakeStreamingTransport()) as client:
+        assert client.can_stream
+
+
+async def test_over_a_unary_transport_the_worker_runs_one_claim_loop_per_unit_of_concurrency() -> (
+    None
+):
+    fake = FakeTransport()
+    async with running(fake, lambda task: None, concurrency=3, wait_ms=5_000, lease_ms=7_000):
+        await fake.wait_until(lambda: len(fake.claims) == 3)  # all three parked
+        assert fake.claims == [(5_000, 7_000)] * 3
+        task_id = fake.add("work")
+        await fake.wait_until(lambda: fake.acked == [task_id])
+    assert fake.calls_to("stream") == []
+
+
+async def test_over_a_streaming_transport_the_worker_opens_one_stream_of_its_concurrency() -> None:
+    fake = FakeStreamingTransport()
+    async with running(fake, lambda task: None, concurrency=4, lease_ms=7_000):
+        task_id = fake.add("work")
+        await fake.wait_until(lambda: fake.acked == [task_id])
+        [stream] = fake.streams
+        assert (stream.prefetch, stream.lease_ms) == (4, 7_000)
+    assert fake.claims == []
+    assert stream.closed and stream.unsettled == {}
+
+
+# -- outcomes -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["sync", "async"])
+async def test_returning_acks_and_raising_nacks_with_the_exception_text(
+    fake: FakeTransport, kind: str
+) -> None:
+    def work(task: Task) -> None:
+        if task.payload == "boom":
+            raise ValueError("no good")
+        if task.payload == "refuse":
+            raise TaskFailed("cannot do this one")
+
+    async def work_async(task: Task) -> None:
+        work(task)
+
+    ok = fake.add("fine", max_attempts=1)
+    boom = fake.add("boom", max_attempts=1)
+    refused = fake.add("refuse", max_attempts=1)
+    handler = work if kind == "sync" else work_async
+    async with running(fake, handler, concurrency=1) as worker:
+        await fake.wait_until(lambda: len(fake.acked) + len(fake.nacked) == 3)
+    assert fake.acked == [ok]
+    assert fake.nacked == [(boom, "ValueError: no good"), (refused, "cannot do this one")]
+    assert fake.dead == [boom, refused]
+    assert (worker.succeeded, worker.failed) == (1, 2)
+
+
+async def test_a_sync_handler_runs_off_the_event_loop(fake: FakeTransport) -> None:
+    threads: list[threading.Thread] = []
+    task_id = fake.add("work")
+    async with running(fake, lambda task: threads.append(threading.current_thread())):
+        await fake.wait_until(lambda: fake.acked == [task_id])
+    assert threads and threads[0] is not threading.main_thread()
+
+
+# -- concurrency and stop -----------------------------------------------------------------------
+
+
+class Gate:
+    """An async handler that holds every task until released, and counts how many it holds."""
+
+    def __init__(self, wanted: int) -> None:
+        self.wanted = wanted
+        self.holding = 0
+        self.peak = 0
+        self.seen: list[str] = []
+        self.full = asyncio.Event()  # set when ``wanted`` tasks are held at once
+        self.release = asyncio.Event()
+
+    async def __call__(self, task: Task) -> None:
+        self.seen.append(task.id)
+        self.holding += 1
+        self.peak = max(self.peak, self.holding)
+        if self.holding == self.wanted:
+            self.full.set()
+        try:
+            await self.release.wait()
+        finally:
+            self.holding -= 1
+
+
+async def test_concurrency_is_used_and_never_exceeded(fake: FakeTransport) -> None:
+    ids = [fake.add(n) for n in range(10)]
+    gate = Gate(3)
+    async with running(fake, gate, concurrency=3):
+        await asyncio.wait_for(gate.full.wait(), 5)
+        # Three in hand, the other seven left on the broker for somebody else.
+        assert (len(fake.held), len(fake.ready)) == (3, 7)
+        gate.release.set()
+        await fake.wait_until(lambda: len(fake.acked) == 10)
+    assert sorted(fake.acked) == sorted(ids)
+    assert gate.peak == 3
+
+
+async def test_stop_lets_the_tasks_in_hand_finish_and_settle_and_claims_no_more(
+    fake: FakeTransport,
+) -> None:
+    ids = [fake.add(n) for n in range(5)]
+    gate = Gate(2)
+    async with AsyncClient(transport=fake) as client:
+        worker = Worker(client, gate, concurrency=2)
+        run = asyncio.ensure_future(worker.run())
+        await asyncio.wait_for(gate.full.wait(), 5)
+        worker.stop()
+        if isinstance(fake, FakeStreamingTransport):
+            await fake.wait_until(lambda: fake.streams[0].draining)
+        assert not run.done()  # still holding two tasks
+        gate.release.set()
+        await asyncio.wait_for(run, 10)
+        assert not fake.closed  # the client is the caller's: the worker leaves it open
+    assert sorted(fake.acked) == sorted(gate.seen) == ids[:2]
+    assert list(fake.ready) == ids[2:] and fake.held == {}
+
+
+async def test_stop_returns_promptly_from_an_idle_worker(fake: FakeTransport) -> None:
+    async with AsyncClient(transport=fake) as client:
+        worker = Worker(client, lambda task: None, concurrency=2)
+        run = asyncio.ensure_future(worker.run())
+        if isinstance(fake, FakeStreamingTransport):
+            await fake.wait_until(lambda: len(fake.streams) == 1)
+        else:
+            await fake.wait_until(lambda: len(fake.claims) == 2)  # both parked
+        worker.stop()
+        await asyncio.wait_for(run, 5)
+    assert fake.acked == [] and fake.held == {}
+
+
+# -- an unreachable broker, a lost lease ---------------------------------------------------------
+
+
+async def test_a_broker_that_is_unavailable_for_a_while_is_retried_and_the_worker_recovers(
+    fake: FakeTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
+    op = "stream" if isinstance(fake, FakeStreamingTransport) else "claim"
+    fake.fail(op, Unavailable("connection refused"), times=3)
+    task_id = fake.add("work")
+    async with running(fake, lambda task: None, concurrency=1):
+        await fake.wait_until(lambda: fake.acked == [task_id])
+    assert len(fake.calls_to(op)) >= 4  # three refused, then one that worked
+    [down] = logged(caplog, "broker unavailable")  # said once, not once per attempt
+    assert down.levelno == logging.WARNING and "connection refused" in down.getMessage()
+    assert len(logged(caplog, "reachable again")) == 1
+
+
+async def test_an_ack_that_cannot_reach_the_broker_is_retried(fake: FakeTransport) -> None:
+    fake.fail("ack", Unavailable("connection reset"), times=2)
+    task_id = fake.add("work")
+    async with running(fake, lambda task: None, concurrency=1):
+        await fake.wait_until(lambda: fake.acked == [task_id])
+    assert fake.calls_to("ack") == [task_id] * 3
+
+
+async def test_lease_lost_on_ack_is_logged_and_not_retried(
+    fake: FakeTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
+    lost = fake.add("slow")
+
+    async def handler(task: Task) -> None:
+        if task.id == lost:
+            fake.take_away(task.id)  # meanwhile the lease ran out and somebody else has it
+
+    async with running(fake, handler, concurrency=1):
+        await fake.wait_until(lambda: fake.calls_to("ack") == [lost])
+        after = fake.add("next")  # the worker carries on
+        await fake.wait_until(lambda: fake.acked == [after])
+    assert fake.calls_to("ack") == [lost, after]  # the lost one was tried once
+    assert lost in fake.held  # still the other holder's
+    [warning] = logged(caplog, "lease no longer valid")
+    assert warning.levelno == logging.WARNING and lost in warning.getMessage()
+
+
+async def test_a_broken_stream_is_reopened_and_its_task_comes_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
+    fake = FakeStreamingTransport()
+    task_id = fake.add("work")
+    attempts: list[int] = []
+    first_in_hand = asyncio.Event()
+
+    async def handler(task: Task) -> None:
+        attempts.append(task.attempts)
+        if task.attempts == 1:
+            first_in_hand.set()
+            await fake.wait_until(lambda: fake.streams[0].broken is not None)
+
+    async with running(fake, handler, concurrency=1):
+        await asyncio.wait_for(first_in_hand.wait(), 5)
+        fake.break_streams()
+        await fake.wait_until(lambda: fake.acked == [task_id])
+    assert attempts == [1, 2]
+    assert len(fake.streams) == 2
+    assert fake.counters.reclaimed == 1
+    assert len(logged(caplog, "the stream ended before its outcome was sent")) == 1
