@@ -17,9 +17,10 @@ import pytest
 
 from tests.conftest import settle
 from wqbroker.clock import FakeClock
+from wqbroker.dispatch import Poller, Stream
 from wqbroker.errors import InvalidArgument, NotFound
 from wqbroker.models import Delivery, Stats
-from wqbroker.service import Service, Stream, _Poller
+from wqbroker.service import Service
 from wqbroker.store import Store
 
 PAYLOAD = b'{"line": "hello"}'
@@ -370,13 +371,13 @@ async def test_a_task_handed_to_a_claim_cancelled_before_it_ran_goes_back(
     service: Service, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     claim = await park(service, wait_ms=20_000)
-    deliver = _Poller._deliver
+    deliver = Poller.deliver
 
-    def deliver_then_disconnect(self: _Poller, delivery: Delivery) -> None:
+    def deliver_then_disconnect(self: Poller, delivery: Delivery) -> None:
         deliver(self, delivery)  # the task is handed to the parked claim ...
         claim.cancel()  # ... whose client disconnects before the claim could return it
 
-    monkeypatch.setattr(_Poller, "_deliver", deliver_then_disconnect)
+    monkeypatch.setattr(Poller, "deliver", deliver_then_disconnect)
     view = await service.enqueue(PAYLOAD)
     await until(claim.done, "the claim to end")
     assert claim.cancelled()
@@ -404,14 +405,14 @@ async def test_a_released_task_goes_to_the_next_parked_claim(
 ) -> None:
     first = await park(service, wait_ms=20_000)
     second = await park(service, wait_ms=20_000)
-    deliver = _Poller._deliver
+    deliver = Poller.deliver
 
-    def deliver_then_disconnect(self: _Poller, delivery: Delivery) -> None:
+    def deliver_then_disconnect(self: Poller, delivery: Delivery) -> None:
         deliver(self, delivery)
         if not first.done():
             first.cancel()  # the first claim's client goes away as the task reaches it
 
-    monkeypatch.setattr(_Poller, "_deliver", deliver_then_disconnect)
+    monkeypatch.setattr(Poller, "deliver", deliver_then_disconnect)
     view = await service.enqueue(PAYLOAD)
     d = await answer(second)
     assert first.cancelled()

@@ -15,8 +15,9 @@ from wqbroker.clock import Clock, SystemClock
 from wqbroker.errors import StoreError
 from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import DEFAULT_MAX_BODY, create_app, make_runner
+from wqbroker.limits import DEFAULT_SWEEP_INTERVAL
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
-from wqbroker.service import DEFAULT_SWEEP_INTERVAL, Service
+from wqbroker.service import Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
 from wqbroker.store.sqlite import SqliteStore
@@ -144,7 +145,12 @@ class Broker:
         if self._store is None:
             backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
             self._store = await open_store(config, backoff, self._rng)
-        self._service = Service(self._store, self.clock, sweep_interval=config.sweep_interval)
+        self._service = Service(
+            self._store,
+            self.clock,
+            sweep_interval=config.sweep_interval,
+            max_payload=config.max_body,
+        )
         await self._service.start()
         try:
             if http_at is not None:
@@ -168,7 +174,7 @@ class Broker:
         self.http_addresses = [format_addr(a) for a in runner.addresses]
 
     async def _start_grpc(self, host: str | None, port: int) -> None:
-        server, self._health = create_server(self.service, max_payload=self.config.max_body)
+        server, self._health = create_server(self.service)
         self._grpc = server
         bind_host = "[::]" if host is None else (f"[{host}]" if ":" in host else host)
         try:

@@ -64,52 +64,65 @@ def decode_text(body: bytes, what: str = "request body") -> str:
         raise InvalidArgument(f"{what} is not valid UTF-8 (byte {e.start})") from None
 
 
+class JsonText(bytes):
+    """Bytes known to be exactly one JSON value (checked by this module), kept as received."""
+
+    __slots__ = ()
+
+
+def _member(text: str, idx: int, raw: frozenset[str], out: dict[str, Any]) -> int:
+    """Parse one ``"name": value`` at ``idx`` into ``out``; the index after it."""
+    if not text.startswith('"', idx):
+        raise ValueError
+    key, idx = _scanstring(text, idx + 1)
+    idx = _skip(text, idx)
+    if not text.startswith(":", idx):
+        raise ValueError
+    idx = _skip(text, idx + 1)
+    start = idx
+    value, idx = _scan_once(text, idx)
+    out[key] = JsonText(text[start:idx].encode("utf-8")) if key in raw else value
+    return _skip(text, idx)
+
+
+def _members(text: str, idx: int, raw: frozenset[str], out: dict[str, Any]) -> int:
+    """Parse the members of an object whose ``{`` is just before ``idx``; the index after it."""
+    idx = _skip(text, idx)
+    if text.startswith("}", idx):
+        return idx + 1
+    while True:
+        idx = _member(text, idx, raw, out)
+        if text.startswith(",", idx):
+            idx = _skip(text, idx + 1)
+        elif text.startswith("}", idx):
+            return idx + 1
+        else:
+            raise ValueError
+
+
 def parse_object(
     body: bytes, raw: frozenset[str] = frozenset(), *, what: str = "request body"
 ) -> dict[str, Any]:
-    """Parse a JSON object. Members named in ``raw`` are returned as their exact JSON text (bytes),
-    validated; the others as decoded values. Raises InvalidArgument naming the problem."""
+    """Parse a JSON object. Members named in ``raw`` are returned as their exact JSON text
+    (:class:`JsonText`); the others as decoded values. Raises InvalidArgument naming the problem."""
     text = decode_text(body, what)
-    end = len(text)
     idx = _skip(text, 0)
-    if idx == end:
+    if idx == len(text):
         raise InvalidArgument(f"{what} is empty; expected a JSON object")
     if text[idx] != "{":
         problem = _diagnose(text)
         raise InvalidArgument(f"{what} {problem or 'must be a JSON object'}")
     out: dict[str, Any] = {}
     try:
-        idx = _skip(text, idx + 1)
-        if text.startswith("}", idx):
-            idx += 1
-        else:
-            while True:
-                if not text.startswith('"', idx):
-                    raise ValueError
-                key, idx = _scanstring(text, idx + 1)
-                idx = _skip(text, idx)
-                if not text.startswith(":", idx):
-                    raise ValueError
-                idx = _skip(text, idx + 1)
-                start = idx
-                value, idx = _scan_once(text, idx)
-                out[key] = text[start:idx].encode("utf-8") if key in raw else value
-                idx = _skip(text, idx)
-                if text.startswith(",", idx):
-                    idx = _skip(text, idx + 1)
-                elif text.startswith("}", idx):
-                    idx += 1
-                    break
-                else:
-                    raise ValueError
+        idx = _members(text, idx + 1, raw, out)
     except (ValueError, StopIteration, RecursionError):
         raise _invalid_json(text, what) from None
-    if _skip(text, idx) != end:
+    if _skip(text, idx) != len(text):
         raise _invalid_json(text, what)
     return out
 
 
-def validate_json(data: bytes, what: str = "payload") -> bytes:
+def validate_json(data: bytes, what: str = "payload") -> JsonText:
     """Check that ``data`` is one JSON value (any type); return it unchanged."""
     text = decode_text(data, what)
     if not text.strip(" \t\n\r"):
@@ -117,7 +130,7 @@ def validate_json(data: bytes, what: str = "payload") -> bytes:
     problem = _diagnose(text)
     if problem is not None:
         raise InvalidArgument(f"{what} {problem}")
-    return data
+    return JsonText(data)
 
 
 def dumps(value: Any) -> bytes:

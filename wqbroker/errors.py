@@ -1,11 +1,18 @@
 """One error tree for the whole broker.
 
-The service and the stores raise these; each protocol adapter maps them with one table
-(``wqbroker.http.errors`` for HTTP status codes, ``wqbroker.grpc`` for gRPC status codes).
-Every error carries a message meant for the client, naming the offending field where there is one.
+The service and the stores raise these; each protocol adapter maps them with one table (``STATUS``
+in ``wqbroker.http.app`` for HTTP status codes, ``CODES`` in ``wqbroker.grpc.server`` for gRPC
+status codes), looked up with :func:`lookup`, so a new subclass maps as its parent does unless the
+table names it. Every error carries a message meant for the client, naming the offending field
+where there is one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TypeVar
+
+T = TypeVar("T")
 
 
 class WqError(Exception):
@@ -36,5 +43,13 @@ class Unavailable(WqError):
     """The broker is shutting down or cannot serve the request right now."""
 
 
-class StoreError(WqError):
+class StoreError(Unavailable):
     """The storage backend failed (disk full, database unreachable, ...)."""
+
+
+def lookup(table: Mapping[type[WqError], T], error: WqError) -> T:
+    """The entry for the error's class, or for its nearest ancestor that has one."""
+    for cls in type(error).__mro__:
+        if cls in table:
+            return table[cls]
+    raise LookupError(f"no entry for {type(error).__name__}")

@@ -6,7 +6,8 @@ can build them from rows just as the memory backend builds them from its records
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +58,10 @@ class Stats:
     delayed: int = 0
     dead: int = 0
     totals: Totals = field(default_factory=Totals)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The gauges and a ``totals`` mapping, named and ordered as the spec's ``/stats``."""
+        return asdict(self)
 
 
 @dataclass(slots=True, frozen=True)

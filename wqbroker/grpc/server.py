@@ -17,35 +17,34 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from wqbroker import codec
+from wqbroker.dispatch import Stream
 from wqbroker.errors import (
     InvalidArgument,
     LeaseLost,
     NotFound,
     PayloadTooLarge,
-    StoreError,
     Unavailable,
     WqError,
+    lookup,
 )
 from wqbroker.models import Delivery, Task
-from wqbroker.service import Service, Stream, lease_seconds, wait_seconds
+from wqbroker.service import Service
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("wqbroker.grpc")
 
-# The one table from the error tree to gRPC status codes.
+# The one table from the error tree to gRPC status codes (a subclass maps as its parent).
 CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
+    WqError: grpc.StatusCode.INVALID_ARGUMENT,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    Unavailable: grpc.StatusCode.UNAVAILABLE,
-    StoreError: grpc.StatusCode.UNAVAILABLE,
+    Unavailable: grpc.StatusCode.UNAVAILABLE,  # StoreError is one
 }
 
 SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
-MAX_BATCH: Final = 10_000
 # Keep each streamed response well under the 4 MiB that gRPC clients accept by default.
 STREAM_CHUNK_BYTES: Final = 2 * 1024 * 1024
 
@@ -53,7 +52,7 @@ Context = grpc.aio.ServicerContext[Any, Any]
 
 
 def code_for(error: WqError) -> grpc.StatusCode:
-    return CODES.get(type(error), grpc.StatusCode.INVALID_ARGUMENT)
+    return lookup(CODES, error)
 
 
 class _Errors:
@@ -124,22 +123,34 @@ def _optional(message: Any, name: str) -> int | None:
     return getattr(message, name) if message.HasField(name) else None
 
 
-class BrokerServicer(pb_grpc.BrokerServicer):
-    def __init__(self, service: Service, *, max_payload: int) -> None:
-        self._service = service
-        self._max_payload = max_payload
+def _error(message: pb.NackRequest) -> str | None:
+    return message.error if message.HasField("error") else None
 
-    def _payload(self, data: bytes, what: str = "payload") -> bytes:
-        if not data:
-            raise InvalidArgument(f"{what} is required")
-        if len(data) > self._max_payload:
-            raise PayloadTooLarge(f"{what} is larger than the limit of {self._max_payload} bytes")
-        return codec.validate_json(data, what)
+
+async def _settle(
+    service: Service, acks: Sequence[pb.AckRequest], nacks: Sequence[pb.NackRequest] = ()
+) -> list[pb.Settled]:
+    """Settle acks, then nacks, at once; their outcomes, in that order."""
+    ack_errors, nack_errors = await service.settle_many(
+        [(a.id, a.lease_id) for a in acks], [(n.id, n.lease_id, _error(n)) for n in nacks]
+    )
+    return [
+        _settled(a.id, a.lease_id, error, nack=False)
+        for a, error in zip(acks, ack_errors, strict=True)
+    ] + [
+        _settled(n.id, n.lease_id, error, nack=True)
+        for n, error in zip(nacks, nack_errors, strict=True)
+    ]
+
+
+class BrokerServicer(pb_grpc.BrokerServicer):
+    def __init__(self, service: Service) -> None:
+        self._service = service
 
     async def Enqueue(self, request: pb.EnqueueRequest, context: Context) -> pb.EnqueueResponse:
         async with _Errors(context):
             task = await self._service.enqueue(
-                self._payload(request.payload),
+                request.payload,
                 _optional(request, "max_attempts"),
                 _optional(request, "delay_ms"),
             )
@@ -149,35 +160,32 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: pb.EnqueueBatchRequest, context: Context
     ) -> pb.EnqueueBatchResponse:
         async with _Errors(context):
-            if len(request.tasks) > MAX_BATCH:
-                raise InvalidArgument(
-                    f"tasks has {len(request.tasks)} entries; at most {MAX_BATCH} per call"
-                )
             items = [
-                (
-                    self._payload(item.payload, f"tasks[{i}].payload"),
-                    _optional(item, "max_attempts"),
-                    _optional(item, "delay_ms"),
-                )
-                for i, item in enumerate(request.tasks)
+                (item.payload, _optional(item, "max_attempts"), _optional(item, "delay_ms"))
+                for item in request.tasks
             ]
             tasks = await self._service.enqueue_many(items, what="tasks")
             return pb.EnqueueBatchResponse(ids=[t.id for t in tasks])
 
     async def NextJob(self, request: pb.NextJobRequest, context: Context) -> pb.NextJobResponse:
         async with _Errors(context):
-            wait_ms, lease_ms = _optional(request, "wait_ms"), _optional(request, "lease_ms")
-            settled: list[pb.Settled] = []
-            if request.acks:
-                # Checked before settling: a bad wait or lease must not leave half of a call done.
-                wait_seconds(wait_ms)
-                lease_seconds(lease_ms)
-                await self._settle_acks(request.acks, settled)
-            delivery = await self._service.claim(wait_ms, lease_ms)
+
+            async def hand_over(delivery: Delivery) -> None:
+                if context.done():
+                    raise ConnectionResetError("the caller went away")
+
+            acks = request.acks
+            outcomes, delivery = await self._service.next_job(
+                _optional(request, "wait_ms"),
+                _optional(request, "lease_ms"),
+                [(a.id, a.lease_id) for a in acks],
+                hand_over,
+            )
+            settled = [
+                _settled(a.id, a.lease_id, error, nack=False)
+                for a, error in zip(acks, outcomes, strict=True)
+            ]
             if delivery is None:
-                return pb.NextJobResponse(settled=settled)
-            if context.done():  # the caller is gone: nobody will see this task
-                await self._service.release(delivery)
                 return pb.NextJobResponse(settled=settled)
             return pb.NextJobResponse(delivery=delivery_pb(delivery), settled=settled)
 
@@ -188,30 +196,14 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Nack(self, request: pb.NackRequest, context: Context) -> pb.NackResponse:
         async with _Errors(context):
-            error = request.error if request.HasField("error") else None
-            await self._service.nack(request.id, request.lease_id, error)
+            await self._service.nack(request.id, request.lease_id, _error(request))
             return pb.NackResponse()
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         async with _Errors(context):
-            s = await self._service.stats()
-            t = s.totals
-            return pb.StatsResponse(
-                ready=s.ready,
-                handed_out=s.handed_out,
-                delayed=s.delayed,
-                dead=s.dead,
-                totals=pb.Totals(
-                    enqueued=t.enqueued,
-                    delivered=t.delivered,
-                    acked=t.acked,
-                    nacked=t.nacked,
-                    reclaimed=t.reclaimed,
-                    retried=t.retried,
-                    buried=t.buried,
-                    requeued=t.requeued,
-                ),
-            )
+            stats = (await self._service.stats()).as_dict()
+            totals = pb.Totals(**stats.pop("totals"))
+            return pb.StatsResponse(**stats, totals=totals)
 
     async def ListDead(self, request: pb.ListDeadRequest, context: Context) -> pb.ListDeadResponse:
         async with _Errors(context):
@@ -226,7 +218,6 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def StreamJobs(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamJobsRequest], context: Context
     ) -> None:
-        service = self._service
         async with _Errors(context):
             try:
                 first = await anext(aiter(request_iterator))
@@ -234,103 +225,102 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 return
             if not first.HasField("open"):
                 raise InvalidArgument("the first StreamJobsRequest must carry open")
-            stream = await service.open_stream(
+            stream = await self._service.open_stream(
                 _optional(first.open, "prefetch"), _optional(first.open, "lease_ms")
             )
-        settled: list[pb.Settled] = []
+        await _StreamCall(self._service, stream, context).run(first, request_iterator)
+
+
+class _StreamCall:
+    """One StreamJobs call once its stream is open: a reader settles what the worker sends; the
+    writer pushes deliveries and outcomes until the worker half-closes or the broker stops."""
+
+    def __init__(self, service: Service, stream: Stream, context: Context) -> None:
+        self._service = service
+        self._stream = stream
+        self._context = context
+        self._settled: list[pb.Settled] = []
+
+    async def run(
+        self, first: pb.StreamJobsRequest, requests: AsyncIterator[pb.StreamJobsRequest]
+    ) -> None:
+        stream = self._stream
         try:
-            await context.write(pb.StreamJobsResponse())  # "open" accepted
+            await self._context.write(pb.StreamJobsResponse())  # "open" accepted
         except BaseException:
             await stream.close()
             raise
-        reader = asyncio.get_running_loop().create_task(
-            self._read_stream(first, request_iterator, stream, settled)
-        )
+        reader = asyncio.get_running_loop().create_task(self._read(first, requests))
         reader.add_done_callback(lambda _: stream.poke())
         try:
-            while True:
-                deliveries = stream.take_ready()
-                if deliveries or settled:
-                    # Take the outcomes now: the reader may add more while we write.
-                    outcomes = settled[:]
-                    settled.clear()
-                    for response in self._responses(deliveries, outcomes):
-                        await context.write(response)
-                    continue
-                if reader.done():
-                    error = reader.exception()
-                    if isinstance(error, WqError):
-                        await context.abort(code_for(error), error.message)
-                    if error is not None:
-                        raise error
-                    return  # the worker half-closed: the stream is over
-                if stream.closed:
-                    return  # the broker is shutting down
-                await stream.wait()
+            await self._write(reader)
         finally:
             reader.cancel()
             await stream.close()
 
-    def _responses(
-        self, deliveries: list[Delivery], settled: list[pb.Settled]
-    ) -> list[pb.StreamJobsResponse]:
-        """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each. The
-        outcomes go in the first: they freed the slots these deliveries fill."""
-        responses = [pb.StreamJobsResponse(settled=settled)]
-        size = 0
-        for delivery in deliveries:
-            n = len(delivery.task.payload) + 256
-            if size and size + n > STREAM_CHUNK_BYTES:
-                responses.append(pb.StreamJobsResponse())
-                size = 0
-            responses[-1].deliveries.append(delivery_pb(delivery))
-            size += n
-        return responses
+    async def _write(self, reader: asyncio.Task[None]) -> None:
+        stream = self._stream
+        while True:
+            deliveries = stream.take_ready()
+            if deliveries or self._settled:
+                # Take the outcomes now: the reader may add more while we write.
+                outcomes, self._settled = self._settled, []
+                for response in _responses(deliveries, outcomes):
+                    await self._context.write(response)
+                continue
+            if reader.done():
+                await self._reader_ended(reader)
+                return  # the worker half-closed: the stream is over
+            if stream.closed:
+                return  # the broker is shutting down
+            await stream.wait()
 
-    async def _read_stream(
-        self,
-        first: pb.StreamJobsRequest,
-        requests: AsyncIterator[pb.StreamJobsRequest],
-        stream: Stream,
-        settled: list[pb.Settled],
+    async def _reader_ended(self, reader: asyncio.Task[None]) -> None:
+        error = reader.exception()
+        if isinstance(error, WqError):
+            await self._context.abort(code_for(error), error.message)
+        if error is not None:
+            raise error
+
+    async def _read(
+        self, first: pb.StreamJobsRequest, requests: AsyncIterator[pb.StreamJobsRequest]
     ) -> None:
         request = first
         while True:
-            await self._settle(request, stream, settled)
-            stream.poke()
+            await self._apply(request)
+            self._stream.poke()
             try:
                 request = await anext(requests)
             except StopAsyncIteration:
                 # The worker half-closed: push nothing more (what is queued goes back to ready).
-                if not stream.draining:
-                    await stream.drain()
+                if not self._stream.draining:
+                    await self._stream.drain()
                 return
             if request.HasField("open"):
                 raise InvalidArgument("open may only be sent in the first StreamJobsRequest")
 
-    async def _settle(
-        self, request: pb.StreamJobsRequest, stream: Stream, settled: list[pb.Settled]
-    ) -> None:
+    async def _apply(self, request: pb.StreamJobsRequest) -> None:
         if request.acks or request.nacks:
-            await self._settle_acks(request.acks, settled, request.nacks)
-        if request.drain and not stream.draining:
-            await stream.drain()
+            self._settled += await _settle(self._service, request.acks, request.nacks)
+        if request.drain and not self._stream.draining:
+            await self._stream.drain()
 
-    async def _settle_acks(
-        self,
-        acks: Sequence[pb.AckRequest],
-        settled: list[pb.Settled],
-        nacks: Sequence[pb.NackRequest] = (),
-    ) -> None:
-        """Settle acks, then nacks, at once; append their outcomes to ``settled``."""
-        ack_errors, nack_errors = await self._service.settle_many(
-            [(a.id, a.lease_id) for a in acks],
-            [(n.id, n.lease_id, n.error if n.HasField("error") else None) for n in nacks],
-        )
-        for ack, error in zip(acks, ack_errors, strict=True):
-            settled.append(_settled(ack.id, ack.lease_id, error, nack=False))
-        for nack, error in zip(nacks, nack_errors, strict=True):
-            settled.append(_settled(nack.id, nack.lease_id, error, nack=True))
+
+def _responses(
+    deliveries: list[Delivery], settled: list[pb.Settled]
+) -> list[pb.StreamJobsResponse]:
+    """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each. The outcomes
+    go in the first: they freed the slots these deliveries fill."""
+    responses = [pb.StreamJobsResponse(settled=settled)]
+    size = 0
+    for delivery in deliveries:
+        n = len(delivery.task.payload) + 256
+        if size and size + n > STREAM_CHUNK_BYTES:
+            responses.append(pb.StreamJobsResponse())
+            size = 0
+        responses[-1].deliveries.append(delivery_pb(delivery))
+        size += n
+    return responses
 
 
 # grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
@@ -348,12 +338,12 @@ class _Health(health.aio.HealthServicer):  # type: ignore[name-defined,misc]
         return await super().Check(request, context)
 
 
-def create_server(service: Service, *, max_payload: int) -> tuple[grpc.aio.Server, Any]:
+def create_server(service: Service) -> tuple[grpc.aio.Server, Any]:
     """A grpc.aio server with the Broker service, health checking and reflection.
     Returns the server and its health servicer (to flip to NOT_SERVING on shutdown)."""
     # Explicit limits: a request may carry one payload of max_payload plus its envelope, or a
     # batch; anything larger is refused by gRPC itself with RESOURCE_EXHAUSTED.
-    receive_limit = max(4 * 1024 * 1024, max_payload + 64 * 1024)
+    receive_limit = max(4 * 1024 * 1024, service.max_payload + 64 * 1024)
     server = grpc.aio.server(
         options=[
             ("grpc.max_receive_message_length", receive_limit),
@@ -366,7 +356,7 @@ def create_server(service: Service, *, max_payload: int) -> tuple[grpc.aio.Serve
             ("grpc.keepalive_permit_without_calls", 1),
         ]
     )
-    pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service, max_payload=max_payload), server)
+    pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service), server)
     health_servicer = _Health(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -20,25 +20,26 @@ from wqbroker.errors import (
     LeaseLost,
     NotFound,
     PayloadTooLarge,
-    StoreError,
     Unavailable,
     WqError,
+    lookup,
 )
+from wqbroker.limits import DEFAULT_MAX_PAYLOAD
 from wqbroker.models import Delivery, Stats, Task
 from wqbroker.service import Service
 
 log = logging.getLogger("wqbroker.http")
 
-DEFAULT_MAX_BODY: Final = 1024 * 1024
+DEFAULT_MAX_BODY: Final = DEFAULT_MAX_PAYLOAD
 
-# The one table from the error tree to HTTP status codes.
+# The one table from the error tree to HTTP status codes (a subclass maps as its parent).
 STATUS: Final[dict[type[WqError], int]] = {
+    WqError: 400,
     InvalidArgument: 400,
     NotFound: 404,
     LeaseLost: 409,
     PayloadTooLarge: 413,
-    Unavailable: 503,
-    StoreError: 503,
+    Unavailable: 503,  # StoreError is one
 }
 
 SERVICE: Final = web.AppKey("service", Service)
@@ -86,13 +87,7 @@ def render_delivery(delivery: Delivery) -> bytes:
 
 
 def render_stats(stats: Stats) -> bytes:
-    t = stats.totals
-    return (
-        f'{{"ready":{stats.ready},"handed_out":{stats.handed_out},"delayed":{stats.delayed},'
-        f'"dead":{stats.dead},"totals":{{"enqueued":{t.enqueued},"delivered":{t.delivered},'
-        f'"acked":{t.acked},"nacked":{t.nacked},"reclaimed":{t.reclaimed},"retried":{t.retried},'
-        f'"buried":{t.buried},"requeued":{t.requeued}}}}}'
-    ).encode()
+    return codec.dumps(stats.as_dict())
 
 
 # -- request parsing ----------------------------------------------------------------------------
@@ -130,37 +125,30 @@ async def _read_body(request: web.Request) -> bytes:
 
 async def enqueue(request: web.Request) -> web.Response:
     fields = codec.parse_object(await _read_body(request), _ENQUEUE_RAW)
-    if "payload" not in fields:
-        raise InvalidArgument("payload is required")
     task = await request.app[SERVICE].enqueue(
-        fields["payload"], fields.get("max_attempts"), fields.get("delay_ms")
+        fields.get("payload"), fields.get("max_attempts"), fields.get("delay_ms")
     )
     return _json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
-    service = request.app[SERVICE]
-    wait_ms = _query_int(request, "wait_ms")
-    lease_ms = _query_int(request, "lease_ms")
-    delivery = await service.claim(wait_ms, lease_ms)
-    if delivery is None:
-        return web.Response(status=204)
-    # From here on the task is out under a lease. If the client is already gone, or the answer
-    # cannot be written, nobody saw the task: hand it straight back rather than leave it to expire.
-    response = _json_response(render_delivery(delivery))
-    transport = request.transport
-    if transport is None or transport.is_closing():
-        await service.release(delivery)
-        return response  # it cannot be written; aiohttp drops it quietly
-    try:
-        await response.prepare(request)
-        await response.write_eof()
-    except ConnectionError:
-        await service.release(delivery)
-    except asyncio.CancelledError:
-        await asyncio.shield(service.release(delivery))
-        raise
-    return response
+    answer = web.Response(status=204)
+
+    async def hand_over(delivery: Delivery) -> None:
+        # Written here, before the service lets go of the task: if the client is gone or the
+        # answer cannot be written, nobody saw the task and the service hands it back.
+        nonlocal answer
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        answer = _json_response(render_delivery(delivery))
+        await answer.prepare(request)
+        await answer.write_eof()
+
+    await request.app[SERVICE].claim(
+        _query_int(request, "wait_ms"), _query_int(request, "lease_ms"), hand_over
+    )
+    return answer
 
 
 async def ack(request: web.Request) -> web.Response:
@@ -216,7 +204,7 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
     try:
         return await handler(request)
     except WqError as e:
-        return _error_response(STATUS.get(type(e), 400), e.message)
+        return _error_response(lookup(STATUS, e), e.message)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
         response = _error_response(

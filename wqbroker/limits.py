@@ -1,0 +1,147 @@
+"""The spec's defaults and caps, our own limits, and the checks that apply them.
+
+Every value a client sends passes through one of these functions (called by the service, never by a
+protocol adapter), so a rule holds the same over every protocol. Each raises
+:class:`~wqbroker.errors.InvalidArgument` (or PayloadTooLarge) with a message naming the field.
+Durations come back in seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from wqbroker import codec
+from wqbroker.errors import InvalidArgument, PayloadTooLarge
+
+# The spec's defaults and caps.
+DEFAULT_MAX_ATTEMPTS: Final = 3
+DEFAULT_WAIT_MS: Final = 20_000
+MAX_WAIT_MS: Final = 30_000
+DEFAULT_LEASE_MS: Final = 30_000
+MAX_LEASE_MS: Final = 300_000
+DEFAULT_SWEEP_INTERVAL: Final = 0.25
+DEFAULT_MAX_PAYLOAD: Final = 1024 * 1024
+
+# Our own limits on values the spec leaves open (documented in the README and the .proto).
+MAX_MAX_ATTEMPTS: Final = 2**31 - 1
+MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
+MAX_PREFETCH: Final = 10_000
+MAX_BATCH: Final = 10_000  # tasks per batch enqueue, settlements per batch
+
+
+def describe(value: object) -> str:
+    """What a client sent, in words, for error messages."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, float):
+        return f"the number {value!r}"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def integer(name: str, value: object) -> int:
+    # bool is an int subclass in Python; JSON true/false is not a number.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgument(f"{name} must be an integer, got {describe(value)}")
+    return value
+
+
+def max_attempts_value(value: object | None) -> int:
+    if value is None:
+        return DEFAULT_MAX_ATTEMPTS
+    n = integer("max_attempts", value)
+    if n < 1:
+        raise InvalidArgument(f"max_attempts must be at least 1, got {n}")
+    if n > MAX_MAX_ATTEMPTS:
+        raise InvalidArgument(f"max_attempts must be at most {MAX_MAX_ATTEMPTS}, got {n}")
+    return n
+
+
+def delay_seconds(value: object | None) -> float:
+    if value is None:
+        return 0.0
+    n = integer("delay_ms", value)
+    if n < 0:
+        raise InvalidArgument(f"delay_ms must not be negative, got {n}")
+    if n > MAX_DELAY_MS:
+        raise InvalidArgument(f"delay_ms must be at most {MAX_DELAY_MS} (a year), got {n}")
+    return n / 1000.0
+
+
+def _capped_ms(name: str, value: object | None, default: int, minimum: int, cap: int) -> float:
+    """A duration in ms: ``default`` when absent, at least ``minimum``, clamped to ``cap`` (the
+    spec clamps values above a cap rather than refusing them). Returns seconds."""
+    if value is None:
+        return default / 1000.0
+    n = integer(name, value)
+    if n < minimum:
+        rule = "must not be negative" if minimum == 0 else f"must be at least {minimum}"
+        raise InvalidArgument(f"{name} {rule}, got {n}")
+    return min(n, cap) / 1000.0
+
+
+def wait_seconds(value: object | None) -> float:
+    """``wait_ms``: default 20 s, values above 30 s are clamped to 30 s."""
+    return _capped_ms("wait_ms", value, DEFAULT_WAIT_MS, 0, MAX_WAIT_MS)
+
+
+def lease_seconds(value: object | None) -> float:
+    """``lease_ms``: default 30 s, at least 1 ms, values above 5 min are clamped to 5 min."""
+    return _capped_ms("lease_ms", value, DEFAULT_LEASE_MS, 1, MAX_LEASE_MS)
+
+
+def prefetch_value(value: object | None) -> int:
+    if value is None:
+        return 1
+    n = integer("prefetch", value)
+    if n < 1:
+        raise InvalidArgument(f"prefetch must be at least 1, got {n}")
+    return min(n, MAX_PREFETCH)
+
+
+def limit_value(value: object | None) -> int | None:
+    """A listing's ``limit``: none by default, never negative."""
+    if value is None:
+        return None
+    n = integer("limit", value)
+    if n < 0:
+        raise InvalidArgument(f"limit must not be negative, got {n}")
+    return n
+
+
+def error_value(value: object | None) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    raise InvalidArgument(f"error must be a string, got {describe(value)}")
+
+
+def id_value(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string, got {describe(value)}")
+    if not value:
+        raise InvalidArgument(f"{name} is required")
+    return value
+
+
+def payload_value(data: bytes | None, max_bytes: int, what: str = "payload") -> bytes:
+    """A payload: present, at most ``max_bytes``, one JSON value (text the codec already parsed
+    from a request is not scanned again). Returned unchanged: payloads are kept as received."""
+    if not data:
+        raise InvalidArgument(f"{what} is required")
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"{what} is larger than the limit of {max_bytes} bytes")
+    if isinstance(data, codec.JsonText):
+        return data
+    return codec.validate_json(data, what)
+
+
+def batch_size(name: str, n: int) -> None:
+    if n > MAX_BATCH:
+        raise InvalidArgument(f"{name} has {n} entries; at most {MAX_BATCH} per call")
