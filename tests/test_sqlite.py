@@ -10,8 +10,10 @@ import json
 import random
 import sqlite3
 import subprocess
+import tracemalloc
 import urllib.error
 import urllib.request
+from contextlib import closing
 from pathlib import Path
 from typing import Any
 
@@ -201,3 +203,113 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
             assert broker.service.sweeper.ticks >= ticks + 5
             failures = [r for r in caplog.records if "sweeper tick failed" in r.getMessage()]
             assert len(failures) == 1
+
+
+def _backoff() -> Backoff:
+    return Backoff(1, 30, random.Random(1))
+
+
+async def test_a_batch_that_fails_to_commit_leaves_nothing_behind(tmp_path: Path) -> None:
+    path = str(tmp_path / "wq.db")
+    store = await SqliteStore.open(path, _backoff())
+    kept = await store.enqueue(b'"kept"', max_attempts=3, delay=0, now=NOW)
+    await store.close()
+    # A real failure half-way through the batch's transaction: rows before it were written.
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute(
+            "CREATE TRIGGER refuse BEFORE INSERT ON bodies WHEN NEW.payload = CAST('\"boom\"' AS "
+            "BLOB) BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
+        )
+    store = await SqliteStore.open(path, _backoff())
+    batch = [(b'"a"', 3, 0.0), (b'"b"', 3, 0.0), (b'"boom"', 3, 0.0), (b'"c"', 3, 0.0)]
+    with pytest.raises(StoreError, match="injected failure"):
+        await store.enqueue_many(batch, now=NOW)
+    with pytest.raises(StoreError):  # it stopped: memory is ahead of the file
+        await store.stats()
+    await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("DROP TRIGGER refuse")
+    store = await SqliteStore.open(path, _backoff())
+    try:
+        stats = await store.stats()
+        assert (stats.ready, stats.totals.enqueued) == (1, 1)
+        delivery = await store.claim(lease=30, now=NOW)
+        assert delivery is not None
+        assert (delivery.task.id, delivery.task.payload) == (kept.id, b'"kept"')
+        assert await store.claim(lease=30, now=NOW) is None
+    finally:
+        await store.close()
+
+
+V1_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema', '1');
+CREATE TABLE tasks (id INTEGER PRIMARY KEY, payload BLOB NOT NULL, attempts INTEGER NOT NULL,
+    max_attempts INTEGER NOT NULL, created_at REAL NOT NULL, available_at REAL NOT NULL,
+    last_error TEXT, state INTEGER NOT NULL, lease_id TEXT, deadline REAL, ord INTEGER);
+CREATE TABLE totals (id INTEGER PRIMARY KEY CHECK (id = 1), enqueued INTEGER NOT NULL,
+    delivered INTEGER NOT NULL, acked INTEGER NOT NULL, nacked INTEGER NOT NULL,
+    reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL, buried INTEGER NOT NULL,
+    requeued INTEGER NOT NULL);
+INSERT INTO totals VALUES (1, 5, 3, 1, 1, 0, 0, 1, 0);
+-- ready (second in line, then first), handed out, dead (as an earlier release wrote them)
+INSERT INTO tasks VALUES (-9223372036854775807, '{"n":1}', 0, 3, 100.0, 100.0, NULL, 0, NULL,
+    NULL, 2);
+INSERT INTO tasks VALUES (1, '{"n":2}', 0, 3, 101.0, 101.0, NULL, 0, NULL, NULL, -1);
+INSERT INTO tasks VALUES (2, '{"n":3}', 1, 3, 102.0, 102.0, NULL, 1, 'aaaaaaaaaaaaaaaa',
+    1800000030.0, 7);
+INSERT INTO tasks VALUES (3, '"dead"', 1, 1, 103.0, 103.0, 'gave up', 3, NULL, NULL, 1);
+"""
+
+
+async def test_a_file_of_schema_1_is_upgraded_keeping_everything(tmp_path: Path) -> None:
+    path = str(tmp_path / "old.db")
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(V1_SCHEMA)
+    store = await SqliteStore.open(path, _backoff())
+    try:
+        stats = await store.stats()
+        assert (stats.ready, stats.handed_out, stats.delayed, stats.dead) == (2, 1, 0, 1)
+        assert stats.totals.enqueued == 5
+        [dead] = await store.dead_letters()
+        assert (dead.id, dead.payload, dead.last_error) == (
+            "8000000000000003",
+            b'"dead"',
+            "gave up",
+        )
+        first = await store.claim(lease=30, now=NOW)
+        second = await store.claim(lease=30, now=NOW)
+        assert first is not None and second is not None
+        assert (first.task.payload, first.task.created_at) == (b'{"n":2}', 101.0)
+        assert (first.task.id, second.task.id) == ("8000000000000001", "0000000000000001")
+        await store.ack("8000000000000002", "aaaaaaaaaaaaaaaa", now=NOW)
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
+
+
+async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
+    """50 MB of payloads enqueued and handed out: the process keeps a few MB at most (the index
+    and the cache of payloads just enqueued), also after a restart."""
+    path = str(tmp_path / "wq.db")
+    big = b'"' + b"x" * (100 * 1024) + b'"'
+    tracemalloc.start()
+    try:
+        store = await SqliteStore.open(path, _backoff(), sync="normal")
+        base = tracemalloc.get_traced_memory()[0]
+        for _ in range(10):
+            await store.enqueue_many([(big, 3, 0.0)] * 50, now=NOW)
+        grown = tracemalloc.get_traced_memory()[0] - base
+        assert grown < 12 * 2**20, f"{grown / 2**20:.1f} MB kept for 50 MB of payloads"
+        await store.close()
+        store = await SqliteStore.open(path, _backoff(), sync="normal")
+        assert tracemalloc.get_traced_memory()[0] - base < 2 * 2**20
+        deliveries = await store.claim_many([30.0] * 500, now=NOW)
+        assert len(deliveries) == 500 and all(d.task.payload == big for d in deliveries)
+        del deliveries
+        await asyncio.sleep(0)  # the loop drops its last reference to the rows read
+        assert tracemalloc.get_traced_memory()[0] - base < 2 * 2**20
+        await store.close()
+    finally:
+        tracemalloc.stop()

@@ -846,6 +846,38 @@ async def test_a_mixed_workload_keeps_the_books_balanced(store: Store) -> None:
         assert t.delivered >= t.acked + t.nacked
 
 
+# -- transactions -----------------------------------------------------------------------------
+
+
+async def test_each_batch_call_is_one_transaction(store: Store) -> None:
+    """A batch enqueue, a batch claim and a batch of settlements each commit once, however many
+    tasks they touch (all or none)."""
+    before = store.transactions
+    await store.enqueue_many([(PAYLOAD, 1, 0.0)] * 100, now=NOW)
+    assert store.transactions == before + 1
+    deliveries = await store.claim_many([LEASE] * 100, now=NOW)
+    assert len(deliveries) == 100
+    assert store.transactions == before + 2
+    acks = [(d.task.id, d.lease_id) for d in deliveries[:60]]
+    nacks = [(d.task.id, d.lease_id, "no") for d in deliveries[60:]]
+    acked, nacked = await store.settle_many(acks, nacks, now=NOW)
+    assert acked == [None] * 60
+    assert all(isinstance(n, Failure) and n.buried for n in nacked)
+    assert store.transactions == before + 3
+    await expect(store, dead=40, enqueued=100, delivered=100, acked=60, nacked=40, buried=40)
+
+
+async def test_a_call_that_changes_nothing_commits_nothing(store: Store) -> None:
+    before = store.transactions
+    assert await store.claim_many([LEASE] * 10, now=NOW) == []
+    with pytest.raises(NotFound):
+        await store.ack("0123456789abcdef", "fedcba9876543210", now=NOW)
+    assert await store.release("0123456789abcdef", "fedcba9876543210") is False
+    await store.stats()
+    await store.dead_letters()
+    assert store.transactions == before
+
+
 # == memory backend internals (not part of the contract) =====================================
 # These build a MemoryStore directly and use its test hook check_invariants(), which asserts its
 # heaps, deque and dicts agree with each other.

@@ -43,6 +43,10 @@ class Store(Protocol):
     #: cancellation at that point.
     never_suspends: bool
 
+    #: Transactions committed so far: each changing call is one (a store that commits groups
+    #: concurrent calls together may count fewer), never more than one per call.
+    transactions: int
+
     async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
         """Accept a new task. ``delay`` is in seconds (0 for at once)."""
         ...

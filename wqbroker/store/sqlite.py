@@ -660,6 +660,8 @@ class SqliteStore:
                 continue
             self.transactions += 1
             batch.future.set_result(read)
+            if self._last_commit is batch.future:
+                self._last_commit = None  # done: nothing to wait for (nor rows to keep alive)
         self._flushing = None
 
     def _write(self, rows: _Rows) -> dict[int, Row]:
@@ -696,7 +698,8 @@ class SqliteStore:
             chunk = wanted[i : i + _READ_CHUNK]
             marks = ",".join("?" * len(chunk))
             for key, payload, created_at, last_error in conn.execute(_READ.format(marks), chunk):
-                out[key] = (bytes(payload), created_at, last_error)
+                text = payload.encode() if isinstance(payload, str) else bytes(payload)
+                out[key] = (text, created_at, last_error)
         return out
 
     def _fail_stop(self, reason: str) -> None:
