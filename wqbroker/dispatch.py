@@ -237,7 +237,7 @@ class Dispatcher:
         except asyncio.CancelledError:
             # The caller went away. If a task was handed to it in the meantime, nobody saw it.
             if future.done() and not future.cancelled():
-                self._give_back_later(future.result())
+                self.give_back_later(future.result())
             raise
         finally:
             timer.cancel()
@@ -255,7 +255,7 @@ class Dispatcher:
             # The caller went away while the store committed the hand-out: undo it once done.
             def undo(done: asyncio.Task[Delivery | None]) -> None:
                 if not done.cancelled() and done.exception() is None:
-                    self._give_back_later(done.result())
+                    self.give_back_later(done.result())
 
             task.add_done_callback(undo)
             raise
@@ -277,7 +277,8 @@ class Dispatcher:
             await self.pump()
         return True
 
-    def _give_back_later(self, delivery: Delivery | None) -> None:
+    def give_back_later(self, delivery: Delivery | None) -> None:
+        """Hand back in the background (from a callback, or a caller being cancelled)."""
         if delivery is not None:
             self._background.spawn(self._give_back_quietly(delivery))
 

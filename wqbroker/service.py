@@ -175,20 +175,13 @@ class Service:
         try:
             await hand_over(delivery)
         except asyncio.CancelledError:
-            self._background.spawn(self._give_back(delivery))
+            self._dispatch.give_back_later(delivery)
             raise
         except Exception as e:
-            log.debug("task %s could not be handed over (%r): handed back", delivery.task.id, e)
-            await self._give_back(delivery)
+            log.debug("task %s could not be handed over (%r)", delivery.task.id, e)
+            self._dispatch.give_back_later(delivery)
             return settled, None
         return settled, delivery
-
-    @follow_through
-    async def _give_back(self, delivery: Delivery) -> None:
-        try:
-            await self._dispatch.give_back(delivery)
-        except WqError as e:  # the store failed: the lease runs out instead
-            log.warning("could not hand back task %s: %s", delivery.task.id, e.message)
 
     @follow_through
     async def release(self, delivery: Delivery) -> None:
