@@ -14,7 +14,6 @@ import json
 import logging
 import socket
 import threading
-import time
 import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,10 +21,12 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
-from tests.conftest import running_broker
+from tests.helpers import running_broker, wait_until
 from wqbroker.broker import Broker
+from wqbroker.clock import FakeClock
 from wqclient import (
     AsyncClient,
     AsyncStream,
@@ -61,37 +62,6 @@ def closed_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0, what: str = "") -> Any:
-    """Poll ``check()`` (sync or async) every few milliseconds until it is truthy; return it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
-        await asyncio.sleep(0.01)
-
-
-async def wait_for_stats(
-    client: AsyncClient, predicate: Callable[[Stats], bool], timeout: float = 5.0
-) -> Stats:
-    last: list[Stats] = []
-
-    async def check() -> Stats | None:
-        stats = await client.stats()
-        last[:] = [stats]
-        return stats if predicate(stats) else None
-
-    try:
-        result: Stats = await eventually(check, timeout)
-    except AssertionError:
-        raise AssertionError(f"stats never matched; last seen {last}") from None
-    return result
 
 
 async def next_delivery(stream: AsyncStream, timeout: float = 5.0) -> Delivery:
@@ -273,7 +243,7 @@ async def test_long_poll_is_woken_by_an_enqueue_from_another_client(
     broker: Broker, client: AsyncClient, transport: str
 ) -> None:
     claim = asyncio.ensure_future(client.claim(wait_ms=10_000))
-    await eventually(lambda: broker.service.waiting == 1, what="the claim to park")
+    await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
     assert not claim.done()
     other = "grpc" if transport == "http" else "http"
     async with AsyncClient(url_for(broker, other)) as producer:
@@ -283,18 +253,30 @@ async def test_long_poll_is_woken_by_an_enqueue_from_another_client(
     assert (delivery.id, delivery.payload) == (task_id, "wake up")
 
 
-async def test_a_long_poll_may_outlast_the_client_timeout(broker: Broker, transport: str) -> None:
-    async with AsyncClient(url_for(broker, transport), timeout=0.1) as c:
-        started = time.monotonic()
-        assert await c.claim(wait_ms=400) is None
-        assert time.monotonic() - started >= 0.35
+async def test_a_long_poll_may_outlast_the_client_timeout(transport: str, clock: FakeClock) -> None:
+    """A claim lasts as long as the broker holds it, whatever the client's own time-out. On a
+    FakeClock the broker holds it until the test moves the clock; a plain request with the same
+    0.1 s time-out, sent after the claim, shows when that time-out has passed."""
+    async with (
+        running_broker(clock=clock) as broker,
+        AsyncClient(url_for(broker, transport), timeout=0.1) as c,
+    ):
+        claim = asyncio.ensure_future(c.claim(wait_ms=400))
+        await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
+            with pytest.raises(TimeoutError):
+                async with session.get(broker.http_url + "/jobs/next?wait_ms=400"):
+                    pass
+        assert not claim.done()  # past the client's 0.1 s, still waiting
+        clock.advance(0.4)
+        assert await asyncio.wait_for(claim, 5) is None
 
 
 async def test_cancelling_a_waiting_claim_loses_no_task(
     broker: Broker, client: AsyncClient
 ) -> None:
     claim = asyncio.ensure_future(client.claim(wait_ms=10_000))
-    await eventually(lambda: broker.service.waiting == 1, what="the claim to park")
+    await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
     claim.cancel()
     task_id = await client.enqueue("keep me")
     delivery = await client.claim(wait_ms=3_000)
@@ -749,7 +731,10 @@ async def test_stream_close_returns_unsettled_tasks_at_once(grpc_client: AsyncCl
     stream = await grpc_client.stream(prefetch=2)  # the default 30 s lease
     held = [await next_delivery(stream), await next_delivery(stream)]
     await stream.close()
-    stats = await wait_for_stats(grpc_client, lambda s: s.handed_out == 0, timeout=2)
+    # Well within the 30 s lease: the stream's end gave them back.
+    stats = await wait_until(
+        grpc_client.stats, lambda s: s.handed_out == 0, what="stats with s.handed_out == 0"
+    )
     assert stats.totals.reclaimed == 2
     with pytest.raises(Unavailable):
         await stream.ack(held[0])
@@ -812,7 +797,9 @@ async def test_worker_runs_the_handler_and_acks_each_task(
         wait_ms=1_000,
     )
     async with running(worker) as run:
-        stats = await wait_for_stats(client, lambda s: s.totals.acked == 10)
+        stats = await wait_until(
+            client.stats, lambda s: s.totals.acked == 10, what="stats with s.totals.acked == 10"
+        )
         assert (stats.ready, stats.handed_out, stats.totals.nacked) == (0, 0, 0)
     assert run.done() and run.exception() is None
     assert sorted(seen) == sorted(zip(ids, payloads, strict=True))
@@ -854,7 +841,7 @@ async def test_worker_runs_exactly_concurrency_handlers_at_once(
     async def async_handler(task: Task) -> None:
         enter()
         try:
-            await eventually(release.is_set, timeout=10)
+            await wait_until(release.is_set, what="the release")
         finally:
             leave()
 
@@ -866,11 +853,13 @@ async def test_worker_runs_exactly_concurrency_handlers_at_once(
         wait_ms=1_000,
     )
     async with running(worker):
-        await eventually(full.is_set, what=f"{concurrency} handlers at once")
+        await wait_until(full.is_set, what=f"{concurrency} handlers at once")
         stats = await client.stats()
         assert (stats.handed_out, stats.ready) == (concurrency, n - concurrency)
         release.set()
-        await wait_for_stats(client, lambda s: s.totals.acked == n)
+        await wait_until(
+            client.stats, lambda s: s.totals.acked == n, what="stats with s.totals.acked == n"
+        )
     assert peak == concurrency
     assert worker.succeeded == n
 
@@ -897,7 +886,7 @@ async def test_a_raising_handler_nacks_the_task_with_the_exception_text(
         wait_ms=1_000,
     )
     async with running(worker):
-        stats = await wait_for_stats(client, lambda s: s.dead == 2)
+        stats = await wait_until(client.stats, lambda s: s.dead == 2, what="stats with s.dead == 2")
     assert (stats.totals.nacked, stats.totals.retried, stats.totals.acked) == (4, 2, 0)
     dead = {t.id: t for t in await client.dead_letters()}
     assert dead[plain].last_error == "ValueError: bad value 42"
@@ -911,10 +900,10 @@ async def test_stop_lets_the_tasks_in_hand_finish_and_acks_them(
     broker: Broker, client: AsyncClient, transport: str, kind: str
 ) -> None:
     first = await client.enqueue("in hand")
-    await client.enqueue("never started")
     started = threading.Event()
     release = threading.Event()
     finished: list[str] = []
+    finished_when_run_returned: list[list[str]] = []
 
     def sync_handler(task: Task) -> None:
         started.set()
@@ -923,27 +912,37 @@ async def test_stop_lets_the_tasks_in_hand_finish_and_acks_them(
 
     async def async_handler(task: Task) -> None:
         started.set()
-        await eventually(release.is_set, timeout=10)
+        await wait_until(release.is_set, what="the release")
         finished.append(task.id)
 
+    # Two slots: one works on the task, the other waits at the broker for another.
     worker = Worker(
         url_for(broker, transport),
         sync_handler if kind == "sync" else async_handler,
-        concurrency=1,
-        wait_ms=1_000,
+        concurrency=2,
+        wait_ms=10_000,
     )
     run = asyncio.ensure_future(worker.run())
+    run.add_done_callback(lambda _: finished_when_run_returned.append(list(finished)))
     try:
-        await eventually(started.is_set, what="the handler to start")
+        await wait_until(
+            lambda: started.is_set() and broker.service.waiting == 1,
+            what="one task in hand and one slot waiting for more",
+        )
         worker.stop()
-        done, _ = await asyncio.wait({run}, timeout=0.2)
-        assert not done  # still finishing the task in hand
+        # The worker gives up its idle slot (its parked claim is cancelled, or its stream
+        # drained): it has acted on stop(). It is still running, finishing the task in hand,
+        # and a task enqueued now is not taken.
+        await wait_until(lambda: broker.service.waiting == 0, what="the idle slot given up")
+        assert not run.done()
+        await client.enqueue("never started")
         release.set()
         await asyncio.wait_for(run, 10)
     finally:
         release.set()
         worker.stop()
         await asyncio.wait_for(run, 10)
+    assert finished_when_run_returned == [[first]]  # run() returned after the task finished
     assert finished == [first]
     stats = await client.stats()
     assert (stats.totals.acked, stats.handed_out, stats.ready) == (1, 0, 1)
@@ -977,7 +976,7 @@ async def test_worker_keeps_retrying_an_unreachable_broker_and_warns_once(
         run = asyncio.ensure_future(worker.run())
         # Three rounds of attempts: one claim loop per unit of concurrency over HTTP, one stream.
         rounds = 3 * (concurrency if transport == "http" else 1)
-        await eventually(lambda: attempts >= rounds, what="the worker to retry")
+        await wait_until(lambda: attempts >= rounds, what="the worker to retry")
         assert not run.done()
         warnings_seen = logged(caplog, "broker unavailable")
         assert len(warnings_seen) == 1
@@ -1003,13 +1002,18 @@ async def test_worker_picks_up_a_broker_that_starts_later(
 
     worker = Worker(f"{transport}://{addr}", handler, concurrency=2, wait_ms=1_000)
     async with running(worker) as run:
-        await eventually(lambda: logged(caplog, "broker unavailable"), what="the warning")
+        await wait_until(lambda: logged(caplog, "broker unavailable"), what="the warning")
         async with running_broker(backoff_base=0.01, **broker_config_on(transport, addr)) as b:
             # The producer talks HTTP: a new gRPC channel to the same address would share the
             # worker's connection, which may still be backing off.
             async with AsyncClient(b.http_url) as producer:
                 await producer.enqueue_many(["one", "two", "three"])
-                await wait_for_stats(producer, lambda s: s.totals.acked == 3, timeout=10)
+                await wait_until(
+                    producer.stats,
+                    lambda s: s.totals.acked == 3,
+                    what="stats with s.totals.acked == 3",
+                    timeout=10,
+                )
             assert logged(caplog, "reachable again")
             worker.stop()
             await asyncio.wait_for(run, 10)
@@ -1031,12 +1035,19 @@ async def test_worker_survives_a_broker_restart(transport: str) -> None:
         async with running_broker(**config) as first, AsyncClient(first.http_url) as producer:
             run = asyncio.ensure_future(worker.run())
             await producer.enqueue("before")
-            await wait_for_stats(producer, lambda s: s.totals.acked == 1)
+            await wait_until(
+                producer.stats, lambda s: s.totals.acked == 1, what="stats with s.totals.acked == 1"
+            )
         # The broker restarts (same address, empty memory store).
         async with running_broker(**config) as second, AsyncClient(second.http_url) as producer:
             await producer.enqueue("after")
             assert not run.done(), "Worker.run() returned when the broker went away"
-            await wait_for_stats(producer, lambda s: s.totals.acked == 1, timeout=8)
+            await wait_until(
+                producer.stats,
+                lambda s: s.totals.acked == 1,
+                what="stats with s.totals.acked == 1",
+                timeout=8,
+            )
             worker.stop()
             await asyncio.wait_for(run, 10)
     finally:
@@ -1134,7 +1145,11 @@ async def test_wq_worker_logs_good_tasks_and_buries_failing_ones(
     bad = await client.enqueue({"fail": True}, max_attempts=2)
     try:
         async with running(Worker(url_for(broker, transport), handler, wait_ms=1_000)):
-            await wait_for_stats(client, lambda s: s.totals.acked == 1 and s.dead == 1)
+            await wait_until(
+                client.stats,
+                lambda s: s.totals.acked == 1 and s.dead == 1,
+                what="stats with s.totals.acked == 1 and s.dead == 1",
+            )
     finally:
         handler.close()
     [record] = [json.loads(line) for line in path.read_text().splitlines()]
@@ -1154,7 +1169,12 @@ async def test_log_file_lines_never_interleave_under_concurrency(
     try:
         worker = Worker(url_for(broker, transport), handler, concurrency=50, wait_ms=1_000)
         async with running(worker):
-            await wait_for_stats(client, lambda s: s.totals.acked == n, timeout=30)
+            await wait_until(
+                client.stats,
+                lambda s: s.totals.acked == n,
+                what="stats with s.totals.acked == n",
+                timeout=30,
+            )
     finally:
         handler.close()
     data = path.read_bytes()

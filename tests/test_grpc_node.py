@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Http, http_client, invariant_holds, running_broker
+from tests.helpers import Http, http_client, invariant_holds, running_broker
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 

@@ -3,8 +3,8 @@ and a contention run. Nothing here sleeps: time moves only when the test advance
 and ``settle()`` lets the event loop run whatever became runnable.
 
 A durable store may suspend (a commit on a writer thread), so where a test expects something to
-happen after the clock moves it waits for it with ``until()`` (yielding to the loop, bounded)
-rather than assuming a fixed number of loop rounds is enough."""
+happen after the clock moves it waits for it with ``wait_until()`` (polling, bounded) rather than
+assuming a fixed number of loop rounds is enough."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import settle
+from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
 from wqbroker.errors import InvalidArgument, NotFound
 from wqbroker.models import Delivery, Stats
@@ -29,33 +29,10 @@ def payload(n: int) -> bytes:
     return b'{"n": %d}' % n
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Let the event loop run until ``check()`` holds (a safety bound turns a hang into a failure;
-    no fake time passes)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + 5.0
-    while not check():
-        if loop.time() > give_up:
-            raise AssertionError(f"gave up waiting for {what}")
-        await asyncio.sleep(0)
-
-
 async def answer(claim: asyncio.Task[Delivery | None]) -> Delivery | None:
     """What a claim (or a stream's next()) answered, once it has answered."""
-    await until(claim.done, "an answer")
+    await wait_until(claim.done, what="an answer")
     return claim.result()
-
-
-async def stats_until(service: Service, check: Callable[[Stats], bool], what: str) -> Stats:
-    latest = await service.stats()
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + 5.0
-    while not check(latest):
-        if loop.time() > give_up:
-            raise AssertionError(f"gave up waiting for {what}: {latest}")
-        await asyncio.sleep(0)
-        latest = await service.stats()
-    return latest
 
 
 def reclaimed_more_than(n: int) -> Callable[[Stats], bool]:
@@ -66,7 +43,7 @@ async def park(service: Service, **kw: Any) -> asyncio.Task[Delivery | None]:
     """Start a long-polling claim and let it park."""
     before = service.waiting
     task = asyncio.ensure_future(service.claim(**kw))
-    await until(lambda: task.done() or service.waiting > before, "the claim to park")
+    await wait_until(lambda: task.done() or service.waiting > before, what="the claim to park")
     assert not task.done(), "the claim should be parked, waiting for a task"
     return task
 
@@ -78,8 +55,7 @@ async def gauges(service: Service) -> tuple[int, int, int, int]:
 
 async def balanced(service: Service) -> Stats:
     stats = await service.stats()
-    t = stats.totals
-    assert t.nacked + t.reclaimed == t.retried + t.buried, stats
+    assert invariant_holds(stats), stats
     return stats
 
 
@@ -378,9 +354,9 @@ async def test_a_task_handed_to_a_claim_cancelled_before_it_ran_goes_back(
 
     monkeypatch.setattr(_Poller, "_deliver", deliver_then_disconnect)
     view = await service.enqueue(PAYLOAD)
-    await until(claim.done, "the claim to end")
+    await wait_until(claim.done, what="the claim to end")
     assert claim.cancelled()
-    stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
+    stats = await wait_until(service.stats, lambda s: s.handed_out == 0, what="the release")
     assert (stats.ready, stats.handed_out) == (1, 0)
     assert stats.totals.delivered == 0  # the hand-out nobody saw is undone
     d = await service.claim(wait_ms=0)
@@ -471,7 +447,7 @@ async def test_the_sweeper_reclaims_an_expired_lease(service: Service, clock: Fa
     await settle()
     assert await gauges(service) == (0, 1, 0, 0)
     clock.advance(0.5)
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     stats = await balanced(service)
     assert (stats.ready, stats.handed_out, stats.dead) == (0, 0, 1)
     assert (stats.totals.reclaimed, stats.totals.buried) == (1, 1)
@@ -489,7 +465,7 @@ async def test_a_reclaimed_task_is_retried_by_somebody_else(
     assert crashed is not None
     rescuer = await park(service, wait_ms=30_000)
     clock.advance(2.0)  # the lease runs out: reclaimed, delayed by 0.5 - 1 s
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     stats = await balanced(service)
     assert (stats.handed_out, stats.delayed, stats.totals.reclaimed) == (0, 1, 1)
     assert not rescuer.done()
@@ -512,7 +488,9 @@ async def test_the_sweeper_keeps_reclaiming_later_leases(
         assert await service.claim(wait_ms=0, lease_ms=lease_ms) is not None
     for before, step in enumerate((1.0, 4.0, 55.0)):  # each step runs out one more lease
         clock.advance(step)
-        stats = await stats_until(service, reclaimed_more_than(before), "the next reclaim")
+        stats = await wait_until(
+            service.stats, reclaimed_more_than(before), what="the next reclaim"
+        )
         assert stats.totals.reclaimed == before + 1
     assert await gauges(service) == (0, 0, 0, 3)
 
@@ -569,7 +547,7 @@ async def test_the_sweeper_wakes_when_something_is_due_not_only_on_its_interval(
         held = await service.claim(wait_ms=0, lease_ms=3000)
         assert held is not None
         clock.advance(3.0)
-        await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+        await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     finally:
         await service.close()
 
@@ -735,7 +713,7 @@ async def test_a_stream_slot_is_freed_when_its_lease_is_reclaimed(
     first = await stream.next()
     assert first is not None and first.task.id == a.id
     clock.advance(1.0)  # the worker went silent
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     second = await stream.next()
     assert second is not None and second.task.id == b.id
     await service.ack(second.task.id, second.lease_id)
@@ -750,7 +728,7 @@ async def test_a_stream_never_passes_on_a_delivery_whose_lease_was_reclaimed(
     stream = await service.open_stream(1, 1000)
     await settle()  # a is pushed to the stream, but the worker does not take it in time
     clock.advance(1.0)
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     d = await stream.next()
     assert d is not None and d.task.id == b.id  # not a, whose lease is gone
     await service.ack(d.task.id, d.lease_id)
@@ -838,7 +816,7 @@ async def test_2000_tasks_50_producers_3_workers(service: Service, clock: FakeCl
     consumers = [asyncio.ensure_future(worker(w)) for w in range(workers)]
     await settle()
     await asyncio.gather(*(producer(p) for p in range(producers)))
-    await until(lambda: len(acked) == len(enqueued), "every task to be acked")
+    await wait_until(lambda: len(acked) == len(enqueued), what="every task to be acked")
     clock.advance(20.0)  # the idle workers' long-polls run out
     await asyncio.wait_for(asyncio.gather(*consumers), timeout=10)
 
@@ -884,7 +862,7 @@ async def test_an_ack_whose_caller_went_away_still_frees_the_stream_slot(
     ack.cancel()
     second = await asyncio.wait_for(stream.next(), 5)  # the slot came free: the next one arrives
     assert second is not None and second.task.id != first.task.id
-    stats = await stats_until(service, lambda s: s.totals.acked == 1, "the ack")
+    stats = await wait_until(service.stats, lambda s: s.totals.acked == 1, what="the ack")
     assert (stats.ready, stats.handed_out) == (0, 1)
     await stream.close()
 
@@ -896,11 +874,11 @@ async def test_a_claim_whose_caller_went_away_during_the_hand_out_gives_the_task
     claim = asyncio.ensure_future(service.claim(wait_ms=0))
     await asyncio.sleep(0)
     claim.cancel()
-    await until(claim.done, "the claim to end")
+    await wait_until(claim.done, what="the claim to end")
     # A store whose calls never wait completes the claim before the cancel can land.
     assert claim.cancelled() is not service.store.never_suspends
     if claim.cancelled():  # it was cut short: the hand-out must have been undone
-        stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
+        stats = await wait_until(service.stats, lambda s: s.handed_out == 0, what="the release")
         assert (stats.ready, stats.totals.delivered) == (1, 0)
         d = await service.claim(wait_ms=0)
         assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)

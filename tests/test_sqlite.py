@@ -19,7 +19,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import http_client, running_broker, settle
+from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError

@@ -2,7 +2,7 @@
 
 Everything here goes through the async contract methods only (enqueue, enqueue_many, claim,
 claim_many, ack, nack, reclaim, release, sweep, stats, dead, requeue), with an explicit ``now``, so
-a durable backend added to ``BACKENDS`` in conftest is held to exactly the same rules. After every
+a durable backend added to ``BACKENDS`` in helpers.py is held to exactly the same rules. After every
 operation the gauges and every lifetime counter are checked, and so is
 ``nacked + reclaimed == retried + buried``.
 

@@ -15,7 +15,6 @@ the model knows exactly when each retry becomes due; the jitter itself is covere
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import tempfile
 from collections import deque
@@ -35,7 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests.conftest import BACKENDS, make_store
+from tests.helpers import BACKENDS, invariant_holds, make_store
 from wqbroker.errors import LeaseLost, NotFound
 from wqbroker.models import Delivery, Totals
 from wqbroker.retry import Backoff
@@ -87,12 +86,11 @@ class StoreMachine(RuleBasedStateMachine):
         super().__init__()
         self.loop = asyncio.new_event_loop()
         self.tmp = tempfile.TemporaryDirectory(prefix="wq-stateful-")
-        store: Any = make_store(
-            self.backend, Backoff(1.0, 30.0, PinnedRandom()), random.Random(0), self.tmp.name
+        self.store: Store = self.loop.run_until_complete(
+            make_store(
+                self.backend, Backoff(1.0, 30.0, PinnedRandom()), random.Random(0), self.tmp.name
+            )
         )
-        if inspect.isawaitable(store):  # a backend that opens asynchronously
-            store = self.loop.run_until_complete(store)
-        self.store: Store = store
         self.now = START
         self.seq = 0
         self.payload_n = 0
@@ -406,8 +404,7 @@ class StoreMachine(RuleBasedStateMachine):
         model = (len(self.ready), len(self.handed), len(self.delayed), len(self.dead))
         assert gauges == model
         assert stats.totals == self.totals
-        t = stats.totals
-        assert t.nacked + t.reclaimed == t.retried + t.buried
+        assert invariant_holds(stats), stats.totals
 
     @invariant()
     def the_dead_letter_queue_matches_the_model(self) -> None:
