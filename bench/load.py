@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
@@ -62,7 +62,7 @@ async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> di
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
         if batch:
-            request = pb.EnqueueBatchRequest(
+            full_batch = pb.EnqueueBatchRequest(
                 tasks=[pb.EnqueueRequest(payload=PAYLOAD) for _ in range(BATCH)]
             )
             batches = iter(range(0, n, BATCH))
@@ -71,7 +71,7 @@ async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> di
                 for start in batches:
                     size = min(BATCH, n - start)
                     req = (
-                        request
+                        full_batch
                         if size == BATCH
                         else pb.EnqueueBatchRequest(
                             tasks=[pb.EnqueueRequest(payload=PAYLOAD) for _ in range(size)]
@@ -209,12 +209,14 @@ async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:
     done = 0
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
-        call = stub.StreamJobs()
+        call = stub.StreamJobs(None)
         await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch)))
+        eof: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
         while done < n:
-            response = await call.read()
-            if response is grpc.aio.EOF:
+            read = await call.read()
+            if read is eof:
                 break
+            response = cast(pb.StreamJobsResponse, read)
             if response.deliveries:
                 # Ack everything this response brought, in one request.
                 acks = [
@@ -277,14 +279,15 @@ async def latency(url: str, mode: str, n: int, gap_ms: float, delay_ms: int) -> 
         else:
             async with grpc.aio.insecure_channel(url) as channel:
                 stub = pb_grpc.BrokerStub(channel)
-                call = stub.StreamJobs()
+                call = stub.StreamJobs(None)
                 await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=1)))
                 await call.read()  # the open acknowledgement
 
                 async def receive_stream() -> None:
                     while len(samples) < n:
-                        response = await call.read()
+                        read = await call.read()
                         now = time.time()
+                        response = cast(pb.StreamJobsResponse, read)
                         for d in response.deliveries:
                             samples.append(now - json.loads(d.task.payload)["due"])
                             got.set()

@@ -54,8 +54,8 @@ async def http(broker: Broker) -> AsyncIterator[Http]:
 
 
 StreamCall = grpc.aio.StreamStreamCall[pb.StreamJobsRequest, pb.StreamJobsResponse]
-# What a stream's read() returns at its end (grpc-stubs 1.53 does not declare it).
-EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]
+# What a stream's read() returns at its end (grpc-stubs 1.53.0.6 does not declare it).
+EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 
 
 async def read(call: StreamCall, timeout: float = 5.0) -> pb.StreamJobsResponse:
@@ -205,6 +205,12 @@ class Worker:
         start = len(self.received)
         await self.until(lambda w: len(w.received) >= start + n)
         return self.received[start : start + n]
+
+    async def outcomes(self, n: int) -> list[pb.Settled]:
+        """Read until n more settled outcomes arrived; return them."""
+        start = len(self.settled)
+        await self.until(lambda w: len(w.settled) >= start + n)
+        return self.settled[start : start + n]
 
     async def finish(self) -> None:
         """Half-close and read to the end of the stream."""
@@ -1088,10 +1094,10 @@ async def test_stream_never_holds_more_than_prefetch_unfinished(
         # Finish the oldest held task, slowly: one ack per round trip.
         oldest = next(iter(worker.held.values()))
         await worker.send(acks=[ack_of(oldest)])
-        n = len(worker.settled)
-        await worker.until(lambda w, n=n: len(w.settled) == n + 1)  # type: ignore[misc]
-        assert worker.settled[-1].id == oldest.task.id and worker.settled[-1].code == 0
+        (outcome,) = await worker.outcomes(1)
+        assert (outcome.id, outcome.code) == (oldest.task.id, 0)
         acked.append(oldest.task.id)
+        assert len(worker.settled) == len(acked)  # one outcome per ack
         assert worker.max_unfinished <= prefetch
     assert acked == list(ids)  # pushed oldest first, each exactly once
     assert [d.task.id for d in worker.received] == list(ids)

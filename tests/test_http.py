@@ -45,8 +45,9 @@ async def http(broker: Broker) -> AsyncIterator[Http]:
 def ts(text: str) -> float:
     assert text.endswith("Z"), text
     parsed = datetime.fromisoformat(text.replace("Z", "+00:00"))
-    assert parsed.tzinfo is not None and parsed.utcoffset() is not None
-    assert parsed.utcoffset().total_seconds() == 0  # type: ignore[union-attr]
+    offset = parsed.utcoffset()
+    assert offset is not None
+    assert offset.total_seconds() == 0
     return parsed.timestamp()
 
 

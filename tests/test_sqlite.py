@@ -160,7 +160,7 @@ async def test_concurrent_requests_share_commits(tmp_path: Path) -> None:
 
 
 async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = await SqliteStore.open(str(tmp_path / "wq.db"), Backoff(1, 30, random.Random(1)))
     clock = FakeClock()
@@ -178,7 +178,7 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
             serving = health_pb2.HealthCheckResponse.SERVING
             assert (await health.Check(check)).status == serving
             assert (await http.request("GET", "/healthz"))[0] == 200
-            store._write = broken_write  # type: ignore[method-assign]
+            monkeypatch.setattr(store, "_write", broken_write)
             status, body = await http.request("POST", "/jobs", json={"payload": 1})
             assert status == 503 and "disk I/O error" in body["error"]
             # Everything after that is refused too, with the reason: 503, never another 5xx.
