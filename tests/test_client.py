@@ -151,7 +151,8 @@ async def test_pre_encoded_json_bytes_are_taken_as_the_payload(client: AsyncClie
     second = await client.enqueue(bytearray(b"[1, 2]"))
     d1 = await client.claim(wait_ms=0)
     d2 = await client.claim(wait_ms=0)
-    assert d1 is not None and d2 is not None
+    assert d1 is not None
+    assert d2 is not None
     assert (d1.id, d1.payload) == (first, {"b": 2, "a": ["hé", 1500.0]})
     assert (d2.id, d2.payload) == (second, [1, 2])
 
@@ -179,7 +180,8 @@ async def test_a_claimed_payload_json_is_the_text_that_was_enqueued(client: Asyn
 async def test_enqueue_many_returns_ids_in_order(client: AsyncClient) -> None:
     payloads = [{"n": i} for i in range(5)]
     ids = await client.enqueue_many(payloads, max_attempts=4)
-    assert len(ids) == 5 and len(set(ids)) == 5
+    assert len(ids) == 5
+    assert len(set(ids)) == 5
     for task_id, payload in zip(ids, payloads, strict=True):
         delivery = await client.claim(wait_ms=0)
         assert delivery is not None
@@ -200,7 +202,8 @@ async def test_enqueue_many_over_grpc_is_all_or_nothing(grpc_client: AsyncClient
         await grpc_client.enqueue_many([1, b"{oops", 3])
     assert "tasks[1]" in e.value.message
     stats = await grpc_client.stats()
-    assert stats.totals.enqueued == 0 and stats.ready == 0
+    assert stats.totals.enqueued == 0
+    assert stats.ready == 0
 
 
 # -- AsyncClient: claim -------------------------------------------------------------------------
@@ -223,10 +226,12 @@ async def test_claim_returns_a_typed_delivery(client: AsyncClient) -> None:
     assert task.payload == delivery.payload == {"line": "hi"}
     assert json.loads(task.payload_json) == {"line": "hi"}
     assert (task.attempts, task.max_attempts, task.last_error) == (1, 5, None)
-    assert isinstance(delivery.lease_id, str) and delivery.lease_id
+    assert isinstance(delivery.lease_id, str)
+    assert delivery.lease_id
     for moment in (task.created_at, task.available_at, delivery.deadline):
         assert isinstance(moment, datetime)
-        assert moment.tzinfo is not None and moment.utcoffset() == timedelta(0)
+        assert moment.tzinfo is not None
+        assert moment.utcoffset() == timedelta(0)
     slack = timedelta(seconds=1)
     assert before - slack <= task.created_at <= task.available_at <= after + slack
     lease = timedelta(seconds=10)
@@ -280,7 +285,8 @@ async def test_cancelling_a_waiting_claim_loses_no_task(
     claim.cancel()
     task_id = await client.enqueue("keep me")
     delivery = await client.claim(wait_ms=3_000)
-    assert delivery is not None and delivery.id == task_id
+    assert delivery is not None
+    assert delivery.id == task_id
 
 
 # -- AsyncClient: ack, nack, stats, dead letters, requeue ------------------------------------------
@@ -296,7 +302,9 @@ async def test_ack_settles_the_task(client: AsyncClient, by: str) -> None:
     else:
         await client.ack(delivery.id, delivery.lease_id)
     stats = await client.stats()
-    assert stats.totals.acked == 1 and stats.handed_out == 0 and stats.idle
+    assert stats.totals.acked == 1
+    assert stats.handed_out == 0
+    assert stats.idle
 
 
 @pytest.mark.parametrize("by", ["delivery", "id and lease"])
@@ -333,8 +341,10 @@ async def test_ack_or_nack_by_id_needs_a_lease(client: AsyncClient) -> None:
 
 async def test_stats_are_typed_gauges_and_totals(client: AsyncClient) -> None:
     empty = await client.stats()
-    assert isinstance(empty, Stats) and isinstance(empty.totals, Totals)
-    assert empty == Stats() and empty.idle
+    assert isinstance(empty, Stats)
+    assert isinstance(empty.totals, Totals)
+    assert empty == Stats()
+    assert empty.idle
     await client.enqueue("doomed", max_attempts=1)
     await client.enqueue("held")
     await client.enqueue("later", delay_ms=60_000)
@@ -472,7 +482,8 @@ async def test_a_lease_that_ran_out_cannot_settle_the_next_holders_task(
     assert stale is not None
     fresh = await client.claim(wait_ms=5_000)  # reclaimed by the sweeper, then retried
     assert fresh is not None
-    assert fresh.id == stale.id and fresh.lease_id != stale.lease_id
+    assert fresh.id == stale.id
+    assert fresh.lease_id != stale.lease_id
     with pytest.raises(LeaseLost):
         await client.ack(stale)
     await client.ack(fresh)
@@ -548,15 +559,18 @@ async def test_blocking_client_does_the_basics(broker: Broker, transport: str) -
             batch = c.enqueue_many(["b", "c"], max_attempts=1)
             assert len(batch) == 2
             d = c.claim(wait_ms=0)
-            assert isinstance(d, Delivery) and (d.id, d.payload) == (first, {"a": 1})
+            assert isinstance(d, Delivery)
+            assert (d.id, d.payload) == (first, {"a": 1})
             c.ack(d)
             with pytest.raises(NotFound):
                 c.ack(d)
             d = c.claim(wait_ms=0)
-            assert d is not None and d.id == batch[0]
+            assert d is not None
+            assert d.id == batch[0]
             c.nack(d.id, d.lease_id, error="no good")
             d = c.claim(wait_ms=0)
-            assert d is not None and d.id == batch[1]
+            assert d is not None
+            assert d.id == batch[1]
             with pytest.raises(LeaseLost):
                 c.ack(d.id, "wrong")
             c.nack(d)
@@ -670,7 +684,8 @@ async def test_stream_pushes_at_most_prefetch_unsettled_tasks(grpc_client: Async
         assert [d.payload for d in got] == [{"n": i} for i in range(5)]
         assert all(d.deadline.tzinfo is not None for d in got)
         stats = await grpc_client.stats()
-        assert stats.totals.acked == 5 and stats.idle
+        assert stats.totals.acked == 5
+        assert stats.idle
     finally:
         await stream.close()
 
@@ -695,7 +710,8 @@ async def test_stream_ack_of_a_stale_lease_raises(grpc_client: AsyncClient) -> N
         await stream.drain()  # so the retried task goes to the other consumer
         fresh = await grpc_client.claim(wait_ms=5_000)
         assert fresh is not None
-        assert fresh.id == stale.id and fresh.lease_id != stale.lease_id
+        assert fresh.id == stale.id
+        assert fresh.lease_id != stale.lease_id
         with pytest.raises(LeaseLost) as e:
             await stream.ack(stale)
         assert stale.id in e.value.message
@@ -801,7 +817,8 @@ async def test_worker_runs_the_handler_and_acks_each_task(
             client.stats, lambda s: s.totals.acked == 10, what="stats with s.totals.acked == 10"
         )
         assert (stats.ready, stats.handed_out, stats.totals.nacked) == (0, 0, 0)
-    assert run.done() and run.exception() is None
+    assert run.done()
+    assert run.exception() is None
     assert sorted(seen) == sorted(zip(ids, payloads, strict=True))
     assert (worker.succeeded, worker.failed) == (10, 0)
     main = threading.current_thread().name

@@ -314,7 +314,8 @@ def test_failing_tasks_retry_with_backoff_and_are_buried(
         assert task["attempts"] == 3
         assert task["max_attempts"] == 3
         assert task["payload"]["fail"] is True
-        assert isinstance(task["last_error"], str) and task["last_error"]
+        assert isinstance(task["last_error"], str)
+        assert task["last_error"]
         assert "fail" in task["last_error"]
 
     # Every task failed on attempts 1, 2 and 3, and the worker said so.
@@ -420,7 +421,8 @@ def test_contention_2000_tasks_50_producers_3_workers(transport: str, tmp_path: 
             jobs = read_jobs(tmp_path / "jobs.log")
             s = stats(broker)
     m = CLOSING_LINE.match(done.stdout.strip())
-    assert m and m["enqueued"] == "2000" and m["failed"] == "0", done.stdout
+    assert m, done.stdout
+    assert (m["enqueued"], m["failed"]) == ("2000", "0"), done.stdout
     assert len(jobs) == 2000
     assert len({j["id"] for j in jobs}) == 2000
     assert sorted(j["payload"]["n"] for j in jobs) == list(range(1, 2001))
@@ -702,7 +704,8 @@ def test_producer_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     assert PROGRESS_BAR.search(drawn), drawn
     assert "40/40" in drawn
     m = CLOSING_LINE.match(stdout.strip())
-    assert m and m["enqueued"] == "40", stdout
+    assert m, stdout
+    assert m["enqueued"] == "40", stdout
 
 
 @pytest.mark.parametrize(
@@ -742,4 +745,5 @@ def test_producer_without_a_broker_is_a_one_line_error(transport: str, tmp_path:
     assert errors[0].startswith("wq-producer:"), errors[0]
     assert "127.0.0.1" in errors[0]
     m = CLOSING_LINE.match(done.stdout.strip())
-    assert m and (m["enqueued"], m["failed"]) == ("0", "3"), done.stdout
+    assert m, done.stdout
+    assert (m["enqueued"], m["failed"]) == ("0", "3"), done.stdout

@@ -255,7 +255,8 @@ async def test_enqueue_payload_round_trips_byte_for_byte(
 
 async def test_enqueue_ids_are_unique(stub: pb_grpc.BrokerAsyncStub) -> None:
     ids = await asyncio.gather(*(enqueue(stub, b"1") for _ in range(100)))
-    assert len(set(ids)) == 100 and all(ids)
+    assert len(set(ids)) == 100
+    assert all(ids)
 
 
 async def test_enqueue_max_attempts_and_delay_ms_are_honoured(
@@ -335,7 +336,8 @@ async def test_payload_over_max_body_is_resource_exhausted(clock: FakeClock) -> 
         await enqueue(stub, exactly)
         err = await rpc_error(stub.Enqueue(pb.EnqueueRequest(payload=b'"' + b"x" * 1023 + b'"')))
         assert err.code() == Code.RESOURCE_EXHAUSTED
-        assert "payload" in (err.details() or "") and "1024" in (err.details() or "")
+        assert "payload" in (err.details() or "")
+        assert "1024" in (err.details() or "")
         # In a batch, the error names the offending entry, and nothing is enqueued.
         batch = [pb.EnqueueRequest(payload=b"1"), pb.EnqueueRequest(payload=b"[" + b"0," * 600)]
         err = await rpc_error(stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=batch)))
@@ -372,7 +374,8 @@ async def test_enqueue_batch_returns_ids_in_request_order(
     requests.append(pb.EnqueueRequest(payload=b'"later"', delay_ms=1000))
     response = await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=requests))
     ids = list(response.ids)
-    assert len(ids) == 7 and len(set(ids)) == 7
+    assert len(ids) == 7
+    assert len(set(ids)) == 7
     assert gauges(await stats(stub)) == (6, 0, 1, 0)
     for i, payload in enumerate(payloads):
         d = await claim(stub)
@@ -408,14 +411,16 @@ async def test_enqueue_batch_is_all_or_nothing(
     assert err.code() == Code.INVALID_ARGUMENT
     assert needle in (err.details() or "")
     s = await stats(stub)
-    assert s.totals.enqueued == 0 and gauges(s) == (0, 0, 0, 0)
+    assert s.totals.enqueued == 0
+    assert gauges(s) == (0, 0, 0, 0)
 
 
 async def test_enqueue_batch_over_10000_is_refused(stub: pb_grpc.BrokerAsyncStub) -> None:
     tasks = [pb.EnqueueRequest(payload=b"1")] * 10_001
     err = await rpc_error(stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=tasks)))
     assert err.code() == Code.INVALID_ARGUMENT
-    assert "tasks" in (err.details() or "") and "10000" in (err.details() or "")
+    assert "tasks" in (err.details() or "")
+    assert "10000" in (err.details() or "")
     assert (await stats(stub)).totals.enqueued == 0
 
 
@@ -444,7 +449,8 @@ async def test_long_poll_is_woken_by_an_enqueue(
     assert response.delivery.task.id == task_id
     assert response.delivery.task.payload == b'{"wake": true}'
     s = await stats(stub)
-    assert gauges(s) == (0, 1, 0, 0) and broker.service.waiting == 0
+    assert gauges(s) == (0, 1, 0, 0)
+    assert broker.service.waiting == 0
 
 
 @pytest.mark.parametrize(("wait_ms", "expected"), [(None, 20.0), (5000, 5.0), (120_000, 30.0)])
@@ -460,7 +466,8 @@ async def test_long_poll_times_out_on_the_clock(
     await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     clock.advance(expected - 0.1)
     await settle()
-    assert broker.service.waiting == 1 and not poll.done()
+    assert broker.service.waiting == 1
+    assert not poll.done()
     clock.advance(0.2)
     response = await asyncio.wait_for(poll, 5)
     assert not response.HasField("delivery")
@@ -653,7 +660,8 @@ async def test_a_lease_that_ran_out_cannot_be_used(
     clock.advance(1.0)
     await settle()
     second = await claim(stub)
-    assert second.task.id == first.task.id and second.lease_id != first.lease_id
+    assert second.task.id == first.task.id
+    assert second.lease_id != first.lease_id
     assert (second.task.attempts, second.task.last_error) == (2, "lease expired")
     err = await rpc_error(stub.Ack(ack_of(first)))
     assert err.code() == Code.FAILED_PRECONDITION  # somebody else holds it now
@@ -784,7 +792,8 @@ async def test_requeue_gives_a_dead_task_a_clean_start(
     now = clock.now()
     assert isinstance(await stub.Requeue(pb.RequeueRequest(id=task_id)), pb.RequeueResponse)
     s = await stats(stub)
-    assert gauges(s) == (1, 0, 0, 0) and s.totals.requeued == 1
+    assert gauges(s) == (1, 0, 0, 0)
+    assert s.totals.requeued == 1
     assert list((await stub.ListDead(pb.ListDeadRequest())).tasks) == []
     d = await claim(stub)
     assert d.task.id == task_id
@@ -807,7 +816,8 @@ async def test_requeue_of_a_task_that_is_not_dead(stub: pb_grpc.BrokerAsyncStub)
     assert err.code() == Code.INVALID_ARGUMENT
     assert "id" in (err.details() or "")
     s = await stats(stub)
-    assert gauges(s) == (1, 0, 0, 0) and s.totals.requeued == 0
+    assert gauges(s) == (1, 0, 0, 0)
+    assert s.totals.requeued == 0
 
 
 # -- health and reflection ----------------------------------------------------------------------
@@ -877,8 +887,10 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "Requeue",
         "StreamJobs",
     }
-    assert methods["StreamJobs"].client_streaming and methods["StreamJobs"].server_streaming
-    assert not methods["NextJob"].client_streaming and not methods["NextJob"].server_streaming
+    assert methods["StreamJobs"].client_streaming
+    assert methods["StreamJobs"].server_streaming
+    assert not methods["NextJob"].client_streaming
+    assert not methods["NextJob"].server_streaming
     # A client can resolve every message type from what reflection returns.
     assert "google/protobuf/timestamp.proto" in fd.dependency
     err_response = await _reflect(
@@ -910,7 +922,8 @@ async def test_enqueue_over_http_stream_over_grpc_ack_over_http(
     assert worker.settled == []  # only acks sent on the stream are answered on it
     await worker.finish()
     s = await http.stats()
-    assert s["totals"]["acked"] == 2 and s["handed_out"] == 0
+    assert s["totals"]["acked"] == 2
+    assert s["handed_out"] == 0
     assert s == stats_dict(await stats(stub))
 
 
@@ -924,10 +937,12 @@ async def test_enqueue_over_grpc_claim_over_http_ack_over_grpc(
         raw = await resp.read()
     assert b'"payload":' + payload + b"," in raw  # the exact bytes enqueued over gRPC
     body = json.loads(raw)
-    assert body["task"]["id"] == task_id and body["task"]["max_attempts"] == 4
+    assert body["task"]["id"] == task_id
+    assert body["task"]["max_attempts"] == 4
     await stub.Ack(pb.AckRequest(id=task_id, lease_id=body["lease_id"]))
     s = await http.stats()
-    assert s["totals"]["acked"] == 1 and s["handed_out"] == 0
+    assert s["totals"]["acked"] == 1
+    assert s["handed_out"] == 0
     # The HTTP side now agrees that nobody holds it.
     assert await http.ack(task_id, body["lease_id"]) == 404
 
@@ -953,7 +968,8 @@ async def test_http_and_grpc_share_one_set_of_statistics(
     via_http = await http.stats()
     assert via_http == via_grpc
     assert via_http["totals"]["enqueued"] == 6
-    assert via_http["totals"]["nacked"] == 2 and via_http["totals"]["reclaimed"] == 2
+    assert via_http["totals"]["nacked"] == 2
+    assert via_http["totals"]["reclaimed"] == 2
     assert invariant_holds(via_http)
 
 
@@ -1041,7 +1057,8 @@ async def test_stream_defaults_prefetch_1_and_lease_30s(
     ids = [await enqueue(stub, str(i).encode()) for i in range(3)]
     worker = await Worker(stub).open()
     (d,) = await worker.receive(1)
-    assert d.task.id == ids[0] and d.task.attempts == 1
+    assert d.task.id == ids[0]
+    assert d.task.attempts == 1
     assert seconds(d.deadline) == pytest.approx(clock.now() + 30, abs=1e-6)
     assert gauges(await stats(stub)) == (2, 1, 0, 0)  # prefetch 1: nothing more was pushed
     await worker.send(acks=[ack_of(d)])
@@ -1104,7 +1121,8 @@ async def test_stream_never_holds_more_than_prefetch_unfinished(
     assert worker.max_unfinished == prefetch
     await worker.finish()
     s = await stats(stub)
-    assert gauges(s) == (0, 0, 0, 0) and s.totals.acked == 40
+    assert gauges(s) == (0, 0, 0, 0)
+    assert s.totals.acked == 40
 
 
 async def test_every_ack_and_nack_on_the_stream_is_answered_in_order(
@@ -1267,7 +1285,8 @@ async def _ended_stream_returns_tasks(
     await wait_until(lambda: stats(stub), lambda s: s.handed_out == 0, what="the tasks given back")
     assert clock.now() == start  # no lease ran out: the stream's end gave them back
     s = await stats(stub)
-    assert s.totals.reclaimed == 3 and s.totals.retried == 3
+    assert s.totals.reclaimed == 3
+    assert s.totals.retried == 3
     assert (s.ready, s.delayed, s.totals.acked) == (2, 3, 1)
     assert invariant_holds(stats_dict(s))
     # The reclaimed tasks are retried after their backoff, with the reason as last_error.
@@ -1279,7 +1298,8 @@ async def _ended_stream_returns_tasks(
     for d in unfinished:
         again = by_id[d.task.id]
         assert again.task.attempts == 2
-        assert again.task.HasField("last_error") and again.task.last_error
+        assert again.task.HasField("last_error")
+        assert again.task.last_error
     assert by_id[ids[5]].task.attempts == 1  # never sent to the stream
 
 
@@ -1348,70 +1368,84 @@ async def test_streams_and_long_pollers_take_turns(
     await worker.finish()
 
 
+class Share:
+    """The books of many consumers sharing one queue: who got what, and when all were acked."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.acked = 0
+        self.done = asyncio.Event()
+        self.workers: list[tuple[int, Worker, list[pb.Delivery]]] = []  # (prefetch, worker, got)
+        self.by_poller: list[list[dict[str, Any]]] = []
+
+    def finished_one(self) -> None:
+        self.acked += 1
+        if self.acked == self.total:
+            self.done.set()
+
+
+async def stream_consumer(stub: pb_grpc.BrokerAsyncStub, share: Share, prefetch: int) -> None:
+    """Ack every delivery on a stream until the stream ends."""
+    got: list[pb.Delivery] = []
+    worker = await Worker(stub).open(prefetch=prefetch, lease_ms=300_000)
+    share.workers.append((prefetch, worker, got))
+    while (response := await worker.read(timeout=30)) is not None:
+        # Worker.read counts the outcomes before the deliveries, as the .proto says.
+        assert worker.unfinished <= prefetch
+        for outcome in response.settled:
+            assert outcome.code == 0, outcome
+            share.finished_one()
+        if response.deliveries:
+            got.extend(response.deliveries)
+            await worker.send(acks=[ack_of(d) for d in response.deliveries])
+
+
+async def http_poller(http: Http, share: Share) -> None:
+    """Long-poll and ack over HTTP until cancelled."""
+    got: list[dict[str, Any]] = []
+    share.by_poller.append(got)
+    while True:
+        body = await http.claim(wait_ms=30_000)
+        if body is None:
+            continue
+        got.append(body)
+        assert await http.ack(body["task"]["id"], body["lease_id"]) == 204
+        share.finished_one()
+
+
+async def mixed_producer(
+    stub: pb_grpc.BrokerAsyncStub, http: Http, k: int, total: int
+) -> list[str]:
+    """Enqueue every 20th task from k on, over HTTP (odd k) or gRPC (even k)."""
+    ids = []
+    for i in range(k, total, 20):
+        if k % 2:
+            ids.append(await http.enqueue({"n": i}))
+        else:
+            ids.append(await enqueue(stub, json.dumps({"n": i}).encode()))
+    return ids
+
+
 async def test_many_streams_and_http_long_pollers_share_2000_tasks_exactly_once(
     broker: Broker, stub: pb_grpc.BrokerAsyncStub
 ) -> None:
     total = 2000
-    done = asyncio.Event()
-    acked = 0
-    workers: list[tuple[int, Worker, list[pb.Delivery]]] = []
-    by_poller: list[list[dict[str, Any]]] = []
-
-    def finished_one() -> None:
-        nonlocal acked
-        acked += 1
-        if acked == total:
-            done.set()
-
-    async def stream_consumer(prefetch: int) -> None:
-        got: list[pb.Delivery] = []
-        worker = await Worker(stub).open(prefetch=prefetch, lease_ms=300_000)
-        workers.append((prefetch, worker, got))
-        while (response := await worker.read(timeout=30)) is not None:
-            # Worker.read counts the outcomes before the deliveries, as the .proto says.
-            assert worker.unfinished <= prefetch
-            for s in response.settled:
-                assert s.code == 0, s
-                finished_one()
-            if response.deliveries:
-                got.extend(response.deliveries)
-                await worker.send(acks=[ack_of(d) for d in response.deliveries])
-
-    async def poller(session: aiohttp.ClientSession) -> None:
-        got: list[dict[str, Any]] = []
-        by_poller.append(got)
-        client = Http(session, broker.http_url)
-        while True:
-            body = await client.claim(wait_ms=30_000)
-            if body is None:
-                continue
-            got.append(body)
-            assert await client.ack(body["task"]["id"], body["lease_id"]) == 204
-            finished_one()
-
-    async def producer(k: int, session: aiohttp.ClientSession) -> list[str]:
-        client = Http(session, broker.http_url)
-        ids = []
-        for i in range(k, total, 20):
-            if k % 2:
-                ids.append(await client.enqueue({"n": i}))
-            else:
-                ids.append(await enqueue(stub, json.dumps({"n": i}).encode()))
-        return ids
-
+    share = Share(total)
     async with aiohttp.ClientSession() as session:
-        streams = [asyncio.create_task(stream_consumer(p)) for p in (1, 4, 16)]
-        pollers = [asyncio.create_task(poller(session)) for _ in range(3)]
+        http = Http(session, broker.http_url)
+        streams = [asyncio.create_task(stream_consumer(stub, share, p)) for p in (1, 4, 16)]
+        pollers = [asyncio.create_task(http_poller(http, share)) for _ in range(3)]
         await wait_until(lambda: broker.service.waiting == 6, what="6 parked claims")
-        produced = await asyncio.gather(*(producer(k, session) for k in range(20)))
-        await asyncio.wait_for(done.wait(), 30)
+        produced = await asyncio.gather(*(mixed_producer(stub, http, k, total) for k in range(20)))
+        await asyncio.wait_for(share.done.wait(), 30)
         for p in pollers:
             p.cancel()
-        for _, worker, _ in workers:
+        for _, worker, _ in share.workers:
             await worker.call.done_writing()
         await asyncio.wait_for(asyncio.gather(*streams), 10)
         ended = await asyncio.gather(*pollers, return_exceptions=True)
         assert all(isinstance(e, asyncio.CancelledError) for e in ended), ended
+    workers, by_poller = share.workers, share.by_poller
 
     enqueued = [i for ids in produced for i in ids]
     assert len(set(enqueued)) == total
@@ -1423,12 +1457,15 @@ async def test_many_streams_and_http_long_pollers_share_2000_tasks_exactly_once(
     assert all(d.task.attempts == 1 for _, _, got in workers for d in got)
     assert all(b["task"]["attempts"] == 1 for got in by_poller for b in got)
     # Both kinds of consumer, and indeed every consumer, got a share.
-    assert streamed and polled
-    assert all(got for _, _, got in workers) and all(by_poller)
+    assert streamed
+    assert polled
+    assert all(got for _, _, got in workers)
+    assert all(by_poller)
     for prefetch, worker, got in workers:
         assert await worker.call.code() == Code.OK
         assert worker.max_unfinished <= prefetch
-        assert len(worker.settled) == len(got) and all(s.code == 0 for s in worker.settled)
+        assert len(worker.settled) == len(got)
+        assert all(s.code == 0 for s in worker.settled)
     await wait_until(lambda: broker.service.waiting == 0, what="no parked claim")
     s = await stats(stub)
     assert gauges(s) == (0, 0, 0, 0)

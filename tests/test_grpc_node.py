@@ -85,7 +85,8 @@ async def test_node_worker_streams_and_acks_tasks_from_both_languages(
 
     assert result["invalid_code"] == 3  # INVALID_ARGUMENT for a payload that is not JSON
     node_ids = result["enqueued"]
-    assert len(node_ids) == 7 and len(set(node_ids + http_ids)) == 12
+    assert len(node_ids) == 7
+    assert len(set(node_ids + http_ids)) == 12
 
     received = result["received"]
     # Every task exactly once, oldest first, with its payload intact across languages.

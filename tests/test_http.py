@@ -58,7 +58,8 @@ async def test_enqueue_returns_201_with_an_id(http: Http) -> None:
     status, body = await http.request("POST", "/jobs", json={"payload": {"line": "hello"}})
     assert status == 201
     assert set(body) == {"id"}
-    assert isinstance(body["id"], str) and body["id"]
+    assert isinstance(body["id"], str)
+    assert body["id"]
 
 
 async def test_ids_are_unique(http: Http) -> None:
@@ -82,7 +83,8 @@ async def test_claimed_task_has_the_documented_shape_and_defaults(
     assert ts(task["created_at"]) == pytest.approx(now, abs=1e-6)
     assert ts(task["available_at"]) == pytest.approx(now, abs=1e-6)
     assert ts(body["deadline"]) == pytest.approx(now + 30, abs=1e-6)  # lease_ms default 30 s
-    assert isinstance(body["lease_id"], str) and body["lease_id"]
+    assert isinstance(body["lease_id"], str)
+    assert body["lease_id"]
 
 
 @pytest.mark.parametrize(
@@ -258,7 +260,8 @@ async def test_wait_ms_defaults_to_20s_and_is_capped_at_30s(
     assert broker.service.waiting == 2
     clock.advance(0.2)
     assert await asyncio.wait_for(default, 5) == (204, None)
-    assert broker.service.waiting == 1 and not capped.done()
+    assert broker.service.waiting == 1
+    assert not capped.done()
     clock.advance(9.8)
     await settle()
     assert broker.service.waiting == 1
@@ -299,7 +302,8 @@ async def test_bad_next_parameters_get_400(http: Http, query: str) -> None:
     name = query.split("=")[0]
     assert name in body["error"]
     stats = await http.stats()
-    assert stats["handed_out"] == 0 and stats["ready"] == 1
+    assert stats["handed_out"] == 0
+    assert stats["ready"] == 1
 
 
 async def test_disconnected_long_poller_is_never_handed_a_task(http: Http, broker: Broker) -> None:
@@ -328,9 +332,11 @@ async def test_many_disconnected_pollers_then_one_live_one(http: Http, broker: B
     await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     task_id = await http.enqueue(1)
     status, body = await asyncio.wait_for(live, 5)
-    assert status == 200 and body["task"]["id"] == task_id
+    assert status == 200
+    assert body["task"]["id"] == task_id
     stats = await http.stats()
-    assert stats["totals"]["delivered"] == 1 and stats["handed_out"] == 1
+    assert stats["totals"]["delivered"] == 1
+    assert stats["handed_out"] == 1
 
 
 async def test_parked_pollers_are_served_first_come_first_served(
@@ -473,7 +479,8 @@ async def test_bad_nack_bodies_get_400_and_change_nothing(
     assert status == 400
     assert needle in answer["error"]
     stats = await http.stats()
-    assert stats["handed_out"] == 1 and stats["totals"]["nacked"] == 0
+    assert stats["handed_out"] == 1
+    assert stats["totals"]["nacked"] == 0
     assert await http.ack(body["task"]["id"], body["lease_id"]) == 204
 
 
@@ -514,7 +521,8 @@ async def test_requeue_gives_a_clean_start(http: Http) -> None:
 
 async def test_requeue_of_a_task_not_in_the_dlq_gets_404(http: Http) -> None:
     status, answer = await http.request("POST", "/dlq/nope/requeue")
-    assert status == 404 and "nope" in answer["error"]
+    assert status == 404
+    assert "nope" in answer["error"]
     dead = await bury(http, 2)
     task_id = await http.enqueue(1)  # ready, not dead
     status, _ = await http.request("POST", f"/dlq/{task_id}/requeue")
@@ -545,7 +553,8 @@ async def test_unconfirmed_lease_is_reclaimed_and_the_task_returns(
     stats = await http.stats()
     assert stats["ready"] == 1
     again = await http.claim()
-    assert again["task"]["id"] == task_id and again["lease_id"] != body["lease_id"]
+    assert again["task"]["id"] == task_id
+    assert again["lease_id"] != body["lease_id"]
     assert invariant_holds(await http.stats())
 
 
@@ -560,7 +569,9 @@ async def test_reclaimed_task_wakes_a_parked_poller(
     await settle()
     clock.advance(1.0)  # promoted -> handed to the parked poller
     status, body = await asyncio.wait_for(poll, 5)
-    assert status == 200 and body["task"]["id"] == task_id and body["task"]["attempts"] == 2
+    assert status == 200
+    assert body["task"]["id"] == task_id
+    assert body["task"]["attempts"] == 2
 
 
 # -- stats, health, routing ---------------------------------------------------------------------
@@ -611,7 +622,8 @@ async def test_unknown_paths_and_wrong_methods_get_json_errors(
 ) -> None:
     got, body = await http.request(method, path)
     assert got == status
-    assert isinstance(body, dict) and body["error"]
+    assert isinstance(body, dict)
+    assert body["error"]
 
 
 async def test_malformed_http_does_not_crash_the_server(broker: Broker, http: Http) -> None:
@@ -620,7 +632,8 @@ async def test_malformed_http_does_not_crash_the_server(broker: Broker, http: Ht
     writer.write(b"GARBAGE / HTTP/9.9\r\n\r\n")
     await writer.drain()
     line = await asyncio.wait_for(reader.readline(), 5)
-    assert line.startswith(b"HTTP/1.") and b" 400 " in line
+    assert line.startswith(b"HTTP/1.")
+    assert b" 400 " in line
     writer.close()
     assert (await http.request("GET", "/healthz"))[0] == 200
 

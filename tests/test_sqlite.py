@@ -65,7 +65,8 @@ def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "wq.db"
     path.write_bytes(b"this is not an SQLite database, just some text\n" * 100)
     line = one_line_error(start_fails("-store", f"sqlite:{path}"))
-    assert "not a valid wq database" in line and str(path) in line
+    assert "not a valid wq database" in line
+    assert str(path) in line
 
 
 def test_a_corrupt_database_is_refused(tmp_path: Path) -> None:
@@ -93,7 +94,8 @@ def test_a_file_locked_by_another_broker_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "wq.db"
     with broker_process("-grpc-addr", "off", "-store", f"sqlite:{path}"):
         line = one_line_error(start_fails("-store", f"sqlite:{path}"))
-        assert "locked" in line and "another broker" in line
+        assert "locked" in line
+        assert "another broker" in line
 
 
 def test_an_unwritable_place_is_refused(tmp_path: Path) -> None:
@@ -101,7 +103,8 @@ def test_an_unwritable_place_is_refused(tmp_path: Path) -> None:
     a_file.write_text("not a directory")
     for place in (tmp_path / "missing" / "dir" / "wq.db", a_file / "wq.db", tmp_path):
         line = one_line_error(start_fails("-store", f"sqlite:{place}"))
-        assert "cannot open" in line and str(place) in line
+        assert "cannot open" in line
+        assert str(place) in line
 
 
 def test_an_unknown_store_is_refused() -> None:
@@ -127,7 +130,8 @@ def test_everything_survives_a_restart_of_the_real_command(tmp_path: Path) -> No
                 break
             ack = f"/jobs/{claimed['task']['id']}/ack?lease_id={claimed['lease_id']}"
             assert call("POST", b.url + ack)[0] == 204
-        assert claimed is not None and claimed["task"]["id"] == doomed["id"]
+        assert claimed is not None
+        assert claimed["task"]["id"] == doomed["id"]
         nack = f"/jobs/{doomed['id']}/nack?lease_id={claimed['lease_id']}"
         assert call("POST", b.url + nack, {"error": "no hope"})[0] == 204
         _, before = call("GET", b.url + "/stats")
@@ -180,12 +184,15 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
             assert (await http.request("GET", "/healthz"))[0] == 200
             monkeypatch.setattr(store, "_write", broken_write)
             status, body = await http.request("POST", "/jobs", json={"payload": 1})
-            assert status == 503 and "disk I/O error" in body["error"]
+            assert status == 503
+            assert "disk I/O error" in body["error"]
             # Everything after that is refused too, with the reason: 503, never another 5xx.
             status, body = await http.request("GET", "/stats")
-            assert status == 503 and "unavailable" in body["error"]
+            assert status == 503
+            assert "unavailable" in body["error"]
             status, body = await http.request("GET", "/healthz")
-            assert status == 503 and body["status"] == "unavailable"
+            assert status == 503
+            assert body["status"] == "unavailable"
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
             stub = pb_grpc.BrokerStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as e:

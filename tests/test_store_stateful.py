@@ -192,7 +192,8 @@ class StoreMachine(RuleBasedStateMachine):
         view = self.run(
             self.store.enqueue(payload, max_attempts=max_attempts, delay=delay, now=self.now)
         )
-        assert view.id not in self.tasks and view.id not in self.acked
+        assert view.id not in self.tasks
+        assert view.id not in self.acked
         assert (view.attempts, view.max_attempts, view.payload) == (0, max_attempts, payload)
         assert view.available_at == self.now + delay
         task = ModelTask(view.id, payload, max_attempts)
@@ -212,7 +213,8 @@ class StoreMachine(RuleBasedStateMachine):
         views = self.run(self.store.enqueue_many(items, now=self.now))
         assert [(v.payload, v.max_attempts) for v in views] == [(p, m) for p, m, _ in items]
         for view, (payload, max_attempts, delay) in zip(views, items, strict=True):
-            assert view.id not in self.tasks and view.id not in self.acked
+            assert view.id not in self.tasks
+            assert view.id not in self.acked
             assert view.attempts == 0
             assert view.available_at == self.now + delay
             task = ModelTask(view.id, payload, max_attempts)
@@ -363,17 +365,17 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.run(self.store.release(task_id, lease_id)) is False
             return
         expected = LeaseLost if task_id in self.handed else NotFound
-        try:
-            if op == "ack":
-                self.run(self.store.ack(task_id, lease_id, now=self.now))
-            elif op == "nack":
-                self.run(self.store.nack(task_id, lease_id, "late", now=self.now))
-            else:
-                self.run(self.store.reclaim(task_id, lease_id, "late", now=self.now))
-        except (LeaseLost, NotFound) as exc:
-            assert type(exc) is expected, (op, type(exc).__name__, expected.__name__)
-            return
-        raise AssertionError(f"{op} with a stale lease succeeded")
+        stale: Coroutine[Any, Any, object]
+        if op == "ack":
+            stale = self.store.ack(task_id, lease_id, now=self.now)
+        elif op == "nack":
+            stale = self.store.nack(task_id, lease_id, "late", now=self.now)
+        else:
+            stale = self.store.reclaim(task_id, lease_id, "late", now=self.now)
+        with pytest.raises((LeaseLost, NotFound)) as raised:
+            self.run(stale)
+        got = type(raised.value)
+        assert got is expected, (op, got.__name__, expected.__name__)
 
     @precondition(lambda self: isinstance(self.store, SqliteStore))
     @rule()
