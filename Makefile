@@ -24,6 +24,9 @@ worker: install
 producer: install
 	$(VENV)/bin/wq-producer $(ARGS)
 
+# ruff (lint, format) and mypy --strict over wqbroker, wqclient, tests and bench (the files are in
+# pyproject.toml); the same checks as .pre-commit-config.yaml. Needs no Node.js (node-deps is only
+# for the cross-language test in `make test`).
 lint: install
 	$(PY) -m ruff check wqbroker wqclient tests bench proto
 	$(PY) -m ruff format --check wqbroker wqclient tests bench proto

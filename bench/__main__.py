@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -118,7 +118,8 @@ def run_json(*args: str, timeout: float = 600) -> dict[str, Any]:
     )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(args)} failed:\n{out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
 
 
 def end_to_end(target: str, mode: str, n: int, concurrency: int) -> float:
@@ -133,16 +134,17 @@ def end_to_end(target: str, mode: str, n: int, concurrency: int) -> float:
     time.sleep(0.5)  # let the consumer park first
     produced = run_json("bench.load", "produce", target, mode, str(n), str(concurrency))
     consumed = json.loads(consume.communicate(timeout=600)[0].strip().splitlines()[-1])
-    elapsed = max(consumed["last"], produced["last"]) - produced["first"]
+    elapsed: float = max(consumed["last"], produced["last"]) - produced["first"]
     return n / elapsed
 
 
 def enqueue_rate(target: str, mode: str, n: int, concurrency: int) -> float:
     produced = run_json("bench.load", "produce", target, mode, str(n), str(concurrency))
-    return n / (produced["last"] - produced["first"])
+    elapsed: float = produced["last"] - produced["first"]
+    return n / elapsed
 
 
-def best_of(runs: int, fn: Any, *args: Any) -> float:
+def best_of(runs: int, fn: Callable[..., float], *args: Any) -> float:
     return max(fn(*args) for _ in range(runs))
 
 

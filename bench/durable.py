@@ -70,7 +70,8 @@ async def reopen(path: str) -> dict[str, Any]:
     after = rss_bytes()
     stats = await store.stats()
     delivery = await store.claim(lease=30.0, now=NOW)
-    assert delivery is not None and delivery.task.payload.startswith(b'{"n":0,'), delivery
+    assert delivery is not None
+    assert delivery.task.payload.startswith(b'{"n":0,'), delivery
     await store.release(delivery.task.id, delivery.lease_id)  # leave the file as it was
     await store.close()
     return {

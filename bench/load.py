@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
@@ -62,7 +62,7 @@ async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> di
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
         if batch:
-            request = pb.EnqueueBatchRequest(
+            full_batch = pb.EnqueueBatchRequest(
                 tasks=[pb.EnqueueRequest(payload=PAYLOAD) for _ in range(BATCH)]
             )
             batches = iter(range(0, n, BATCH))
@@ -71,7 +71,7 @@ async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> di
                 for start in batches:
                     size = min(BATCH, n - start)
                     req = (
-                        request
+                        full_batch
                         if size == BATCH
                         else pb.EnqueueBatchRequest(
                             tasks=[pb.EnqueueRequest(payload=PAYLOAD) for _ in range(size)]
@@ -209,12 +209,14 @@ async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:
     done = 0
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
-        call = stub.StreamJobs()
+        call = stub.StreamJobs(None)
         await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch)))
+        eof: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
         while done < n:
-            response = await call.read()
-            if response is grpc.aio.EOF:
+            read = await call.read()
+            if read is eof:
                 break
+            response = cast(pb.StreamJobsResponse, read)
             if response.deliveries:
                 # Ack everything this response brought, in one request.
                 acks = [
@@ -235,82 +237,105 @@ async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:
 async def latency(url: str, mode: str, n: int, gap_ms: float, delay_ms: int) -> dict[str, Any]:
     """Enqueue one task every gap_ms (each carrying its due time) while a parked consumer in this
     same process takes them; report how late each arrived after it was due."""
-    import grpc
+    import grpc  # noqa: F401 - imported up front in either mode, as the figures were taken
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqclient.pb import broker_pb2 as pb  # noqa: F401
+    from wqclient.pb import broker_pb2_grpc as pb_grpc  # noqa: F401
 
     samples: list[float] = []
-    got = asyncio.Event()
     async with aiohttp.ClientSession() as session:
         if mode == "http":
-            base = url
-
-            async def receive() -> None:
-                while len(samples) < n:
-                    async with session.get(base + "/jobs/next?wait_ms=5000") as resp:
-                        if resp.status == 204:
-                            continue
-                        raw = await resp.read()
-                    now = time.time()
-                    body = json.loads(raw)
-                    samples.append(now - body["task"]["payload"]["due"])
-                    got.set()
-                    ack = f"{base}/jobs/{body['task']['id']}/ack?lease_id={body['lease_id']}"
-                    async with session.post(ack) as r:
-                        await r.read()
-
-            async def send(due: float) -> None:
-                body = {"payload": {"due": due}, "delay_ms": delay_ms}
-                async with session.post(base + "/jobs", json=body) as resp:
-                    await resp.read()
-
-            receiver = asyncio.ensure_future(receive())
-            await asyncio.sleep(0.3)  # let the consumer park
-            for _ in range(n):
-                got.clear()
-                now = time.time()
-                await send(now + delay_ms / 1000.0)
-                await asyncio.wait_for(got.wait(), 10 + delay_ms / 1000.0)
-                await asyncio.sleep(gap_ms / 1000.0)
-            await receiver
+            await _latency_http(session, url, n, gap_ms, delay_ms, samples)
         else:
-            async with grpc.aio.insecure_channel(url) as channel:
-                stub = pb_grpc.BrokerStub(channel)
-                call = stub.StreamJobs()
-                await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=1)))
-                await call.read()  # the open acknowledgement
-
-                async def receive_stream() -> None:
-                    while len(samples) < n:
-                        response = await call.read()
-                        now = time.time()
-                        for d in response.deliveries:
-                            samples.append(now - json.loads(d.task.payload)["due"])
-                            got.set()
-                            await call.write(
-                                pb.StreamJobsRequest(
-                                    acks=[pb.AckRequest(id=d.task.id, lease_id=d.lease_id)]
-                                )
-                            )
-
-                receiver = asyncio.ensure_future(receive_stream())
-                for _ in range(n):
-                    got.clear()
-                    now = time.time()
-                    due = now + delay_ms / 1000.0
-                    payload = json.dumps({"due": due}).encode()
-                    await stub.Enqueue(pb.EnqueueRequest(payload=payload, delay_ms=delay_ms))
-                    await asyncio.wait_for(got.wait(), 10 + delay_ms / 1000.0)
-                    await asyncio.sleep(gap_ms / 1000.0)
-                await receiver
-                call.cancel()
+            await _latency_stream(url, n, gap_ms, delay_ms, samples)
     samples.sort()
     return {
         "n": len(samples),
         "p50_ms": samples[len(samples) // 2] * 1000,
         "p99_ms": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1000,
     }
+
+
+async def _latency_http(
+    session: aiohttp.ClientSession,
+    base: str,
+    n: int,
+    gap_ms: float,
+    delay_ms: int,
+    samples: list[float],
+) -> None:
+    got = asyncio.Event()
+
+    async def receive() -> None:
+        while len(samples) < n:
+            async with session.get(base + "/jobs/next?wait_ms=5000") as resp:
+                if resp.status == 204:
+                    continue
+                raw = await resp.read()
+            now = time.time()
+            body = json.loads(raw)
+            samples.append(now - body["task"]["payload"]["due"])
+            got.set()
+            ack = f"{base}/jobs/{body['task']['id']}/ack?lease_id={body['lease_id']}"
+            async with session.post(ack) as r:
+                await r.read()
+
+    async def send(due: float) -> None:
+        body = {"payload": {"due": due}, "delay_ms": delay_ms}
+        async with session.post(base + "/jobs", json=body) as resp:
+            await resp.read()
+
+    receiver = asyncio.ensure_future(receive())
+    await asyncio.sleep(0.3)  # let the consumer park
+    for _ in range(n):
+        got.clear()
+        now = time.time()
+        await send(now + delay_ms / 1000.0)
+        await asyncio.wait_for(got.wait(), 10 + delay_ms / 1000.0)
+        await asyncio.sleep(gap_ms / 1000.0)
+    await receiver
+
+
+async def _latency_stream(
+    url: str, n: int, gap_ms: float, delay_ms: int, samples: list[float]
+) -> None:
+    import grpc
+
+    from wqclient.pb import broker_pb2 as pb
+    from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+    got = asyncio.Event()
+    async with grpc.aio.insecure_channel(url) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        call = stub.StreamJobs(None)
+        await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=1)))
+        await call.read()  # the open acknowledgement
+
+        async def receive_stream() -> None:
+            while len(samples) < n:
+                read = await call.read()
+                now = time.time()
+                response = cast(pb.StreamJobsResponse, read)
+                for d in response.deliveries:
+                    samples.append(now - json.loads(d.task.payload)["due"])
+                    got.set()
+                    await call.write(
+                        pb.StreamJobsRequest(
+                            acks=[pb.AckRequest(id=d.task.id, lease_id=d.lease_id)]
+                        )
+                    )
+
+        receiver = asyncio.ensure_future(receive_stream())
+        for _ in range(n):
+            got.clear()
+            now = time.time()
+            due = now + delay_ms / 1000.0
+            payload = json.dumps({"due": due}).encode()
+            await stub.Enqueue(pb.EnqueueRequest(payload=payload, delay_ms=delay_ms))
+            await asyncio.wait_for(got.wait(), 10 + delay_ms / 1000.0)
+            await asyncio.sleep(gap_ms / 1000.0)
+        await receiver
+        call.cancel()
 
 
 def main(argv: list[str]) -> None:

@@ -9,10 +9,11 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
+
+from tests.helpers import wait_until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"HTTP API listening on (http://\S+)")
@@ -26,29 +27,19 @@ class BrokerProcess:
         url: str,
         log_lines: list[str],
         grpc_target: str | None = None,
+        reader: threading.Thread | None = None,
     ) -> None:
         self.proc = proc
         self.url = url
-        self.log_lines = log_lines
+        self.log_lines = log_lines  # the broker's log so far (kept up to date while it runs)
         self.grpc_target = grpc_target  # host:port of the gRPC API, None when it is off
-        self._reader: threading.Thread | None = None
+        self._reader = reader
 
     @property
     def grpc_url(self) -> str:
         """The gRPC API as a client URL, ``grpc://host:port``."""
         assert self.grpc_target is not None, "this broker's gRPC API is off"
         return "grpc://" + self.grpc_target
-
-    def _drain_stderr(self) -> None:
-        """Keep reading the log while the broker runs, so a chatty broker never fills the pipe."""
-        assert self.proc.stderr is not None
-        self._reader = threading.Thread(target=self._read_lines, daemon=True)
-        self._reader.start()
-
-    def _read_lines(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log_lines.append(line.rstrip("\n"))
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 10) -> int:
         if self.proc.poll() is None:
@@ -64,6 +55,20 @@ class BrokerProcess:
         else:
             self.log_lines.extend(self.proc.stderr.read().splitlines())
         return rc
+
+
+def _read_log(proc: subprocess.Popen[str], lines: list[str]) -> threading.Thread:
+    """Keep reading the log while the process runs, so a chatty broker never fills the pipe."""
+    assert proc.stderr is not None
+    stderr = proc.stderr
+
+    def read() -> None:
+        for line in stderr:
+            lines.append(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return reader
 
 
 def broker_command(*args: str) -> list[str]:
@@ -132,27 +137,32 @@ def broker_process(*args: str, timeout: float = 15) -> Iterator[BrokerProcess]:
     want_grpc = _grpc_enabled(args)
     proc = spawn(broker_command(*args))
     lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    url = None
-    grpc_target = None
-    assert proc.stderr is not None
-    while url is None or (want_grpc and grpc_target is None):
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("broker did not start:\n" + "\n".join(lines))
-        line = proc.stderr.readline()
-        if not line:
-            proc.wait()
-            raise AssertionError("broker exited at start:\n" + "\n".join(lines))
-        lines.append(line.rstrip("\n"))
-        match = _LISTEN.search(line)
-        if match:
-            url = match.group(1)
-        match = _GRPC_LISTEN.search(line)
-        if match:
-            grpc_target = match.group(1)
-    broker = BrokerProcess(proc, url, lines, grpc_target)
-    broker._drain_stderr()
+    reader = _read_log(proc, lines)
+
+    def found(pattern: re.Pattern[str]) -> str | None:
+        matches = (pattern.search(line) for line in list(lines))
+        return next((m.group(1) for m in matches if m), None)
+
+    def listening() -> bool:
+        return found(_LISTEN) is not None and (not want_grpc or found(_GRPC_LISTEN) is not None)
+
+    try:
+        wait_until_sync(
+            lambda: listening() or proc.poll() is not None,
+            what="the broker to say where it listens",
+            timeout=timeout,
+        )
+    except AssertionError:
+        proc.kill()
+        reader.join(timeout)
+        raise AssertionError("broker did not start:\n" + "\n".join(lines)) from None
+    url = found(_LISTEN)
+    if url is None or not listening():
+        proc.kill()
+        proc.wait()
+        reader.join(timeout)
+        raise AssertionError("broker exited at start:\n" + "\n".join(lines))
+    broker = BrokerProcess(proc, url, lines, found(_GRPC_LISTEN), reader)
     try:
         yield broker
     finally:

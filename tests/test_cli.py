@@ -91,7 +91,8 @@ def test_taken_port_is_a_one_line_error_and_nonzero_exit() -> None:
     assert proc.returncode != 0
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert "cannot listen" in lines[0] and str(port) in lines[0]
+    assert "cannot listen" in lines[0]
+    assert str(port) in lines[0]
     assert "Traceback" not in proc.stderr
 
 
@@ -111,7 +112,7 @@ def test_parse_addr(text: str, expected: tuple[str | None, int]) -> None:
 
 @pytest.mark.parametrize("text", ["nonsense", "host:", ":-1", ":65536", "a:b"])
 def test_parse_addr_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="port"):
         parse_addr(text)
 
 

@@ -14,7 +14,6 @@ import json
 import logging
 import socket
 import threading
-import time
 import warnings
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -22,11 +21,13 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
-from tests.conftest import running_broker
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
+from tests.helpers import running_broker, wait_until
 from wqbroker.broker import Broker
+from wqbroker.clock import FakeClock
 from wqclient import (
     AsyncClient,
     AsyncStream,
@@ -63,37 +64,6 @@ def closed_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-async def eventually(check: Callable[[], Any], timeout: float = 5.0, what: str = "") -> Any:
-    """Poll ``check()`` (sync or async) every few milliseconds until it is truthy; return it."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or check}")
-        await asyncio.sleep(0.01)
-
-
-async def wait_for_stats(
-    client: AsyncClient, predicate: Callable[[Stats], bool], timeout: float = 5.0
-) -> Stats:
-    last: list[Stats] = []
-
-    async def check() -> Stats | None:
-        stats = await client.stats()
-        last[:] = [stats]
-        return stats if predicate(stats) else None
-
-    try:
-        result: Stats = await eventually(check, timeout)
-    except AssertionError:
-        raise AssertionError(f"stats never matched; last seen {last}") from None
-    return result
 
 
 async def next_delivery(stream: AsyncStream, timeout: float = 5.0) -> Delivery:
@@ -183,7 +153,8 @@ async def test_pre_encoded_json_bytes_are_taken_as_the_payload(client: AsyncClie
     second = await client.enqueue(bytearray(b"[1, 2]"))
     d1 = await client.claim(wait_ms=0)
     d2 = await client.claim(wait_ms=0)
-    assert d1 is not None and d2 is not None
+    assert d1 is not None
+    assert d2 is not None
     assert (d1.id, d1.payload) == (first, {"b": 2, "a": ["hé", 1500.0]})
     assert (d2.id, d2.payload) == (second, [1, 2])
 
@@ -211,7 +182,8 @@ async def test_a_claimed_payload_json_is_the_text_that_was_enqueued(client: Asyn
 async def test_enqueue_many_returns_ids_in_order(client: AsyncClient) -> None:
     payloads = [{"n": i} for i in range(5)]
     ids = await client.enqueue_many(payloads, max_attempts=4)
-    assert len(ids) == 5 and len(set(ids)) == 5
+    assert len(ids) == 5
+    assert len(set(ids)) == 5
     for task_id, payload in zip(ids, payloads, strict=True):
         delivery = await client.claim(wait_ms=0)
         assert delivery is not None
@@ -232,7 +204,8 @@ async def test_enqueue_many_over_grpc_is_all_or_nothing(grpc_client: AsyncClient
         await grpc_client.enqueue_many([1, b"{oops", 3])
     assert "tasks[1]" in e.value.message
     stats = await grpc_client.stats()
-    assert stats.totals.enqueued == 0 and stats.ready == 0
+    assert stats.totals.enqueued == 0
+    assert stats.ready == 0
 
 
 # -- AsyncClient: claim -------------------------------------------------------------------------
@@ -255,10 +228,12 @@ async def test_claim_returns_a_typed_delivery(client: AsyncClient) -> None:
     assert task.payload == delivery.payload == {"line": "hi"}
     assert json.loads(task.payload_json) == {"line": "hi"}
     assert (task.attempts, task.max_attempts, task.last_error) == (1, 5, None)
-    assert isinstance(delivery.lease_id, str) and delivery.lease_id
+    assert isinstance(delivery.lease_id, str)
+    assert delivery.lease_id
     for moment in (task.created_at, task.available_at, delivery.deadline):
         assert isinstance(moment, datetime)
-        assert moment.tzinfo is not None and moment.utcoffset() == timedelta(0)
+        assert moment.tzinfo is not None
+        assert moment.utcoffset() == timedelta(0)
     slack = timedelta(seconds=1)
     assert before - slack <= task.created_at <= task.available_at <= after + slack
     lease = timedelta(seconds=10)
@@ -275,7 +250,7 @@ async def test_long_poll_is_woken_by_an_enqueue_from_another_client(
     broker: Broker, client: AsyncClient, transport: str
 ) -> None:
     claim = asyncio.ensure_future(client.claim(wait_ms=10_000))
-    await eventually(lambda: broker.service.waiting == 1, what="the claim to park")
+    await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
     assert not claim.done()
     other = "grpc" if transport == "http" else "http"
     async with AsyncClient(url_for(broker, other)) as producer:
@@ -285,22 +260,35 @@ async def test_long_poll_is_woken_by_an_enqueue_from_another_client(
     assert (delivery.id, delivery.payload) == (task_id, "wake up")
 
 
-async def test_a_long_poll_may_outlast_the_client_timeout(broker: Broker, transport: str) -> None:
-    async with AsyncClient(url_for(broker, transport), timeout=0.1) as c:
-        started = time.monotonic()
-        assert await c.claim(wait_ms=400) is None
-        assert time.monotonic() - started >= 0.35
+async def test_a_long_poll_may_outlast_the_client_timeout(transport: str, clock: FakeClock) -> None:
+    """A claim lasts as long as the broker holds it, whatever the client's own time-out. On a
+    FakeClock the broker holds it until the test moves the clock; a plain request with the same
+    0.1 s time-out, sent after the claim, shows when that time-out has passed."""
+    async with (
+        running_broker(clock=clock) as broker,
+        AsyncClient(url_for(broker, transport), timeout=0.1) as c,
+    ):
+        claim = asyncio.ensure_future(c.claim(wait_ms=400))
+        await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=0.1)) as session:
+            with pytest.raises(TimeoutError):
+                async with session.get(broker.http_url + "/jobs/next?wait_ms=400"):
+                    pass
+        assert not claim.done()  # past the client's 0.1 s, still waiting
+        clock.advance(0.4)
+        assert await asyncio.wait_for(claim, 5) is None
 
 
 async def test_cancelling_a_waiting_claim_loses_no_task(
     broker: Broker, client: AsyncClient
 ) -> None:
     claim = asyncio.ensure_future(client.claim(wait_ms=10_000))
-    await eventually(lambda: broker.service.waiting == 1, what="the claim to park")
+    await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
     claim.cancel()
     task_id = await client.enqueue("keep me")
     delivery = await client.claim(wait_ms=3_000)
-    assert delivery is not None and delivery.id == task_id
+    assert delivery is not None
+    assert delivery.id == task_id
 
 
 # -- AsyncClient: ack, nack, stats, dead letters, requeue ------------------------------------------
@@ -316,7 +304,9 @@ async def test_ack_settles_the_task(client: AsyncClient, by: str) -> None:
     else:
         await client.ack(delivery.id, delivery.lease_id)
     stats = await client.stats()
-    assert stats.totals.acked == 1 and stats.handed_out == 0 and stats.idle
+    assert stats.totals.acked == 1
+    assert stats.handed_out == 0
+    assert stats.idle
 
 
 @pytest.mark.parametrize("by", ["delivery", "id and lease"])
@@ -353,8 +343,10 @@ async def test_ack_or_nack_by_id_needs_a_lease(client: AsyncClient) -> None:
 
 async def test_stats_are_typed_gauges_and_totals(client: AsyncClient) -> None:
     empty = await client.stats()
-    assert isinstance(empty, Stats) and isinstance(empty.totals, Totals)
-    assert empty == Stats() and empty.idle
+    assert isinstance(empty, Stats)
+    assert isinstance(empty.totals, Totals)
+    assert empty == Stats()
+    assert empty.idle
     await client.enqueue("doomed", max_attempts=1)
     await client.enqueue("held")
     await client.enqueue("later", delay_ms=60_000)
@@ -492,7 +484,8 @@ async def test_a_lease_that_ran_out_cannot_settle_the_next_holders_task(
     assert stale is not None
     fresh = await client.claim(wait_ms=5_000)  # reclaimed by the sweeper, then retried
     assert fresh is not None
-    assert fresh.id == stale.id and fresh.lease_id != stale.lease_id
+    assert fresh.id == stale.id
+    assert fresh.lease_id != stale.lease_id
     with pytest.raises(LeaseLost):
         await client.ack(stale)
     await client.ack(fresh)
@@ -570,15 +563,18 @@ async def test_blocking_client_does_the_basics(broker: Broker, transport: str) -
             batch = c.enqueue_many(["b", "c"], max_attempts=1)
             assert len(batch) == 2
             d = c.claim(wait_ms=0)
-            assert isinstance(d, Delivery) and (d.id, d.payload) == (first, {"a": 1})
+            assert isinstance(d, Delivery)
+            assert (d.id, d.payload) == (first, {"a": 1})
             c.ack(d)
             with pytest.raises(NotFound):
                 c.ack(d)
             d = c.claim(wait_ms=0)
-            assert d is not None and d.id == batch[0]
+            assert d is not None
+            assert d.id == batch[0]
             c.nack(d.id, d.lease_id, error="no good")
             d = c.claim(wait_ms=0)
-            assert d is not None and d.id == batch[1]
+            assert d is not None
+            assert d.id == batch[1]
             with pytest.raises(LeaseLost):
                 c.ack(d.id, "wrong")
             c.nack(d)
@@ -692,7 +688,8 @@ async def test_stream_pushes_at_most_prefetch_unsettled_tasks(grpc_client: Async
         assert [d.payload for d in got] == [{"n": i} for i in range(5)]
         assert all(d.deadline.tzinfo is not None for d in got)
         stats = await grpc_client.stats()
-        assert stats.totals.acked == 5 and stats.idle
+        assert stats.totals.acked == 5
+        assert stats.idle
     finally:
         await stream.close()
 
@@ -717,7 +714,8 @@ async def test_stream_ack_of_a_stale_lease_raises(grpc_client: AsyncClient) -> N
         await stream.drain()  # so the retried task goes to the other consumer
         fresh = await grpc_client.claim(wait_ms=5_000)
         assert fresh is not None
-        assert fresh.id == stale.id and fresh.lease_id != stale.lease_id
+        assert fresh.id == stale.id
+        assert fresh.lease_id != stale.lease_id
         with pytest.raises(LeaseLost) as e:
             await stream.ack(stale)
         assert stale.id in e.value.message
@@ -753,7 +751,10 @@ async def test_stream_close_returns_unsettled_tasks_at_once(grpc_client: AsyncCl
     stream = await grpc_client.stream(prefetch=2)  # the default 30 s lease
     held = [await next_delivery(stream), await next_delivery(stream)]
     await stream.close()
-    stats = await wait_for_stats(grpc_client, lambda s: s.handed_out == 0, timeout=2)
+    # Well within the 30 s lease: the stream's end gave them back.
+    stats = await wait_until(
+        grpc_client.stats, lambda s: s.handed_out == 0, what="stats with s.handed_out == 0"
+    )
     assert stats.totals.reclaimed == 2
     with pytest.raises(Unavailable):
         await stream.ack(held[0])
@@ -816,9 +817,12 @@ async def test_worker_runs_the_handler_and_acks_each_task(
         wait_ms=1_000,
     )
     async with running(worker) as run:
-        stats = await wait_for_stats(client, lambda s: s.totals.acked == 10)
+        stats = await wait_until(
+            client.stats, lambda s: s.totals.acked == 10, what="stats with s.totals.acked == 10"
+        )
         assert (stats.ready, stats.handed_out, stats.totals.nacked) == (0, 0, 0)
-    assert run.done() and run.exception() is None
+    assert run.done()
+    assert run.exception() is None
     assert sorted(seen) == sorted(zip(ids, payloads, strict=True))
     assert (worker.succeeded, worker.failed) == (10, 0)
     main = threading.current_thread().name
@@ -858,7 +862,7 @@ async def test_worker_runs_exactly_concurrency_handlers_at_once(
     async def async_handler(task: Task) -> None:
         enter()
         try:
-            await eventually(release.is_set, timeout=10)
+            await wait_until(release.is_set, what="the release")
         finally:
             leave()
 
@@ -870,11 +874,13 @@ async def test_worker_runs_exactly_concurrency_handlers_at_once(
         wait_ms=1_000,
     )
     async with running(worker):
-        await eventually(full.is_set, what=f"{concurrency} handlers at once")
+        await wait_until(full.is_set, what=f"{concurrency} handlers at once")
         stats = await client.stats()
         assert (stats.handed_out, stats.ready) == (concurrency, n - concurrency)
         release.set()
-        await wait_for_stats(client, lambda s: s.totals.acked == n)
+        await wait_until(
+            client.stats, lambda s: s.totals.acked == n, what="stats with s.totals.acked == n"
+        )
     assert peak == concurrency
     assert worker.succeeded == n
 
@@ -901,7 +907,7 @@ async def test_a_raising_handler_nacks_the_task_with_the_exception_text(
         wait_ms=1_000,
     )
     async with running(worker):
-        stats = await wait_for_stats(client, lambda s: s.dead == 2)
+        stats = await wait_until(client.stats, lambda s: s.dead == 2, what="stats with s.dead == 2")
     assert (stats.totals.nacked, stats.totals.retried, stats.totals.acked) == (4, 2, 0)
     dead = {t.id: t for t in await client.dead_letters()}
     assert dead[plain].last_error == "ValueError: bad value 42"
@@ -915,10 +921,10 @@ async def test_stop_lets_the_tasks_in_hand_finish_and_acks_them(
     broker: Broker, client: AsyncClient, transport: str, kind: str
 ) -> None:
     first = await client.enqueue("in hand")
-    await client.enqueue("never started")
     started = threading.Event()
     release = threading.Event()
     finished: list[str] = []
+    finished_when_run_returned: list[list[str]] = []
 
     def sync_handler(task: Task) -> None:
         started.set()
@@ -927,27 +933,37 @@ async def test_stop_lets_the_tasks_in_hand_finish_and_acks_them(
 
     async def async_handler(task: Task) -> None:
         started.set()
-        await eventually(release.is_set, timeout=10)
+        await wait_until(release.is_set, what="the release")
         finished.append(task.id)
 
+    # Two slots: one works on the task, the other waits at the broker for another.
     worker = Worker(
         url_for(broker, transport),
         sync_handler if kind == "sync" else async_handler,
-        concurrency=1,
-        wait_ms=1_000,
+        concurrency=2,
+        wait_ms=10_000,
     )
     run = asyncio.ensure_future(worker.run())
+    run.add_done_callback(lambda _: finished_when_run_returned.append(list(finished)))
     try:
-        await eventually(started.is_set, what="the handler to start")
+        await wait_until(
+            lambda: started.is_set() and broker.service.waiting == 1,
+            what="one task in hand and one slot waiting for more",
+        )
         worker.stop()
-        done, _ = await asyncio.wait({run}, timeout=0.2)
-        assert not done  # still finishing the task in hand
+        # The worker gives up its idle slot (its parked claim is cancelled, or its stream
+        # drained): it has acted on stop(). It is still running, finishing the task in hand,
+        # and a task enqueued now is not taken.
+        await wait_until(lambda: broker.service.waiting == 0, what="the idle slot given up")
+        assert not run.done()
+        await client.enqueue("never started")
         release.set()
         await asyncio.wait_for(run, 10)
     finally:
         release.set()
         worker.stop()
         await asyncio.wait_for(run, 10)
+    assert finished_when_run_returned == [[first]]  # run() returned after the task finished
     assert finished == [first]
     stats = await client.stats()
     assert (stats.totals.acked, stats.handed_out, stats.ready) == (1, 0, 1)
@@ -981,7 +997,7 @@ async def test_worker_keeps_retrying_an_unreachable_broker_and_warns_once(
         run = asyncio.ensure_future(worker.run())
         # Three rounds of attempts: one claim loop per unit of concurrency over HTTP, one stream.
         rounds = 3 * (concurrency if transport == "http" else 1)
-        await eventually(lambda: attempts >= rounds, what="the worker to retry")
+        await wait_until(lambda: attempts >= rounds, what="the worker to retry")
         assert not run.done()
         warnings_seen = logged(caplog, "broker unavailable")
         assert len(warnings_seen) == 1
@@ -1007,13 +1023,18 @@ async def test_worker_picks_up_a_broker_that_starts_later(
 
     worker = Worker(f"{transport}://{addr}", handler, concurrency=2, wait_ms=1_000)
     async with running(worker) as run:
-        await eventually(lambda: logged(caplog, "broker unavailable"), what="the warning")
+        await wait_until(lambda: logged(caplog, "broker unavailable"), what="the warning")
         async with running_broker(backoff_base=0.01, **broker_config_on(transport, addr)) as b:
             # The producer talks HTTP: a new gRPC channel to the same address would share the
             # worker's connection, which may still be backing off.
             async with AsyncClient(b.http_url) as producer:
                 await producer.enqueue_many(["one", "two", "three"])
-                await wait_for_stats(producer, lambda s: s.totals.acked == 3, timeout=10)
+                await wait_until(
+                    producer.stats,
+                    lambda s: s.totals.acked == 3,
+                    what="stats with s.totals.acked == 3",
+                    timeout=10,
+                )
             assert logged(caplog, "reachable again")
             worker.stop()
             await asyncio.wait_for(run, 10)
@@ -1035,12 +1056,19 @@ async def test_worker_survives_a_broker_restart(transport: str) -> None:
         async with running_broker(**config) as first, AsyncClient(first.http_url) as producer:
             run = asyncio.ensure_future(worker.run())
             await producer.enqueue("before")
-            await wait_for_stats(producer, lambda s: s.totals.acked == 1)
+            await wait_until(
+                producer.stats, lambda s: s.totals.acked == 1, what="stats with s.totals.acked == 1"
+            )
         # The broker restarts (same address, empty memory store).
         async with running_broker(**config) as second, AsyncClient(second.http_url) as producer:
             await producer.enqueue("after")
             assert not run.done(), "Worker.run() returned when the broker went away"
-            await wait_for_stats(producer, lambda s: s.totals.acked == 1, timeout=8)
+            await wait_until(
+                producer.stats,
+                lambda s: s.totals.acked == 1,
+                what="stats with s.totals.acked == 1",
+                timeout=8,
+            )
             worker.stop()
             await asyncio.wait_for(run, 10)
     finally:
@@ -1050,9 +1078,12 @@ async def test_worker_survives_a_broker_restart(transport: str) -> None:
     assert seen == ["before", "after"]
 
 
-async def test_a_task_in_hand_when_the_stream_ends_does_not_hold_up_stop() -> None:
+async def test_a_task_in_hand_when_the_stream_ends_does_not_hold_up_stop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     # The broker reclaims a stream's unsettled tasks as soon as the stream ends, so a worker
     # that finishes such a task afterwards has nothing left to report and no reason to wait.
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
     addr = f"127.0.0.1:{closed_port()}"
     started = asyncio.Event()
     release = asyncio.Event()
@@ -1061,7 +1092,9 @@ async def test_a_task_in_hand_when_the_stream_ends_does_not_hold_up_stop() -> No
         started.set()
         await release.wait()
 
-    worker = Worker(f"grpc://{addr}", handler, concurrency=1, lease_ms=10_000)
+    # A lease far longer than this test may run: a worker that kept trying to report the task
+    # until its lease ran out would not stop in time.
+    worker = Worker(f"grpc://{addr}", handler, concurrency=1, lease_ms=300_000)
     async with running_broker(**broker_config_on("grpc", addr)) as broker:
         run = asyncio.ensure_future(worker.run())
         async with AsyncClient(broker.http_url) as producer:
@@ -1069,11 +1102,11 @@ async def test_a_task_in_hand_when_the_stream_ends_does_not_hold_up_stop() -> No
             await asyncio.wait_for(started.wait(), 5)
     release.set()
     worker.stop()
-    done, _ = await asyncio.wait({run}, timeout=3)
-    if not done:
-        run.cancel()
-        await asyncio.gather(run, return_exceptions=True)
-    assert done, "Worker.run() kept retrying an ack on an ended stream after stop()"
+    try:
+        await asyncio.wait_for(run, 30)
+    except TimeoutError:
+        raise AssertionError("Worker.run() kept retrying an ack on an ended stream") from None
+    assert logged(caplog, "the stream ended before its outcome was sent")
 
 
 # -- LogFileHandler (wq-worker's handler) -------------------------------------------------------
@@ -1138,7 +1171,11 @@ async def test_wq_worker_logs_good_tasks_and_buries_failing_ones(
     bad = await client.enqueue({"fail": True}, max_attempts=2)
     try:
         async with running(Worker(url_for(broker, transport), handler, wait_ms=1_000)):
-            await wait_for_stats(client, lambda s: s.totals.acked == 1 and s.dead == 1)
+            await wait_until(
+                client.stats,
+                lambda s: s.totals.acked == 1 and s.dead == 1,
+                what="stats with s.totals.acked == 1 and s.dead == 1",
+            )
     finally:
         handler.close()
     [record] = [json.loads(line) for line in path.read_text().splitlines()]
@@ -1158,7 +1195,12 @@ async def test_log_file_lines_never_interleave_under_concurrency(
     try:
         worker = Worker(url_for(broker, transport), handler, concurrency=50, wait_ms=1_000)
         async with running(worker):
-            await wait_for_stats(client, lambda s: s.totals.acked == n, timeout=30)
+            await wait_until(
+                client.stats,
+                lambda s: s.totals.acked == n,
+                what="stats with s.totals.acked == n",
+                timeout=30,
+            )
     finally:
         handler.close()
     data = path.read_bytes()
@@ -1209,10 +1251,12 @@ def test_log_file_handlers_sharing_a_file_never_tear_lines(tmp_path: Path) -> No
 async def test_an_injected_transport_is_used_as_it_is_and_closed_with_the_client() -> None:
     fake = FakeTransport()
     async with AsyncClient(transport=fake) as c:
-        assert c.transport is fake and c.url is None
+        assert c.transport is fake
+        assert c.url is None
         task_id = await c.enqueue({"a": 1}, max_attempts=2)
         d = await c.claim(wait_ms=0, lease_ms=1_000)
-        assert d is not None and (d.id, d.payload, d.task.attempts) == (task_id, {"a": 1}, 1)
+        assert d is not None
+        assert (d.id, d.payload, d.task.attempts) == (task_id, {"a": 1}, 1)
         await c.ack(d)
         assert (await c.stats()).totals.acked == 1
     assert fake.closed
@@ -1245,7 +1289,9 @@ async def test_blocking_client_on_an_injected_transport() -> None:
         assert "cannot stream" in e.value.message
 
     await asyncio.to_thread(scenario)
-    assert fake.acked == ["t1"] and fake.nacked == [("t2", "bad b")] and fake.closed
+    assert fake.acked == ["t1"]
+    assert fake.nacked == [("t2", "bad b")]
+    assert fake.closed
 
 
 def test_an_answer_missing_a_field_is_a_protocol_error_naming_it() -> None:

@@ -21,14 +21,15 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
+from tests.helpers import invariant_holds, wait_until_sync
 from tests.procs import (
     BrokerProcess,
     broker_process,
@@ -39,8 +40,6 @@ from tests.procs import (
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-T = TypeVar("T")
 
 TRANSPORTS = ["http", "grpc"]
 GAUGES = ("ready", "handed_out", "delayed", "dead")
@@ -69,7 +68,8 @@ def http_post(url: str, timeout: float = 10) -> int:
     req = urllib.request.Request(url, data=b"", method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status
+            status: int = resp.status
+            return status
     except urllib.error.HTTPError as e:
         return e.code
 
@@ -88,39 +88,6 @@ def dlq(broker: BrokerProcess) -> list[dict[str, Any]]:
     return body
 
 
-def invariant_holds(s: dict[str, Any]) -> bool:
-    t = s["totals"]
-    return bool(t["nacked"] + t["reclaimed"] == t["retried"] + t["buried"])
-
-
-def wait_for(probe: Callable[[], T], what: str, timeout: float = 15, interval: float = 0.02) -> T:
-    """Call ``probe`` until it returns something truthy; fail with ``what`` at the deadline."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {value!r}")
-        time.sleep(interval)
-
-
-def wait_stats(
-    broker: BrokerProcess, predicate: Callable[[dict[str, Any]], bool], what: str, timeout: float
-) -> dict[str, Any]:
-    last: list[dict[str, Any]] = []
-
-    def probe() -> dict[str, Any] | None:
-        s = stats(broker)
-        last[:] = [s]
-        return s if predicate(s) else None
-
-    try:
-        return wait_for(probe, what, timeout)
-    except AssertionError:
-        raise AssertionError(f"timed out waiting for {what}; last /stats: {last}") from None
-
-
 def line_count(path: Path) -> int:
     try:
         return path.read_bytes().count(b"\n")
@@ -130,7 +97,9 @@ def line_count(path: Path) -> int:
 
 def wait_lines(path: Path, n: int, timeout: float = 20) -> list[dict[str, Any]]:
     """Wait for ``n`` lines; returns the complete lines so far (a worker may be mid-write)."""
-    wait_for(lambda: line_count(path) >= n, f"{n} lines in {path.name}", timeout)
+    wait_until_sync(
+        lambda: line_count(path) >= n, what=f"{n} lines in {path.name}", timeout=timeout
+    )
     return read_jobs(path, writers_active=True)
 
 
@@ -150,8 +119,12 @@ def read_jobs(path: Path, *, writers_active: bool = False) -> list[dict[str, Any
     return jobs
 
 
+def rfc3339(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
 def done_at(job: dict[str, Any]) -> float:
-    return datetime.fromisoformat(job["done_at"].replace("Z", "+00:00")).timestamp()
+    return rfc3339(job["done_at"])
 
 
 def assert_gauges_zero(s: dict[str, Any], *, dead: int = 0) -> None:
@@ -216,7 +189,9 @@ def worker_process(cwd: Path, broker_url: str, *args: str) -> Iterator[WorkerPro
     worker = WorkerProcess(proc, log_path)
     try:
         # Wait for the startup line, so the worker is really up before the test goes on.
-        wait_for(lambda: "workers" in worker.log or not worker.alive(), "the worker to start")
+        wait_until_sync(
+            lambda: "workers" in worker.log or not worker.alive(), what="the worker to start"
+        )
         assert worker.alive(), f"the worker exited at start (rc {proc.returncode}):\n{worker.log}"
         yield worker
     finally:
@@ -257,12 +232,16 @@ def produce_ok(cwd: Path, broker_url: str, *args: str) -> subprocess.CompletedPr
 def test_quick_start_100_lines_and_the_queue_drains(transport: str, tmp_path: Path) -> None:
     with broker_process() as broker:
         url = client_url(broker, transport)
-        with worker_process(tmp_path, url, "-concurrency", "3", "-wait-ms", "2000"):
+        with worker_process(tmp_path, url, "-concurrency", "3", "-wait-ms", "2000") as worker:
             produce_ok(tmp_path, url, "-n", "100")
-            jobs = wait_lines(tmp_path / "jobs.log", 100)
-            s = wait_stats(broker, lambda s: s["totals"]["acked"] >= 100, "100 acks", 10)
-        time.sleep(0.1)  # nothing more may turn up
+            wait_lines(tmp_path / "jobs.log", 100)
+            wait_until_sync(
+                lambda: stats(broker), lambda s: s["totals"]["acked"] >= 100, what="100 acks"
+            )
+            # Once the worker has exited, nothing more can turn up: count what there is.
+            assert worker.stop() == 0, worker.log
         jobs = read_jobs(tmp_path / "jobs.log")
+        s = stats(broker)
     assert len(jobs) == 100
     assert len({j["id"] for j in jobs}) == 100
     assert sorted(j["payload"]["n"] for j in jobs) == list(range(1, 101))
@@ -313,9 +292,12 @@ def test_failing_tasks_retry_with_backoff_and_are_buried(
         url = client_url(broker, transport)
         with worker_process(tmp_path, url, "-concurrency", "3", "-wait-ms", "2000") as worker:
             produce_ok(tmp_path, url, "-n", "5", "-fail", "-max-attempts", "3")
-            s = wait_stats(broker, lambda s: s["dead"] == 5, "5 buried tasks", 15)
+            wait_until_sync(
+                lambda: stats(broker), lambda s: s["dead"] == 5, what="5 buried tasks", timeout=15
+            )
+            # Once the worker has exited, nothing more can happen: take stock.
+            assert worker.stop() == 0, worker.log
             dead = dlq(broker)
-            time.sleep(0.1)
             s = stats(broker)
             failures = failure_times(worker)
 
@@ -332,7 +314,8 @@ def test_failing_tasks_retry_with_backoff_and_are_buried(
         assert task["attempts"] == 3
         assert task["max_attempts"] == 3
         assert task["payload"]["fail"] is True
-        assert isinstance(task["last_error"], str) and task["last_error"]
+        assert isinstance(task["last_error"], str)
+        assert task["last_error"]
         assert "fail" in task["last_error"]
 
     # Every task failed on attempts 1, 2 and 3, and the worker said so.
@@ -340,15 +323,18 @@ def test_failing_tasks_retry_with_backoff_and_are_buried(
     assert all(sorted(a) == [1, 2, 3] for a in failures.values()), failures
 
     if backoff_base_ms is None:
-        # The default policy: ~1 s then ~2 s. Attempt n waits in [d/2, d], d = 1 s * 2**(n-1),
-        # plus a little scheduling slack (the sweeper wakes exactly when a retry is due).
-        slack = 0.4
+        # The default policy: ~1 s then ~2 s; attempt n waits in [d/2, d], d = 1 s * 2**(n-1).
+        # Real processes on real time, so this asserts causality, not elapsed bounds: the worker
+        # logs a failure before it sends the nack that starts the backoff, so the next failure
+        # can come no sooner than the backoff's fixed half (less the log's millisecond rounding).
+        # How soon after d it comes is the sweeper's precision, pinned down on the fake clock
+        # (test_retry.py, test_service.py), not bounded by the wall clock here.
         first_gaps = []
         for task_id, when in failures.items():
             gap1 = (when[2] - when[1]).total_seconds()
             gap2 = (when[3] - when[2]).total_seconds()
-            assert 0.5 - 0.01 <= gap1 <= 1.0 + slack, (task_id, gap1)
-            assert 1.0 - 0.01 <= gap2 <= 2.0 + slack, (task_id, gap2)
+            assert gap1 >= 0.5 - 0.01, (task_id, gap1)
+            assert gap2 >= 1.0 - 0.01, (task_id, gap2)
             first_gaps.append(gap1)
         # Half of each delay is random: tasks that failed together do not retry in lockstep.
         assert max(first_gaps) - min(first_gaps) > 0.02, first_gaps
@@ -373,19 +359,34 @@ def test_delayed_tasks_wait_then_drain(transport: str, delay_ms: int, tmp_path: 
             assert first["delayed"] == 10, first
             assert (first["ready"], first["handed_out"]) == (0, 0), first
 
-            # For the whole delay: stats shows delayed 10, and nothing has been logged.
-            samples = 0
-            while time.time() < started + delay - 0.3:
-                s = stats(broker)
-                assert s["delayed"] == 10, s
-                assert s["totals"]["delivered"] == 0, s
-                assert line_count(jobs_log) == 0
-                samples += 1
-                time.sleep(0.1)
-            assert samples >= 3
+            # Watch /stats until the first delivery. Real time, so causality rather than elapsed
+            # bounds: every look that was over before the delay could have run out (it started
+            # before the first enqueue) shows all ten held back and nothing logged.
+            looks: list[tuple[float, dict[str, Any], int]] = [(time.time(), first, 0)]
+
+            def look() -> dict[str, Any]:
+                s, lines = stats(broker), line_count(jobs_log)
+                looks.append((time.time(), s, lines))
+                return s
+
+            wait_until_sync(
+                look,
+                lambda s: s["totals"]["delivered"] > 0,
+                what="the first delivery",
+                timeout=delay + 10,
+            )
+            during = [(s, lines) for at, s, lines in looks if at < started + delay]
+            assert during, "the delay ran out before /stats could be read"
+            for s, lines in during:
+                assert (s["delayed"], s["totals"]["delivered"], lines) == (10, 0, 0), s
 
             jobs = wait_lines(jobs_log, 10, timeout=delay + 10)
-            s = wait_stats(broker, lambda s: s["totals"]["acked"] == 10, "10 acks", 10)
+            s = wait_until_sync(
+                lambda: stats(broker),
+                lambda s: s["totals"]["acked"] == 10,
+                what="10 acks",
+                timeout=10,
+            )
     assert len({j["id"] for j in jobs}) == 10
     assert sorted(j["payload"]["n"] for j in jobs) == list(range(1, 11))
     # None of them ran before its delay was over (the producer started before any enqueue).
@@ -408,15 +409,20 @@ def test_contention_2000_tasks_50_producers_3_workers(transport: str, tmp_path: 
         ):
             done = produce_ok(tmp_path, url, "-n", "2000", "-concurrency", "50")
             jobs = wait_lines(tmp_path / "jobs.log", 2000, timeout=40)
-            s = wait_stats(broker, lambda s: s["totals"]["acked"] >= 2000, "2000 acks", 10)
-            time.sleep(0.1)
+            wait_until_sync(
+                lambda: stats(broker), lambda s: s["totals"]["acked"] >= 2000, what="2000 acks"
+            )
+            for w in (w1, w2, w3):
+                assert w.alive(), w.log
+            # Once the workers have exited, nothing more can turn up: count what there is.
+            for w in (w1, w2, w3):
+                assert w.stop() == 0, w.log
+                assert_no_traceback(w.log)
             jobs = read_jobs(tmp_path / "jobs.log")
             s = stats(broker)
-            for w in (w1, w2, w3):
-                assert w.alive()
-                assert_no_traceback(w.log)
     m = CLOSING_LINE.match(done.stdout.strip())
-    assert m and m["enqueued"] == "2000" and m["failed"] == "0", done.stdout
+    assert m, done.stdout
+    assert (m["enqueued"], m["failed"]) == ("2000", "0"), done.stdout
     assert len(jobs) == 2000
     assert len({j["id"] for j in jobs}) == 2000
     assert sorted(j["payload"]["n"] for j in jobs) == list(range(1, 2001))
@@ -440,22 +446,33 @@ def test_hand_claimed_task_with_one_second_lease_is_reclaimed(
 ) -> None:
     with broker_process("-sweep-interval-ms", "50", "-backoff-base-ms", "200") as broker:
         produce_ok(tmp_path, client_url(broker, transport), "-n", "1")
-        claimed_at = time.monotonic()
         status, delivery = http_get(broker.url + "/jobs/next?wait_ms=2000&lease_ms=1000")
         assert status == 200, delivery
         assert delivery["task"]["attempts"] == 1
         task_id, lease_id = delivery["task"]["id"], delivery["lease_id"]
         assert stats(broker)["handed_out"] == 1
 
-        # Never confirmed: within a couple of seconds the sweeper takes it back to ready.
-        s = wait_stats(
-            broker,
+        # Never confirmed: the sweeper takes it back to ready once the lease has run out. Real
+        # time, so causality rather than elapsed bounds: every look that was over before the
+        # deadline shows the task still out, and the look that shows it reclaimed ended after
+        # the deadline. (That the reclaim comes promptly is pinned down on the fake clock.)
+        deadline = rfc3339(delivery["deadline"])
+        looks: list[tuple[float, dict[str, Any]]] = []
+
+        def look() -> dict[str, Any]:
+            s = stats(broker)
+            looks.append((time.time(), s))
+            return s
+
+        s = wait_until_sync(
+            look,
             lambda s: s["totals"]["reclaimed"] == 1 and s["ready"] == 1,
-            "the task reclaimed and back in ready",
-            timeout=5,
+            what="the task reclaimed and back in ready",
         )
-        elapsed = time.monotonic() - claimed_at
-        assert 0.9 <= elapsed <= 2.5, elapsed
+        for at, seen in looks:
+            if at < deadline:
+                assert (seen["handed_out"], seen["totals"]["reclaimed"]) == (1, 0), seen
+        assert looks[-1][0] >= deadline
         assert (s["handed_out"], s["delayed"], s["dead"]) == (0, 0, 0)
         assert s["totals"]["retried"] == 1
         assert invariant_holds(s)
@@ -466,7 +483,12 @@ def test_hand_claimed_task_with_one_second_lease_is_reclaimed(
             tmp_path, client_url(broker, transport), "-concurrency", "1", "-wait-ms", "2000"
         ):
             jobs = wait_lines(tmp_path / "jobs.log", 1, timeout=10)
-            s = wait_stats(broker, lambda s: s["totals"]["acked"] == 1, "the ack", 10)
+            s = wait_until_sync(
+                lambda: stats(broker),
+                lambda s: s["totals"]["acked"] == 1,
+                what="the ack",
+                timeout=10,
+            )
     assert [(j["id"], j["attempts"]) for j in jobs] == [(task_id, 2)]
     assert_gauges_zero(s)
     assert s["totals"]["delivered"] == 2
@@ -483,15 +505,17 @@ def test_worker_signal_exits_0_and_leaves_nothing_handed_out(
 ) -> None:
     with broker_process() as broker:
         url = client_url(broker, transport)
-        with worker_process(tmp_path, url, "-concurrency", "3", "-wait-ms", "5000") as worker:
+        # Its long-polls last 30 s: stop() gives it 10 s, so exiting at all shows that it cut
+        # them short rather than waiting them out.
+        with worker_process(tmp_path, url, "-concurrency", "3", "-wait-ms", "30000") as worker:
             produce_ok(tmp_path, url, "-n", "20")
             wait_lines(tmp_path / "jobs.log", 20)
-            started = time.monotonic()
-            assert worker.stop(sig) == 0, worker.log
-            assert time.monotonic() - started < 5
+            assert worker.stop(sig, timeout=10) == 0, worker.log
             assert_no_traceback(worker.log)
             assert "stopped" in worker.log
-        s = wait_stats(broker, lambda s: s["totals"]["acked"] == 20, "20 acks", 5)
+        s = wait_until_sync(
+            lambda: stats(broker), lambda s: s["totals"]["acked"] == 20, what="20 acks", timeout=5
+        )
     assert_gauges_zero(s)
     assert len(read_jobs(tmp_path / "jobs.log")) == 20
 
@@ -506,15 +530,18 @@ def test_worker_sigterm_mid_flow_settles_what_it_holds(transport: str, tmp_path:
         produce_ok(tmp_path, url, "-n", str(total), "-concurrency", "50")
         # Three workers in turn, each signalled while busy: a shutdown race gets three chances.
         for cycle in range(1, 4):
-            with worker_process(tmp_path, url, "-concurrency", "16", "-wait-ms", "5000") as worker:
+            with worker_process(
+                tmp_path, url, "-concurrency", "16", "-wait-ms", "5000", "-lease-ms", "300000"
+            ) as worker:
                 try:
                     wait_lines(tmp_path / "jobs.log", 700 * cycle)
                 except AssertionError as e:
                     raise AssertionError(f"{e}\n/stats: {stats(broker)}\n{worker.log}") from None
                 assert worker.stop(signal.SIGTERM) == 0, worker.log
                 assert_no_traceback(worker.log)
-        # Far less than the 30 s lease: the worker settled its tasks, nobody had to reclaim them.
-        s = wait_stats(broker, lambda s: s["handed_out"] == 0, "nothing handed out", 3)
+        # No lease can have run out while this test runs (they are 5 minutes): once nothing is
+        # handed out, the workers gave back everything they held themselves.
+        wait_until_sync(lambda: stats(broker), lambda s: s["handed_out"] == 0, what="nothing out")
         jobs = read_jobs(tmp_path / "jobs.log")
         s = stats(broker)
     assert len(jobs) < total, "the worker did not stop claiming"
@@ -529,7 +556,12 @@ def test_worker_waits_for_a_broker_that_is_not_there_yet(transport: str, tmp_pat
     port = free_port()
     url = f"{transport}://127.0.0.1:{port}"
     with worker_process(tmp_path, url, "-concurrency", "3", "-wait-ms", "1000") as worker:
-        time.sleep(2)
+        # It reports the outage and keeps trying until the broker comes (that it retries, with
+        # backoff, is counted in test_client.py; here: it is still there, having said it once).
+        wait_until_sync(
+            lambda: "broker unavailable" in worker.log or not worker.alive(),
+            what="the outage to be reported",
+        )
         assert worker.alive(), worker.log
         assert worker.log.count("broker unavailable") == 1, worker.log
         assert_no_traceback(worker.log)
@@ -538,7 +570,12 @@ def test_worker_waits_for_a_broker_that_is_not_there_yet(transport: str, tmp_pat
         with broker_process(addr_flag, f"127.0.0.1:{port}") as broker:
             produce_ok(tmp_path, url, "-n", "10")
             jobs = wait_lines(tmp_path / "jobs.log", 10, timeout=20)
-            s = wait_stats(broker, lambda s: s["totals"]["acked"] == 10, "10 acks", 5)
+            s = wait_until_sync(
+                lambda: stats(broker),
+                lambda s: s["totals"]["acked"] == 10,
+                what="10 acks",
+                timeout=5,
+            )
             assert worker.stop(signal.SIGTERM) == 0, worker.log
     assert len({j["id"] for j in jobs}) == 10
     assert_gauges_zero(s)
@@ -560,17 +597,17 @@ def test_worker_rides_out_a_broker_restart(transport: str, tmp_path: Path) -> No
     ):
         produce_ok(tmp_path, url, "-n", "5")
         wait_lines(jobs_log, 5)
-        wait_stats(first, lambda s: s["totals"]["acked"] == 5, "5 acks", 5)
+        wait_until_sync(
+            lambda: stats(first), lambda s: s["totals"]["acked"] == 5, what="5 acks", timeout=5
+        )
         assert "broker unavailable" not in worker.log
 
         assert first.stop(signal.SIGTERM) == 0
         # The broker is gone: the worker reports it once and keeps trying; it does not exit.
-        wait_for(
+        wait_until_sync(
             lambda: "broker unavailable" in worker.log or not worker.alive(),
-            "the outage to be reported",
-            5,
+            what="the outage to be reported",
         )
-        time.sleep(0.5)
         assert worker.alive(), (
             f"the worker exited (rc {worker.proc.returncode}) when the broker went away:\n"
             + worker.log
@@ -580,7 +617,9 @@ def test_worker_rides_out_a_broker_restart(transport: str, tmp_path: Path) -> No
         with broker_process(*ports) as second:
             produce_ok(tmp_path, url, "-n", "5")
             jobs = wait_lines(jobs_log, 10, timeout=20)
-            s = wait_stats(second, lambda s: s["totals"]["acked"] == 5, "5 acks", 5)
+            s = wait_until_sync(
+                lambda: stats(second), lambda s: s["totals"]["acked"] == 5, what="5 acks", timeout=5
+            )
             assert worker.stop(signal.SIGTERM) == 0, worker.log
     assert len({j["id"] for j in jobs}) == 10
     assert_gauges_zero(s)
@@ -599,7 +638,8 @@ def test_worker_bad_flag_is_a_one_line_error(tmp_path: Path) -> None:
     )
     assert done.returncode == 2
     (line,) = done.stderr.splitlines()
-    assert line.startswith("wq-worker: ") and "-concurrency" in line, line
+    assert line.startswith("wq-worker: "), line
+    assert "-concurrency" in line, line
     assert_no_traceback(done.stderr)
 
 
@@ -665,7 +705,8 @@ def test_producer_draws_a_progress_bar_on_a_terminal(tmp_path: Path) -> None:
     assert PROGRESS_BAR.search(drawn), drawn
     assert "40/40" in drawn
     m = CLOSING_LINE.match(stdout.strip())
-    assert m and m["enqueued"] == "40", stdout
+    assert m, stdout
+    assert m["enqueued"] == "40", stdout
 
 
 @pytest.mark.parametrize(
@@ -695,9 +736,8 @@ def test_producer_bad_flag_is_a_one_line_error_naming_it(
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_producer_without_a_broker_is_a_one_line_error(transport: str, tmp_path: Path) -> None:
-    started = time.monotonic()
+    # It gives up rather than retrying for ever (produce() fails if it is still going at 30 s).
     done = produce(tmp_path, f"{transport}://127.0.0.1:{free_port()}", "-n", "3", timeout=30)
-    assert time.monotonic() - started < 15
     assert done.returncode != 0, (done.stdout, done.stderr)
     assert_no_traceback(done.stdout + done.stderr)
     errors = [line for line in done.stderr.splitlines() if line.strip()]
@@ -705,4 +745,5 @@ def test_producer_without_a_broker_is_a_one_line_error(transport: str, tmp_path:
     assert errors[0].startswith("wq-producer:"), errors[0]
     assert "127.0.0.1" in errors[0]
     m = CLOSING_LINE.match(done.stdout.strip())
-    assert m and (m["enqueued"], m["failed"]) == ("0", "3"), done.stdout
+    assert m, done.stdout
+    assert (m["enqueued"], m["failed"]) == ("0", "3"), done.stdout

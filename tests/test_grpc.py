@@ -2,13 +2,12 @@
 
 Every test runs a whole broker (HTTP and gRPC) in this event loop. Most inject a FakeClock, so lease
 deadlines, long-poll time-outs, backoff and delays are exact and nothing sleeps; the only real waits
-are short polls for network I/O to land (``eventually``).
+are short polls for network I/O to land (``wait_until``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import json
 import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -18,10 +17,11 @@ import aiohttp
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
+from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from tests.conftest import Http, http_client, invariant_holds, running_broker, settle
+from tests.helpers import Http, http_client, invariant_holds, running_broker, settle, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqclient.pb import broker_pb2 as pb
@@ -42,7 +42,7 @@ async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
 
 
 @pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerStub]:
+async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
     async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
         yield pb_grpc.BrokerStub(channel)
 
@@ -53,19 +53,16 @@ async def http(broker: Broker) -> AsyncIterator[Http]:
         yield h
 
 
-async def eventually(predicate: Callable[[], Any], timeout: float = 5.0) -> None:
-    """Let real I/O happen until ``predicate()`` (sync or async) holds."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while True:
-        result = predicate()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > give_up:
-            raise AssertionError("condition never became true")
-        await asyncio.sleep(0.005)
+StreamCall = grpc.aio.StreamStreamCall[pb.StreamJobsRequest, pb.StreamJobsResponse]
+# What a stream's read() returns at its end (grpc-stubs 1.53.0.6 does not declare it).
+EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
+
+
+async def read(call: StreamCall, timeout: float = 5.0) -> pb.StreamJobsResponse:
+    """The stream's next response (it must not have ended)."""
+    response = await asyncio.wait_for(call.read(), timeout)
+    assert isinstance(response, pb.StreamJobsResponse), "the stream ended"
+    return response
 
 
 def background(call: Awaitable[Any]) -> asyncio.Task[Any]:
@@ -83,7 +80,7 @@ async def rpc_error(call: Awaitable[Any]) -> grpc.aio.AioRpcError:
     return info.value
 
 
-async def stats(stub: pb_grpc.BrokerStub) -> pb.StatsResponse:
+async def stats(stub: pb_grpc.BrokerAsyncStub) -> pb.StatsResponse:
     response: pb.StatsResponse = await stub.Stats(pb.StatsRequest())
     return response
 
@@ -113,16 +110,16 @@ def gauges(s: pb.StatsResponse) -> tuple[int, int, int, int]:
     return (s.ready, s.handed_out, s.delayed, s.dead)
 
 
-def seconds(ts: Any) -> float:
-    return float(ts.seconds) + ts.nanos / 1e9
+def seconds(ts: Timestamp) -> float:
+    return ts.seconds + ts.nanos / 1e9
 
 
-async def enqueue(stub: pb_grpc.BrokerStub, payload: bytes = b"{}", **fields: Any) -> str:
+async def enqueue(stub: pb_grpc.BrokerAsyncStub, payload: bytes = b"{}", **fields: Any) -> str:
     response = await stub.Enqueue(pb.EnqueueRequest(payload=payload, **fields))
     return str(response.id)
 
 
-async def claim(stub: pb_grpc.BrokerStub, **fields: Any) -> pb.Delivery:
+async def claim(stub: pb_grpc.BrokerAsyncStub, **fields: Any) -> pb.Delivery:
     """NextJob with wait_ms=0 (unless given) that must hand out a task."""
     fields.setdefault("wait_ms", 0)
     response = await stub.NextJob(pb.NextJobRequest(**fields))
@@ -130,7 +127,7 @@ async def claim(stub: pb_grpc.BrokerStub, **fields: Any) -> pb.Delivery:
     return response.delivery
 
 
-async def nothing_ready(stub: pb_grpc.BrokerStub) -> bool:
+async def nothing_ready(stub: pb_grpc.BrokerAsyncStub) -> bool:
     response = await stub.NextJob(pb.NextJobRequest(wait_ms=0))
     return not response.HasField("delivery")
 
@@ -149,8 +146,8 @@ class Worker:
     Each response's ``settled`` is processed before its ``deliveries``, as the .proto asks.
     """
 
-    def __init__(self, stub: pb_grpc.BrokerStub) -> None:
-        self.call = stub.StreamJobs()
+    def __init__(self, stub: pb_grpc.BrokerAsyncStub) -> None:
+        self.call = stub.StreamJobs(None)
         self.held: dict[str, pb.Delivery] = {}  # lease_id -> delivery, not yet finished
         self.received: list[pb.Delivery] = []
         self.settled: list[pb.Settled] = []
@@ -181,7 +178,7 @@ class Worker:
 
     async def read(self, timeout: float = 5.0) -> pb.StreamJobsResponse | None:
         response = await asyncio.wait_for(self.call.read(), timeout)
-        if response is grpc.aio.EOF:
+        if response is EOF:
             self.ended = True
             return None
         assert isinstance(response, pb.StreamJobsResponse)
@@ -209,6 +206,12 @@ class Worker:
         await self.until(lambda w: len(w.received) >= start + n)
         return self.received[start : start + n]
 
+    async def outcomes(self, n: int) -> list[pb.Settled]:
+        """Read until n more settled outcomes arrived; return them."""
+        start = len(self.settled)
+        await self.until(lambda w: len(w.settled) >= start + n)
+        return self.settled[start : start + n]
+
     async def finish(self) -> None:
         """Half-close and read to the end of the stream."""
         await self.call.done_writing()
@@ -234,7 +237,7 @@ class Worker:
     ],
 )
 async def test_enqueue_payload_round_trips_byte_for_byte(
-    stub: pb_grpc.BrokerStub, clock: FakeClock, payload: bytes
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock, payload: bytes
 ) -> None:
     now = clock.now()
     task_id = await enqueue(stub, payload)
@@ -250,13 +253,14 @@ async def test_enqueue_payload_round_trips_byte_for_byte(
     assert d.lease_id
 
 
-async def test_enqueue_ids_are_unique(stub: pb_grpc.BrokerStub) -> None:
+async def test_enqueue_ids_are_unique(stub: pb_grpc.BrokerAsyncStub) -> None:
     ids = await asyncio.gather(*(enqueue(stub, b"1") for _ in range(100)))
-    assert len(set(ids)) == 100 and all(ids)
+    assert len(set(ids)) == 100
+    assert all(ids)
 
 
 async def test_enqueue_max_attempts_and_delay_ms_are_honoured(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     created = clock.now()
     task_id = await enqueue(stub, b'{"n": 1}', max_attempts=7, delay_ms=5000)
@@ -275,11 +279,11 @@ async def test_enqueue_max_attempts_and_delay_ms_are_honoured(
 
 
 async def test_a_delayed_task_wakes_a_parked_next_job(
-    stub: pb_grpc.BrokerStub, broker: Broker, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, broker: Broker, clock: FakeClock
 ) -> None:
     await enqueue(stub, b"1", delay_ms=2000)
     poll = background(stub.NextJob(pb.NextJobRequest(wait_ms=10_000)))
-    await eventually(lambda: broker.service.waiting == 1)
+    await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     clock.advance(2.0)
     response = await asyncio.wait_for(poll, 5)
     assert response.delivery.task.payload == b"1"
@@ -304,7 +308,7 @@ async def test_a_delayed_task_wakes_a_parked_next_job(
     ],
 )
 async def test_enqueue_rejects_a_bad_request_naming_the_field(
-    stub: pb_grpc.BrokerStub, fields: dict[str, Any], needle: str
+    stub: pb_grpc.BrokerAsyncStub, fields: dict[str, Any], needle: str
 ) -> None:
     err = await rpc_error(stub.Enqueue(pb.EnqueueRequest(**fields)))
     assert err.code() == Code.INVALID_ARGUMENT
@@ -314,7 +318,7 @@ async def test_enqueue_rejects_a_bad_request_naming_the_field(
     assert (await stats(stub)).totals.enqueued == 0
 
 
-async def test_enqueue_accepts_the_extremes_of_its_ranges(stub: pb_grpc.BrokerStub) -> None:
+async def test_enqueue_accepts_the_extremes_of_its_ranges(stub: pb_grpc.BrokerAsyncStub) -> None:
     await enqueue(stub, b"1", max_attempts=1)
     await enqueue(stub, b"2", max_attempts=2**31 - 1, delay_ms=365 * 24 * 3600 * 1000)
     await enqueue(stub, b"3", delay_ms=0)
@@ -332,7 +336,8 @@ async def test_payload_over_max_body_is_resource_exhausted(clock: FakeClock) -> 
         await enqueue(stub, exactly)
         err = await rpc_error(stub.Enqueue(pb.EnqueueRequest(payload=b'"' + b"x" * 1023 + b'"')))
         assert err.code() == Code.RESOURCE_EXHAUSTED
-        assert "payload" in (err.details() or "") and "1024" in (err.details() or "")
+        assert "payload" in (err.details() or "")
+        assert "1024" in (err.details() or "")
         # In a batch, the error names the offending entry, and nothing is enqueued.
         batch = [pb.EnqueueRequest(payload=b"1"), pb.EnqueueRequest(payload=b"[" + b"0," * 600)]
         err = await rpc_error(stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=batch)))
@@ -362,14 +367,15 @@ async def test_message_over_the_grpc_receive_limit_is_resource_exhausted(
 
 
 async def test_enqueue_batch_returns_ids_in_request_order(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     payloads = [json.dumps({"n": i}).encode() for i in range(6)]
     requests = [pb.EnqueueRequest(payload=p, max_attempts=i + 1) for i, p in enumerate(payloads)]
     requests.append(pb.EnqueueRequest(payload=b'"later"', delay_ms=1000))
     response = await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=requests))
     ids = list(response.ids)
-    assert len(ids) == 7 and len(set(ids)) == 7
+    assert len(ids) == 7
+    assert len(set(ids)) == 7
     assert gauges(await stats(stub)) == (6, 0, 1, 0)
     for i, payload in enumerate(payloads):
         d = await claim(stub)
@@ -381,7 +387,7 @@ async def test_enqueue_batch_returns_ids_in_request_order(
     assert (d.task.id, d.task.payload) == (ids[6], b'"later"')
 
 
-async def test_enqueue_batch_of_nothing_is_fine(stub: pb_grpc.BrokerStub) -> None:
+async def test_enqueue_batch_of_nothing_is_fine(stub: pb_grpc.BrokerAsyncStub) -> None:
     response = await stub.EnqueueBatch(pb.EnqueueBatchRequest())
     assert list(response.ids) == []
     assert (await stats(stub)).totals.enqueued == 0
@@ -397,7 +403,7 @@ async def test_enqueue_batch_of_nothing_is_fine(stub: pb_grpc.BrokerStub) -> Non
     ],
 )
 async def test_enqueue_batch_is_all_or_nothing(
-    stub: pb_grpc.BrokerStub, bad: pb.EnqueueRequest, needle: str
+    stub: pb_grpc.BrokerAsyncStub, bad: pb.EnqueueRequest, needle: str
 ) -> None:
     good = [pb.EnqueueRequest(payload=b"1"), pb.EnqueueRequest(payload=b"2")]
     tasks = [*good, bad, pb.EnqueueRequest(payload=b"3")]
@@ -405,46 +411,51 @@ async def test_enqueue_batch_is_all_or_nothing(
     assert err.code() == Code.INVALID_ARGUMENT
     assert needle in (err.details() or "")
     s = await stats(stub)
-    assert s.totals.enqueued == 0 and gauges(s) == (0, 0, 0, 0)
+    assert s.totals.enqueued == 0
+    assert gauges(s) == (0, 0, 0, 0)
 
 
-async def test_enqueue_batch_over_10000_is_refused(stub: pb_grpc.BrokerStub) -> None:
+async def test_enqueue_batch_over_10000_is_refused(stub: pb_grpc.BrokerAsyncStub) -> None:
     tasks = [pb.EnqueueRequest(payload=b"1")] * 10_001
     err = await rpc_error(stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=tasks)))
     assert err.code() == Code.INVALID_ARGUMENT
-    assert "tasks" in (err.details() or "") and "10000" in (err.details() or "")
+    assert "tasks" in (err.details() or "")
+    assert "10000" in (err.details() or "")
     assert (await stats(stub)).totals.enqueued == 0
 
 
 # -- NextJob ------------------------------------------------------------------------------------
 
 
-async def test_next_job_answers_unset_delivery_at_once_when_idle(stub: pb_grpc.BrokerStub) -> None:
+async def test_next_job_answers_unset_delivery_at_once_when_idle(
+    stub: pb_grpc.BrokerAsyncStub,
+) -> None:
     response = await stub.NextJob(pb.NextJobRequest(wait_ms=0))
     assert not response.HasField("delivery")
 
 
-async def test_next_job_hands_out_oldest_first(stub: pb_grpc.BrokerStub) -> None:
+async def test_next_job_hands_out_oldest_first(stub: pb_grpc.BrokerAsyncStub) -> None:
     ids = [await enqueue(stub, str(i).encode()) for i in range(5)]
     assert [(await claim(stub)).task.id for _ in range(5)] == ids
 
 
 async def test_long_poll_is_woken_by_an_enqueue(
-    stub: pb_grpc.BrokerStub, broker: Broker, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, broker: Broker, clock: FakeClock
 ) -> None:
     poll = background(stub.NextJob(pb.NextJobRequest(wait_ms=30_000)))
-    await eventually(lambda: broker.service.waiting == 1)
+    await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     task_id = await enqueue(stub, b'{"wake": true}')
     response = await asyncio.wait_for(poll, 5)  # the clock never moved
     assert response.delivery.task.id == task_id
     assert response.delivery.task.payload == b'{"wake": true}'
     s = await stats(stub)
-    assert gauges(s) == (0, 1, 0, 0) and broker.service.waiting == 0
+    assert gauges(s) == (0, 1, 0, 0)
+    assert broker.service.waiting == 0
 
 
 @pytest.mark.parametrize(("wait_ms", "expected"), [(None, 20.0), (5000, 5.0), (120_000, 30.0)])
 async def test_long_poll_times_out_on_the_clock(
-    stub: pb_grpc.BrokerStub,
+    stub: pb_grpc.BrokerAsyncStub,
     broker: Broker,
     clock: FakeClock,
     wait_ms: int | None,
@@ -452,10 +463,11 @@ async def test_long_poll_times_out_on_the_clock(
 ) -> None:
     """wait_ms defaults to 20 s and is clamped to 30 s."""
     poll = background(stub.NextJob(pb.NextJobRequest(wait_ms=wait_ms)))
-    await eventually(lambda: broker.service.waiting == 1)
+    await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     clock.advance(expected - 0.1)
     await settle()
-    assert broker.service.waiting == 1 and not poll.done()
+    assert broker.service.waiting == 1
+    assert not poll.done()
     clock.advance(0.2)
     response = await asyncio.wait_for(poll, 5)
     assert not response.HasField("delivery")
@@ -470,7 +482,7 @@ async def test_long_poll_times_out_on_the_clock(
     [(None, 30.0), (1, 0.001), (1500, 1.5), (300_000, 300.0), (10**9, 300.0)],
 )
 async def test_lease_default_and_cap_show_in_the_deadline(
-    stub: pb_grpc.BrokerStub, clock: FakeClock, lease_ms: int | None, expected: float
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock, lease_ms: int | None, expected: float
 ) -> None:
     clock.advance(0.25)
     now = clock.now()
@@ -488,40 +500,40 @@ async def test_lease_default_and_cap_show_in_the_deadline(
     ],
 )
 async def test_next_job_rejects_bad_numbers(
-    stub: pb_grpc.BrokerStub, fields: dict[str, int], needle: str
+    stub: pb_grpc.BrokerAsyncStub, fields: dict[str, int], needle: str
 ) -> None:
     await enqueue(stub, b"1")
-    err = await rpc_error(stub.NextJob(pb.NextJobRequest(**fields)))
+    request = pb.NextJobRequest(wait_ms=fields.get("wait_ms"), lease_ms=fields.get("lease_ms"))
+    err = await rpc_error(stub.NextJob(request))
     assert err.code() == Code.INVALID_ARGUMENT
     assert needle in (err.details() or "")
     assert gauges(await stats(stub)) == (1, 0, 0, 0)  # nothing was handed out
 
 
-async def _settled_with_task_ready(stub: pb_grpc.BrokerStub, task_id: str) -> None:
+async def _settled_with_task_ready(stub: pb_grpc.BrokerAsyncStub, task_id: str) -> None:
     """The one task is ready and nobody holds it; a fresh claim gets it on its first attempt."""
 
-    async def ready() -> bool:
-        return gauges(await stats(stub)) == (1, 0, 0, 0)
-
-    await eventually(ready)
+    await wait_until(
+        lambda: stats(stub), lambda s: gauges(s) == (1, 0, 0, 0), what="the one task ready"
+    )
     d = await claim(stub)
     assert (d.task.id, d.task.attempts) == (task_id, 1)
     assert (await stats(stub)).totals.delivered == 1
 
 
 async def test_cancelled_next_job_is_never_handed_a_task(
-    stub: pb_grpc.BrokerStub, broker: Broker
+    stub: pb_grpc.BrokerAsyncStub, broker: Broker
 ) -> None:
     call = stub.NextJob(pb.NextJobRequest(wait_ms=30_000))
-    await eventually(lambda: broker.service.waiting == 1)
+    await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     assert call.cancel()
-    await eventually(lambda: broker.service.waiting == 0)
+    await wait_until(lambda: broker.service.waiting == 0, what="no parked claim")
     task_id = await enqueue(stub, b"1")
     await _settled_with_task_ready(stub, task_id)
 
 
 async def test_next_job_cancelled_just_before_an_enqueue_is_never_handed_a_task(
-    stub: pb_grpc.BrokerStub, broker: Broker
+    stub: pb_grpc.BrokerAsyncStub, broker: Broker
 ) -> None:
     """The enqueue races the broker's handling of the cancellation. It goes over the same
     connection, so the cancellation reaches the broker first; whichever the broker's event loop
@@ -529,25 +541,24 @@ async def test_next_job_cancelled_just_before_an_enqueue_is_never_handed_a_task(
     expiry can tidy up after a lost task)."""
     for round_ in range(30):
         call = stub.NextJob(pb.NextJobRequest(wait_ms=30_000))
-        await eventually(lambda: broker.service.waiting == 1)
+        await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
         call.cancel()
         task_id = await enqueue(stub, json.dumps({"round": round_}).encode())
 
-        async def ready() -> bool:
-            return gauges(await stats(stub)) == (1, 0, 0, 0)
-
-        await eventually(ready, timeout=2.0)
+        await wait_until(
+            lambda: stats(stub), lambda s: gauges(s) == (1, 0, 0, 0), what="the one task ready"
+        )
         d = await claim(stub)
         assert (d.task.id, d.task.attempts) == (task_id, 1), round_
         await stub.Ack(ack_of(d))
 
 
 async def test_next_job_whose_client_deadline_passes_is_never_handed_a_task(
-    stub: pb_grpc.BrokerStub, broker: Broker
+    stub: pb_grpc.BrokerAsyncStub, broker: Broker
 ) -> None:
     err = await rpc_error(stub.NextJob(pb.NextJobRequest(wait_ms=30_000), timeout=0.05))
     assert err.code() == Code.DEADLINE_EXCEEDED
-    await eventually(lambda: broker.service.waiting == 0)
+    await wait_until(lambda: broker.service.waiting == 0, what="no parked claim")
     task_id = await enqueue(stub, b"1")
     await _settled_with_task_ready(stub, task_id)
 
@@ -560,7 +571,7 @@ async def test_stopping_the_broker_answers_parked_calls(clock: FakeClock) -> Non
             worker = await Worker(stub).open(prefetch=1)
             await worker.receive(1)
             poll = background(stub.NextJob(pb.NextJobRequest(wait_ms=30_000)))
-            await eventually(lambda: broker.service.waiting == 1)
+            await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
             stopping = asyncio.create_task(broker.stop())
             response = await asyncio.wait_for(poll, 5)
             assert not response.HasField("delivery")  # the idle answer, not an error
@@ -574,7 +585,7 @@ async def test_stopping_the_broker_answers_parked_calls(clock: FakeClock) -> Non
 # -- Ack and Nack -------------------------------------------------------------------------------
 
 
-async def test_ack_finishes_the_task(stub: pb_grpc.BrokerStub) -> None:
+async def test_ack_finishes_the_task(stub: pb_grpc.BrokerAsyncStub) -> None:
     await enqueue(stub, b"1")
     d = await claim(stub)
     assert isinstance(await stub.Ack(ack_of(d)), pb.AckResponse)
@@ -591,7 +602,7 @@ async def test_ack_finishes_the_task(stub: pb_grpc.BrokerStub) -> None:
 
 @pytest.mark.parametrize("method", ["Ack", "Nack"])
 async def test_ack_and_nack_of_unknown_or_unheld_task_is_not_found(
-    stub: pb_grpc.BrokerStub, method: str
+    stub: pb_grpc.BrokerAsyncStub, method: str
 ) -> None:
     rpc = getattr(stub, method)
     request = pb.AckRequest if method == "Ack" else pb.NackRequest
@@ -606,7 +617,7 @@ async def test_ack_and_nack_of_unknown_or_unheld_task_is_not_found(
 
 @pytest.mark.parametrize("method", ["Ack", "Nack"])
 async def test_ack_and_nack_with_a_wrong_lease_is_failed_precondition(
-    stub: pb_grpc.BrokerStub, method: str
+    stub: pb_grpc.BrokerAsyncStub, method: str
 ) -> None:
     rpc = getattr(stub, method)
     request = pb.AckRequest if method == "Ack" else pb.NackRequest
@@ -627,7 +638,7 @@ async def test_ack_and_nack_with_a_wrong_lease_is_failed_precondition(
 )
 @pytest.mark.parametrize("method", ["Ack", "Nack"])
 async def test_ack_and_nack_require_id_and_lease_id(
-    stub: pb_grpc.BrokerStub, method: str, fields: dict[str, str], needle: str
+    stub: pb_grpc.BrokerAsyncStub, method: str, fields: dict[str, str], needle: str
 ) -> None:
     request = pb.AckRequest if method == "Ack" else pb.NackRequest
     err = await rpc_error(getattr(stub, method)(request(**fields)))
@@ -636,23 +647,21 @@ async def test_ack_and_nack_require_id_and_lease_id(
 
 
 async def test_a_lease_that_ran_out_cannot_be_used(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     await enqueue(stub, b"1")
     first = await claim(stub, lease_ms=1000)
     clock.advance(1.5)
     await settle()
 
-    async def reclaimed() -> bool:
-        return (await stats(stub)).totals.reclaimed == 1
-
-    await eventually(reclaimed)
+    await wait_until(lambda: stats(stub), lambda s: s.totals.reclaimed == 1, what="the reclaim")
     err = await rpc_error(stub.Ack(ack_of(first)))
     assert err.code() == Code.NOT_FOUND  # nobody holds it: it waits out its backoff
     clock.advance(1.0)
     await settle()
     second = await claim(stub)
-    assert second.task.id == first.task.id and second.lease_id != first.lease_id
+    assert second.task.id == first.task.id
+    assert second.lease_id != first.lease_id
     assert (second.task.attempts, second.task.last_error) == (2, "lease expired")
     err = await rpc_error(stub.Ack(ack_of(first)))
     assert err.code() == Code.FAILED_PRECONDITION  # somebody else holds it now
@@ -660,7 +669,7 @@ async def test_a_lease_that_ran_out_cannot_be_used(
 
 
 async def test_nack_retries_with_backoff_then_buries_with_last_error(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     task_id = await enqueue(stub, b'{"fail": true}', max_attempts=2)
     d = await claim(stub)
@@ -689,7 +698,7 @@ async def test_nack_retries_with_backoff_then_buries_with_last_error(
     ]
 
 
-async def test_nack_without_an_error_leaves_last_error_unset(stub: pb_grpc.BrokerStub) -> None:
+async def test_nack_without_an_error_leaves_last_error_unset(stub: pb_grpc.BrokerAsyncStub) -> None:
     await enqueue(stub, b"1", max_attempts=1)
     await stub.Nack(nack_of(await claim(stub)))
     (dead,) = (await stub.ListDead(pb.ListDeadRequest())).tasks
@@ -700,7 +709,7 @@ async def test_nack_without_an_error_leaves_last_error_unset(stub: pb_grpc.Broke
 
 
 async def test_stats_reports_every_gauge_and_total(
-    stub: pb_grpc.BrokerStub, http: Http, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, http: Http, clock: FakeClock
 ) -> None:
     a = await enqueue(stub, b'"a"', max_attempts=1)
     await stub.Nack(nack_of(await claim(stub), "no"))  # a: buried
@@ -711,10 +720,7 @@ async def test_stats_reports_every_gauge_and_total(
     clock.advance(1.5)  # a's lease runs out: reclaimed and, out of attempts, buried again
     await settle()
 
-    async def reclaimed() -> bool:
-        return (await stats(stub)).totals.reclaimed == 1
-
-    await eventually(reclaimed)
+    await wait_until(lambda: stats(stub), lambda s: s.totals.reclaimed == 1, what="the reclaim")
     await stub.Nack(nack_of(await claim(stub), "b failed"))  # b: delayed for a retry
     await enqueue(stub, b'"c"')
     await stub.Ack(ack_of(await claim(stub)))  # c: done
@@ -747,7 +753,7 @@ async def test_stats_reports_every_gauge_and_total(
 
 
 async def test_list_dead_in_burial_order_with_last_error_and_limit(
-    stub: pb_grpc.BrokerStub,
+    stub: pb_grpc.BrokerAsyncStub,
 ) -> None:
     ids = [await enqueue(stub, f'"{n}"'.encode(), max_attempts=1) for n in "xyz"]
     held = {d.task.id: d for d in [await claim(stub) for _ in range(3)]}
@@ -768,12 +774,12 @@ async def test_list_dead_in_burial_order_with_last_error_and_limit(
     assert "limit" in (err.details() or "")
 
 
-async def test_list_dead_is_empty_at_first(stub: pb_grpc.BrokerStub) -> None:
+async def test_list_dead_is_empty_at_first(stub: pb_grpc.BrokerAsyncStub) -> None:
     assert list((await stub.ListDead(pb.ListDeadRequest())).tasks) == []
 
 
 async def test_requeue_gives_a_dead_task_a_clean_start(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     task_id = await enqueue(stub, b'{"n": 1}', max_attempts=2)
     await stub.Nack(nack_of(await claim(stub), "one"))
@@ -786,7 +792,8 @@ async def test_requeue_gives_a_dead_task_a_clean_start(
     now = clock.now()
     assert isinstance(await stub.Requeue(pb.RequeueRequest(id=task_id)), pb.RequeueResponse)
     s = await stats(stub)
-    assert gauges(s) == (1, 0, 0, 0) and s.totals.requeued == 1
+    assert gauges(s) == (1, 0, 0, 0)
+    assert s.totals.requeued == 1
     assert list((await stub.ListDead(pb.ListDeadRequest())).tasks) == []
     d = await claim(stub)
     assert d.task.id == task_id
@@ -800,7 +807,7 @@ async def test_requeue_gives_a_dead_task_a_clean_start(
     assert task_id in (err.details() or "")
 
 
-async def test_requeue_of_a_task_that_is_not_dead(stub: pb_grpc.BrokerStub) -> None:
+async def test_requeue_of_a_task_that_is_not_dead(stub: pb_grpc.BrokerAsyncStub) -> None:
     ready_id = await enqueue(stub, b"1")
     for task_id in (ready_id, "no-such-task"):
         err = await rpc_error(stub.Requeue(pb.RequeueRequest(id=task_id)))
@@ -809,7 +816,8 @@ async def test_requeue_of_a_task_that_is_not_dead(stub: pb_grpc.BrokerStub) -> N
     assert err.code() == Code.INVALID_ARGUMENT
     assert "id" in (err.details() or "")
     s = await stats(stub)
-    assert gauges(s) == (1, 0, 0, 0) and s.totals.requeued == 0
+    assert gauges(s) == (1, 0, 0, 0)
+    assert s.totals.requeued == 0
 
 
 # -- health and reflection ----------------------------------------------------------------------
@@ -879,8 +887,10 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "Requeue",
         "StreamJobs",
     }
-    assert methods["StreamJobs"].client_streaming and methods["StreamJobs"].server_streaming
-    assert not methods["NextJob"].client_streaming and not methods["NextJob"].server_streaming
+    assert methods["StreamJobs"].client_streaming
+    assert methods["StreamJobs"].server_streaming
+    assert not methods["NextJob"].client_streaming
+    assert not methods["NextJob"].server_streaming
     # A client can resolve every message type from what reflection returns.
     assert "google/protobuf/timestamp.proto" in fd.dependency
     err_response = await _reflect(
@@ -893,7 +903,7 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
 
 
 async def test_enqueue_over_http_stream_over_grpc_ack_over_http(
-    stub: pb_grpc.BrokerStub, http: Http
+    stub: pb_grpc.BrokerAsyncStub, http: Http
 ) -> None:
     payload = b'{"a": [1, 2.0, "\\u00e9", "\xc3\xa9"], "b": null}'
     status, body = await http.request("POST", "/jobs", data=b'{"payload": ' + payload + b"}")
@@ -912,12 +922,13 @@ async def test_enqueue_over_http_stream_over_grpc_ack_over_http(
     assert worker.settled == []  # only acks sent on the stream are answered on it
     await worker.finish()
     s = await http.stats()
-    assert s["totals"]["acked"] == 2 and s["handed_out"] == 0
+    assert s["totals"]["acked"] == 2
+    assert s["handed_out"] == 0
     assert s == stats_dict(await stats(stub))
 
 
 async def test_enqueue_over_grpc_claim_over_http_ack_over_grpc(
-    stub: pb_grpc.BrokerStub, http: Http
+    stub: pb_grpc.BrokerAsyncStub, http: Http
 ) -> None:
     payload = '  {"k": "日本", "n": 1.50, "e": 1E+2}'.encode()
     task_id = await enqueue(stub, payload, max_attempts=4)
@@ -926,16 +937,18 @@ async def test_enqueue_over_grpc_claim_over_http_ack_over_grpc(
         raw = await resp.read()
     assert b'"payload":' + payload + b"," in raw  # the exact bytes enqueued over gRPC
     body = json.loads(raw)
-    assert body["task"]["id"] == task_id and body["task"]["max_attempts"] == 4
+    assert body["task"]["id"] == task_id
+    assert body["task"]["max_attempts"] == 4
     await stub.Ack(pb.AckRequest(id=task_id, lease_id=body["lease_id"]))
     s = await http.stats()
-    assert s["totals"]["acked"] == 1 and s["handed_out"] == 0
+    assert s["totals"]["acked"] == 1
+    assert s["handed_out"] == 0
     # The HTTP side now agrees that nobody holds it.
     assert await http.ack(task_id, body["lease_id"]) == 404
 
 
 async def test_http_and_grpc_share_one_set_of_statistics(
-    stub: pb_grpc.BrokerStub, http: Http
+    stub: pb_grpc.BrokerAsyncStub, http: Http
 ) -> None:
     for i in range(3):
         await http.enqueue({"http": i}, max_attempts=1)
@@ -950,24 +963,22 @@ async def test_http_and_grpc_share_one_set_of_statistics(
     await worker.receive(2)
     worker.call.cancel()  # the stream's two tasks are reclaimed
 
-    async def quiet() -> bool:
-        return (await stats(stub)).handed_out == 0
-
-    await eventually(quiet)
+    await wait_until(lambda: stats(stub), lambda s: s.handed_out == 0, what="nothing handed out")
     via_grpc = stats_dict(await stats(stub))
     via_http = await http.stats()
     assert via_http == via_grpc
     assert via_http["totals"]["enqueued"] == 6
-    assert via_http["totals"]["nacked"] == 2 and via_http["totals"]["reclaimed"] == 2
+    assert via_http["totals"]["nacked"] == 2
+    assert via_http["totals"]["reclaimed"] == 2
     assert invariant_holds(via_http)
 
 
 # -- StreamJobs ---------------------------------------------------------------------------------
 
 
-async def test_stream_first_request_must_carry_open(stub: pb_grpc.BrokerStub) -> None:
+async def test_stream_first_request_must_carry_open(stub: pb_grpc.BrokerAsyncStub) -> None:
     task_id = await enqueue(stub, b"1")
-    call = stub.StreamJobs()
+    call = stub.StreamJobs(None)
     await call.write(pb.StreamJobsRequest(acks=[pb.AckRequest(id=task_id, lease_id="x")]))
     err = await rpc_error(call.read())
     assert err.code() == Code.INVALID_ARGUMENT
@@ -975,7 +986,7 @@ async def test_stream_first_request_must_carry_open(stub: pb_grpc.BrokerStub) ->
     assert gauges(await stats(stub)) == (1, 0, 0, 0)
 
 
-async def test_stream_open_only_in_the_first_request(stub: pb_grpc.BrokerStub) -> None:
+async def test_stream_open_only_in_the_first_request(stub: pb_grpc.BrokerAsyncStub) -> None:
     await enqueue(stub, b"1")
     worker = await Worker(stub).open(prefetch=1)
     await worker.receive(1)
@@ -984,21 +995,22 @@ async def test_stream_open_only_in_the_first_request(stub: pb_grpc.BrokerStub) -
     assert err.code() == Code.INVALID_ARGUMENT
     assert "open" in (err.details() or "")
 
-    async def released() -> bool:  # the stream is over, and so is its hold on the task
-        s = await stats(stub)
-        return (s.handed_out, s.totals.reclaimed) == (0, 1)
-
-    await eventually(released)
+    # The stream is over, and so is its hold on the task.
+    await wait_until(
+        lambda: stats(stub),
+        lambda s: (s.handed_out, s.totals.reclaimed) == (0, 1),
+        what="the stream's task to be reclaimed",
+    )
 
 
 @pytest.mark.parametrize(
     ("fields", "needle"), [({"prefetch": 0}, "prefetch"), ({"lease_ms": 0}, "lease_ms")]
 )
 async def test_stream_open_rejects_bad_settings(
-    stub: pb_grpc.BrokerStub, fields: dict[str, int], needle: str
+    stub: pb_grpc.BrokerAsyncStub, fields: dict[str, int], needle: str
 ) -> None:
     await enqueue(stub, b"1")
-    call = stub.StreamJobs()
+    call = stub.StreamJobs(None)
     await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(**fields)))
     err = await rpc_error(call.read())
     assert err.code() == Code.INVALID_ARGUMENT
@@ -1006,46 +1018,47 @@ async def test_stream_open_rejects_bad_settings(
     assert gauges(await stats(stub)) == (1, 0, 0, 0)
 
 
-async def test_stream_that_half_closes_at_once_ends_cleanly(stub: pb_grpc.BrokerStub) -> None:
+async def test_stream_that_half_closes_at_once_ends_cleanly(stub: pb_grpc.BrokerAsyncStub) -> None:
     await enqueue(stub, b"1")
-    call = stub.StreamJobs()
+    call = stub.StreamJobs(None)
     await call.done_writing()
-    assert await call.read() == grpc.aio.EOF
+    assert await call.read() is EOF
     assert await call.code() == Code.OK
     assert gauges(await stats(stub)) == (1, 0, 0, 0)
 
 
 async def test_stream_open_is_answered_with_an_empty_response(
-    stub: pb_grpc.BrokerStub, broker: Broker
+    stub: pb_grpc.BrokerAsyncStub, broker: Broker
 ) -> None:
-    call = stub.StreamJobs()
+    call = stub.StreamJobs(None)
     await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=2)))
-    first = await asyncio.wait_for(call.read(), 5)
+    first = await read(call)
     assert first == pb.StreamJobsResponse()  # connected, nothing to do yet
     assert broker.service.waiting == 1  # registered by the time it answered
     task_id = await enqueue(stub, b"1")
-    second = await asyncio.wait_for(call.read(), 5)
+    second = await read(call)
     assert [d.task.id for d in second.deliveries] == [task_id]
     call.cancel()
 
 
-async def test_stream_open_is_answered_before_any_delivery(stub: pb_grpc.BrokerStub) -> None:
+async def test_stream_open_is_answered_before_any_delivery(stub: pb_grpc.BrokerAsyncStub) -> None:
     await enqueue(stub, b"1")
-    call = stub.StreamJobs()
+    call = stub.StreamJobs(None)
     await call.write(pb.StreamJobsRequest(open=pb.StreamOpen()))
-    assert await asyncio.wait_for(call.read(), 5) == pb.StreamJobsResponse()
-    second = await asyncio.wait_for(call.read(), 5)
+    assert await read(call) == pb.StreamJobsResponse()
+    second = await read(call)
     assert len(second.deliveries) == 1
     call.cancel()
 
 
 async def test_stream_defaults_prefetch_1_and_lease_30s(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     ids = [await enqueue(stub, str(i).encode()) for i in range(3)]
     worker = await Worker(stub).open()
     (d,) = await worker.receive(1)
-    assert d.task.id == ids[0] and d.task.attempts == 1
+    assert d.task.id == ids[0]
+    assert d.task.attempts == 1
     assert seconds(d.deadline) == pytest.approx(clock.now() + 30, abs=1e-6)
     assert gauges(await stats(stub)) == (2, 1, 0, 0)  # prefetch 1: nothing more was pushed
     await worker.send(acks=[ack_of(d)])
@@ -1062,7 +1075,7 @@ async def test_stream_defaults_prefetch_1_and_lease_30s(
 
 
 async def test_stream_lease_cap_and_prefetch_cap(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     batch = [pb.EnqueueRequest(payload=b"1")] * 10_000
     await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=batch))
@@ -1077,7 +1090,7 @@ async def test_stream_lease_cap_and_prefetch_cap(
 
 
 async def test_stream_never_holds_more_than_prefetch_unfinished(
-    stub: pb_grpc.BrokerStub,
+    stub: pb_grpc.BrokerAsyncStub,
 ) -> None:
     ids = (
         await stub.EnqueueBatch(
@@ -1098,21 +1111,22 @@ async def test_stream_never_holds_more_than_prefetch_unfinished(
         # Finish the oldest held task, slowly: one ack per round trip.
         oldest = next(iter(worker.held.values()))
         await worker.send(acks=[ack_of(oldest)])
-        n = len(worker.settled)
-        await worker.until(lambda w, n=n: len(w.settled) == n + 1)  # type: ignore[misc]
-        assert worker.settled[-1].id == oldest.task.id and worker.settled[-1].code == 0
+        (outcome,) = await worker.outcomes(1)
+        assert (outcome.id, outcome.code) == (oldest.task.id, 0)
         acked.append(oldest.task.id)
+        assert len(worker.settled) == len(acked)  # one outcome per ack
         assert worker.max_unfinished <= prefetch
     assert acked == list(ids)  # pushed oldest first, each exactly once
     assert [d.task.id for d in worker.received] == list(ids)
     assert worker.max_unfinished == prefetch
     await worker.finish()
     s = await stats(stub)
-    assert gauges(s) == (0, 0, 0, 0) and s.totals.acked == 40
+    assert gauges(s) == (0, 0, 0, 0)
+    assert s.totals.acked == 40
 
 
 async def test_every_ack_and_nack_on_the_stream_is_answered_in_order(
-    stub: pb_grpc.BrokerStub,
+    stub: pb_grpc.BrokerAsyncStub,
 ) -> None:
     await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")] * 4))
     worker = await Worker(stub).open(prefetch=4)
@@ -1153,7 +1167,7 @@ async def test_every_ack_and_nack_on_the_stream_is_answered_in_order(
 
 
 async def test_unary_ack_and_nack_of_a_streamed_task_free_its_slot(
-    stub: pb_grpc.BrokerStub,
+    stub: pb_grpc.BrokerAsyncStub,
 ) -> None:
     ids = [await enqueue(stub, str(i).encode()) for i in range(3)]
     worker = await Worker(stub).open(prefetch=1)
@@ -1175,7 +1189,7 @@ async def test_unary_ack_and_nack_of_a_streamed_task_free_its_slot(
 
 
 async def test_settled_arrives_no_later_than_the_deliveries_it_made_room_for(
-    stub: pb_grpc.BrokerStub,
+    stub: pb_grpc.BrokerAsyncStub,
 ) -> None:
     """Big payloads make the broker split deliveries over several responses; the outcomes that
     freed the slots must not come after deliveries that filled them."""
@@ -1198,7 +1212,7 @@ async def test_settled_arrives_no_later_than_the_deliveries_it_made_room_for(
 
 
 async def test_acks_on_the_stream_can_finish_tasks_claimed_elsewhere(
-    stub: pb_grpc.BrokerStub, http: Http
+    stub: pb_grpc.BrokerAsyncStub, http: Http
 ) -> None:
     await http.enqueue({"polled": True})
     body = await http.claim()
@@ -1220,7 +1234,7 @@ async def test_acks_on_the_stream_can_finish_tasks_claimed_elsewhere(
     assert (await http.stats())["totals"]["acked"] == 3
 
 
-async def test_drain_stops_new_pushes(stub: pb_grpc.BrokerStub) -> None:
+async def test_drain_stops_new_pushes(stub: pb_grpc.BrokerAsyncStub) -> None:
     await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")] * 5))
     worker = await Worker(stub).open(prefetch=2)
     held = await worker.receive(2)
@@ -1238,7 +1252,9 @@ async def test_drain_stops_new_pushes(stub: pb_grpc.BrokerStub) -> None:
     assert [x.code for x in worker.settled] == [0, 0]
 
 
-async def test_drain_sent_with_the_last_acks_still_stops_pushes(stub: pb_grpc.BrokerStub) -> None:
+async def test_drain_sent_with_the_last_acks_still_stops_pushes(
+    stub: pb_grpc.BrokerAsyncStub,
+) -> None:
     await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")] * 5))
     worker = await Worker(stub).open(prefetch=2)
     held = await worker.receive(2)
@@ -1254,7 +1270,7 @@ async def test_drain_sent_with_the_last_acks_still_stops_pushes(stub: pb_grpc.Br
 
 
 async def _ended_stream_returns_tasks(
-    stub: pb_grpc.BrokerStub, clock: FakeClock, end: Callable[[Worker], Awaitable[None]]
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock, end: Callable[[Worker], Awaitable[None]]
 ) -> None:
     start = clock.now()
     ids = [await enqueue(stub, str(i).encode()) for i in range(6)]
@@ -1266,13 +1282,11 @@ async def _ended_stream_returns_tasks(
     assert len(unfinished) == 3
     await end(worker)
 
-    async def returned() -> bool:
-        return (await stats(stub)).handed_out == 0
-
-    await eventually(returned)
+    await wait_until(lambda: stats(stub), lambda s: s.handed_out == 0, what="the tasks given back")
     assert clock.now() == start  # no lease ran out: the stream's end gave them back
     s = await stats(stub)
-    assert s.totals.reclaimed == 3 and s.totals.retried == 3
+    assert s.totals.reclaimed == 3
+    assert s.totals.retried == 3
     assert (s.ready, s.delayed, s.totals.acked) == (2, 3, 1)
     assert invariant_holds(stats_dict(s))
     # The reclaimed tasks are retried after their backoff, with the reason as last_error.
@@ -1284,12 +1298,13 @@ async def _ended_stream_returns_tasks(
     for d in unfinished:
         again = by_id[d.task.id]
         assert again.task.attempts == 2
-        assert again.task.HasField("last_error") and again.task.last_error
+        assert again.task.HasField("last_error")
+        assert again.task.last_error
     assert by_id[ids[5]].task.attempts == 1  # never sent to the stream
 
 
 async def test_cancelling_the_stream_returns_its_unfinished_tasks_at_once(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     async def cancel(worker: Worker) -> None:
         assert worker.call.cancel()
@@ -1298,7 +1313,7 @@ async def test_cancelling_the_stream_returns_its_unfinished_tasks_at_once(
 
 
 async def test_half_closing_the_stream_returns_its_unfinished_tasks_at_once(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     async def half_close(worker: Worker) -> None:
         await worker.finish()  # the server ends the call with OK
@@ -1307,7 +1322,7 @@ async def test_half_closing_the_stream_returns_its_unfinished_tasks_at_once(
 
 
 async def test_stream_task_whose_lease_expires_is_reclaimed_and_frees_the_slot(
-    stub: pb_grpc.BrokerStub, clock: FakeClock
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
 ) -> None:
     ids = [await enqueue(stub, str(i).encode()) for i in range(2)]
     worker = await Worker(stub).open(prefetch=1, lease_ms=1000)
@@ -1335,12 +1350,12 @@ async def test_stream_task_whose_lease_expires_is_reclaimed_and_frees_the_slot(
 
 
 async def test_streams_and_long_pollers_take_turns(
-    stub: pb_grpc.BrokerStub, http: Http, broker: Broker
+    stub: pb_grpc.BrokerAsyncStub, http: Http, broker: Broker
 ) -> None:
     worker = await Worker(stub).open(prefetch=5)
-    await eventually(lambda: broker.service.waiting == 1)
+    await wait_until(lambda: broker.service.waiting == 1, what="1 parked claim")
     poll = asyncio.create_task(http.claim(wait_ms=30_000))
-    await eventually(lambda: broker.service.waiting == 2)
+    await wait_until(lambda: broker.service.waiting == 2, what="2 parked claims")
     ids = (
         await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")] * 2))
     ).ids
@@ -1353,70 +1368,84 @@ async def test_streams_and_long_pollers_take_turns(
     await worker.finish()
 
 
+class Share:
+    """The books of many consumers sharing one queue: who got what, and when all were acked."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.acked = 0
+        self.done = asyncio.Event()
+        self.workers: list[tuple[int, Worker, list[pb.Delivery]]] = []  # (prefetch, worker, got)
+        self.by_poller: list[list[dict[str, Any]]] = []
+
+    def finished_one(self) -> None:
+        self.acked += 1
+        if self.acked == self.total:
+            self.done.set()
+
+
+async def stream_consumer(stub: pb_grpc.BrokerAsyncStub, share: Share, prefetch: int) -> None:
+    """Ack every delivery on a stream until the stream ends."""
+    got: list[pb.Delivery] = []
+    worker = await Worker(stub).open(prefetch=prefetch, lease_ms=300_000)
+    share.workers.append((prefetch, worker, got))
+    while (response := await worker.read(timeout=30)) is not None:
+        # Worker.read counts the outcomes before the deliveries, as the .proto says.
+        assert worker.unfinished <= prefetch
+        for outcome in response.settled:
+            assert outcome.code == 0, outcome
+            share.finished_one()
+        if response.deliveries:
+            got.extend(response.deliveries)
+            await worker.send(acks=[ack_of(d) for d in response.deliveries])
+
+
+async def http_poller(http: Http, share: Share) -> None:
+    """Long-poll and ack over HTTP until cancelled."""
+    got: list[dict[str, Any]] = []
+    share.by_poller.append(got)
+    while True:
+        body = await http.claim(wait_ms=30_000)
+        if body is None:
+            continue
+        got.append(body)
+        assert await http.ack(body["task"]["id"], body["lease_id"]) == 204
+        share.finished_one()
+
+
+async def mixed_producer(
+    stub: pb_grpc.BrokerAsyncStub, http: Http, k: int, total: int
+) -> list[str]:
+    """Enqueue every 20th task from k on, over HTTP (odd k) or gRPC (even k)."""
+    ids = []
+    for i in range(k, total, 20):
+        if k % 2:
+            ids.append(await http.enqueue({"n": i}))
+        else:
+            ids.append(await enqueue(stub, json.dumps({"n": i}).encode()))
+    return ids
+
+
 async def test_many_streams_and_http_long_pollers_share_2000_tasks_exactly_once(
-    broker: Broker, stub: pb_grpc.BrokerStub
+    broker: Broker, stub: pb_grpc.BrokerAsyncStub
 ) -> None:
     total = 2000
-    done = asyncio.Event()
-    acked = 0
-    workers: list[tuple[int, Worker, list[pb.Delivery]]] = []
-    by_poller: list[list[dict[str, Any]]] = []
-
-    def finished_one() -> None:
-        nonlocal acked
-        acked += 1
-        if acked == total:
-            done.set()
-
-    async def stream_consumer(prefetch: int) -> None:
-        got: list[pb.Delivery] = []
-        worker = await Worker(stub).open(prefetch=prefetch, lease_ms=300_000)
-        workers.append((prefetch, worker, got))
-        while (response := await worker.read(timeout=30)) is not None:
-            # Worker.read counts the outcomes before the deliveries, as the .proto says.
-            assert worker.unfinished <= prefetch
-            for s in response.settled:
-                assert s.code == 0, s
-                finished_one()
-            if response.deliveries:
-                got.extend(response.deliveries)
-                await worker.send(acks=[ack_of(d) for d in response.deliveries])
-
-    async def poller(session: aiohttp.ClientSession) -> None:
-        got: list[dict[str, Any]] = []
-        by_poller.append(got)
-        client = Http(session, broker.http_url)
-        while True:
-            body = await client.claim(wait_ms=30_000)
-            if body is None:
-                continue
-            got.append(body)
-            assert await client.ack(body["task"]["id"], body["lease_id"]) == 204
-            finished_one()
-
-    async def producer(k: int, session: aiohttp.ClientSession) -> list[str]:
-        client = Http(session, broker.http_url)
-        ids = []
-        for i in range(k, total, 20):
-            if k % 2:
-                ids.append(await client.enqueue({"n": i}))
-            else:
-                ids.append(await enqueue(stub, json.dumps({"n": i}).encode()))
-        return ids
-
+    share = Share(total)
     async with aiohttp.ClientSession() as session:
-        streams = [asyncio.create_task(stream_consumer(p)) for p in (1, 4, 16)]
-        pollers = [asyncio.create_task(poller(session)) for _ in range(3)]
-        await eventually(lambda: broker.service.waiting == 6)
-        produced = await asyncio.gather(*(producer(k, session) for k in range(20)))
-        await asyncio.wait_for(done.wait(), 30)
+        http = Http(session, broker.http_url)
+        streams = [asyncio.create_task(stream_consumer(stub, share, p)) for p in (1, 4, 16)]
+        pollers = [asyncio.create_task(http_poller(http, share)) for _ in range(3)]
+        await wait_until(lambda: broker.service.waiting == 6, what="6 parked claims")
+        produced = await asyncio.gather(*(mixed_producer(stub, http, k, total) for k in range(20)))
+        await asyncio.wait_for(share.done.wait(), 30)
         for p in pollers:
             p.cancel()
-        for _, worker, _ in workers:
+        for _, worker, _ in share.workers:
             await worker.call.done_writing()
         await asyncio.wait_for(asyncio.gather(*streams), 10)
         ended = await asyncio.gather(*pollers, return_exceptions=True)
         assert all(isinstance(e, asyncio.CancelledError) for e in ended), ended
+    workers, by_poller = share.workers, share.by_poller
 
     enqueued = [i for ids in produced for i in ids]
     assert len(set(enqueued)) == total
@@ -1428,13 +1457,16 @@ async def test_many_streams_and_http_long_pollers_share_2000_tasks_exactly_once(
     assert all(d.task.attempts == 1 for _, _, got in workers for d in got)
     assert all(b["task"]["attempts"] == 1 for got in by_poller for b in got)
     # Both kinds of consumer, and indeed every consumer, got a share.
-    assert streamed and polled
-    assert all(got for _, _, got in workers) and all(by_poller)
+    assert streamed
+    assert polled
+    assert all(got for _, _, got in workers)
+    assert all(by_poller)
     for prefetch, worker, got in workers:
         assert await worker.call.code() == Code.OK
         assert worker.max_unfinished <= prefetch
-        assert len(worker.settled) == len(got) and all(s.code == 0 for s in worker.settled)
-    await eventually(lambda: broker.service.waiting == 0)
+        assert len(worker.settled) == len(got)
+        assert all(s.code == 0 for s in worker.settled)
+    await wait_until(lambda: broker.service.waiting == 0, what="no parked claim")
     s = await stats(stub)
     assert gauges(s) == (0, 0, 0, 0)
     assert stats_dict(s)["totals"] == {

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Http, http_client, invariant_holds, running_broker
+from tests.helpers import Http, http_client, invariant_holds, running_broker
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 
@@ -85,7 +85,8 @@ async def test_node_worker_streams_and_acks_tasks_from_both_languages(
 
     assert result["invalid_code"] == 3  # INVALID_ARGUMENT for a payload that is not JSON
     node_ids = result["enqueued"]
-    assert len(node_ids) == 7 and len(set(node_ids + http_ids)) == 12
+    assert len(node_ids) == 7
+    assert len(set(node_ids + http_ids)) == 12
 
     received = result["received"]
     # Every task exactly once, oldest first, with its payload intact across languages.

@@ -3,8 +3,8 @@ and a contention run. Nothing here sleeps: time moves only when the test advance
 and ``settle()`` lets the event loop run whatever became runnable.
 
 A durable store may suspend (a commit on a writer thread), so where a test expects something to
-happen after the clock moves it waits for it with ``until()`` (yielding to the loop, bounded)
-rather than assuming a fixed number of loop rounds is enough."""
+happen after the clock moves it waits for it with ``wait_until()`` (polling, bounded) rather than
+assuming a fixed number of loop rounds is enough."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import settle
+from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
 from wqbroker.dispatch import Poller, Stream
 from wqbroker.errors import InvalidArgument, NotFound
@@ -30,33 +30,10 @@ def payload(n: int) -> bytes:
     return b'{"n": %d}' % n
 
 
-async def until(check: Callable[[], bool], what: str) -> None:
-    """Let the event loop run until ``check()`` holds (a safety bound turns a hang into a failure;
-    no fake time passes)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + 5.0
-    while not check():
-        if loop.time() > give_up:
-            raise AssertionError(f"gave up waiting for {what}")
-        await asyncio.sleep(0)
-
-
 async def answer(claim: asyncio.Task[Delivery | None]) -> Delivery | None:
     """What a claim (or a stream's next()) answered, once it has answered."""
-    await until(claim.done, "an answer")
+    await wait_until(claim.done, what="an answer")
     return claim.result()
-
-
-async def stats_until(service: Service, check: Callable[[Stats], bool], what: str) -> Stats:
-    latest = await service.stats()
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + 5.0
-    while not check(latest):
-        if loop.time() > give_up:
-            raise AssertionError(f"gave up waiting for {what}: {latest}")
-        await asyncio.sleep(0)
-        latest = await service.stats()
-    return latest
 
 
 def reclaimed_more_than(n: int) -> Callable[[Stats], bool]:
@@ -67,7 +44,7 @@ async def park(service: Service, **kw: Any) -> asyncio.Task[Delivery | None]:
     """Start a long-polling claim and let it park."""
     before = service.waiting
     task = asyncio.ensure_future(service.claim(**kw))
-    await until(lambda: task.done() or service.waiting > before, "the claim to park")
+    await wait_until(lambda: task.done() or service.waiting > before, what="the claim to park")
     assert not task.done(), "the claim should be parked, waiting for a task"
     return task
 
@@ -79,8 +56,7 @@ async def gauges(service: Service) -> tuple[int, int, int, int]:
 
 async def balanced(service: Service) -> Stats:
     stats = await service.stats()
-    t = stats.totals
-    assert t.nacked + t.reclaimed == t.retried + t.buried, stats
+    assert invariant_holds(stats), stats
     return stats
 
 
@@ -159,7 +135,8 @@ async def test_delay_ms_holds_the_task_back(service: Service, clock: FakeClock) 
     clock.advance(1.5)
     await settle()
     d = await service.claim(wait_ms=0)  # due: claimed even if no sweep has run yet
-    assert d is not None and d.task.id == view.id
+    assert d is not None
+    assert d.task.id == view.id
 
 
 async def test_enqueue_many_is_all_or_nothing(service: Service) -> None:
@@ -174,7 +151,8 @@ async def test_enqueue_many_is_all_or_nothing(service: Service) -> None:
     assert "max_attempts" in err.value.message
     with pytest.raises(InvalidArgument) as err:
         await service.enqueue_many([(payload(1), None, None), (payload(2), None, -5)])
-    assert "tasks[1]" in err.value.message and "delay_ms" in err.value.message
+    assert "tasks[1]" in err.value.message
+    assert "delay_ms" in err.value.message
     assert (await service.stats()).totals.enqueued == 0
 
 
@@ -188,12 +166,14 @@ async def test_enqueue_many_feeds_parked_claims_and_schedules_delayed_tasks(
     )
     assert [v.max_attempts for v in views] == [3, 5, 1]
     d1, d2 = await answer(first), await answer(second)
-    assert d1 is not None and d2 is not None
+    assert d1 is not None
+    assert d2 is not None
     assert (d1.task.id, d2.task.id) == (views[0].id, views[2].id)
     third = await park(service, wait_ms=20_000)
     clock.advance(1.5)
     d3 = await answer(third)
-    assert d3 is not None and d3.task.id == views[1].id
+    assert d3 is not None
+    assert d3.task.id == views[1].id
 
 
 # -- claim: defaults, caps and validation ----------------------------------------------------
@@ -339,7 +319,8 @@ async def test_a_new_claim_queues_behind_parked_ones(service: Service) -> None:
     second = await park(service, wait_ms=20_000)
     await service.enqueue(payload(1))
     await settle()
-    assert first.done() and not second.done()
+    assert first.done()
+    assert not second.done()
     await service.enqueue(payload(2))
     await settle()
     assert second.done()
@@ -354,7 +335,8 @@ async def test_a_cancelled_parked_claim_is_never_handed_a_task(service: Service)
     await settle()
     assert await gauges(service) == (1, 0, 0, 0)
     d = await service.claim(wait_ms=0)
-    assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)
+    assert d is not None
+    assert (d.task.id, d.task.attempts) == (view.id, 1)
 
 
 async def test_a_claim_cancelled_just_before_an_enqueue_gets_nothing(service: Service) -> None:
@@ -379,9 +361,9 @@ async def test_a_task_handed_to_a_claim_cancelled_before_it_ran_goes_back(
 
     monkeypatch.setattr(Poller, "deliver", deliver_then_disconnect)
     view = await service.enqueue(PAYLOAD)
-    await until(claim.done, "the claim to end")
+    await wait_until(claim.done, what="the claim to end")
     assert claim.cancelled()
-    stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
+    stats = await wait_until(service.stats, lambda s: s.handed_out == 0, what="the release")
     assert (stats.ready, stats.handed_out) == (1, 0)
     assert stats.totals.delivered == 0  # the hand-out nobody saw is undone
     d = await service.claim(wait_ms=0)
@@ -396,7 +378,8 @@ async def test_a_cancelled_claim_does_not_hold_up_the_next_one(service: Service)
     view = await service.enqueue(PAYLOAD)
     d = await answer(alive)
     assert gone.cancelled()
-    assert d is not None and d.task.id == view.id
+    assert d is not None
+    assert d.task.id == view.id
     assert await gauges(service) == (0, 1, 0, 0)
 
 
@@ -472,7 +455,7 @@ async def test_the_sweeper_reclaims_an_expired_lease(service: Service, clock: Fa
     await settle()
     assert await gauges(service) == (0, 1, 0, 0)
     clock.advance(0.5)
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     stats = await balanced(service)
     assert (stats.ready, stats.handed_out, stats.dead) == (0, 0, 1)
     assert (stats.totals.reclaimed, stats.totals.buried) == (1, 1)
@@ -490,7 +473,7 @@ async def test_a_reclaimed_task_is_retried_by_somebody_else(
     assert crashed is not None
     rescuer = await park(service, wait_ms=30_000)
     clock.advance(2.0)  # the lease runs out: reclaimed, delayed by 0.5 - 1 s
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     stats = await balanced(service)
     assert (stats.handed_out, stats.delayed, stats.totals.reclaimed) == (0, 1, 1)
     assert not rescuer.done()
@@ -513,7 +496,9 @@ async def test_the_sweeper_keeps_reclaiming_later_leases(
         assert await service.claim(wait_ms=0, lease_ms=lease_ms) is not None
     for before, step in enumerate((1.0, 4.0, 55.0)):  # each step runs out one more lease
         clock.advance(step)
-        stats = await stats_until(service, reclaimed_more_than(before), "the next reclaim")
+        stats = await wait_until(
+            service.stats, reclaimed_more_than(before), what="the next reclaim"
+        )
         assert stats.totals.reclaimed == before + 1
     assert await gauges(service) == (0, 0, 0, 3)
 
@@ -530,7 +515,8 @@ async def test_a_delayed_task_is_handed_to_a_parked_claim_when_its_time_comes(
     assert await gauges(service) == (0, 0, 1, 0)
     clock.advance(0.5)
     d = await answer(claim)
-    assert d is not None and d.task.id == view.id
+    assert d is not None
+    assert d.task.id == view.id
     assert await gauges(service) == (0, 1, 0, 0)
 
 
@@ -543,7 +529,8 @@ async def test_a_delayed_task_due_between_ticks_is_not_held_to_the_next_tick(
     view = await service.enqueue(PAYLOAD, delay_ms=10)  # due 10 ms from now, before the next tick
     clock.advance(0.01)
     d = await answer(claim)
-    assert d is not None and d.task.id == view.id
+    assert d is not None
+    assert d.task.id == view.id
 
 
 async def test_the_sweeper_wakes_when_something_is_due_not_only_on_its_interval(
@@ -564,13 +551,14 @@ async def test_the_sweeper_wakes_when_something_is_due_not_only_on_its_interval(
         claim = await park(service, wait_ms=30_000)
         clock.advance(1.0)
         d = await answer(claim)
-        assert d is not None and d.task.attempts == 2
+        assert d is not None
+        assert d.task.attempts == 2
 
         await service.enqueue(payload(2))
         held = await service.claim(wait_ms=0, lease_ms=3000)
         assert held is not None
         clock.advance(3.0)
-        await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+        await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     finally:
         await service.close()
 
@@ -591,7 +579,8 @@ async def test_a_stream_never_has_more_than_prefetch_unfinished(service: Service
     assert await gauges(service) == (4, 2, 0, 0)
     first = await stream.next()
     second = await stream.next()
-    assert first is not None and second is not None
+    assert first is not None
+    assert second is not None
     assert [first.task.id, second.task.id] == ids[:2]
     third = await pending_next(stream)
     assert not third.done()  # two unfinished: no more until one is finished
@@ -599,14 +588,16 @@ async def test_a_stream_never_has_more_than_prefetch_unfinished(service: Service
 
     await service.ack(first.task.id, first.lease_id)  # an ack frees a slot
     d3 = await answer(third)
-    assert d3 is not None and d3.task.id == ids[2]
+    assert d3 is not None
+    assert d3.task.id == ids[2]
     assert await gauges(service) == (3, 2, 0, 0)
 
     fourth = await pending_next(stream)
     assert not fourth.done()
     await service.nack(second.task.id, second.lease_id, "nope")  # so does a nack
     d4 = await answer(fourth)
-    assert d4 is not None and d4.task.id == ids[3]
+    assert d4 is not None
+    assert d4.task.id == ids[3]
     assert await gauges(service) == (2, 2, 1, 0)
     await stream.close()
 
@@ -617,7 +608,8 @@ async def test_a_stream_gets_tasks_as_they_are_enqueued(service: Service) -> Non
     assert not waiting.done()
     view = await service.enqueue(PAYLOAD)
     d = await answer(waiting)
-    assert d is not None and d.task.id == view.id
+    assert d is not None
+    assert d.task.id == view.id
     assert d.task.attempts == 1
     await service.ack(d.task.id, d.lease_id)
     assert await gauges(service) == (0, 0, 0, 0)
@@ -642,7 +634,8 @@ async def test_closing_a_stream_reclaims_sent_tasks_and_releases_untaken_ones(
     stream = await service.open_stream(3, 60_000)
     await settle()
     taken = await stream.next()
-    assert taken is not None and taken.task.id == ids[0]
+    assert taken is not None
+    assert taken.task.id == ids[0]
     assert await gauges(service) == (1, 3, 0, 0)
 
     await stream.close()
@@ -681,7 +674,8 @@ async def test_closing_a_stream_hands_its_untaken_tasks_to_parked_claims(
     claim = await park(service, wait_ms=20_000)
     await stream.close()
     d = await answer(claim)
-    assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)
+    assert d is not None
+    assert (d.task.id, d.task.attempts) == (view.id, 1)
 
 
 async def test_closing_a_stream_wakes_its_pending_next(service: Service) -> None:
@@ -700,7 +694,8 @@ async def test_draining_a_stream_returns_untaken_tasks_and_takes_no_new_ones(
     stream = await service.open_stream(3, None)
     await settle()
     taken = await stream.next()
-    assert taken is not None and taken.task.id == ids[0]
+    assert taken is not None
+    assert taken.task.id == ids[0]
     await stream.drain()
     stats = await service.stats()
     assert (stats.ready, stats.handed_out, stats.totals.delivered) == (3, 1, 1)
@@ -734,11 +729,13 @@ async def test_a_stream_slot_is_freed_when_its_lease_is_reclaimed(
     b = await service.enqueue(payload(2))
     stream = await service.open_stream(1, 1000)
     first = await stream.next()
-    assert first is not None and first.task.id == a.id
+    assert first is not None
+    assert first.task.id == a.id
     clock.advance(1.0)  # the worker went silent
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     second = await stream.next()
-    assert second is not None and second.task.id == b.id
+    assert second is not None
+    assert second.task.id == b.id
     await service.ack(second.task.id, second.lease_id)
     await stream.close()
 
@@ -751,9 +748,10 @@ async def test_a_stream_never_passes_on_a_delivery_whose_lease_was_reclaimed(
     stream = await service.open_stream(1, 1000)
     await settle()  # a is pushed to the stream, but the worker does not take it in time
     clock.advance(1.0)
-    await stats_until(service, lambda s: s.totals.reclaimed == 1, "the reclaim")
+    await wait_until(service.stats, lambda s: s.totals.reclaimed == 1, what="the reclaim")
     d = await stream.next()
-    assert d is not None and d.task.id == b.id  # not a, whose lease is gone
+    assert d is not None
+    assert d.task.id == b.id
     await service.ack(d.task.id, d.lease_id)
     clock.advance(1.0)  # a's retry comes round (0.5 - 1 s) and is pushed to the stream again
     again = await asyncio.wait_for(stream.next(), timeout=5)
@@ -777,7 +775,8 @@ async def test_streams_and_parked_claims_share_tasks_fairly(service: Service) ->
         ids.append((await service.enqueue(payload(n))).id)
         await settle()
     d1, d2 = await answer(c1), await answer(c2)
-    assert d1 is not None and d2 is not None
+    assert d1 is not None
+    assert d2 is not None
     assert (d1.task.id, d2.task.id) == (ids[1], ids[2])
     streamed = [await stream.next() for _ in range(3)]
     assert [d.task.id for d in streamed if d is not None] == [ids[0], ids[3], ids[4]]
@@ -839,7 +838,7 @@ async def test_2000_tasks_50_producers_3_workers(service: Service, clock: FakeCl
     consumers = [asyncio.ensure_future(worker(w)) for w in range(workers)]
     await settle()
     await asyncio.gather(*(producer(p) for p in range(producers)))
-    await until(lambda: len(acked) == len(enqueued), "every task to be acked")
+    await wait_until(lambda: len(acked) == len(enqueued), what="every task to be acked")
     clock.advance(20.0)  # the idle workers' long-polls run out
     await asyncio.wait_for(asyncio.gather(*consumers), timeout=10)
 
@@ -868,7 +867,8 @@ async def test_an_enqueue_whose_caller_went_away_still_feeds_the_parked_claim(
     await asyncio.sleep(0)  # it has started (and, with a durable store, waits for its commit)
     enqueue.cancel()
     d = await answer(claim)
-    assert d is not None and json.loads(d.task.payload) == json.loads(PAYLOAD)
+    assert d is not None
+    assert json.loads(d.task.payload) == json.loads(PAYLOAD)
     assert await gauges(service) == (0, 1, 0, 0)
 
 
@@ -884,8 +884,9 @@ async def test_an_ack_whose_caller_went_away_still_frees_the_stream_slot(
     await asyncio.sleep(0)
     ack.cancel()
     second = await asyncio.wait_for(stream.next(), 5)  # the slot came free: the next one arrives
-    assert second is not None and second.task.id != first.task.id
-    stats = await stats_until(service, lambda s: s.totals.acked == 1, "the ack")
+    assert second is not None
+    assert second.task.id != first.task.id
+    stats = await wait_until(service.stats, lambda s: s.totals.acked == 1, what="the ack")
     assert (stats.ready, stats.handed_out) == (0, 1)
     await stream.close()
 
@@ -897,14 +898,16 @@ async def test_a_claim_whose_caller_went_away_during_the_hand_out_gives_the_task
     claim = asyncio.ensure_future(service.claim(wait_ms=0))
     await asyncio.sleep(0)
     claim.cancel()
-    await until(claim.done, "the claim to end")
+    await wait_until(claim.done, what="the claim to end")
     # A store whose calls never wait completes the claim before the cancel can land.
     assert claim.cancelled() is not service.store.never_suspends
     if claim.cancelled():  # it was cut short: the hand-out must have been undone
-        stats = await stats_until(service, lambda s: s.handed_out == 0, "the release")
+        stats = await wait_until(service.stats, lambda s: s.handed_out == 0, what="the release")
         assert (stats.ready, stats.totals.delivered) == (1, 0)
         d = await service.claim(wait_ms=0)
-        assert d is not None and (d.task.id, d.task.attempts) == (view.id, 1)
+        assert d is not None
+        assert (d.task.id, d.task.attempts) == (view.id, 1)
     else:
         d = claim.result()
-        assert d is not None and d.task.id == view.id
+        assert d is not None
+        assert d.task.id == view.id

@@ -21,7 +21,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import http_client, running_broker, settle
+from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
@@ -67,7 +67,8 @@ def test_a_file_that_is_not_a_database_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "wq.db"
     path.write_bytes(b"this is not an SQLite database, just some text\n" * 100)
     line = one_line_error(start_fails("-store", f"sqlite:{path}"))
-    assert "not a valid wq database" in line and str(path) in line
+    assert "not a valid wq database" in line
+    assert str(path) in line
 
 
 def test_a_corrupt_database_is_refused(tmp_path: Path) -> None:
@@ -95,7 +96,8 @@ def test_a_file_locked_by_another_broker_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "wq.db"
     with broker_process("-grpc-addr", "off", "-store", f"sqlite:{path}"):
         line = one_line_error(start_fails("-store", f"sqlite:{path}"))
-        assert "locked" in line and "another broker" in line
+        assert "locked" in line
+        assert "another broker" in line
 
 
 def test_an_unwritable_place_is_refused(tmp_path: Path) -> None:
@@ -103,7 +105,8 @@ def test_an_unwritable_place_is_refused(tmp_path: Path) -> None:
     a_file.write_text("not a directory")
     for place in (tmp_path / "missing" / "dir" / "wq.db", a_file / "wq.db", tmp_path):
         line = one_line_error(start_fails("-store", f"sqlite:{place}"))
-        assert "cannot open" in line and str(place) in line
+        assert "cannot open" in line
+        assert str(place) in line
 
 
 def test_an_unknown_store_is_refused() -> None:
@@ -129,7 +132,8 @@ def test_everything_survives_a_restart_of_the_real_command(tmp_path: Path) -> No
                 break
             ack = f"/jobs/{claimed['task']['id']}/ack?lease_id={claimed['lease_id']}"
             assert call("POST", b.url + ack)[0] == 204
-        assert claimed is not None and claimed["task"]["id"] == doomed["id"]
+        assert claimed is not None
+        assert claimed["task"]["id"] == doomed["id"]
         nack = f"/jobs/{doomed['id']}/nack?lease_id={claimed['lease_id']}"
         assert call("POST", b.url + nack, {"error": "no hope"})[0] == 204
         _, before = call("GET", b.url + "/stats")
@@ -162,7 +166,7 @@ async def test_concurrent_requests_share_commits(tmp_path: Path) -> None:
 
 
 async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     store = await SqliteStore.open(str(tmp_path / "wq.db"), Backoff(1, 30, random.Random(1)))
     clock = FakeClock()
@@ -180,14 +184,17 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
             serving = health_pb2.HealthCheckResponse.SERVING
             assert (await health.Check(check)).status == serving
             assert (await http.request("GET", "/healthz"))[0] == 200
-            store._write = broken_write  # type: ignore[method-assign]
+            monkeypatch.setattr(store, "_write", broken_write)
             status, body = await http.request("POST", "/jobs", json={"payload": 1})
-            assert status == 503 and "disk I/O error" in body["error"]
+            assert status == 503
+            assert "disk I/O error" in body["error"]
             # Everything after that is refused too, with the reason: 503, never another 5xx.
             status, body = await http.request("GET", "/stats")
-            assert status == 503 and "unavailable" in body["error"]
+            assert status == 503
+            assert "unavailable" in body["error"]
             status, body = await http.request("GET", "/healthz")
-            assert status == 503 and body["status"] == "unavailable"
+            assert status == 503
+            assert body["status"] == "unavailable"
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
             stub = pb_grpc.BrokerStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as e:
@@ -279,7 +286,8 @@ async def test_a_file_of_schema_1_is_upgraded_keeping_everything(tmp_path: Path)
         )
         first = await store.claim(lease=30, now=NOW)
         second = await store.claim(lease=30, now=NOW)
-        assert first is not None and second is not None
+        assert first is not None
+        assert second is not None
         assert (first.task.payload, first.task.created_at) == (b'{"n":2}', 101.0)
         assert (first.task.id, second.task.id) == ("8000000000000001", "0000000000000001")
         await store.ack("8000000000000002", "aaaaaaaaaaaaaaaa", now=NOW)
@@ -306,7 +314,8 @@ async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
         store = await SqliteStore.open(path, _backoff(), sync="normal")
         assert tracemalloc.get_traced_memory()[0] - base < 2 * 2**20
         deliveries = await store.claim_many([30.0] * 500, now=NOW)
-        assert len(deliveries) == 500 and all(d.task.payload == big for d in deliveries)
+        assert len(deliveries) == 500
+        assert all(d.task.payload == big for d in deliveries)
         del deliveries
         await asyncio.sleep(0)  # the loop drops its last reference to the rows read
         assert tracemalloc.get_traced_memory()[0] - base < 2 * 2**20

@@ -2,7 +2,7 @@
 
 Everything here goes through the async contract methods only (enqueue, enqueue_many, claim,
 claim_many, ack, nack, reclaim, release, sweep, stats, dead, requeue), with an explicit ``now``, so
-a durable backend added to ``BACKENDS`` in conftest is held to exactly the same rules. After every
+a durable backend added to ``BACKENDS`` in helpers.py is held to exactly the same rules. After every
 operation the gauges and every lifetime counter are checked, and so is
 ``nacked + reclaimed == retried + buried``.
 
@@ -197,7 +197,8 @@ async def test_claim_hands_out_under_a_lease(store: Store) -> None:
     assert d.task.max_attempts == 5
     assert d.task.created_at == NOW
     assert d.deadline == NOW + 1.0 + 12.5
-    assert isinstance(d.lease_id, str) and d.lease_id
+    assert isinstance(d.lease_id, str)
+    assert d.lease_id
     await expect(store, handed_out=1, enqueued=1, delivered=1)
     assert await store.claim(lease=LEASE, now=NOW + 1.0) is None
     await expect(store, handed_out=1, enqueued=1, delivered=1)
@@ -292,7 +293,8 @@ async def test_ack_forgets_the_task(store: Store) -> None:
         await store.requeue(task_id, now=NOW + 1)
     assert await store.release(task_id, d.lease_id) is False
     result, next_due = await store.sweep(now=NOW + 1000)
-    assert result.reclaimed == [] and result.promoted == 0
+    assert result.reclaimed == []
+    assert result.promoted == 0
     assert next_due is None
     await expect(store, enqueued=1, delivered=1, acked=1)
 
@@ -410,7 +412,8 @@ async def test_a_stale_lease_on_a_task_handed_out_again_is_a_lease_mismatch(
     result, _ = await store.sweep(now=NOW + 5.0)  # the worker went silent
     assert result.reclaimed == [(task_id, old.lease_id)]
     new = await claim(store, NOW + 10.0)  # backoff after attempt 1 is at most 1 s
-    assert new.task.id == task_id and new.task.attempts == 2
+    assert new.task.id == task_id
+    assert new.task.attempts == 2
     assert new.lease_id != old.lease_id
     with pytest.raises(LeaseLost):
         await finish(store, op, task_id, old.lease_id, NOW + 10.0)
@@ -434,7 +437,8 @@ async def test_nack_with_attempts_left_delays_the_task(store: Store) -> None:
     # not claimable before its time, even by a sweep
     assert await store.claim(lease=LEASE, now=retry_at - 0.01) is None
     result, next_due = await store.sweep(now=retry_at - 0.01)
-    assert result.promoted == 0 and result.reclaimed == []
+    assert result.promoted == 0
+    assert result.reclaimed == []
     assert next_due == retry_at
     await expect(store, delayed=1, enqueued=1, delivered=1, nacked=1, retried=1)
     d2 = await claim(store, retry_at)

@@ -15,7 +15,6 @@ the model knows exactly when each retry becomes due; the jitter itself is covere
 from __future__ import annotations
 
 import asyncio
-import inspect
 import random
 import tempfile
 from collections import deque
@@ -35,7 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests.conftest import BACKENDS, make_store
+from tests.helpers import BACKENDS, invariant_holds, make_store
 from wqbroker.errors import LeaseLost, NotFound
 from wqbroker.models import Delivery, Totals
 from wqbroker.retry import Backoff
@@ -88,10 +87,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop = asyncio.new_event_loop()
         self.tmp = tempfile.TemporaryDirectory(prefix="wq-stateful-")
         self.backoff = Backoff(1.0, 30.0, PinnedRandom())
-        store: Any = make_store(self.backend, self.backoff, random.Random(0), self.tmp.name)
-        if inspect.isawaitable(store):  # a backend that opens asynchronously
-            store = self.loop.run_until_complete(store)
-        self.store: Store = store
+        self.store: Store = self.loop.run_until_complete(
+            make_store(self.backend, self.backoff, random.Random(0), self.tmp.name)
+        )
         self.now = START
         self.seq = 0
         self.payload_n = 0
@@ -193,7 +191,8 @@ class StoreMachine(RuleBasedStateMachine):
         view = self.run(
             self.store.enqueue(payload, max_attempts=max_attempts, delay=delay, now=self.now)
         )
-        assert view.id not in self.tasks and view.id not in self.acked
+        assert view.id not in self.tasks
+        assert view.id not in self.acked
         assert (view.attempts, view.max_attempts, view.payload) == (0, max_attempts, payload)
         assert view.available_at == self.now + delay
         task = ModelTask(view.id, payload, max_attempts)
@@ -213,7 +212,8 @@ class StoreMachine(RuleBasedStateMachine):
         views = self.run(self.store.enqueue_many(items, now=self.now))
         assert [(v.payload, v.max_attempts) for v in views] == [(p, m) for p, m, _ in items]
         for view, (payload, max_attempts, delay) in zip(views, items, strict=True):
-            assert view.id not in self.tasks and view.id not in self.acked
+            assert view.id not in self.tasks
+            assert view.id not in self.acked
             assert view.attempts == 0
             assert view.available_at == self.now + delay
             task = ModelTask(view.id, payload, max_attempts)
@@ -364,17 +364,17 @@ class StoreMachine(RuleBasedStateMachine):
             assert self.run(self.store.release(task_id, lease_id)) is False
             return
         expected = LeaseLost if task_id in self.handed else NotFound
-        try:
-            if op == "ack":
-                self.run(self.store.ack(task_id, lease_id, now=self.now))
-            elif op == "nack":
-                self.run(self.store.nack(task_id, lease_id, "late", now=self.now))
-            else:
-                self.run(self.store.reclaim(task_id, lease_id, "late", now=self.now))
-        except (LeaseLost, NotFound) as exc:
-            assert type(exc) is expected, (op, type(exc).__name__, expected.__name__)
-            return
-        raise AssertionError(f"{op} with a stale lease succeeded")
+        stale: Coroutine[Any, Any, object]
+        if op == "ack":
+            stale = self.store.ack(task_id, lease_id, now=self.now)
+        elif op == "nack":
+            stale = self.store.nack(task_id, lease_id, "late", now=self.now)
+        else:
+            stale = self.store.reclaim(task_id, lease_id, "late", now=self.now)
+        with pytest.raises((LeaseLost, NotFound)) as raised:
+            self.run(stale)
+        got = type(raised.value)
+        assert got is expected, (op, got.__name__, expected.__name__)
 
     @precondition(lambda self: isinstance(self.store, SqliteStore))
     @rule()
@@ -405,8 +405,7 @@ class StoreMachine(RuleBasedStateMachine):
         model = (len(self.ready), len(self.handed), len(self.delayed), len(self.dead))
         assert gauges == model
         assert stats.totals == self.totals
-        t = stats.totals
-        assert t.nacked + t.reclaimed == t.retried + t.buried
+        assert invariant_holds(stats), stats.totals
 
     @invariant()
     def the_dead_letter_queue_matches_the_model(self) -> None:

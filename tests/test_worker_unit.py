@@ -85,7 +85,8 @@ async def test_over_a_streaming_transport_the_worker_opens_one_stream_of_its_con
         [stream] = fake.streams
         assert (stream.prefetch, stream.lease_ms) == (4, 7_000)
     assert fake.claims == []
-    assert stream.closed and stream.unsettled == {}
+    assert stream.closed
+    assert stream.unsettled == {}
 
 
 # -- outcomes -----------------------------------------------------------------------------------
@@ -121,7 +122,8 @@ async def test_a_sync_handler_runs_off_the_event_loop(fake: FakeTransport) -> No
     task_id = fake.add("work")
     async with running(fake, lambda task: threads.append(threading.current_thread())):
         await fake.wait_until(lambda: fake.acked == [task_id])
-    assert threads and threads[0] is not threading.main_thread()
+    assert threads
+    assert threads[0] is not threading.main_thread()
 
 
 # -- concurrency and stop -----------------------------------------------------------------------
@@ -180,7 +182,8 @@ async def test_stop_lets_the_tasks_in_hand_finish_and_settle_and_claims_no_more(
         await asyncio.wait_for(run, 10)
         assert not fake.closed  # the client is the caller's: the worker leaves it open
     assert sorted(fake.acked) == sorted(gate.seen) == ids[:2]
-    assert list(fake.ready) == ids[2:] and fake.held == {}
+    assert list(fake.ready) == ids[2:]
+    assert fake.held == {}
 
 
 async def test_stop_returns_promptly_from_an_idle_worker(fake: FakeTransport) -> None:
@@ -193,7 +196,8 @@ async def test_stop_returns_promptly_from_an_idle_worker(fake: FakeTransport) ->
             await fake.wait_until(lambda: len(fake.claims) == 2)  # both parked
         worker.stop()
         await asyncio.wait_for(run, 5)
-    assert fake.acked == [] and fake.held == {}
+    assert fake.acked == []
+    assert fake.held == {}
 
 
 # -- an unreachable broker, a lost lease ---------------------------------------------------------
@@ -210,7 +214,8 @@ async def test_a_broker_that_is_unavailable_for_a_while_is_retried_and_the_worke
         await fake.wait_until(lambda: fake.acked == [task_id])
     assert len(fake.calls_to(op)) >= 4  # three refused, then one that worked
     [down] = logged(caplog, "broker unavailable")  # said once, not once per attempt
-    assert down.levelno == logging.WARNING and "connection refused" in down.getMessage()
+    assert down.levelno == logging.WARNING
+    assert "connection refused" in down.getMessage()
     assert len(logged(caplog, "reachable again")) == 1
 
 
@@ -239,7 +244,8 @@ async def test_lease_lost_on_ack_is_logged_and_not_retried(
     assert fake.calls_to("ack") == [lost, after]  # the lost one was tried once
     assert lost in fake.held  # still the other holder's
     [warning] = logged(caplog, "lease no longer valid")
-    assert warning.levelno == logging.WARNING and lost in warning.getMessage()
+    assert warning.levelno == logging.WARNING
+    assert lost in warning.getMessage()
 
 
 async def test_a_broken_stream_is_reopened_and_its_task_comes_again(
