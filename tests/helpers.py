@@ -130,6 +130,9 @@ async def settle(rounds: int = 5) -> None:
 BACKENDS = ["memory", "sqlite"]
 
 
+SQLITE_HOT = 3
+
+
 async def make_store(
     kind: str,
     backoff: Backoff,
@@ -145,7 +148,9 @@ async def make_store(
         # synchronous=NORMAL: the same semantics as FULL for the contract, without an fsync per
         # commit (the crash tests use the default, FULL).
         path = os.path.join(tmp_path, f"wq-{rng.getrandbits(32):08x}.db")
-        return await SqliteStore.open(path, backoff, rng, sync="normal")
+        # hot_ready=3: past three ready tasks, the rest go cold (ids only, read back when their
+        # turn comes), so every test also runs that path.
+        return await SqliteStore.open(path, backoff, rng, sync="normal", hot_ready=SQLITE_HOT)
     raise ValueError(kind)
 
 

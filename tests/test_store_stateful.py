@@ -34,7 +34,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from tests.helpers import BACKENDS, invariant_holds, make_store
+from tests.helpers import BACKENDS, SQLITE_HOT, invariant_holds, make_store
 from wqbroker.errors import LeaseLost, NotFound
 from wqbroker.models import Delivery, Totals
 from wqbroker.retry import Backoff
@@ -385,7 +385,13 @@ class StoreMachine(RuleBasedStateMachine):
         assert isinstance(store, SqliteStore)
         self.run(store.close())
         self.store = self.run(
-            SqliteStore.open(store.path, self.backoff, random.Random(self.seq), sync="normal")
+            SqliteStore.open(
+                store.path,
+                self.backoff,
+                random.Random(self.seq),
+                sync="normal",
+                hot_ready=SQLITE_HOT,
+            )
         )
 
     # -- invariants ------------------------------------------------------------------------

@@ -42,12 +42,12 @@ import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import astuple
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from wqbroker.errors import StoreError, WqError
 from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task, Totals
 from wqbroker.retry import Backoff
-from wqbroker.store.index import DEAD, DELAYED, HANDED_OUT, READY, Index, Record
+from wqbroker.store.index import DEAD, READY, Index, Record
 
 log = logging.getLogger("wqbroker.store.sqlite")
 
@@ -119,13 +119,20 @@ _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
     "retried = ?, buried = ?, requeued = ? WHERE id = 1"
 )
-# The index, streamed at start: the id as the hex text clients use (the key with its top bit
-# flipped), and the error of a live task (a dead task's error stays in the file).
+# The index, streamed at start: ready tasks as their ids (the hex text clients use: the key with its
+# top bit flipped), in order; the others as records, with the error of a live task (a dead task's
+# error stays in the file).
 _SIGN = -(2**63)
-_LOAD = (
-    f"SELECT printf('%016x', (id | {_SIGN}) - (id & {_SIGN})), attempts, max_attempts, "
-    "available_at, state, lease_id, deadline, ord, "
-    "CASE WHEN state = 3 THEN NULL ELSE last_error END FROM tasks"
+_HEX_ID = f"printf('%016x', (id | {_SIGN}) - (id & {_SIGN}))"
+_LOAD_READY = f"SELECT {_HEX_ID} FROM tasks WHERE state = 0 ORDER BY ord"
+_LOAD_OTHERS = (
+    f"SELECT {_HEX_ID}, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
+    "CASE WHEN state = 3 THEN NULL ELSE last_error END FROM tasks WHERE state != 0"
+)
+# Cold ready tasks read back, with their payloads.
+_WARM = (
+    "SELECT t.id, t.attempts, t.max_attempts, t.available_at, t.ord, t.last_error, b.payload, "
+    "b.created_at FROM tasks t JOIN bodies b ON b.id = t.id WHERE t.id IN ({})"
 )
 _READ = (
     "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
@@ -138,8 +145,10 @@ _OFFSET: Final = 2**63
 _GATHER_ROUNDS: Final = 3
 # Payloads of tasks just enqueued, kept until they are handed out (up to this many bytes).
 _CACHE_BYTES: Final = 8 * 1024 * 1024
-# How many distinct times a restart remembers, to share one object among equal ones.
-_SHARED_TIMES: Final = 4096
+#: Ready tasks kept as records; beyond them (and after a restart) ready tasks are kept as ids
+#: and read back from the file in batches of at least ``_WARM_BATCH`` when their turn comes.
+HOT_READY: Final = 65_536
+_WARM_BATCH: Final = 256
 # Rows read back by key per SELECT.
 _READ_CHUNK: Final = 500
 # What a record holds instead of what the file keeps.
@@ -157,6 +166,24 @@ def _key(task_id: str) -> int:
 
 def _task_id(key: int) -> str:
     return f"{key + _OFFSET:016x}"
+
+
+def _record(row: tuple[Any, ...]) -> Record:
+    """A handed-out, delayed or dead task's record from its _LOAD_OTHERS row."""
+    task_id, attempts, max_attempts, available_at, state, lease_id, deadline, seq, error = row
+    return Record(
+        task_id,
+        _NO_PAYLOAD,
+        max_attempts,
+        _NO_TIME,
+        available_at,
+        attempts,
+        state,
+        seq,
+        error,
+        lease_id,
+        deadline or _NO_TIME,
+    )
 
 
 def _schema_version(conn: sqlite3.Connection) -> int | None:
@@ -323,6 +350,7 @@ class SqliteStore:
         rng: random.Random | None = None,
         *,
         sync: str = "full",
+        hot_ready: int = HOT_READY,
     ) -> None:
         if sync not in SYNC_MODES:
             raise ValueError(f"sync must be one of {SYNC_MODES}, got {sync!r}")
@@ -331,7 +359,9 @@ class SqliteStore:
         self.path = path
         self.sync = sync
         self._journal = _Journal()
-        self._index = Index(backoff.delay, rng, self._journal)
+        self._rng = rng
+        self._index = Index(backoff.delay, rng, self._journal, hot_max=hot_ready)
+        self._warming = asyncio.Lock()
         self._conn: sqlite3.Connection | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="wq-sqlite")
         self._flushing: asyncio.Task[None] | None = None
@@ -349,8 +379,9 @@ class SqliteStore:
         rng: random.Random | None = None,
         *,
         sync: str = "full",
+        hot_ready: int = HOT_READY,
     ) -> SqliteStore:
-        store = cls(path, backoff, rng, sync=sync)
+        store = cls(path, backoff, rng, sync=sync, hot_ready=hot_ready)
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(store._writer, store._open_file)
@@ -407,6 +438,11 @@ class SqliteStore:
                     f"{SCHEMA_VERSION}): was it written by a newer wq?"
                 )
             conn.execute("INSERT OR REPLACE INTO meta VALUES ('pid', ?)", (str(os.getpid()),))
+            # The key that scatters this file's task ids (see index.py); one per file.
+            conn.execute(
+                "INSERT OR IGNORE INTO meta VALUES ('id_key', ?)",
+                (str(self._rng.getrandbits(64)),),
+            )
             conn.execute("COMMIT")
         except BaseException:
             if conn.in_transaction:
@@ -417,43 +453,20 @@ class SqliteStore:
             raise sqlite3.DatabaseError(f"database disk image is malformed: {check}")
 
     def _load(self, conn: sqlite3.Connection) -> None:
-        """Rebuild the index from the tasks table in one streamed pass (no payloads)."""
-        by_state: dict[int, list[Record]] = {READY: [], DELAYED: [], HANDED_OUT: [], DEAD: []}
-        # Tasks enqueued together share one time object, as they did before the restart.
-        times: dict[float, float] = {}
-        for row in conn.execute(_LOAD):
-            task_id, attempts, max_attempts, available_at, state, lease_id, deadline, seq, err = row
-            records = by_state.get(state)
-            if records is None:
-                raise ValueError(f"task {task_id} is in an unknown state {state!r}")
-            shared = times.get(available_at)
-            if shared is None:
-                if len(times) >= _SHARED_TIMES:
-                    times.clear()
-                times[available_at] = shared = available_at
-            records.append(
-                Record(
-                    task_id,
-                    _NO_PAYLOAD,
-                    max_attempts,
-                    _NO_TIME,
-                    shared,
-                    attempts,
-                    state,
-                    seq,
-                    err,
-                    lease_id,
-                    deadline or _NO_TIME,
-                )
-            )
-        for state, records in by_state.items():
-            self._index.restore(state, records)
-        del by_state
+        """Rebuild the index from the tasks table, streamed: ready tasks come back cold (ids
+        only, in order); the others as records."""
+        index = self._index
+        index.restore_ready(task_id for (task_id,) in conn.execute(_LOAD_READY))
+        index.restore(_record(row) for row in conn.execute(_LOAD_OTHERS))
         totals = conn.execute(
             "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued "
             "FROM totals WHERE id = 1"
         ).fetchone()
-        self._index.restored(Totals(*totals))
+        first, last = conn.execute("SELECT min(ord), max(ord) FROM tasks").fetchone()
+        (id_key,) = conn.execute("SELECT value FROM meta WHERE key = 'id_key'").fetchone()
+        index.restored(
+            Totals(*totals), first_seq=first or 0, last_seq=last or 0, id_key=int(id_key)
+        )
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -483,10 +496,13 @@ class SqliteStore:
 
     async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
         self._check()
-        claim = self._index.claim
+        index = self._index
         claimed: list[tuple[Record, Delivery]] = []
-        for lease in leases:
-            record = claim(lease, now)
+        while len(claimed) < len(leases):
+            wanted = len(leases) - len(claimed)
+            if index.hot_count < wanted and index.ready_count > index.hot_count:
+                await self._warm(max(wanted, _WARM_BATCH))
+            record = index.claim(leases[len(claimed)], now)
             if record is None:
                 break
             claimed.append((record, self._delivery(record)))
@@ -498,6 +514,55 @@ class SqliteStore:
                 reads.add(_key(record.id))
         rows = await self._durable()
         return [self._complete(delivery, rows) for _, delivery in claimed]
+
+    async def _warm(self, n: int) -> None:
+        """Read the next ``n`` cold ready tasks back from the file and make them hot."""
+        async with self._warming:  # one at a time: each takes the head of the cold ones
+            ids = self._index.cold_ids(n)
+            if not ids:
+                return
+            await self._durable()  # every cold task is in the file
+            loop = asyncio.get_running_loop()
+            rows = await loop.run_in_executor(self._writer, self._read_cold, ids)
+            self._check()
+            records = []
+            for task_id in ids:
+                row = rows.get(_key(task_id))
+                if row is None:
+                    self._fail_stop(f"ready task {task_id} is missing from {self.path}")
+                    self._check()
+                    return
+                attempts, max_attempts, available_at, seq, error, payload, created_at = row
+                records.append(
+                    Record(
+                        task_id,
+                        _NO_PAYLOAD,
+                        max_attempts,
+                        _NO_TIME,
+                        available_at,
+                        attempts,
+                        READY,
+                        seq,
+                        error,
+                    )
+                )
+                self._journal.cache.put(task_id, payload, created_at)
+            self._index.warm(records)
+
+    def _read_cold(self, ids: list[str]) -> dict[int, tuple[Any, ...]]:
+        """In the writer thread: the rows of cold ready tasks, by key."""
+        conn = self._conn
+        assert conn is not None
+        keys = [_key(task_id) for task_id in ids]
+        out: dict[int, tuple[Any, ...]] = {}
+        for i in range(0, len(keys), _READ_CHUNK):
+            chunk = keys[i : i + _READ_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            for key, *rest in conn.execute(_WARM.format(marks), chunk):
+                payload = rest[5]
+                rest[5] = payload.encode() if isinstance(payload, str) else bytes(payload)
+                out[key] = tuple(rest)
+        return out
 
     def _delivery(self, record: Record) -> Delivery:
         """A hand-out as it stands now; the payload comes from the cache, or (when it is empty
