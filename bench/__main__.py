@@ -299,6 +299,41 @@ def memory(q: bool) -> None:
     )
 
 
+def backlog(q: bool) -> None:
+    print("SQLite backlog: resident memory per ready task, and a restart", flush=True)
+    n_small, n_big, n_restart = (50_000, 20_000, 200_000) if q else (300_000, 100_000, 1_000_000)
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp:
+        small = run_json("bench.durable", "fill", f"{tmp}/a.db", str(n_small), "60")
+        big = run_json("bench.durable", "fill", f"{tmp}/b.db", str(n_big), "1024")
+        filled = run_json("bench.durable", "build", f"{tmp}/c.db", str(n_restart), "60")
+        restart = run_json("bench.durable", "open", f"{tmp}/c.db")
+    RESULTS["backlog"] = {"fill_60": small, "fill_1k": big, "built": filled, "restart": restart}
+    for label, r in ((f"{n_small:,} x 60 B", small), (f"{n_big:,} x 1 KiB", big)):
+        per = r["bytes_per_task"]
+        add(
+            "backlog",
+            f"RSS per ready task, {label} (enqueue_many)",
+            f"{per:.0f} B (RSS {r['rss_mb']:.0f} MiB; {r['n'] / r['fill_s']:,.0f} tasks/s)",
+            "<= 350 B",
+            per <= 350,
+        )
+    add(
+        "backlog",
+        f"restart with {restart['ready']:,} ready tasks",
+        f"{restart['open_s']:.2f} s",
+        "<= 5 s",
+        restart["open_s"] <= 5,
+    )
+    grew = restart["rss_mb"] <= filled["rss_mb"]
+    add(
+        "backlog",
+        "RSS after the restart / before it",
+        f"{restart['rss_mb']:.0f} / {filled['rss_mb']:.0f} MiB",
+        "no more after",
+        grew,
+    )
+
+
 def scale(q: bool) -> None:
     print(
         "Scale: cost per operation with 1k versus 1M tasks each ready, delayed, handed out",
@@ -403,6 +438,7 @@ SECTIONS = {
     "latency": latency,
     "delayed": delayed,
     "memory": memory,
+    "backlog": backlog,
     "scale": scale,
     "pollers": pollers,
     "rabbitmq": rabbitmq,

@@ -1,6 +1,7 @@
 """The SQLite store's footprint: resident memory per ready task, and a restart.
 
     python -m bench.durable fill PATH N SIZE   # N ready tasks of SIZE-byte payloads
+    python -m bench.durable build PATH N SIZE  # the same, in batches of 10,000 (a larger file)
     python -m bench.durable open PATH          # a restart on that file
 
 Each prints one JSON line; run each in a fresh process (the benchmark does). ``fill`` goes through
@@ -36,14 +37,14 @@ async def _open(path: str) -> SqliteStore:
     return await SqliteStore.open(path, Backoff(1.0, 30.0, rng), rng, sync="normal")
 
 
-async def fill(path: str, n: int, size: int) -> dict[str, Any]:
+async def fill(path: str, n: int, size: int, batch: int = BATCH) -> dict[str, Any]:
     store = await _open(path)
     await store.enqueue_many([(payload(0, size), 3, 0.0)], now=NOW)  # warm up
     gc.collect()
     before = rss_bytes()
     t0 = time.perf_counter()
-    for start in range(1, n + 1, BATCH):
-        items = [(payload(i, size), 3, 0.0) for i in range(start, min(n + 1, start + BATCH))]
+    for start in range(1, n + 1, batch):
+        items = [(payload(i, size), 3, 0.0) for i in range(start, min(n + 1, start + batch))]
         await store.enqueue_many(items, now=NOW)
     elapsed = time.perf_counter() - t0
     gc.collect()
@@ -86,6 +87,8 @@ def main(argv: list[str]) -> None:
     what = argv[0]
     if what == "fill":
         result = asyncio.run(fill(argv[1], int(argv[2]), int(argv[3])))
+    elif what == "build":
+        result = asyncio.run(fill(argv[1], int(argv[2]), int(argv[3]), batch=10_000))
     elif what == "open":
         result = asyncio.run(reopen(argv[1]))
     else:
