@@ -313,10 +313,18 @@ def backlog(q: bool) -> None:
         add(
             "backlog",
             f"RSS per ready task, {label} (enqueue_many)",
-            f"{per:.0f} B (RSS {r['rss_mb']:.0f} MiB; {r['n'] / r['fill_s']:,.0f} tasks/s)",
+            f"{per:.0f} B; each further one {r['marginal_bytes_per_task']:.0f} B "
+            f"(RSS {r['rss_mb']:.0f} MiB; filled at {r['n'] / r['fill_s']:,.0f} tasks/s)",
             "<= 350 B",
             per <= 350,
         )
+    add(
+        "backlog",
+        "projected RSS at 10M tasks of 1 KiB",
+        f"{big['projected_10m_gib']:.2f} GiB",
+        "well under 4 GiB",
+        big["projected_10m_gib"] < 2,
+    )
     add(
         "backlog",
         f"restart with {restart['ready']:,} ready tasks",

@@ -43,12 +43,17 @@ async def fill(path: str, n: int, size: int, batch: int = BATCH) -> dict[str, An
     gc.collect()
     before = rss_bytes()
     t0 = time.perf_counter()
+    half = 0
     for start in range(1, n + 1, batch):
         items = [(payload(i, size), 3, 0.0) for i in range(start, min(n + 1, start + batch))]
         await store.enqueue_many(items, now=NOW)
+        if not half and start + batch > n // 2:
+            gc.collect()
+            half, half_n = rss_bytes(), start + len(items) - 1
     elapsed = time.perf_counter() - t0
     gc.collect()
     after = rss_bytes()
+    marginal = (after - half) / (n - half_n)
     stats = await store.stats()
     assert stats.ready == n + 1, stats
     await store.close()
@@ -58,6 +63,9 @@ async def fill(path: str, n: int, size: int, batch: int = BATCH) -> dict[str, An
         "fill_s": elapsed,
         "rss_mb": after / 2**20,
         "bytes_per_task": (after - before) / n,
+        # what each further task costs, and so the resident memory at 10M tasks of this size
+        "marginal_bytes_per_task": marginal,
+        "projected_10m_gib": (after + marginal * (10_000_000 - n)) / 2**30,
     }
 
 

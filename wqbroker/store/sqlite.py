@@ -143,11 +143,13 @@ _OFFSET: Final = 2**63
 # Before sealing a batch, let the event loop run this many times so that operations already
 # under way (the rest of a burst of requests) join it: fewer, larger commits.
 _GATHER_ROUNDS: Final = 3
-# Payloads of tasks just enqueued, kept until they are handed out (up to this many bytes).
+# Payloads of tasks just enqueued, kept until they are handed out: up to this many bytes, counting
+# what each entry costs beyond its payload.
 _CACHE_BYTES: Final = 8 * 1024 * 1024
+_CACHE_ENTRY: Final = 200
 #: Ready tasks kept as records; beyond them (and after a restart) ready tasks are kept as ids
 #: and read back from the file in batches of at least ``_WARM_BATCH`` when their turn comes.
-HOT_READY: Final = 65_536
+HOT_READY: Final = 16_384
 _WARM_BATCH: Final = 256
 # Rows read back by key per SELECT.
 _READ_CHUNK: Final = 500
@@ -244,14 +246,15 @@ class _Cache:
         self._bytes = 0
 
     def put(self, task_id: str, payload: bytes, created_at: float) -> None:
-        if self._bytes + len(payload) <= _CACHE_BYTES:
+        cost = len(payload) + _CACHE_ENTRY
+        if self._bytes + cost <= _CACHE_BYTES:
             self._entries[task_id] = (payload, created_at)
-            self._bytes += len(payload)
+            self._bytes += cost
 
     def take(self, task_id: str) -> tuple[bytes, float] | None:
         entry = self._entries.pop(task_id, None)
         if entry is not None:
-            self._bytes -= len(entry[0])
+            self._bytes -= len(entry[0]) + _CACHE_ENTRY
         return entry
 
 
