@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 from wqbroker.clock import Clock
@@ -28,6 +28,10 @@ from wqbroker.store import Store
 log = logging.getLogger("wqbroker.dispatch")
 
 RECLAIM_STREAM_ENDED: Final = "worker stream ended"
+
+#: Puts a delivery in the hands of its consumer (writes the answer). If it raises, nobody saw the
+#: task, and it is handed back.
+HandOver = Callable[[Delivery], Awaitable[None]]
 
 # How many tasks the pump claims from the store in one call (one commit in a durable store).
 _PUMP_BATCH: Final = 128
@@ -214,35 +218,53 @@ class Dispatcher:
 
     # -- long-polls --------------------------------------------------------------------------
 
-    async def claim(self, wait: float, lease: float) -> Delivery | None:
-        """The oldest ready task, waiting up to ``wait`` seconds for one (None if none came)."""
+    async def claim(
+        self, wait: float, lease: float, hand_over: HandOver | None = None
+    ) -> Delivery | None:
+        """The oldest ready task, waiting up to ``wait`` seconds for one (None if none came).
+
+        ``hand_over`` puts the delivery in the consumer's hands (an adapter writes its answer);
+        if it raises or is cancelled, nobody saw the task: it is handed back, and the claim
+        answers None (or the cancellation goes on). The waiting is done in this one frame: a
+        parked long-poll costs as little as it can."""
         if self._closing:
             return None
-        if not self._consumers:
-            delivery = await self._claim_now(lease)
-            if delivery is not None:
-                self._wake_by(delivery.deadline)
-                return delivery
-        if wait <= 0:
+        delivery = await self._claim_now(lease) if not self._consumers else None
+        if delivery is None and wait > 0:
+            future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
+            poller = Poller(lease, future)
+            queued_behind = bool(self._consumers)
+            self._consumers[poller] = None
+            timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
+            try:
+                if queued_behind:
+                    await self.pump()
+                delivery = await future
+            except asyncio.CancelledError:
+                # The caller went away. If a task was handed to it meanwhile, nobody saw it.
+                if future.done() and not future.cancelled():
+                    self.give_back_later(future.result())
+                raise
+            finally:
+                timer.cancel()
+                poller.closed = True
+                self._consumers.pop(poller, None)
+        if delivery is None:
             return None
-        future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
-        poller = Poller(lease, future)
-        queued_behind = bool(self._consumers)
-        self._consumers[poller] = None
-        timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
+        self._wake_by(delivery.deadline)
+        return delivery if hand_over is None else await self._hand_over(delivery, hand_over)
+
+    async def _hand_over(self, delivery: Delivery, hand_over: HandOver) -> Delivery | None:
         try:
-            if queued_behind:
-                await self.pump()
-            return await future
+            await hand_over(delivery)
         except asyncio.CancelledError:
-            # The caller went away. If a task was handed to it in the meantime, nobody saw it.
-            if future.done() and not future.cancelled():
-                self.give_back_later(future.result())
+            self.give_back_later(delivery)
             raise
-        finally:
-            timer.cancel()
-            poller.closed = True
-            self._consumers.pop(poller, None)
+        except Exception as e:
+            log.debug("task %s could not be handed over (%r)", delivery.task.id, e)
+            self.give_back_later(delivery)
+            return None
+        return delivery
 
     async def _claim_now(self, lease: float) -> Delivery | None:
         claimed = self._store.claim(lease=lease, now=self._clock.now())

@@ -8,14 +8,13 @@ hand-off of tasks to waiting consumers lives in :mod:`wqbroker.dispatch`.
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 from wqbroker import limits
 from wqbroker.clock import Clock
-from wqbroker.dispatch import Dispatcher, Stream
+from wqbroker.dispatch import Dispatcher, HandOver, Stream
 from wqbroker.errors import InvalidArgument, PayloadTooLarge, Unavailable, WqError
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import Delivery, Failure, Stats, Task
@@ -25,10 +24,6 @@ from wqbroker.sweeper import Sweeper
 log = logging.getLogger("wqbroker.service")
 
 T = TypeVar("T")
-
-#: Puts a delivery in the hands of its consumer (writes the answer). If it raises, nobody saw the
-#: task, and the service hands it back.
-HandOver = Callable[[Delivery], Awaitable[None]]
 
 AckItem = tuple[object, object]  # (task id, lease id), as the client sent them
 NackItem = tuple[object, object, object | None]  # (task id, lease id, error)
@@ -143,16 +138,18 @@ class Service:
 
     # -- consuming ---------------------------------------------------------------------------
 
-    async def claim(
+    def claim(
         self,
         wait_ms: object | None = None,
         lease_ms: object | None = None,
         hand_over: HandOver | None = None,
-    ) -> Delivery | None:
+    ) -> Coroutine[Any, Any, Delivery | None]:
         """Claim the oldest ready task, waiting up to ``wait_ms`` for one (None if none came).
-        See :meth:`next_job` for ``hand_over``."""
-        _, delivery = await self.next_job(wait_ms, lease_ms, (), hand_over)
-        return delivery
+        ``hand_over`` writes the answer; if it fails, the task is handed back (see
+        :meth:`Dispatcher.claim`). The values are checked at the call."""
+        wait = limits.wait_seconds(wait_ms)
+        lease = limits.lease_seconds(lease_ms)
+        return self._dispatch.claim(wait, lease, hand_over)
 
     async def next_job(
         self,
@@ -162,26 +159,11 @@ class Service:
         hand_over: HandOver | None = None,
     ) -> tuple[list[WqError | None], Delivery | None]:
         """Ack ``acks`` (each outcome: None or its error), then claim as :meth:`claim` does.
-
-        Everything is checked before anything is done. ``hand_over`` puts the delivery in the
-        consumer's hands (an adapter writes its answer); if it raises or is cancelled, nobody saw
-        the task: it is handed back, and the claim answers None (or the cancellation goes on)."""
+        Everything is checked before anything is done."""
         wait = limits.wait_seconds(wait_ms)
         lease = limits.lease_seconds(lease_ms)
         settled = (await self.settle_many(acks, ()))[0] if acks else []
-        delivery = await self._dispatch.claim(wait, lease)
-        if delivery is None or hand_over is None:
-            return settled, delivery
-        try:
-            await hand_over(delivery)
-        except asyncio.CancelledError:
-            self._dispatch.give_back_later(delivery)
-            raise
-        except Exception as e:
-            log.debug("task %s could not be handed over (%r)", delivery.task.id, e)
-            self._dispatch.give_back_later(delivery)
-            return settled, None
-        return settled, delivery
+        return settled, await self._dispatch.claim(wait, lease, hand_over)
 
     @follow_through
     async def release(self, delivery: Delivery) -> None:

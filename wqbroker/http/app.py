@@ -132,7 +132,7 @@ async def enqueue(request: web.Request) -> web.Response:
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
-    answer = web.Response(status=204)
+    answer: web.StreamResponse | None = None  # (none made while the poll is parked)
 
     async def hand_over(delivery: Delivery) -> None:
         # Written here, before the service lets go of the task: if the client is gone or the
@@ -148,7 +148,7 @@ async def claim(request: web.Request) -> web.StreamResponse:
     await request.app[SERVICE].claim(
         _query_int(request, "wait_ms"), _query_int(request, "lease_ms"), hand_over
     )
-    return answer
+    return answer if answer is not None else web.Response(status=204)
 
 
 async def ack(request: web.Request) -> web.Response:
