@@ -47,7 +47,7 @@ from typing import Any, Final, TypeVar
 from wqbroker.errors import StoreError, WqError
 from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task, Totals
 from wqbroker.retry import Backoff
-from wqbroker.store.index import DEAD, READY, Index, Record
+from wqbroker.store.index import DEAD, Index, Record
 
 log = logging.getLogger("wqbroker.store.sqlite")
 
@@ -131,8 +131,8 @@ _LOAD_OTHERS = (
 )
 # Cold ready tasks read back, with their payloads.
 _WARM = (
-    "SELECT t.id, t.attempts, t.max_attempts, t.available_at, t.ord, t.last_error, b.payload, "
-    "b.created_at FROM tasks t JOIN bodies b ON b.id = t.id WHERE t.id IN ({})"
+    f"SELECT id, {_HEX_ID}, attempts, max_attempts, available_at, state, lease_id, deadline, "
+    "ord, last_error, payload, created_at FROM tasks JOIN bodies USING (id) WHERE id IN ({})"
 )
 _READ = (
     "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
@@ -171,7 +171,7 @@ def _task_id(key: int) -> str:
 
 
 def _record(row: tuple[Any, ...]) -> Record:
-    """A handed-out, delayed or dead task's record from its _LOAD_OTHERS row."""
+    """A task's record from its row as _LOAD_OTHERS (or _WARM, from its second column) reads it."""
     task_id, attempts, max_attempts, available_at, state, lease_id, deadline, seq, error = row
     return Record(
         task_id,
@@ -535,21 +535,8 @@ class SqliteStore:
                     self._fail_stop(f"ready task {task_id} is missing from {self.path}")
                     self._check()
                     return
-                attempts, max_attempts, available_at, seq, error, payload, created_at = row
-                records.append(
-                    Record(
-                        task_id,
-                        _NO_PAYLOAD,
-                        max_attempts,
-                        _NO_TIME,
-                        available_at,
-                        attempts,
-                        READY,
-                        seq,
-                        error,
-                    )
-                )
-                self._journal.cache.put(task_id, payload, created_at)
+                records.append(_record(row[:9]))
+                self._journal.cache.put(task_id, row[9], row[10])
             self._index.warm(records)
 
     def _read_cold(self, ids: list[str]) -> dict[int, tuple[Any, ...]]:
@@ -562,8 +549,8 @@ class SqliteStore:
             chunk = keys[i : i + _READ_CHUNK]
             marks = ",".join("?" * len(chunk))
             for key, *rest in conn.execute(_WARM.format(marks), chunk):
-                payload = rest[5]
-                rest[5] = payload.encode() if isinstance(payload, str) else bytes(payload)
+                payload = rest[9]
+                rest[9] = payload.encode() if isinstance(payload, str) else bytes(payload)
                 out[key] = tuple(rest)
         return out
 
