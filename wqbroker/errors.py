@@ -47,6 +47,22 @@ class StoreError(Unavailable):
     """The storage backend failed (disk full, database unreachable, ...)."""
 
 
+class Unauthenticated(WqError):
+    """No credentials, or credentials the broker does not know."""
+
+
+class PermissionDenied(WqError):
+    """Valid credentials without the scope the operation needs."""
+
+
+class Overloaded(WqError):
+    """A limit is reached (too many tasks held, too many waiting consumers): try again later."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after  # seconds a client should wait before trying again
+
+
 def lookup(table: Mapping[type[WqError], T], error: WqError) -> T:
     """The entry for the error's class, or for its nearest ancestor that has one."""
     for cls in type(error).__mro__:

@@ -17,7 +17,9 @@ from wqclient.errors import (
     LeaseLost,
     NotFound,
     PayloadTooLarge,
+    PermissionDenied,
     StreamEnded,
+    Unauthenticated,
     Unavailable,
     WqError,
 )
@@ -35,6 +37,8 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: Unavailable,
     grpc.StatusCode.CANCELLED: Unavailable,
+    grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
 

@@ -14,8 +14,11 @@ from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
+    PermissionDenied,
     ProtocolError,
+    Unauthenticated,
     Unavailable,
     WqError,
 )
@@ -26,7 +29,10 @@ _ERRORS: dict[int, type[WqError]] = {
     400: InvalidArgument,
     404: NotFound,
     409: LeaseLost,
+    401: Unauthenticated,
+    403: PermissionDenied,
     413: PayloadTooLarge,
+    429: Overloaded,
     503: Unavailable,
 }
 

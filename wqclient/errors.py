@@ -40,3 +40,21 @@ class StreamEnded(Unavailable):
 
 class ProtocolError(WqError):
     """The broker answered something this client does not understand."""
+
+
+class Unauthenticated(WqError):
+    """The broker wants a token and got none it knows (HTTP 401, gRPC UNAUTHENTICATED)."""
+
+
+class PermissionDenied(WqError):
+    """The token is valid but lacks the scope this operation needs (HTTP 403,
+    gRPC PERMISSION_DENIED)."""
+
+
+class Overloaded(Unavailable):
+    """The broker is at a limit (too many tasks held, too many waiting consumers): HTTP 429, gRPC
+    RESOURCE_EXHAUSTED with a retry-after. Retry after ``retry_after`` seconds."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -22,7 +22,10 @@ from wqbroker.errors import (
     InvalidArgument,
     LeaseLost,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
     WqError,
     lookup,
@@ -42,6 +45,9 @@ CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
     LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,  # StoreError is one
+    Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
+    Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name

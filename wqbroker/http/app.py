@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -19,7 +20,10 @@ from wqbroker.errors import (
     InvalidArgument,
     LeaseLost,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
+    PermissionDenied,
+    Unauthenticated,
     Unavailable,
     WqError,
     lookup,
@@ -40,6 +44,9 @@ STATUS: Final[dict[type[WqError], int]] = {
     LeaseLost: 409,
     PayloadTooLarge: 413,
     Unavailable: 503,  # StoreError is one
+    Unauthenticated: 401,
+    PermissionDenied: 403,
+    Overloaded: 429,
 }
 
 SERVICE: Final = web.AppKey("service", Service)
@@ -199,12 +206,22 @@ async def healthz(request: web.Request) -> web.Response:
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+def error_answer(error: WqError) -> web.Response:
+    """The JSON answer for an error of the tree, with the headers its status calls for."""
+    response = _error_response(lookup(STATUS, error), error.message)
+    if isinstance(error, Overloaded):
+        response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
+    elif isinstance(error, Unauthenticated):
+        response.headers["WWW-Authenticate"] = 'Bearer realm="wq"'
+    return response
+
+
 @web.middleware
 async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except WqError as e:
-        return _error_response(lookup(STATUS, e), e.message)
+        return error_answer(e)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
         response = _error_response(
