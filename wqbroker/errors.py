@@ -63,6 +63,18 @@ class Overloaded(WqError):
         self.retry_after = retry_after  # seconds a client should wait before trying again
 
 
+#: How much of a client's text an error message quotes (ids can be any length; messages must stay
+#: small enough for every protocol, gRPC status details included).
+QUOTE_CHARS = 80
+
+
+def quoted(text: str) -> str:
+    """``text`` for an error message: as is when short, else its start and its length."""
+    if len(text) <= QUOTE_CHARS:
+        return text
+    return f"{text[:QUOTE_CHARS]}… ({len(text)} characters)"
+
+
 def lookup(table: Mapping[type[WqError], T], error: WqError) -> T:
     """The entry for the error's class, or for its nearest ancestor that has one."""
     for cls in type(error).__mro__:

@@ -27,6 +27,7 @@ MAX_MAX_ATTEMPTS: Final = 2**31 - 1
 MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000
 MAX_BATCH: Final = 10_000  # tasks per batch enqueue, settlements per batch
+MAX_ERROR_BYTES: Final = 8 * 1024  # a nack's error text is cut to this (UTF-8), saying so
 
 
 def describe(value: object) -> str:
@@ -116,10 +117,33 @@ def limit_value(value: object | None) -> int | None:
     return n
 
 
+def text_value(name: str, value: str) -> str:
+    """Text a client sent, which the broker keeps or echoes: it must be valid Unicode (encodable
+    as UTF-8 in every protocol and every store). JSON can spell a lone surrogate (``"\ud800"``),
+    which is not: it is refused here, before anything is stored."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgument(
+            f"{name} is not valid Unicode: character {e.start} is a lone surrogate "
+            f"(U+{ord(value[e.start]):04X})"
+        ) from None
+    return value
+
+
 def error_value(value: object | None) -> str | None:
-    if value is None or isinstance(value, str):
+    """A nack's error text: valid Unicode, cut to MAX_ERROR_BYTES (UTF-8) with a note saying
+    how long it was."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgument(f"error must be a string, got {describe(value)}")
+    data = text_value("error", value).encode("utf-8")
+    if len(data) <= MAX_ERROR_BYTES:
         return value
-    raise InvalidArgument(f"error must be a string, got {describe(value)}")
+    note = f"… [truncated: the error was {len(data)} bytes]"
+    kept = data[: MAX_ERROR_BYTES - len(note.encode("utf-8"))].decode("utf-8", "ignore")
+    return kept + note
 
 
 def id_value(name: str, value: object) -> str:
@@ -127,7 +151,7 @@ def id_value(name: str, value: object) -> str:
         raise InvalidArgument(f"{name} must be a string, got {describe(value)}")
     if not value:
         raise InvalidArgument(f"{name} is required")
-    return value
+    return text_value(name, value)
 
 
 def payload_value(data: bytes | None, max_bytes: int, what: str = "payload") -> bytes:

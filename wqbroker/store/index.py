@@ -45,7 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final, Protocol
 
-from wqbroker.errors import LeaseLost, NotFound, WqError
+from wqbroker.errors import LeaseLost, NotFound, WqError, quoted
 from wqbroker.models import Failure, Stats, SweepResult, Task, Totals
 
 READY: Final = 0
@@ -198,9 +198,9 @@ class Index:
         """The task, handed out under ``lease_id``; else NotFound / LeaseLost."""
         record = self._held.get(task_id)
         if record is None:
-            raise NotFound(f"task {task_id} is not held by anyone")
+            raise NotFound(f"task {quoted(task_id)} is not held by anyone")
         if record.lease_id != lease_id:
-            raise LeaseLost(f"task {task_id} is held under a different lease")
+            raise LeaseLost(f"task {quoted(task_id)} is held under a different lease")
         return record
 
     def next_due(self) -> float | None:
@@ -337,7 +337,7 @@ class Index:
     def requeue(self, task_id: str, now: float) -> None:
         record = self._dead.pop(task_id, None)
         if record is None:
-            raise NotFound(f"task {task_id} is not in the dead-letter queue")
+            raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
         record.attempts = 0
         record.last_error = None
         record.available_at = now
