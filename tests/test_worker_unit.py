@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
-from wqclient import AsyncClient, StreamingTransport, Task, Unavailable, WqError
+from wqclient import AsyncClient, Overloaded, StreamingTransport, Task, Unavailable, WqError
 from wqclient.worker import TaskFailed, Worker
 
 pytestmark = pytest.mark.timeout(30)
@@ -271,3 +271,18 @@ async def test_a_broken_stream_is_reopened_and_its_task_comes_again(
     assert len(fake.streams) == 2
     assert fake.counters.reclaimed == 1
     assert len(logged(caplog, "the stream ended before its outcome was sent")) == 1
+
+
+async def test_a_busy_broker_is_waited_out_as_it_asks_and_said_once(
+    fake: FakeTransport, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
+    op = "stream" if isinstance(fake, FakeStreamingTransport) else "claim"
+    fake.fail(op, Overloaded("50000 consumers are already waiting", retry_after=0.05), times=2)
+    task_id = fake.add("work")
+    async with running(fake, lambda task: None, concurrency=1):
+        await fake.wait_until(lambda: fake.acked == [task_id])
+    [busy] = logged(caplog, "broker busy")
+    assert busy.levelno == logging.WARNING
+    assert "consumers are already waiting" in busy.getMessage()
+    assert not logged(caplog, "broker unavailable")

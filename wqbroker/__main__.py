@@ -12,6 +12,7 @@ from typing import Any
 
 from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
+from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS
 from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
 
 log = logging.getLogger("wqbroker")
@@ -97,6 +98,20 @@ FLAGS: tuple[Flag, ...] = (
         help="event loop implementation",
     ),
     Flag("access-log", default=False, help="log every HTTP request"),
+    Flag(
+        "max-tasks",
+        default=DEFAULT_MAX_TASKS,
+        parse=non_negative_int,
+        metavar="N",
+        help="tasks held (ready, delayed, handed out) before enqueues get 429; 0: no limit",
+    ),
+    Flag(
+        "max-waiters",
+        default=DEFAULT_MAX_WAITERS,
+        parse=non_negative_int,
+        metavar="N",
+        help="parked long-polls and open streams before more get 429; 0: no limit",
+    ),
 )
 
 
@@ -124,6 +139,8 @@ def config_from_args(args: argparse.Namespace) -> Config:
         access_log=args.access_log,
         store=args.store,
         sqlite_sync=args.sqlite_sync,
+        max_tasks=args.max_tasks,
+        max_waiters=args.max_waiters,
     )
 
 

@@ -15,7 +15,7 @@ from wqbroker.clock import Clock, SystemClock
 from wqbroker.errors import StoreError
 from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import DEFAULT_MAX_BODY, create_app, make_runner
-from wqbroker.limits import DEFAULT_SWEEP_INTERVAL
+from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS, DEFAULT_SWEEP_INTERVAL
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
@@ -72,6 +72,8 @@ class Config:
     access_log: bool = False
     store: str = "memory"  # or "sqlite:PATH"
     sqlite_sync: str = "full"
+    max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
+    max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
 
 
 async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> Store:
@@ -150,6 +152,8 @@ class Broker:
             self.clock,
             sweep_interval=config.sweep_interval,
             max_payload=config.max_body,
+            max_tasks=config.max_tasks,
+            max_waiters=config.max_waiters,
         )
         await self._service.start()
         try:

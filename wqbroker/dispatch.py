@@ -20,8 +20,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
 
 from wqbroker.clock import Clock
-from wqbroker.errors import WqError
+from wqbroker.errors import Overloaded, WqError
 from wqbroker.followthrough import Background
+from wqbroker.limits import RETRY_AFTER
 from wqbroker.models import Delivery
 from wqbroker.store import Store
 
@@ -184,6 +185,8 @@ class Dispatcher:
         clock: Clock,
         wake_by: Callable[[float], None],
         background: Background,
+        *,
+        max_waiters: int = 0,
     ) -> None:
         self._store = store
         self._clock = clock
@@ -197,6 +200,8 @@ class Dispatcher:
         self._pumping = False
         self._pump_again = False
         self._closing = False
+        self._max_waiters = max_waiters  # parked long-polls and open streams (0: no limit)
+        self._parked = 0  # long-polls waiting now
 
     @property
     def waiting(self) -> int:
@@ -231,10 +236,12 @@ class Dispatcher:
             return None
         delivery = await self._claim_now(lease) if not self._consumers else None
         if delivery is None and wait > 0:
+            self._room_for_a_waiter()
             future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
             poller = Poller(lease, future)
             queued_behind = bool(self._consumers)
             self._consumers[poller] = None
+            self._parked += 1
             timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
             try:
                 if queued_behind:
@@ -249,6 +256,7 @@ class Dispatcher:
                 timer.cancel()
                 poller.closed = True
                 self._consumers.pop(poller, None)
+                self._parked -= 1
         if delivery is None:
             return None
         self._wake_by(delivery.deadline)
@@ -312,7 +320,16 @@ class Dispatcher:
 
     # -- streams -----------------------------------------------------------------------------
 
+    def _room_for_a_waiter(self) -> None:
+        waiters = self._parked + len(self._streams)
+        if self._max_waiters and waiters >= self._max_waiters:
+            raise Overloaded(
+                f"{waiters} consumers are already waiting, the most this broker parks: retry later",
+                retry_after=RETRY_AFTER,
+            )
+
     async def open_stream(self, prefetch: int, lease: float) -> Stream:
+        self._room_for_a_waiter()
         stream = Stream(self, prefetch, lease)
         self._streams.add(stream)
         self._consumers[stream] = None

@@ -29,6 +29,11 @@ MAX_PREFETCH: Final = 10_000
 MAX_BATCH: Final = 10_000  # tasks per batch enqueue, settlements per batch
 MAX_ERROR_BYTES: Final = 8 * 1024  # a nack's error text is cut to this (UTF-8), saying so
 
+# Backpressure (flags -max-tasks and -max-waiters; 0 means no limit).
+DEFAULT_MAX_TASKS: Final = 10_000_000  # tasks held: ready, delayed and handed out
+DEFAULT_MAX_WAITERS: Final = 50_000  # parked long-polls and open streams
+RETRY_AFTER: Final = 1.0  # seconds a refused client is told to wait
+
 
 def describe(value: object) -> str:
     """What a client sent, in words, for error messages."""

@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from wqbroker import limits
 from wqbroker.clock import Clock
 from wqbroker.dispatch import Dispatcher, HandOver, Stream
-from wqbroker.errors import InvalidArgument, PayloadTooLarge, Unavailable, WqError
+from wqbroker.errors import InvalidArgument, Overloaded, PayloadTooLarge, Unavailable, WqError
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import Delivery, Failure, Stats, Task
 from wqbroker.store import Store
@@ -37,13 +37,18 @@ class Service:
         *,
         sweep_interval: float = limits.DEFAULT_SWEEP_INTERVAL,
         max_payload: int = limits.DEFAULT_MAX_PAYLOAD,
+        max_tasks: int = limits.DEFAULT_MAX_TASKS,
+        max_waiters: int = limits.DEFAULT_MAX_WAITERS,
     ) -> None:
         self._store = store
         self._clock = clock
         self.max_payload = max_payload
+        self.max_tasks = max_tasks  # 0: no limit
         self._sweeper = Sweeper(clock, sweep_interval, self.sweep)
         self._background = Background()
-        self._dispatch = Dispatcher(store, clock, self._sweeper.wake_by, self._background)
+        self._dispatch = Dispatcher(
+            store, clock, self._sweeper.wake_by, self._background, max_waiters=max_waiters
+        )
         self._closing = False
 
     @property
@@ -94,6 +99,7 @@ class Service:
         checked = limits.payload_value(payload, self.max_payload)
         attempts = limits.max_attempts_value(max_attempts)
         delay = limits.delay_seconds(delay_ms)
+        self._room_for(1)
         task = await self._store.enqueue(
             checked, max_attempts=attempts, delay=delay, now=self._clock.now()
         )
@@ -114,6 +120,7 @@ class Service:
         reported as ``{what}[i].field problem`` and nothing is enqueued."""
         limits.batch_size(what, len(items))
         checked = [self._checked_item(item, f"{what}[{i}]") for i, item in enumerate(items)]
+        self._room_for(len(checked))
         now = self._clock.now()
         tasks = await self._store.enqueue_many(checked, now=now)
         earliest = min((t.available_at for t in tasks if t.available_at > now), default=None)
@@ -122,6 +129,17 @@ class Service:
         if any(t.available_at <= now for t in tasks):
             await self._dispatch.pump()
         return tasks
+
+    def _room_for(self, n: int) -> None:
+        """Refuse ``n`` more tasks (all of them) if they would take the broker past its limit."""
+        held = self._store.held_hint() if self.max_tasks else None
+        if held is not None and held + n > self.max_tasks:
+            more = "a task" if n == 1 else f"{n} tasks"
+            raise Overloaded(
+                f"the broker holds {held} tasks and takes at most {self.max_tasks}: "
+                f"{more} more would not fit; retry later",
+                retry_after=limits.RETRY_AFTER,
+            )
 
     def _checked_item(
         self, item: tuple[bytes | None, object | None, object | None], where: str

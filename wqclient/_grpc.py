@@ -16,6 +16,7 @@ from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
     NotFound,
+    Overloaded,
     PayloadTooLarge,
     PermissionDenied,
     StreamEnded,
@@ -45,9 +46,19 @@ _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _C
 _MAX_MESSAGE = 64 * 1024 * 1024
 
 
+# Sent with RESOURCE_EXHAUSTED when the broker is at a limit (without it: a size limit).
+_RETRY_AFTER_KEY = "retry-after-ms"
+
+
 def _error(e: grpc.aio.AioRpcError) -> WqError:
+    message = e.details() or e.code().name
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        metadata: Any = e.trailing_metadata()  # a grpc.aio.Metadata (the stubs say otherwise)
+        value = str(metadata.get(_RETRY_AFTER_KEY, "")) if metadata else ""
+        if value.isdigit():
+            return Overloaded(message, retry_after=int(value) / 1000)
     kind = _CODES.get(e.code(), WqError)
-    return kind(e.details() or e.code().name)
+    return kind(message)
 
 
 def _ts(ts: Timestamp) -> datetime:
@@ -168,7 +179,7 @@ class GrpcStream:
         if self._closing and e.code() == grpc.StatusCode.CANCELLED:
             return None
         error = _error(e)
-        if isinstance(error, Unavailable):
+        if isinstance(error, Unavailable) and not isinstance(error, Overloaded):
             return StreamEnded(f"the stream broke: {error.message}")
         return error
 
@@ -277,7 +288,7 @@ class GrpcTransport:
             return await method(request, timeout=timeout or self._timeout)
         except grpc.aio.AioRpcError as e:
             error = _error(e)
-            if isinstance(error, Unavailable):
+            if isinstance(error, Unavailable) and not isinstance(error, Overloaded):
                 error = Unavailable(f"cannot reach the broker at {self._target}: {error.message}")
             raise error from None
 
@@ -329,7 +340,7 @@ class GrpcTransport:
         try:
             await stream.wait_open(self._timeout)
         except WqError as e:
-            if isinstance(e, Unavailable):
+            if isinstance(e, Unavailable) and not isinstance(e, Overloaded):
                 raise Unavailable(
                     f"cannot reach the broker at {self._target}: {e.message}"
                 ) from None

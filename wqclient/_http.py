@@ -170,18 +170,21 @@ class HttpTransport:
             ) as resp:
                 data = await resp.read()
                 if resp.status >= 400:
-                    self._raise(resp.status, data)
+                    self._raise(resp.status, data, resp.headers.get("Retry-After"))
                 return resp.status, data
         except aiohttp.ClientConnectionError as e:
             raise Unavailable(f"cannot reach the broker at {self._base}: {e}") from None
         except TimeoutError:
             raise Unavailable(f"the broker at {self._base} did not answer in time") from None
 
-    def _raise(self, status: int, data: bytes) -> NoReturn:
+    def _raise(self, status: int, data: bytes, retry_after: str | None = None) -> NoReturn:
         try:
             message = str(json.loads(data)["error"])
         except (ValueError, KeyError, TypeError):
             message = data.decode("utf-8", "replace").strip() or f"HTTP {status}"
+        if status == 429:
+            seconds = retry_after.strip() if retry_after else ""
+            raise Overloaded(message, retry_after=float(seconds) if seconds.isdigit() else 1.0)
         kind = _ERRORS.get(status)
         if kind is None:
             kind = Unavailable if status >= 500 else WqError

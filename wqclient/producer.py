@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from wqclient.client import AsyncClient
-from wqclient.errors import WqError
+from wqclient.errors import Overloaded, WqError
 from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int
 from wqclient.limits import DEFAULT_URL
 
@@ -110,15 +110,29 @@ async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     failures: list[str] = []
     started = time.monotonic()
 
-    async def post() -> None:
-        nonlocal enqueued
-        for i in counter:
+    told: list[str] = []
+
+    async def enqueue(i: int) -> None:
+        """One task; while the broker is at its task limit, wait as it says and try again."""
+        while True:
             try:
                 await client.enqueue(
                     payload_for(i, args.n, args.fail),
                     max_attempts=args.max_attempts,
                     delay_ms=args.delay_ms or None,
                 )
+                return
+            except Overloaded as e:
+                if not told:
+                    told.append(e.message)
+                    print(f"wq-producer: {e.message} (waiting, then retrying)", file=err)
+                await asyncio.sleep(e.retry_after)
+
+    async def post() -> None:
+        nonlocal enqueued
+        for i in counter:
+            try:
+                await enqueue(i)
                 enqueued += 1
             except WqError as e:
                 failures.append(e.message)

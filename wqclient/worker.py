@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from wqclient.client import AsyncClient
-from wqclient.errors import LeaseLost, NotFound, StreamEnded, Unavailable, WqError
+from wqclient.errors import LeaseLost, NotFound, Overloaded, StreamEnded, Unavailable, WqError
 from wqclient.flags import FlagParser, bool_flag, positive_int
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import Delivery, Task
@@ -127,10 +127,14 @@ class Worker:
     # -- broker up / down ------------------------------------------------------------------------
 
     async def _broker_down(self, error: WqError, attempt: int) -> None:
+        """The broker is down, or busy (at a limit): say so once, wait, try again."""
         if self._down_since is None:
             self._down_since = time.monotonic()
-            log.warning("broker unavailable (%s); retrying with backoff", error.message)
+            what = "broker busy" if isinstance(error, Overloaded) else "broker unavailable"
+            log.warning("%s (%s); retrying with backoff", what, error.message)
         delay = min(_BACKOFF_MAX, _BACKOFF_START * 2**attempt)
+        if isinstance(error, Overloaded):
+            delay = max(delay, error.retry_after)
         try:
             await asyncio.wait_for(self._stopping.wait(), delay)
         except TimeoutError:

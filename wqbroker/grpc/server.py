@@ -61,6 +61,19 @@ def code_for(error: WqError) -> grpc.StatusCode:
     return lookup(CODES, error)
 
 
+#: Trailing metadata on RESOURCE_EXHAUSTED when the broker is at a limit (not a size limit): how
+#: long to wait before trying again.
+RETRY_AFTER_KEY: Final = "retry-after-ms"
+
+
+async def abort(context: Context, error: WqError) -> None:
+    """End the call with the status for ``error`` (and, for a limit, when to retry)."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    if isinstance(error, Overloaded):
+        metadata = ((RETRY_AFTER_KEY, str(round(error.retry_after * 1000))),)
+    await context.abort(code_for(error), error.message, trailing_metadata=metadata)
+
+
 class _Errors:
     """``async with _Errors(context):`` turns a WqError into the matching gRPC status."""
 
@@ -79,7 +92,7 @@ class _Errors:
         tb: TracebackType | None,
     ) -> None:
         if isinstance(exc, WqError):
-            await self._context.abort(code_for(exc), exc.message)
+            await abort(self._context, exc)
 
 
 # -- conversion ---------------------------------------------------------------------------------
@@ -284,7 +297,7 @@ class _StreamCall:
     async def _reader_ended(self, reader: asyncio.Task[None]) -> None:
         error = reader.exception()
         if isinstance(error, WqError):
-            await self._context.abort(code_for(error), error.message)
+            await abort(self._context, error)
         if error is not None:
             raise error
 

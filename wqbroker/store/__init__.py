@@ -102,6 +102,11 @@ class Store(Protocol):
         """Why the store cannot work (it failed and refuses further work), or None if it can."""
         ...
 
+    def held_hint(self) -> int | None:
+        """How many tasks are held (ready, delayed and handed out; not dead), if the store knows
+        without any I/O (else None). Used to enforce the broker's task limit."""
+        ...
+
     def ready_hint(self) -> int | None:
         """How many tasks are ready, if the store knows without any I/O (else None). Only a hint,
         used to size batches of claims."""

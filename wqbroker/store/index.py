@@ -177,6 +177,11 @@ class Index:
         return len(self._ready) + len(self._cold)
 
     @property
+    def held_count(self) -> int:
+        """Tasks ready, delayed or handed out."""
+        return len(self._ready) + len(self._cold) + len(self._delayed) + len(self._held)
+
+    @property
     def hot_count(self) -> int:
         """Ready tasks that can be claimed without warming any."""
         return len(self._ready)

@@ -111,6 +111,9 @@ class MemoryStore:
     def problem(self) -> str | None:
         return None
 
+    def held_hint(self) -> int | None:
+        return self._index.held_count
+
     def ready_hint(self) -> int | None:
         return self._index.ready_count
 

@@ -644,6 +644,9 @@ class SqliteStore:
             return f"the store is unavailable: {self._failed}"
         return None
 
+    def held_hint(self) -> int | None:
+        return self._index.held_count
+
     def ready_hint(self) -> int | None:
         return self._index.ready_count
 
