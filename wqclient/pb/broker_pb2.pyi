@@ -340,7 +340,9 @@ class NackRequest(_message.Message):
     id: _builtins.str
     lease_id: _builtins.str
     error: _builtins.str
-    """What went wrong; kept as the task's last_error."""
+    """What went wrong; kept as the task's last_error. Longer than 8 KiB (UTF-8), it is cut to
+    8 KiB, ending with "… [truncated: the error was N bytes]".
+    """
     def __init__(
         self,
         *,
