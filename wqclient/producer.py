@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from wqclient.client import AsyncClient
-from wqclient.errors import WqError
+from wqclient.errors import PermissionDenied, Unauthenticated, WqError
 from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int
 from wqclient.limits import DEFAULT_URL
+from wqclient.worker import add_auth_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-broker",
         "--broker",
         default=DEFAULT_URL,
-        help=f"broker URL: http://host:port or grpc://host:port (default {DEFAULT_URL})",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
+        f"(default {DEFAULT_URL})",
     )
     p.add_argument("-n", "--n", type=positive_int, default=1, help="how many tasks (default 1)")
     p.add_argument(
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="how many tasks to post at once (default 1)",
     )
+    add_auth_flags(p)
     return p
 
 
@@ -100,7 +103,7 @@ def payload_for(i: int, n: int, fail: bool) -> dict[str, Any]:
 
 async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
-        client = AsyncClient(args.broker)
+        client = AsyncClient(args.broker, token=args.token, ca_file=args.ca_file)
     except WqError as e:
         print(f"wq-producer: {e.message}", file=err)
         return 2
@@ -108,11 +111,14 @@ async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     counter = iter(range(1, args.n + 1))
     enqueued = 0
     failures: list[str] = []
+    refused: list[WqError] = []  # the broker refused the token: no use posting more
     started = time.monotonic()
 
     async def post() -> None:
         nonlocal enqueued
         for i in counter:
+            if refused:
+                return
             try:
                 await client.enqueue(
                     payload_for(i, args.n, args.fail),
@@ -120,6 +126,9 @@ async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
                     delay_ms=args.delay_ms or None,
                 )
                 enqueued += 1
+            except (Unauthenticated, PermissionDenied) as e:
+                refused.append(e)
+                failures.append(e.message)
             except WqError as e:
                 failures.append(e.message)
             progress.update(enqueued + len(failures), len(failures))
@@ -131,7 +140,9 @@ async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     elapsed = time.monotonic() - started
     progress.update(enqueued + len(failures), len(failures), force=True)
     progress.finish()
-    if failures:
+    if refused:
+        print(f"wq-producer: the broker refused the token: {refused[0].message}", file=err)
+    elif failures:
         print(f"wq-producer: {len(failures)} enqueues failed; first error: {failures[0]}", file=err)
     rate = enqueued / elapsed if elapsed > 0 else 0.0
     print(
