@@ -88,7 +88,9 @@ def make_transport(
             raise WqError(f"broker URL {url!r} has no host:port")
         credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
         return GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials)
-    raise WqError(f"broker URL {url!r}: use http://, https://, grpc:// or grpcs:// with host:port")
+    raise WqError(
+        f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
+    )
 
 
 def _ids(task: Delivery | str, lease_id: str | None) -> tuple[str, str]:
