@@ -125,6 +125,19 @@ def test_tokens_are_kept_as_digests_only(tmp_path: Path) -> None:
     assert all(len(key) == 32 and ROOT.encode() not in key for key in tokens._scopes)
 
 
+def test_an_empty_token_file_refuses_everything_but_health(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = write_token_file(tmp_path, "# nobody yet\n")
+    with caplog.at_level(logging.WARNING, logger="wqbroker.auth"):
+        tokens = Tokens.load(str(path))
+    assert len(tokens) == 0
+    assert "has no tokens" in caplog.text
+    tokens.check(None, Access.OPEN, "GET /healthz")
+    with pytest.raises(Unauthenticated):
+        tokens.check(f"Bearer {ROOT}", Access.ANY, "GET /stats")
+
+
 def test_an_unreadable_token_file_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(TokenFileError, match=r"^cannot read token file .*missing: No such file"):
         Tokens.load(str(tmp_path / "missing"))
