@@ -17,6 +17,14 @@ from wqbroker.service import Service
 from wqbroker.store import Store
 
 
+@pytest.fixture(autouse=True)
+def _no_client_credentials_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    # wqclient takes its token and CA file from $WQ_TOKEN and $WQ_CA_FILE (and so do the commands
+    # the tests start): a shell that has them set must not change what a test sees.
+    monkeypatch.delenv("WQ_TOKEN", raising=False)
+    monkeypatch.delenv("WQ_CA_FILE", raising=False)
+
+
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()

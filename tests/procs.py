@@ -16,7 +16,7 @@ from pathlib import Path
 from tests.helpers import wait_until_sync
 
 ROOT = Path(__file__).resolve().parent.parent
-_LISTEN = re.compile(r"HTTP API listening on (http://\S+)")
+_LISTEN = re.compile(r"HTTP API listening on (https?://\S+)")
 _GRPC_LISTEN = re.compile(r"gRPC API listening on (\S+)")
 
 

@@ -112,6 +112,20 @@ FLAGS: tuple[Flag, ...] = (
         metavar="N",
         help="parked long-polls and open streams before more get 429; 0: no limit",
     ),
+    Flag(
+        "token-file",
+        default="",
+        metavar="PATH",
+        help="require bearer tokens: a file of lines TOKEN SCOPE[,SCOPE...] (scopes produce, "
+        "consume, admin), read again on SIGHUP; unset, no token is needed",
+    ),
+    Flag(
+        "tls-cert",
+        default="",
+        metavar="PATH",
+        help="serve HTTPS and gRPC over TLS with this PEM certificate chain (with -tls-key)",
+    ),
+    Flag("tls-key", default="", metavar="PATH", help="the PEM private key of -tls-cert"),
 )
 
 
@@ -141,19 +155,26 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,
         max_waiters=args.max_waiters,
+        token_file=args.token_file or None,
+        tls_cert=args.tls_cert or None,
+        tls_key=args.tls_key or None,
     )
 
 
 async def serve(config: Config) -> None:
     broker = Broker(config)
     await broker.start()
+    scheme, tls = ("https", " (TLS)") if config.tls_cert else ("http", "")
     for address in broker.http_addresses:
-        log.info("HTTP API listening on http://%s", address)
+        log.info("HTTP API listening on %s://%s", scheme, address)
     for address in broker.grpc_addresses:
-        log.info("gRPC API listening on %s", address)
+        log.info("gRPC API listening on %s%s", address, tls)
     log.info("store: %s", config.store)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    if broker.tokens is not None:
+        log.info("bearer tokens required: %d from %s", len(broker.tokens), config.token_file)
+        loop.add_signal_handler(signal.SIGHUP, broker.tokens.reload)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:

@@ -11,8 +11,10 @@ from typing import Any
 import grpc
 from aiohttp import web
 
+from wqbroker.auth import TokenFileError, Tokens
 from wqbroker.clock import Clock, SystemClock
 from wqbroker.errors import StoreError
+from wqbroker.grpc.auth import AuthInterceptor
 from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import DEFAULT_MAX_BODY, create_app, make_runner
 from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS, DEFAULT_SWEEP_INTERVAL
@@ -21,6 +23,7 @@ from wqbroker.service import Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
 from wqbroker.store.sqlite import SqliteStore
+from wqbroker.tls import ServerTLS, TLSError, load_server_tls
 
 log = logging.getLogger("wqbroker")
 
@@ -74,6 +77,9 @@ class Config:
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
     max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
+    token_file: str | None = None  # bearer tokens and their scopes (wqbroker.auth); None: none
+    tls_cert: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS (with tls_key)
+    tls_key: str | None = None
 
 
 async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> Store:
@@ -110,6 +116,8 @@ class Broker:
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
+        self.tokens: Tokens | None = None  # the token file's tokens (reload() on SIGHUP)
+        self._tls: ServerTLS | None = None
         self.http_addresses: list[str] = []
         self.grpc_addresses: list[str] = []
 
@@ -128,7 +136,8 @@ class Broker:
     @property
     def http_url(self) -> str:
         """Base URL of the HTTP API (for clients on this machine)."""
-        return "http://" + _local(self.http_addresses[0])
+        scheme = "https" if self._tls is not None else "http"
+        return f"{scheme}://" + _local(self.http_addresses[0])
 
     @property
     def grpc_target(self) -> str:
@@ -143,6 +152,12 @@ class Broker:
             http_at = None if disabled(config.addr) else parse_addr(config.addr or "")
             grpc_at = None if disabled(config.grpc_addr) else parse_addr(config.grpc_addr or "")
         except ValueError as e:
+            raise StartupError(str(e)) from None
+        try:
+            self._tls = load_server_tls(config.tls_cert, config.tls_key)
+            if config.token_file:
+                self.tokens = Tokens.load(config.token_file)
+        except (TLSError, TokenFileError) as e:
             raise StartupError(str(e)) from None
         if self._store is None:
             backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
@@ -166,23 +181,30 @@ class Broker:
             raise
 
     async def _start_http(self, host: str | None, port: int) -> None:
-        app = create_app(self.service, max_body=self.config.max_body)
+        app = create_app(self.service, max_body=self.config.max_body, tokens=self.tokens)
         runner = make_runner(app, access_log=self.config.access_log)
         await runner.setup()
         self._runner = runner
         try:
-            await web.TCPSite(runner, host, port, reuse_address=True).start()
+            ssl_context = self._tls.ssl_context if self._tls is not None else None
+            await web.TCPSite(
+                runner, host, port, reuse_address=True, ssl_context=ssl_context
+            ).start()
         except OSError as e:
             reason = os.strerror(e.errno).lower() if e.errno else str(e)
             raise StartupError(f"cannot listen on {self.config.addr}: {reason}") from None
         self.http_addresses = [format_addr(a) for a in runner.addresses]
 
     async def _start_grpc(self, host: str | None, port: int) -> None:
-        server, self._health = create_server(self.service)
+        interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
+        server, self._health = create_server(self.service, interceptors)
         self._grpc = server
         bind_host = "[::]" if host is None else (f"[{host}]" if ":" in host else host)
         try:
-            bound = server.add_insecure_port(f"{bind_host}:{port}")
+            if self._tls is not None:
+                bound = server.add_secure_port(f"{bind_host}:{port}", self._tls.grpc_credentials)
+            else:
+                bound = server.add_insecure_port(f"{bind_host}:{port}")
         except RuntimeError:
             bound = 0
         if not bound:

@@ -12,6 +12,7 @@ import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from wqclient._tls import CERT_HINT
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -44,6 +45,8 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
 
 _MAX_MESSAGE = 64 * 1024 * 1024
+
+Metadata = tuple[tuple[str, str], ...]
 
 
 # Sent with RESOURCE_EXHAUSTED when the broker is at a limit (without it: a size limit).
@@ -110,7 +113,13 @@ def _enqueue_request(
 class GrpcStream:
     """One StreamJobs call. Acks and nacks issued close together go out in one request."""
 
-    def __init__(self, stub: pb_grpc.BrokerAsyncStub, prefetch: int, lease_ms: int | None) -> None:
+    def __init__(
+        self,
+        stub: pb_grpc.BrokerAsyncStub,
+        prefetch: int,
+        lease_ms: int | None,
+        metadata: Metadata | None = None,
+    ) -> None:
         self._outbox: list[pb.StreamJobsRequest] = [
             pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms))
         ]
@@ -123,7 +132,7 @@ class GrpcStream:
         self._settling: deque[asyncio.Future[None]] = deque()
         self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
         self._opened = asyncio.Event()
-        self._call = stub.StreamJobs(self._requests())
+        self._call = stub.StreamJobs(self._requests(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
     async def _requests(self) -> AsyncIterator[pb.StreamJobsRequest]:
@@ -260,36 +269,56 @@ class GrpcStream:
             await asyncio.gather(self._reader, return_exceptions=True)
 
 
-class GrpcTransport:
-    """The gRPC API over one channel: a :class:`~wqclient.transport.StreamingTransport`."""
+_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    # Reconnect quickly after a broker restart, and do not share a failed connection's
+    # backoff with other clients in this process.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+    ("grpc.use_local_subchannel_pool", 1),
+]
 
-    def __init__(self, target: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+
+class GrpcTransport:
+    """The gRPC API over one channel: a :class:`~wqclient.transport.StreamingTransport`.
+
+    ``token``: sent with every call as ``authorization: Bearer`` metadata. ``credentials``: TLS
+    channel credentials (``grpcs://``); None for a plaintext channel."""
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        token: str | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
         self._target = target
         self._timeout = timeout
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", _MAX_MESSAGE),
-                ("grpc.max_send_message_length", _MAX_MESSAGE),
-                ("grpc.keepalive_time_ms", 30_000),
-                ("grpc.keepalive_timeout_ms", 10_000),
-                # Reconnect quickly after a broker restart, and do not share a failed connection's
-                # backoff with other clients in this process.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.min_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 5_000),
-                ("grpc.use_local_subchannel_pool", 1),
-            ],
-        )
+        self._metadata: Metadata | None = (("authorization", f"Bearer {token}"),) if token else None
+        if credentials is None:
+            self._channel = grpc.aio.insecure_channel(target, options=_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(target, credentials, options=_OPTIONS)
         self._stub = pb_grpc.BrokerStub(self._channel)
+
+    def _unreachable(self, error: Unavailable) -> Unavailable:
+        message = f"cannot reach the broker at {self._target}: {error.message}"
+        if "CERTIFICATE_VERIFY_FAILED" in error.message:
+            message += f"; TLS certificate verification failed: {CERT_HINT}"
+        return Unavailable(message)
 
     async def _unary(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:
-            return await method(request, timeout=timeout or self._timeout)
+            return await method(request, timeout=timeout or self._timeout, metadata=self._metadata)
         except grpc.aio.AioRpcError as e:
             error = _error(e)
             if isinstance(error, Unavailable) and not isinstance(error, Overloaded):
-                error = Unavailable(f"cannot reach the broker at {self._target}: {error.message}")
+                error = self._unreachable(error)
             raise error from None
 
     async def enqueue(
@@ -336,15 +365,13 @@ class GrpcTransport:
         await self._unary(self._stub.Requeue, pb.RequeueRequest(id=task_id))
 
     async def stream(self, prefetch: int, lease_ms: int | None) -> GrpcStream:
-        stream = GrpcStream(self._stub, prefetch, lease_ms)
+        stream = GrpcStream(self._stub, prefetch, lease_ms, self._metadata)
         try:
             await stream.wait_open(self._timeout)
-        except WqError as e:
-            if isinstance(e, Unavailable) and not isinstance(e, Overloaded):
-                raise Unavailable(
-                    f"cannot reach the broker at {self._target}: {e.message}"
-                ) from None
-            raise
+        except Unavailable as e:
+            if isinstance(e, Overloaded):
+                raise
+            raise self._unreachable(e) from None
         return stream
 
     async def close(self) -> None:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import re
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn, cast
 from urllib.parse import quote
 
 import aiohttp
 
+from wqclient._tls import CERT_HINT
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -136,18 +138,31 @@ def _q(value: str) -> str:
 
 class HttpTransport:
     """The HTTP/JSON API over one keep-alive aiohttp session (opened on first use). A
-    :class:`~wqclient.transport.Transport`: the HTTP API has no streams."""
+    :class:`~wqclient.transport.Transport`: the HTTP API has no streams.
 
-    def __init__(self, base_url: str, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    ``token``: sent with every request as ``Authorization: Bearer``. ``ssl_context``: how an
+    ``https://`` broker is verified (default: the system's store)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._base = base_url.rstrip("/")
         self._timeout = timeout
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30, ssl=self._ssl),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout),
+                headers=self._headers,
             )
         return self._session
 
@@ -172,6 +187,11 @@ class HttpTransport:
                 if resp.status >= 400:
                     self._raise(resp.status, data, resp.headers.get("Retry-After"))
                 return resp.status, data
+        except aiohttp.ClientConnectorCertificateError as e:
+            raise Unavailable(
+                f"cannot reach the broker at {self._base}: TLS certificate verification failed "
+                f"({e.certificate_error}); {CERT_HINT}"
+            ) from None
         except aiohttp.ClientConnectionError as e:
             raise Unavailable(f"cannot reach the broker at {self._base}: {e}") from None
         except TimeoutError:

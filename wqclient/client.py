@@ -1,8 +1,10 @@
 """``AsyncClient`` (asyncio) and ``Client`` (blocking): the same methods over HTTP or gRPC.
 
 The transport is chosen by the URL: ``http://host:8080`` for the HTTP/JSON API, ``grpc://host:50051``
-for gRPC; or pass one (``transport=``), any :class:`~wqclient.transport.Transport`. Connections are
-reused: one keep-alive HTTP session, or one gRPC channel, per client.
+for gRPC (``https://``, ``grpcs://`` over TLS); or pass one (``transport=``), any
+:class:`~wqclient.transport.Transport`. Connections are reused: one keep-alive HTTP session, or one
+gRPC channel, per client. A broker that wants a bearer token gets ``token=`` (or ``$WQ_TOKEN``); a
+TLS broker whose certificate the system does not trust, ``ca_file=`` (or ``$WQ_CA_FILE``).
 """
 
 from __future__ import annotations
@@ -17,12 +19,19 @@ from urllib.parse import urlsplit
 
 from wqclient._grpc import GrpcTransport
 from wqclient._http import HttpTransport
+from wqclient._tls import check_token, env_default, grpc_credentials, ssl_context
 from wqclient.errors import InvalidArgument, Unavailable, WqError
 from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
 from wqclient.models import Delivery, Stats, Task
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 T = TypeVar("T")
+
+ENV_TOKEN = "WQ_TOKEN"
+"""The environment variable a client takes its bearer token from when given none."""
+
+ENV_CA_FILE = "WQ_CA_FILE"
+"""The environment variable a client takes its CA file from when given none."""
 
 
 def encode_payload(payload: Any) -> bytes:
@@ -50,19 +59,38 @@ def _option(name: str, value: int | None) -> int | None:
     return value
 
 
-def make_transport(url: str, *, timeout: float = DEFAULT_TIMEOUT) -> Transport:
+def make_transport(
+    url: str,
+    *,
+    timeout: float = DEFAULT_TIMEOUT,
+    token: str | None = None,
+    ca_file: str | None = None,
+) -> Transport:
     """The transport for a broker URL: ``http://`` or ``https://`` (also a bare ``host:port``)
-    for the HTTP API, ``grpc://host:port`` for gRPC (a :class:`StreamingTransport`).
-    ``timeout``: seconds for a connection, or for the answer to a call that does not long-poll.
-    Raises WqError for a URL of any other kind."""
+    for the HTTP API, ``grpc://host:port`` or ``grpcs://host:port`` (TLS) for gRPC (a
+    :class:`StreamingTransport`). ``timeout``: seconds for a connection, or for the answer to a
+    call that does not long-poll. ``token``: a bearer token sent with every call. ``ca_file``: PEM
+    CA certificates to verify a TLS broker with (default: the system's store; unused without
+    TLS). Raises WqError for a URL of any other kind, a token that cannot be sent, or a CA file
+    that cannot be read."""
     parts = urlsplit(url if "://" in url else "http://" + url)
+    if token is not None:
+        check_token(token)
     if parts.scheme in ("http", "https"):
-        return HttpTransport(f"{parts.scheme}://{parts.netloc}{parts.path}", timeout=timeout)
-    if parts.scheme == "grpc":
+        return HttpTransport(
+            f"{parts.scheme}://{parts.netloc}{parts.path}",
+            timeout=timeout,
+            token=token,
+            ssl_context=ssl_context(ca_file) if parts.scheme == "https" else None,
+        )
+    if parts.scheme in ("grpc", "grpcs"):
         if not parts.netloc:
             raise WqError(f"broker URL {url!r} has no host:port")
-        return GrpcTransport(parts.netloc, timeout=timeout)
-    raise WqError(f"broker URL {url!r}: use http://host:port or grpc://host:port")
+        credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
+        return GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials)
+    raise WqError(
+        f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
+    )
 
 
 def _ids(task: Delivery | str, lease_id: str | None) -> tuple[str, str]:
@@ -82,11 +110,13 @@ class AsyncClient:
     ...     await wq.ack(delivery)
 
     ``url`` picks the transport (see :func:`make_transport`; default ``http://localhost:8080``)
-    and ``timeout`` configures it (seconds for a connection, or for the answer to a call that
-    does not long-poll; default 30). Or pass ``transport``, any
-    :class:`~wqclient.transport.Transport` (a fake one in tests, say): the client then uses it as
-    it is, ``url`` is only a label, and ``timeout`` must not be given. The client closes its
-    transport when it is closed.
+    and the rest configure it: ``timeout`` (seconds for a connection, or for the answer to a call
+    that does not long-poll; default 30), ``token`` (a bearer token for a broker that wants one;
+    default ``$WQ_TOKEN``, ``""`` for none) and ``ca_file`` (PEM CA certificates to verify an
+    ``https://`` or ``grpcs://`` broker with; default ``$WQ_CA_FILE``, else the system's store).
+    Or pass ``transport``, any :class:`~wqclient.transport.Transport` (a fake one in tests,
+    say): the client then uses it as it is, ``url`` is only a label, and ``timeout``, ``token``
+    and ``ca_file`` must not be given. The client closes its transport when it is closed.
     """
 
     def __init__(
@@ -95,14 +125,23 @@ class AsyncClient:
         *,
         transport: Transport | None = None,
         timeout: float | None = None,
+        token: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.url: str | None = url
         if transport is None:
             self.url = DEFAULT_URL if url is None else url
-            timeout = DEFAULT_TIMEOUT if timeout is None else timeout
-            transport = make_transport(self.url, timeout=timeout)
-        elif timeout is not None:
-            raise WqError("timeout applies to the transport made from a URL: set it on yours")
+            transport = make_transport(
+                self.url,
+                timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+                token=env_default(token, ENV_TOKEN),
+                ca_file=env_default(ca_file, ENV_CA_FILE),
+            )
+        elif (timeout, token, ca_file) != (None, None, None):
+            raise WqError(
+                "timeout, token and ca_file apply to the transport made from a URL: "
+                "set them on yours"
+            )
         self._transport: Transport = transport
 
     @property
@@ -264,9 +303,9 @@ class Client:
     ...     wq.enqueue({"line": "hello"})
     ...     print(wq.stats())
 
-    The arguments are AsyncClient's. The client runs an event loop of its own on a daemon
-    thread; a ``transport`` you pass is used (and closed) on that loop, so it must not be bound
-    to another one.
+    The arguments are AsyncClient's (``token`` and ``ca_file`` included). The client runs an
+    event loop of its own on a daemon thread; a ``transport`` you pass is used (and closed) on
+    that loop, so it must not be bound to another one.
     """
 
     def __init__(
@@ -275,21 +314,23 @@ class Client:
         *,
         transport: Transport | None = None,
         timeout: float | None = None,
+        token: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self._runner = _LoopThread()
         try:
-            self._client = self._runner.run(self._make(url, transport, timeout))
+            self._client = self._runner.run(
+                self._make(url, transport, timeout=timeout, token=token, ca_file=ca_file)
+            )
         except BaseException:
             self._runner.stop()
             raise
         self.url = self._client.url
 
     @staticmethod
-    async def _make(
-        url: str | None, transport: Transport | None, timeout: float | None
-    ) -> AsyncClient:
+    async def _make(url: str | None, transport: Transport | None, **options: Any) -> AsyncClient:
         # Built on the private loop: gRPC channels and aiohttp sessions belong to one loop.
-        return AsyncClient(url, transport=transport, timeout=timeout)
+        return AsyncClient(url, transport=transport, **options)
 
     @property
     def can_stream(self) -> bool:

@@ -28,7 +28,7 @@ class Flag:
     ``parse`` turns the text into the value (raising ``argparse.ArgumentTypeError`` with a message
     naming what is wrong); ``choices`` limits the text to a fixed set instead. A flag whose
     default is a ``bool`` is a switch: ``-name`` alone means true, ``-name=false`` false. The
-    help text gets `` (default X)`` appended, unless the default is ``False``.
+    help text gets `` (default X)`` appended, unless the default is ``False`` or ``""``.
     """
 
     name: str
@@ -57,7 +57,8 @@ class FlagParser(argparse.ArgumentParser):
 
     def add_flag(self, flag: Flag) -> None:
         names = (f"-{flag.name}", f"--{flag.name}")
-        text = flag.help if flag.default is False else f"{flag.help} (default {flag.default})"
+        unset = flag.default is False or flag.default == ""
+        text = flag.help if unset else f"{flag.help} (default {flag.default})"
         text = text.replace("%", "%%")  # argparse %-formats help texts
         if isinstance(flag.default, bool):
             self.add_argument(

@@ -12,9 +12,10 @@ from collections.abc import Sequence
 from typing import Any, TextIO
 
 from wqclient.client import AsyncClient
-from wqclient.errors import Overloaded, WqError
+from wqclient.errors import Overloaded, PermissionDenied, Unauthenticated, WqError
 from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int
 from wqclient.limits import DEFAULT_URL
+from wqclient.worker import add_auth_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-broker",
         "--broker",
         default=DEFAULT_URL,
-        help=f"broker URL: http://host:port or grpc://host:port (default {DEFAULT_URL})",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
+        f"(default {DEFAULT_URL})",
     )
     p.add_argument("-n", "--n", type=positive_int, default=1, help="how many tasks (default 1)")
     p.add_argument(
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="how many tasks to post at once (default 1)",
     )
+    add_auth_flags(p)
     return p
 
 
@@ -98,61 +101,87 @@ def payload_for(i: int, n: int, fail: bool) -> dict[str, Any]:
     return payload
 
 
-async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    try:
-        client = AsyncClient(args.broker)
-    except WqError as e:
-        print(f"wq-producer: {e.message}", file=err)
-        return 2
-    progress = Progress(args.n, err)
-    counter = iter(range(1, args.n + 1))
-    enqueued = 0
-    failures: list[str] = []
-    started = time.monotonic()
+class _Run:
+    """One wq-producer run: ``args.n`` tasks posted by ``args.concurrency`` loops."""
 
-    told: list[str] = []
+    def __init__(self, args: argparse.Namespace, client: AsyncClient, err: TextIO) -> None:
+        self.args = args
+        self.client = client
+        self.err = err
+        self.progress = Progress(args.n, err)
+        self.counter = iter(range(1, args.n + 1))
+        self.enqueued = 0
+        self.failures: list[str] = []
+        self.refused: list[WqError] = []  # the broker refused the token: no use posting more
+        self.told_busy = False
 
-    async def enqueue(i: int) -> None:
+    async def enqueue(self, i: int) -> None:
         """One task; while the broker is at its task limit, wait as it says and try again."""
+        args = self.args
         while True:
             try:
-                await client.enqueue(
+                await self.client.enqueue(
                     payload_for(i, args.n, args.fail),
                     max_attempts=args.max_attempts,
                     delay_ms=args.delay_ms or None,
                 )
                 return
             except Overloaded as e:
-                if not told:
-                    told.append(e.message)
-                    print(f"wq-producer: {e.message} (waiting, then retrying)", file=err)
+                if not self.told_busy:
+                    self.told_busy = True
+                    print(f"wq-producer: {e.message} (waiting, then retrying)", file=self.err)
                 await asyncio.sleep(e.retry_after)
 
-    async def post() -> None:
-        nonlocal enqueued
-        for i in counter:
+    async def post(self) -> None:
+        for i in self.counter:
+            if self.refused:
+                return
             try:
-                await enqueue(i)
-                enqueued += 1
+                await self.enqueue(i)
+                self.enqueued += 1
+            except (Unauthenticated, PermissionDenied) as e:
+                self.refused.append(e)
+                self.failures.append(e.message)
             except WqError as e:
-                failures.append(e.message)
-            progress.update(enqueued + len(failures), len(failures))
+                self.failures.append(e.message)
+            self.progress.update(self.enqueued + len(self.failures), len(self.failures))
 
+    def report(self, elapsed: float, out: TextIO) -> int:
+        failures = self.failures
+        self.progress.update(self.enqueued + len(failures), len(failures), force=True)
+        self.progress.finish()
+        if self.refused:
+            print(
+                f"wq-producer: the broker refused the token: {self.refused[0].message}",
+                file=self.err,
+            )
+        elif failures:
+            print(
+                f"wq-producer: {len(failures)} enqueues failed; first error: {failures[0]}",
+                file=self.err,
+            )
+        rate = self.enqueued / elapsed if elapsed > 0 else 0.0
+        print(
+            f"enqueued {self.enqueued}, failed {len(failures)}, in {elapsed:.2f}s "
+            f"({rate:.0f} tasks/s)",
+            file=out,
+        )
+        return 1 if failures else 0
+
+
+async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     try:
-        await asyncio.gather(*(post() for _ in range(min(args.concurrency, args.n))))
+        client = AsyncClient(args.broker, token=args.token, ca_file=args.ca_file)
+    except WqError as e:
+        print(f"wq-producer: {e.message}", file=err)
+        return 2
+    run = _Run(args, client, err)
+    started = time.monotonic()
+    try:
+        await asyncio.gather(*(run.post() for _ in range(min(args.concurrency, args.n))))
     finally:
         await client.close()
-    elapsed = time.monotonic() - started
-    progress.update(enqueued + len(failures), len(failures), force=True)
-    progress.finish()
-    if failures:
-        print(f"wq-producer: {len(failures)} enqueues failed; first error: {failures[0]}", file=err)
-    rate = enqueued / elapsed if elapsed > 0 else 0.0
-    print(
-        f"enqueued {enqueued}, failed {len(failures)}, in {elapsed:.2f}s ({rate:.0f} tasks/s)",
-        file=out,
-    )
-    return 1 if failures else 0
+    return run.report(time.monotonic() - started, out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,10 @@ prefetch is the concurrency; otherwise (HTTP) it long-polls, one claim loop per 
 concurrency. Synchronous handlers run in a thread pool of that size, so they may block.
 
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
-and returns. A broker that is down or restarting is reported once and retried with backoff.
+and returns. A broker that is down or restarting is reported once and retried with backoff. A
+broker that refuses the worker's token (401/403, UNAUTHENTICATED/PERMISSION_DENIED) will not change
+its mind by being asked again: that is logged once, the worker stops as on ``stop()``, and
+``run()`` raises the error.
 """
 
 from __future__ import annotations
@@ -26,8 +29,17 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any
 
-from wqclient.client import AsyncClient
-from wqclient.errors import LeaseLost, NotFound, Overloaded, StreamEnded, Unavailable, WqError
+from wqclient.client import ENV_CA_FILE, ENV_TOKEN, AsyncClient
+from wqclient.errors import (
+    LeaseLost,
+    NotFound,
+    Overloaded,
+    PermissionDenied,
+    StreamEnded,
+    Unauthenticated,
+    Unavailable,
+    WqError,
+)
 from wqclient.flags import FlagParser, bool_flag, positive_int
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import Delivery, Task
@@ -41,6 +53,8 @@ _BACKOFF_START = 0.1
 _BACKOFF_MAX = 5.0
 # How long stop() lets open claims come back before cancelling the ones still parked.
 _STOP_GRACE = 0.25
+# The broker refused the token: retrying cannot help.
+_REFUSED = (Unauthenticated, PermissionDenied)
 
 
 class TaskFailed(Exception):
@@ -57,10 +71,14 @@ def describe(error: BaseException) -> str:
 class Worker:
     """Runs ``handler`` on tasks from a broker until ``stop()``.
 
-    ``broker``: a URL (the worker then makes and closes its own client) or an
-    :class:`AsyncClient` (yours to close; ``AsyncClient(transport=...)`` to run on a transport of
-    your own). At most ``concurrency`` tasks are in hand at once; each claim long-polls up to
-    ``wait_ms`` and holds its task for ``lease_ms``.
+    ``broker``: a URL (the worker then makes and closes its own client, which takes its token
+    and CA file from ``$WQ_TOKEN`` and ``$WQ_CA_FILE``) or an :class:`AsyncClient` (yours to
+    close; ``AsyncClient(url, token=...)`` to give it a token, ``AsyncClient(transport=...)`` to
+    run on a transport of your own). At most ``concurrency`` tasks are in hand at once; each claim
+    long-polls up to ``wait_ms`` and holds its task for ``lease_ms``.
+
+    ``run()`` raises :class:`~wqclient.Unauthenticated` or :class:`~wqclient.PermissionDenied`
+    if the broker refuses the token (after letting the tasks in hand finish).
     """
 
     def __init__(
@@ -87,6 +105,7 @@ class Worker:
         self._stopping = asyncio.Event()
         self._claims: set[asyncio.Task[Delivery | None]] = set()
         self._down_since: float | None = None
+        self._refusal: WqError | None = None
         self.succeeded = 0
         self.failed = 0
 
@@ -102,9 +121,24 @@ class Worker:
         the very moment the broker hands it a task would leave that task to its lease."""
         if not self._stopping.is_set():
             log.info("stopping: finishing the tasks in hand")
+            self._halt()
+
+    def _halt(self) -> None:
+        if not self._stopping.is_set():
             self._stopping.set()
             if self._claims:
                 asyncio.get_running_loop().call_later(_STOP_GRACE, self._cancel_claims)
+
+    def _refused(self, error: WqError) -> None:
+        """The broker refused the token: say so once and stop (run() then raises ``error``)."""
+        if self._refusal is None:
+            self._refusal = error
+            log.error(
+                "the broker refused this worker's token (%s: %s); stopping",
+                type(error).__name__,
+                error.message,
+            )
+            self._halt()
 
     def _cancel_claims(self) -> None:
         for claim in list(self._claims):
@@ -123,6 +157,8 @@ class Worker:
                 self._executor.shutdown(wait=True)
             if self._own_client:
                 await self._client.close()
+        if self._refusal is not None:
+            raise self._refusal
 
     # -- broker up / down ------------------------------------------------------------------------
 
@@ -165,6 +201,9 @@ class Worker:
                 await self._broker_down(e, failures)
                 failures += 1
                 continue
+            except _REFUSED as e:
+                self._refused(e)
+                return
             finally:
                 self._claims.discard(claim)
             failures = 0
@@ -191,9 +230,14 @@ class Worker:
                 await self._broker_down(e, failures)
                 failures += 1
                 continue
+            except _REFUSED as e:
+                self._refused(e)
+                return
             self._broker_up()
             failures = 0
             error = await self._consume(stream)
+            if isinstance(error, _REFUSED):
+                self._refused(error)
             if self._stopping.is_set():
                 return
             # The stream broke, or the broker ended it (it is shutting down): reconnect.
@@ -288,6 +332,9 @@ class Worker:
                     e.message,
                 )
                 return
+            except _REFUSED as e:
+                self._refused(e)
+                return
             except Unavailable as e:
                 if datetime.now(UTC) >= delivery.deadline:
                     log.warning(
@@ -301,6 +348,24 @@ class Worker:
 
 
 # -- wq-worker ------------------------------------------------------------------------------------
+
+
+def add_auth_flags(p: argparse.ArgumentParser) -> None:
+    """``-token`` and ``-ca-file``, for wq-worker and wq-producer."""
+    p.add_argument(
+        "-token",
+        "--token",
+        metavar="TOKEN",
+        help=f"bearer token for a broker that wants one (default ${ENV_TOKEN}; prefer it: "
+        "a command line is visible to other users)",
+    )
+    p.add_argument(
+        "-ca-file",
+        "--ca-file",
+        metavar="PATH",
+        help="PEM CA certificate(s) to verify an https:// or grpcs:// broker with "
+        f"(default ${ENV_CA_FILE}, else the system's store)",
+    )
 
 
 class LogFileHandler:
@@ -348,7 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-broker",
         "--broker",
         default=DEFAULT_URL,
-        help=f"broker URL: http://host:port, or grpc://host:port to stream (default {DEFAULT_URL})",
+        help="broker URL: http://host:port, or grpc://host:port to stream; https://, grpcs:// "
+        f"for TLS (default {DEFAULT_URL})",
     )
     p.add_argument(
         "-log-file", "--log-file", default="./jobs.log", help="file to append to (./jobs.log)"
@@ -374,6 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_LEASE_MS,
         help=f"how long to claim each task for (default {DEFAULT_LEASE_MS})",
     )
+    add_auth_flags(p)
     p.add_argument(
         "-quiet",
         "--quiet",
@@ -393,8 +460,9 @@ async def _main(args: argparse.Namespace) -> int:
         print(f"wq-worker: cannot open {args.log_file}: {e.strerror}", file=sys.stderr)
         return 1
     try:
-        client = AsyncClient(args.broker)
+        client = AsyncClient(args.broker, token=args.token, ca_file=args.ca_file)
     except WqError as e:
+        handler.close()
         print(f"wq-worker: {e.message}", file=sys.stderr)
         return 2
     worker = Worker(
@@ -411,6 +479,8 @@ async def _main(args: argparse.Namespace) -> int:
     log.info("%d workers %s %s, logging to %s", args.concurrency, mode, args.broker, args.log_file)
     try:
         await worker.run()
+    except _REFUSED:
+        return 1  # the worker has said why
     finally:
         await client.close()
         handler.close()

@@ -357,13 +357,17 @@ class _Health(health.aio.HealthServicer):  # type: ignore[name-defined,misc]
         return await super().Check(request, context)
 
 
-def create_server(service: Service) -> tuple[grpc.aio.Server, Any]:
-    """A grpc.aio server with the Broker service, health checking and reflection.
+def create_server(
+    service: Service, interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = ()
+) -> tuple[grpc.aio.Server, Any]:
+    """A grpc.aio server with the Broker service, health checking and reflection, calls passing
+    through ``interceptors`` (bearer tokens: ``wqbroker.grpc.auth``).
     Returns the server and its health servicer (to flip to NOT_SERVING on shutdown)."""
     # Explicit limits: a request may carry one payload of max_payload plus its envelope, or a
     # batch; anything larger is refused by gRPC itself with RESOURCE_EXHAUSTED.
     receive_limit = max(4 * 1024 * 1024, service.max_payload + 64 * 1024)
     server = grpc.aio.server(
+        interceptors=interceptors or None,
         options=[
             ("grpc.max_receive_message_length", receive_limit),
             ("grpc.max_send_message_length", 64 * 1024 * 1024),
@@ -373,7 +377,7 @@ def create_server(service: Service) -> tuple[grpc.aio.Server, Any]:
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
             ("grpc.keepalive_permit_without_calls", 1),
-        ]
+        ],
     )
     pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service), server)
     health_servicer = _Health(service)

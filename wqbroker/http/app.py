@@ -16,6 +16,7 @@ from typing import Final
 from aiohttp import web
 
 from wqbroker import codec
+from wqbroker.auth import Tokens
 from wqbroker.errors import (
     InvalidArgument,
     LeaseLost,
@@ -28,6 +29,7 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
+from wqbroker.http.auth import auth_middleware
 from wqbroker.limits import DEFAULT_MAX_PAYLOAD
 from wqbroker.models import Delivery, Stats, Task
 from wqbroker.service import Service
@@ -242,8 +244,12 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return _error_response(500, "internal error")
 
 
-def create_app(service: Service, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=max_body)
+def create_app(
+    service: Service, *, max_body: int = DEFAULT_MAX_BODY, tokens: Tokens | None = None
+) -> web.Application:
+    """The app; with ``tokens``, every request but health checks needs a bearer token."""
+    auth = () if tokens is None else (auth_middleware(tokens),)
+    app = web.Application(middlewares=[errors_as_json, *auth], client_max_size=max_body)
     app[SERVICE] = service
     app[MAX_BODY] = max_body
     app.router.add_post("/jobs", enqueue)

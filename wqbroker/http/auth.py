@@ -1,0 +1,43 @@
+"""Bearer tokens on the HTTP API: one middleware, before every handler.
+
+It looks up the rule of the route the request matched (``wqbroker.auth``) and checks the
+``Authorization`` header against it; a refusal is raised as ``Unauthenticated`` (401, with
+``WWW-Authenticate: Bearer``) or ``PermissionDenied`` (403), which the error middleware renders as
+every other error. A path that matches no route, or a method the route does not take, goes on to
+its 404 or 405 unchecked: there is nothing behind it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from aiohttp import hdrs, web
+
+from wqbroker.auth import Tokens, http_rule
+from wqbroker.errors import Unauthenticated
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+
+
+def authorization(request: web.Request) -> str | None:
+    """The request's one Authorization header, or None; two of them are refused."""
+    values = request.headers.getall(hdrs.AUTHORIZATION, [])
+    if len(values) > 1:
+        raise Unauthenticated("more than one Authorization header")
+    return values[0] if values else None
+
+
+def auth_middleware(tokens: Tokens) -> Middleware:
+    """The middleware that checks every request against ``tokens`` (which SIGHUP may reload)."""
+
+    @web.middleware
+    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+        match = request.match_info
+        if match.http_exception is None:
+            path = match.route.resource.canonical if match.route.resource is not None else ""
+            rule = http_rule(request.method, path)
+            tokens.check(authorization(request), rule, f"{request.method} {path}")
+        return await handler(request)
+
+    return authenticate

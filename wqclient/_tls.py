@@ -1,0 +1,75 @@
+"""What the transports need to reach a broker over TLS (``https://``, ``grpcs://``) and to send a
+bearer token.
+
+Trust: the CA certificates in ``ca_file`` (PEM) when one is given, else the system's store (for
+gRPC, the file OpenSSL would use: ``SSL_CERT_FILE`` or the system bundle; gRPC's own roots if there
+is none). A token is sent as ``Authorization: Bearer TOKEN``; it never appears in a message.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+import grpc
+
+from wqclient.errors import WqError
+
+CERT_HINT = "give the broker's CA certificate with ca_file (wq-worker, wq-producer: -ca-file)"
+
+
+def check_token(token: str) -> str:
+    """``token`` if it can travel in a header (printable ASCII, no spaces); else WqError (which
+    does not repeat it)."""
+    if not (token.isascii() and token.isprintable()) or " " in token:
+        raise WqError("the token must be printable ASCII without spaces")
+    return token
+
+
+def _ca_error(ca_file: str, e: Exception) -> WqError:
+    reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+    return WqError(f"cannot use the CA file {ca_file}: {reason}")
+
+
+def ssl_context(ca_file: str | None) -> ssl.SSLContext:
+    """The client context for ``https://``: verify the broker against ``ca_file`` or the system
+    store. Raises WqError if ``ca_file`` cannot be read or holds no certificate."""
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
+        assert ca_file is not None
+        raise _ca_error(ca_file, e) from None
+
+
+def _system_roots() -> bytes | None:
+    """The system's CA bundle (what ssl verifies against by default), or None for gRPC's own."""
+    cafile = ssl.get_default_verify_paths().cafile
+    if cafile is None:
+        return None
+    try:
+        with open(cafile, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def grpc_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
+    """Channel credentials for ``grpcs://``, trusting ``ca_file`` or the system store. Raises
+    WqError if ``ca_file`` cannot be read or holds no certificate."""
+    if ca_file is None:
+        return grpc.ssl_channel_credentials(_system_roots())
+    ssl_context(ca_file)  # the same checks (readable, PEM certificates) as for https://
+    try:
+        with open(ca_file, "rb") as f:
+            roots = f.read()
+    except OSError as e:
+        raise _ca_error(ca_file, e) from None
+    return grpc.ssl_channel_credentials(roots)
+
+
+def env_default(value: str | None, name: str) -> str | None:
+    """``value`` if given (an empty string: explicitly none), else the environment's ``name``;
+    None when neither says anything."""
+    if value is None:
+        value = os.environ.get(name)
+    return value or None
