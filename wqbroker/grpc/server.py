@@ -1,7 +1,8 @@
 """grpc.aio servicer, pb <-> model conversion, and the error -> status code table.
 
 Like the HTTP handlers, each method parses its request, calls the service and renders the answer;
-the service holds every default, cap and rule, so both protocols behave the same.
+the service holds every default, cap and rule, so both protocols behave the same. Requests that
+cannot be decoded never reach these methods as messages (see :mod:`wqbroker.grpc.decoding`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -30,6 +31,7 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
+from wqbroker.grpc.decoding import guarded, handler_table
 from wqbroker.models import Delivery, Task
 from wqbroker.service import Service
 from wqclient.pb import broker_pb2 as pb
@@ -79,7 +81,12 @@ class _Errors:
         tb: TracebackType | None,
     ) -> None:
         if isinstance(exc, WqError):
-            await self._context.abort(code_for(exc), exc.message)
+            await abort(self._context, exc)
+
+
+async def abort(context: Context, error: WqError) -> NoReturn:
+    """End the call with the status for ``error``."""
+    await context.abort(code_for(error), error.message)
 
 
 # -- conversion ---------------------------------------------------------------------------------
@@ -284,7 +291,7 @@ class _StreamCall:
     async def _reader_ended(self, reader: asyncio.Task[None]) -> None:
         error = reader.exception()
         if isinstance(error, WqError):
-            await self._context.abort(code_for(error), error.message)
+            await abort(self._context, error)
         if error is not None:
             raise error
 
@@ -362,7 +369,14 @@ def create_server(service: Service) -> tuple[grpc.aio.Server, Any]:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
     )
-    pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service), server)
+    # The generated table, with requests that cannot be decoded answered INVALID_ARGUMENT.
+    handlers = guarded(
+        handler_table(pb_grpc.add_BrokerServicer_to_server, BrokerServicer(service)),
+        pb.DESCRIPTOR.services_by_name["Broker"],
+        abort,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
     health_servicer = _Health(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

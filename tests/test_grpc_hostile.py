@@ -1,0 +1,357 @@
+"""Hostile input at the gRPC edge: whatever a client sends, it gets a clear status naming the
+problem (never UNKNOWN or INTERNAL, never a hang or a traceback in the broker's log), and one
+broken call hurts nobody else.
+
+Every test runs one real broker (HTTP and gRPC on port 0) on a FakeClock and drives it with real
+grpc.aio clients with gRPC's default limits; raw calls send arbitrary bytes where a message
+belongs. After each call the broker must still be healthy: health SERVING, a normal
+Enqueue/NextJob/Ack works, and its books balance (``nacked + reclaimed == retried + buried``, and
+every task enqueued is acked or in exactly one gauge).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.protobuf.message import DecodeError, Message
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.helpers import invariant_holds, running_broker, wait_until
+from wqbroker.broker import Broker
+from wqbroker.clock import FakeClock
+from wqbroker.limits import MAX_WAIT_MS
+from wqclient.pb import broker_pb2 as pb
+from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(180)
+
+Code = grpc.StatusCode
+EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
+
+SERVICE = pb.DESCRIPTOR.services_by_name["Broker"]
+METHODS = [m.name for m in SERVICE.methods]
+UNARY = [m.name for m in SERVICE.methods if not m.client_streaming]
+REQUEST: dict[str, type[Message]] = {
+    m.name: getattr(pb, m.input_type.name) for m in SERVICE.methods
+}
+# What no call may ever end with, whatever it sent.
+NEVER = {Code.UNKNOWN, Code.INTERNAL, Code.DEADLINE_EXCEEDED}
+UNDECODABLE = "could not be decoded"
+CALL_TIMEOUT = 10.0
+
+# Hypothesis: one broker per test, shared by its examples; bounded, no deadline (real I/O).
+HOSTILE = settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+# -- fixtures and helpers -----------------------------------------------------------------------
+
+
+@pytest.fixture
+async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
+    async with running_broker(clock=clock, rng=random.Random(11)) as b:
+        yield b
+
+
+@pytest.fixture
+async def channel(broker: Broker) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(broker.grpc_target) as ch:
+        yield ch
+
+
+@pytest.fixture
+def stub(channel: grpc.aio.Channel) -> pb_grpc.BrokerAsyncStub:
+    return pb_grpc.BrokerStub(channel)
+
+
+def path(method: str) -> str:
+    return f"/{SERVICE.full_name}/{method}"
+
+
+def decodes(method: str, data: bytes) -> bool:
+    """Whether ``data`` is a valid request message for ``method`` (parsed as the broker does)."""
+    try:
+        REQUEST[method].FromString(data)
+    except DecodeError:
+        return False
+    return True
+
+
+async def raw_unary(channel: grpc.aio.Channel, method: str, data: bytes) -> tuple[Code, str]:
+    """Send ``data`` as the request of a unary method; its status code and details."""
+    call = channel.unary_unary(path(method), request_serializer=None, response_deserializer=None)
+    try:
+        await call(data, timeout=CALL_TIMEOUT)
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or ""
+    return Code.OK, ""
+
+
+async def unary(
+    broker: Broker, clock: FakeClock, channel: grpc.aio.Channel, method: str, data: bytes
+) -> tuple[Code, str]:
+    """:func:`raw_unary`; a NextJob that parks is ended by moving the clock past its wait."""
+    waiting = broker.service.waiting
+    task = asyncio.create_task(raw_unary(channel, method, data))
+    await wait_until(
+        lambda: task.done() or broker.service.waiting > waiting, what=f"{method} to answer or park"
+    )
+    if not task.done():
+        clock.advance(MAX_WAIT_MS / 1000 + 1)
+    return await asyncio.wait_for(task, CALL_TIMEOUT)
+
+
+RawStream = grpc.aio.StreamStreamCall[bytes, bytes]
+
+
+def open_raw_stream(channel: grpc.aio.Channel) -> RawStream:
+    """A StreamJobs call that sends and receives bytes as they are."""
+    start = channel.stream_stream(
+        path("StreamJobs"), request_serializer=None, response_deserializer=None
+    )
+    call: RawStream = start(None)
+    return call
+
+
+async def raw_stream(
+    channel: grpc.aio.Channel, frames: list[bytes], *, half_close: bool = True
+) -> tuple[Code, str, list[bytes]]:
+    """Send ``frames`` on a StreamJobs call, then half-close (or not: when the last frame ends
+    the call); its responses and how it ended.
+
+    Nothing is written after a frame that ends the call: grpc.aio's client would report the failed
+    write as INTERNAL in place of the broker's status."""
+    call = open_raw_stream(channel)
+    responses: list[bytes] = []
+    try:
+        for frame in frames:
+            await call.write(frame)
+        if half_close:
+            await call.done_writing()
+        while isinstance(response := await asyncio.wait_for(call.read(), CALL_TIMEOUT), bytes):
+            responses.append(response)
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details() or "", responses
+    code = await asyncio.wait_for(call.code(), CALL_TIMEOUT)
+    return code, await call.details() or "", responses
+
+
+def assert_no_traceback(caplog: pytest.LogCaptureFixture) -> None:
+    """Nothing worse than a line at INFO in the log: no warning, no error, no traceback."""
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+
+
+async def assert_healthy(channel: grpc.aio.Channel) -> None:
+    """Health SERVING, a normal Enqueue/NextJob/Ack works, and the books balance."""
+    stub: pb_grpc.BrokerAsyncStub = pb_grpc.BrokerStub(channel)
+    health = health_pb2_grpc.HealthStub(channel)
+    for name in ("", SERVICE.full_name):
+        response = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+        assert response.status == health_pb2.HealthCheckResponse.SERVING, name
+    await stub.Enqueue(pb.EnqueueRequest(payload=b'{"still": "fine"}'), timeout=5)
+    got = await stub.NextJob(pb.NextJobRequest(wait_ms=0), timeout=5)
+    assert got.HasField("delivery")
+    d = got.delivery
+    await stub.Ack(pb.AckRequest(id=d.task.id, lease_id=d.lease_id), timeout=5)
+    await assert_books_balance(stub)
+
+
+async def assert_books_balance(stub: pb_grpc.BrokerAsyncStub) -> None:
+    s = await stub.Stats(pb.StatsRequest(), timeout=5)
+    t = s.totals
+    assert invariant_holds(s), t
+    assert s.ready + s.handed_out + s.delayed + s.dead + t.acked == t.enqueued, s
+
+
+# -- 1. undecodable requests --------------------------------------------------------------------
+
+# Bytes that are not a valid message of any request type: a length running past the end, a tag
+# of field 0, wire types 6 and 7 (which do not exist), a varint longer than ten bytes, a group
+# that never ends, and plain garbage.
+CORRUPT = [
+    b"\x0a\x05ab",
+    b"\x00",
+    b"\x0e",
+    b"\x0f\x01",
+    b"\x08" + b"\xff" * 10 + b"\x01",
+    b"\x0b",
+    b"\xff\xff\xff",
+]
+# Invalid UTF-8 in a `string` field (which clients in other languages can send), for each request
+# type that has one, directly or in a nested message.
+BAD_UTF8 = {
+    "NextJob": [b"\x1a\x03\x0a\x01\xff", b"\x1a\x05\x12\x03ok\xc0"],  # acks[0].id, .lease_id
+    "Ack": [b"\x0a\x01\xff", b"\x12\x02\xed\xa0"],  # id; lease_id (half a surrogate)
+    "Nack": [b"\x0a\x01\xff", b"\x1a\x03\xed\xa0\x80"],  # id; error (a lone surrogate)
+    "Requeue": [b"\x0a\x02\xc3\x28"],
+    "StreamJobs": [
+        b"\x12\x03\x0a\x01\xff",
+        b"\x1a\x04\x1a\x02\xe2\x82",
+    ],  # acks[0].id; nacks[0].error
+}
+UNDECODABLE_CASES = [
+    pytest.param(method, data, id=f"{method}-{i}")
+    for method in METHODS
+    for i, data in enumerate(CORRUPT + BAD_UTF8.get(method, []))
+]
+
+
+async def _undecodable_answer(
+    broker: Broker, clock: FakeClock, channel: grpc.aio.Channel, method: str, data: bytes
+) -> tuple[Code, str]:
+    if method == "StreamJobs":
+        code, details, responses = await raw_stream(channel, [data], half_close=False)
+        assert responses == []
+        return code, details
+    return await unary(broker, clock, channel, method, data)
+
+
+@pytest.mark.parametrize(("method", "data"), UNDECODABLE_CASES)
+async def test_an_undecodable_request_is_invalid_argument(
+    broker: Broker,
+    clock: FakeClock,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    data: bytes,
+) -> None:
+    assert not decodes(method, data)
+    code, details = await _undecodable_answer(broker, clock, channel, method, data)
+    assert code == Code.INVALID_ARGUMENT, details
+    assert UNDECODABLE in details
+    assert REQUEST[method].DESCRIPTOR.full_name in details
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
+
+
+async def test_an_undecodable_request_is_logged_in_one_line_at_debug(
+    broker: Broker,
+    clock: FakeClock,
+    channel: grpc.aio.Channel,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    code, _ = await unary(broker, clock, channel, "Ack", b"\x0a\x01\xff")
+    assert code == Code.INVALID_ARGUMENT
+    about = [r for r in caplog.records if "decoded" in r.getMessage()]
+    assert len(about) == 1
+    assert about[0].levelno == logging.DEBUG
+    assert about[0].exc_info is None
+    assert "\n" not in about[0].getMessage()
+
+
+async def test_a_corrupt_frame_mid_stream_ends_it_and_reclaims_its_tasks(
+    broker: Broker,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    await stub.EnqueueBatch(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")] * 3))
+    call = open_raw_stream(channel)
+    await call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=2)).SerializeToString())
+    deliveries: list[pb.Delivery] = []
+    while len(deliveries) < 2:
+        raw = await asyncio.wait_for(call.read(), 5)
+        assert isinstance(raw, bytes), "the stream ended"
+        deliveries += pb.StreamJobsResponse.FromString(raw).deliveries
+    first = deliveries[0]
+    ack = pb.StreamJobsRequest(acks=[pb.AckRequest(id=first.task.id, lease_id=first.lease_id)])
+    await call.write(ack.SerializeToString())
+    await call.write(b"\x12\x03\x0a\x01\xff")  # acks[0].id is not UTF-8
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await _read_to_the_end(call)
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert UNDECODABLE in (info.value.details() or "")
+    # The ack before the bad frame counted; what the stream still held was reclaimed at once.
+    s = await wait_until(
+        lambda: stub.Stats(pb.StatsRequest()),
+        lambda s: s.handed_out == 0,
+        what="the stream's unfinished tasks to be reclaimed",
+    )
+    # (The ack freed a slot, and the third task was pushed into it before the bad frame.)
+    assert (s.totals.acked, s.totals.reclaimed, s.totals.retried, s.delayed) == (1, 2, 2, 2)
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
+
+
+async def _read_to_the_end(call: RawStream) -> None:
+    while isinstance(await asyncio.wait_for(call.read(), 5), bytes):
+        pass
+
+
+@pytest.mark.parametrize("method", UNARY)
+@HOSTILE
+@given(data=st.binary(max_size=64))
+async def test_random_bytes_to_a_unary_method(
+    broker: Broker,
+    clock: FakeClock,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    data: bytes,
+) -> None:
+    code, details = await unary(broker, clock, channel, method, data)
+    _assert_answer(method, data, code, details)
+    assert_no_traceback(caplog)
+    await assert_books_balance(stub)
+
+
+@HOSTILE
+@given(frames=st.lists(st.binary(max_size=48), max_size=4))
+async def test_random_frames_on_a_stream(
+    broker: Broker,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+    frames: list[bytes],
+) -> None:
+    await stub.Enqueue(pb.EnqueueRequest(payload=b'"for the stream"'))
+    sent, expected, needle = _stream_end(frames)
+    code, details, _ = await raw_stream(channel, sent, half_close=expected == Code.OK)
+    assert code == expected, (code, details)
+    assert needle in details
+    assert_no_traceback(caplog)
+    await wait_until(
+        lambda: stub.Stats(pb.StatsRequest()),
+        lambda s: s.handed_out == 0,
+        what="the stream's tasks to be given back",
+    )
+    await assert_healthy(channel)
+
+
+def _stream_end(frames: list[bytes]) -> tuple[list[bytes], Code, str]:
+    """Of ``frames``, the ones up to the first that ends a StreamJobs call; how the call ends
+    (after a half-close if none does), and a word of its details."""
+    for i, frame in enumerate(frames):
+        sent = frames[: i + 1]
+        if not decodes("StreamJobs", frame):
+            return sent, Code.INVALID_ARGUMENT, UNDECODABLE
+        request = pb.StreamJobsRequest.FromString(frame)
+        if request.HasField("open") != (i == 0):
+            return sent, Code.INVALID_ARGUMENT, "open"
+        for name in ("prefetch", "lease_ms"):
+            if i == 0 and request.open.HasField(name) and getattr(request.open, name) < 1:
+                return sent, Code.INVALID_ARGUMENT, name
+    return frames, Code.OK, ""
+
+
+def _assert_answer(method: str, data: bytes, code: Code, details: str) -> None:
+    if decodes(method, data):
+        # A valid message: the normal rules apply.
+        assert code not in NEVER, (code, details)
+        assert UNDECODABLE not in details
+    else:
+        assert (code, UNDECODABLE in details) == (Code.INVALID_ARGUMENT, True), (code, details)
