@@ -12,6 +12,7 @@ every task enqueued is acked or in exactly one gauge).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import random
 from collections.abc import AsyncIterator
@@ -26,7 +27,9 @@ from hypothesis import strategies as st
 from tests.helpers import invariant_holds, running_broker, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
+from wqbroker.grpc.server import stream_responses
 from wqbroker.limits import MAX_WAIT_MS
+from wqbroker.models import Delivery, Task
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -355,3 +358,140 @@ def _assert_answer(method: str, data: bytes, code: Code, details: str) -> None:
         assert UNDECODABLE not in details
     else:
         assert (code, UNDECODABLE in details) == (Code.INVALID_ARGUMENT, True), (code, details)
+
+
+# -- 2. stream responses sized by the encoded message --------------------------------------------
+
+MIB = 1024 * 1024
+STREAM_BOUND = 2 * MIB  # the documented bound on a streamed response (README, .proto)
+
+
+async def failed_once(broker: Broker, clock: FakeClock, tasks: list[tuple[bytes, int]]) -> None:
+    """A task per (payload, error size), each failed once with an error of that many bytes and
+    ready again. The errors are written through the store, so no cap on error texts applies."""
+    service = broker.service
+    for payload, _ in tasks:
+        await service.enqueue(payload)
+    for _, size in tasks:
+        d = await service.claim(0)
+        assert d is not None
+        error = (d.task.id + ":").ljust(size, "e")
+        await broker.store.nack(d.task.id, d.lease_id, error, now=clock.now())
+    clock.advance(3600)  # past any backoff
+    await service.sweep()
+    assert (await service.stats()).ready == len(tasks)
+
+
+class Reader:
+    """A StreamJobs call on a client with gRPC's default limits (4 MiB received), and what came."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = pb_grpc.BrokerStub(channel).StreamJobs(None)
+        self.sizes: list[int] = []
+        self.deliveries: list[pb.Delivery] = []
+        self.settled: list[pb.Settled] = []
+
+    async def read_until(self, deliveries: int = 0, settled: int = 0) -> None:
+        while len(self.deliveries) < deliveries or len(self.settled) < settled:
+            response = await asyncio.wait_for(self.call.read(), CALL_TIMEOUT)
+            assert isinstance(response, pb.StreamJobsResponse), "the stream ended"
+            self.sizes.append(response.ByteSize())
+            self.deliveries += response.deliveries
+            self.settled += response.settled
+
+
+async def test_deliveries_with_long_last_errors_reach_a_default_client(
+    broker: Broker, clock: FakeClock, channel: grpc.aio.Channel
+) -> None:
+    """30 tasks failed with 300 KB errors: 9 MB of deliveries, split so each response is under
+    the bound (one 9 MB response would be refused by the client, and every task reclaimed)."""
+    await failed_once(broker, clock, [(b'"small payload"', 300 * 1024)] * 30)
+    reader = Reader(channel)
+    await reader.call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=30)))
+    await reader.read_until(deliveries=30)
+    assert all(d.task.attempts == 2 for d in reader.deliveries)
+    assert all(len(d.task.last_error) == 300 * 1024 for d in reader.deliveries)
+    assert all(d.task.last_error.startswith(d.task.id + ":") for d in reader.deliveries)
+    assert max(reader.sizes) <= STREAM_BOUND
+    assert len(reader.sizes) >= 1 + 5  # the open's answer, then at least 9 MB / 2 MiB responses
+    s = await broker.service.stats()
+    assert (s.handed_out, s.totals.reclaimed) == (30, 0)
+    reader.call.cancel()
+
+
+async def test_a_delivery_over_the_bound_comes_alone(
+    broker: Broker, clock: FakeClock, channel: grpc.aio.Channel
+) -> None:
+    """Deliveries over the bound (a long error, with a payload as large as the broker accepts or
+    a small one) each come alone in a response, which a default client still accepts."""
+    largest = b'"' + b"p" * (MIB - 2) + b'"'  # the broker's default -max-body-bytes
+    small = b'"small"'
+    tasks = [(largest, 1536 * 1024)] * 2 + [(small, 2560 * 1024)] * 4 + [(largest, 100)]
+    await failed_once(broker, clock, tasks)
+    reader = Reader(channel)
+    await reader.call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=7)))
+    await reader.read_until(deliveries=7)
+    got = sorted((len(d.task.payload), len(d.task.last_error)) for d in reader.deliveries)
+    assert got == sorted((len(p), e) for p, e in tasks)
+    over = [n for n in reader.sizes if n > STREAM_BOUND]
+    assert len(over) == 6, reader.sizes  # the six over the bound, one per response
+    assert all(n < 4 * MIB for n in over)
+    reader.call.cancel()
+
+
+async def test_many_long_outcomes_reach_a_default_client(
+    broker: Broker, clock: FakeClock, channel: grpc.aio.Channel
+) -> None:
+    """10,000 acks of unknown tasks with long ids in one request (under 4 MiB): their outcomes,
+    which echo the ids and add a message each, come in responses under the bound."""
+    await failed_once(broker, clock, [(b"1", 20)])
+    reader = Reader(channel)
+    await reader.call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=1)))
+    await reader.read_until(deliveries=1)
+    held = reader.deliveries[0]
+    acks = [pb.AckRequest(id=f"{i:05}".ljust(200, "i"), lease_id="l" * 190) for i in range(9_999)]
+    acks.append(pb.AckRequest(id=held.task.id, lease_id=held.lease_id))
+    request = pb.StreamJobsRequest(acks=acks)
+    assert request.ByteSize() < 4 * MIB
+    await reader.call.write(request)
+    await reader.read_until(settled=10_000)
+    assert [s.id for s in reader.settled] == [a.id for a in acks]  # in order, none lost
+    assert [s.code for s in reader.settled[:-1]] == [Code.NOT_FOUND.value[0]] * 9_999
+    assert reader.settled[-1].code == 0
+    assert sum(s.ByteSize() for s in reader.settled) > 4 * MIB
+    assert max(reader.sizes) <= STREAM_BOUND
+    await reader.call.done_writing()
+    assert await asyncio.wait_for(reader.call.read(), CALL_TIMEOUT) is EOF
+    assert await reader.call.code() == Code.OK
+    s = await broker.service.stats()
+    assert (s.handed_out, s.totals.acked, s.totals.reclaimed) == (0, 1, 0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    settled=st.lists(st.tuples(st.integers(1, 300), st.integers(0, 300)), max_size=30),
+    deliveries=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 400)), max_size=30),
+    limit=st.integers(50, 2000),
+)
+def test_stream_responses_are_packed_by_encoded_size(
+    settled: list[tuple[int, int]], deliveries: list[tuple[int, int]], limit: int
+) -> None:
+    """Outcomes, then deliveries, in order; each response at most ``limit`` bytes encoded unless
+    it carries a single entry larger than that."""
+    outcomes = [pb.Settled(id="i" * n, message="m" * m, code=5) for n, m in settled]
+    tasks = [
+        Delivery(Task(f"{i}", b"p" * p, 1, 3, 0.0, 0.0, "e" * e if e else None), "lease", 30.0)
+        for i, (p, e) in enumerate(deliveries)
+    ]
+    responses = stream_responses(tasks, outcomes, limit)
+    assert [s for r in responses for s in r.settled] == outcomes
+    assert [d.task.id for r in responses for d in r.deliveries] == [t.task.id for t in tasks]
+    seen_delivery = False
+    for r in responses:
+        entries = len(r.settled) + len(r.deliveries)
+        assert r.ByteSize() <= limit or entries == 1, (r.ByteSize(), entries)
+        assert not (seen_delivery and r.settled), "an outcome after a delivery"
+        seen_delivery |= bool(r.deliveries)
+    # Packed, not scattered: no two neighbours would have fitted in one response.
+    for a, b in itertools.pairwise(responses):
+        assert a.ByteSize() + b.ByteSize() > limit

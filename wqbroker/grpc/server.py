@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from itertools import chain
 from types import TracebackType
 from typing import Any, Final, NoReturn
 
 import grpc
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -53,7 +55,9 @@ CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
 }
 
 SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
-# Keep each streamed response well under the 4 MiB that gRPC clients accept by default.
+# Each streamed response is at most this many bytes encoded, well under the 4 MiB that gRPC
+# clients accept by default, unless one delivery or outcome alone is larger (a payload of up to
+# -max-body-bytes, plus its envelope): it then comes alone.
 STREAM_CHUNK_BYTES: Final = 2 * 1024 * 1024
 
 Context = grpc.aio.ServicerContext[Any, Any]
@@ -278,7 +282,7 @@ class _StreamCall:
             if deliveries or self._settled:
                 # Take the outcomes now: the reader may add more while we write.
                 outcomes, self._settled = self._settled, []
-                for response in _responses(deliveries, outcomes):
+                for response in stream_responses(deliveries, outcomes):
                     await self._context.write(response)
                 continue
             if reader.done():
@@ -319,21 +323,32 @@ class _StreamCall:
             await self._stream.drain()
 
 
-def _responses(
-    deliveries: list[Delivery], settled: list[pb.Settled]
+def stream_responses(
+    deliveries: list[Delivery], settled: list[pb.Settled], limit: int = STREAM_CHUNK_BYTES
 ) -> list[pb.StreamJobsResponse]:
-    """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each. The outcomes
-    go in the first: they freed the slots these deliveries fill."""
-    responses = [pb.StreamJobsResponse(settled=settled)]
+    """The outcomes, then the deliveries, packed into responses of at most ``limit`` bytes
+    each, by their encoded size (a delivery or outcome larger than that comes alone). The
+    outcomes go first: they freed the slots these deliveries fill."""
+    responses = [pb.StreamJobsResponse()]
     size = 0
-    for delivery in deliveries:
-        n = len(delivery.task.payload) + 256
-        if size and size + n > STREAM_CHUNK_BYTES:
+    entries: Iterable[tuple[str, pb.Settled | pb.Delivery]] = chain(
+        (("settled", s) for s in settled), (("deliveries", delivery_pb(d)) for d in deliveries)
+    )
+    for field, entry in entries:
+        n = _entry_size(entry)
+        if size and size + n > limit:
             responses.append(pb.StreamJobsResponse())
             size = 0
-        responses[-1].deliveries.append(delivery_pb(delivery))
+        getattr(responses[-1], field).append(entry)
         size += n
     return responses
+
+
+def _entry_size(message: Message) -> int:
+    """What ``message`` adds to its parent as an entry of a repeated field numbered below 16:
+    a one-byte tag, its length as a varint, and its encoding."""
+    n = message.ByteSize()
+    return 1 + max(1, (n.bit_length() + 6) // 7) + n
 
 
 # grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
