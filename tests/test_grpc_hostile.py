@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from tests.helpers import invariant_holds, running_broker, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
-from wqbroker.grpc.server import stream_responses
+from wqbroker.grpc.server import MAX_DETAILS_BYTES, TRUNCATED, details, stream_responses
 from wqbroker.limits import MAX_WAIT_MS
 from wqbroker.models import Delivery, Task
 from wqclient.pb import broker_pb2 as pb
@@ -495,3 +495,84 @@ def test_stream_responses_are_packed_by_encoded_size(
     # Packed, not scattered: no two neighbours would have fitted in one response.
     for a, b in itertools.pairwise(responses):
         assert a.ByteSize() + b.ByteSize() > limit
+
+
+# -- 3. bounded status details -------------------------------------------------------------------
+
+MAX_DETAILS = 1024  # the documented bound on status details and Settled.message (UTF-8 bytes)
+assert MAX_DETAILS == MAX_DETAILS_BYTES
+# 64 KB ids: plain ASCII; two-byte characters (each byte is tripled by gRPC's percent-encoding of
+# the details); and what metadata must never carry raw (NUL, CR, LF, the escape character).
+LONG_IDS = [
+    pytest.param("x" * 65536, id="ascii"),
+    pytest.param("é" * 32768, id="two-byte"),
+    pytest.param("\x00\r\n%" * 16384, id="control"),
+]
+
+
+@pytest.mark.parametrize("long_id", LONG_IDS)
+@pytest.mark.parametrize("method", ["Ack", "Nack", "Requeue"])
+async def test_a_long_id_gets_a_short_not_found(
+    broker: Broker,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+    method: str,
+    long_id: str,
+) -> None:
+    request: Message
+    if method == "Requeue":
+        request = pb.RequeueRequest(id=long_id)
+    else:
+        request = REQUEST[method](id=long_id, lease_id=long_id)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await getattr(stub, method)(request, timeout=CALL_TIMEOUT)
+    details = info.value.details() or ""
+    assert info.value.code() == Code.NOT_FOUND, details
+    assert 0 < len(details.encode()) <= MAX_DETAILS
+    assert details.startswith("task ")
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
+
+
+async def test_outcomes_of_long_ids_carry_short_messages(
+    broker: Broker, stub: pb_grpc.BrokerAsyncStub, channel: grpc.aio.Channel
+) -> None:
+    """Settled.message is what the unary call would report: bounded the same way (the ids are
+    echoed in full, in Settled.id: the worker needs them to match outcomes to its acks)."""
+    acks = [pb.AckRequest(id="é" * 32768, lease_id="l" * 65536), pb.AckRequest(id="x" * 65536)]
+    response = await stub.NextJob(pb.NextJobRequest(wait_ms=0, acks=acks), timeout=CALL_TIMEOUT)
+    stream = stub.StreamJobs(None)
+    await stream.write(pb.StreamJobsRequest(open=pb.StreamOpen()))
+    await stream.write(pb.StreamJobsRequest(acks=acks[:1], nacks=[pb.NackRequest(id="n" * 65536)]))
+    streamed: list[pb.Settled] = []
+    while len(streamed) < 2:
+        got = await asyncio.wait_for(stream.read(), CALL_TIMEOUT)
+        assert isinstance(got, pb.StreamJobsResponse)
+        streamed += got.settled
+    for outcome in [*response.settled, *streamed]:
+        assert outcome.code in (Code.NOT_FOUND.value[0], Code.INVALID_ARGUMENT.value[0])
+        assert 0 < len(outcome.message.encode()) <= MAX_DETAILS
+    assert [s.id for s in response.settled] == [a.id for a in acks]
+    assert [s.id for s in streamed] == [acks[0].id, "n" * 65536]
+    stream.cancel()
+    await assert_healthy(channel)
+
+
+# Any text, lone surrogates included (st.characters() never draws them).
+ANY_TEXT = st.text(st.one_of(st.characters(), st.integers(0xD800, 0xDFFF).map(chr)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(message=st.one_of(ANY_TEXT, ANY_TEXT.map(lambda t: t * 200)))
+def test_details_are_bounded_utf8(message: str) -> None:
+    out = details(message)
+    data = out.encode()  # strict: always valid UTF-8
+    assert len(data) <= MAX_DETAILS
+    encodable = not any(0xD800 <= ord(c) <= 0xDFFF for c in message)
+    if len(message.encode("utf-8", "backslashreplace")) <= MAX_DETAILS:
+        assert out == message or not encodable
+    else:
+        assert out.endswith(TRUNCATED)
+        if encodable:
+            assert message.startswith(out.removesuffix(TRUNCATED))

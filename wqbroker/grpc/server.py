@@ -54,6 +54,11 @@ CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+# Status details and Settled messages: at most this many bytes of UTF-8 (a longer one is cut and
+# ends with TRUNCATED). gRPC percent-encodes details into metadata, so this is at most 3 KiB there.
+MAX_DETAILS_BYTES: Final = 1024
+TRUNCATED: Final = " [truncated]"
+
 SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
 # Each streamed response is at most this many bytes encoded, well under the 4 MiB that gRPC
 # clients accept by default, unless one delivery or outcome alone is larger (a payload of up to
@@ -89,8 +94,20 @@ class _Errors:
 
 
 async def abort(context: Context, error: WqError) -> NoReturn:
-    """End the call with the status for ``error``."""
-    await context.abort(code_for(error), error.message)
+    """End the call with the status for ``error`` (its message bounded: :func:`details`)."""
+    await context.abort(code_for(error), details(error.message))
+
+
+def details(message: str) -> str:
+    """``message`` as it may be sent to a client: as status details (which travel in metadata,
+    percent-encoded: at most three bytes there for each of ours) or as Settled.message. At most
+    MAX_DETAILS_BYTES of UTF-8, cut at a character and marked as cut, so no message can overflow
+    a client's metadata limit (8 KiB by default) however much of the request it quotes; a lone
+    surrogate is written as its escape rather than failing the call."""
+    data = message.encode("utf-8", "backslashreplace")
+    if len(data) <= MAX_DETAILS_BYTES:
+        return message if len(data) == len(message) else data.decode()
+    return data[: MAX_DETAILS_BYTES - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
 
 
 # -- conversion ---------------------------------------------------------------------------------
@@ -132,7 +149,7 @@ def _settled(task_id: str, lease_id: str, error: WqError | None, *, nack: bool) 
         lease_id=lease_id,
         nack=nack,
         code=code_for(error).value[0],
-        message=error.message,
+        message=details(error.message),
     )
 
 
