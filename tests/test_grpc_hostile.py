@@ -90,19 +90,20 @@ def decodes(method: str, data: bytes) -> bool:
     return True
 
 
-async def raw_unary(channel: grpc.aio.Channel, method: str, data: bytes) -> tuple[Code, str]:
-    """Send ``data`` as the request of a unary method; its status code and details."""
+async def raw_unary(channel: grpc.aio.Channel, method: str, data: bytes) -> tuple[Code, str, bytes]:
+    """Send ``data`` as the request of a unary method; its status code, details and response."""
     call = channel.unary_unary(path(method), request_serializer=None, response_deserializer=None)
     try:
-        await call(data, timeout=CALL_TIMEOUT)
+        body = await call(data, timeout=CALL_TIMEOUT)
     except grpc.aio.AioRpcError as e:
-        return e.code(), e.details() or ""
-    return Code.OK, ""
+        return e.code(), e.details() or "", b""
+    assert isinstance(body, bytes)
+    return Code.OK, "", body
 
 
 async def unary(
     broker: Broker, clock: FakeClock, channel: grpc.aio.Channel, method: str, data: bytes
-) -> tuple[Code, str]:
+) -> tuple[Code, str, bytes]:
     """:func:`raw_unary`; a NextJob that parks is ended by moving the clock past its wait."""
     waiting = broker.service.waiting
     task = asyncio.create_task(raw_unary(channel, method, data))
@@ -217,7 +218,8 @@ async def _undecodable_answer(
         code, details, responses = await raw_stream(channel, [data], half_close=False)
         assert responses == []
         return code, details
-    return await unary(broker, clock, channel, method, data)
+    code, details, _ = await unary(broker, clock, channel, method, data)
+    return code, details
 
 
 @pytest.mark.parametrize(("method", "data"), UNDECODABLE_CASES)
@@ -246,7 +248,7 @@ async def test_an_undecodable_request_is_logged_in_one_line_at_debug(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.DEBUG)
-    code, _ = await unary(broker, clock, channel, "Ack", b"\x0a\x01\xff")
+    code, _, _ = await unary(broker, clock, channel, "Ack", b"\x0a\x01\xff")
     assert code == Code.INVALID_ARGUMENT
     about = [r for r in caplog.records if "decoded" in r.getMessage()]
     assert len(about) == 1
@@ -306,7 +308,7 @@ async def test_random_bytes_to_a_unary_method(
     method: str,
     data: bytes,
 ) -> None:
-    code, details = await unary(broker, clock, channel, method, data)
+    code, details, _ = await unary(broker, clock, channel, method, data)
     _assert_answer(method, data, code, details)
     assert_no_traceback(caplog)
     await assert_books_balance(stub)
@@ -576,3 +578,44 @@ def test_details_are_bounded_utf8(message: str) -> None:
         assert out.endswith(TRUNCATED)
         if encodable:
             assert message.startswith(out.removesuffix(TRUNCATED))
+
+
+# -- 4. the hostile-input suite ------------------------------------------------------------------
+
+
+async def test_a_last_error_with_a_lone_surrogate_is_carried_escaped(
+    broker: Broker,
+    clock: FakeClock,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """gRPC clients cannot send a lone surrogate (protobuf refuses invalid UTF-8), but the HTTP
+    API decodes one from JSON ("\\ud800"), and the error is stored. A gRPC worker or admin must
+    still get the task: the error comes escaped, rather than the call failing (and a stream with
+    it, over and over). (Written through the store: whether the service lets one in is not the
+    point.)"""
+    service = broker.service
+    for n in range(3):
+        await service.enqueue(f'{{"n": {n}}}'.encode(), max_attempts=1 if n == 0 else 2)
+    for _ in range(3):
+        d = await service.claim(0)
+        assert d is not None
+        await broker.store.nack(d.task.id, d.lease_id, "bad \ud800 error", now=clock.now())
+    clock.advance(3600)
+    await service.sweep()
+    (dead,) = (await stub.ListDead(pb.ListDeadRequest(), timeout=CALL_TIMEOUT)).tasks
+    assert dead.last_error == "bad \\ud800 error"
+    got = await stub.NextJob(pb.NextJobRequest(wait_ms=0), timeout=CALL_TIMEOUT)
+    assert got.delivery.task.last_error == "bad \\ud800 error"
+    reader = Reader(channel)
+    await reader.call.write(pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=5)))
+    await reader.read_until(deliveries=1)
+    assert reader.deliveries[0].task.last_error == "bad \\ud800 error"
+    acks = [pb.AckRequest(id=d.task.id, lease_id=d.lease_id) for d in reader.deliveries]
+    await reader.call.write(pb.StreamJobsRequest(acks=acks))
+    await reader.read_until(settled=1)
+    await stub.Ack(pb.AckRequest(id=got.delivery.task.id, lease_id=got.delivery.lease_id))
+    reader.call.cancel()
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)

@@ -102,12 +102,25 @@ def details(message: str) -> str:
     """``message`` as it may be sent to a client: as status details (which travel in metadata,
     percent-encoded: at most three bytes there for each of ours) or as Settled.message. At most
     MAX_DETAILS_BYTES of UTF-8, cut at a character and marked as cut, so no message can overflow
-    a client's metadata limit (8 KiB by default) however much of the request it quotes; a lone
-    surrogate is written as its escape rather than failing the call."""
-    data = message.encode("utf-8", "backslashreplace")
+    a client's metadata limit (8 KiB by default) however much of the request it quotes."""
+    text = utf8(message)
+    data = text.encode()
     if len(data) <= MAX_DETAILS_BYTES:
-        return message if len(data) == len(message) else data.decode()
+        return text
     return data[: MAX_DETAILS_BYTES - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
+
+
+def utf8(text: str) -> str:
+    """``text`` as protobuf can carry it: a lone surrogate (which JSON sent to the HTTP API can
+    smuggle into an error text) is written as its escape, ``\\ud800``, rather than failing the
+    call."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
 
 
 # -- conversion ---------------------------------------------------------------------------------
@@ -129,7 +142,7 @@ def task_pb(task: Task) -> pb.Task:
         max_attempts=task.max_attempts,
         created_at=timestamp(task.created_at),
         available_at=timestamp(task.available_at),
-        last_error=task.last_error,
+        last_error=None if task.last_error is None else utf8(task.last_error),
     )
 
 
