@@ -2,34 +2,45 @@
 problem (never UNKNOWN or INTERNAL, never a hang or a traceback in the broker's log), and one
 broken call hurts nobody else.
 
-Every test runs one real broker (HTTP and gRPC on port 0) on a FakeClock and drives it with real
-grpc.aio clients with gRPC's default limits; raw calls send arbitrary bytes where a message
-belongs. After each call the broker must still be healthy: health SERVING, a normal
-Enqueue/NextJob/Ack works, and its books balance (``nacked + reclaimed == retried + buried``, and
-every task enqueued is acked or in exactly one gauge).
+Every test runs one real broker (HTTP and gRPC on port 0; the memory store, and SQLite too for
+the enqueue and ack/nack properties) on a FakeClock, shared by all its Hypothesis examples, and
+drives it with real grpc.aio clients with gRPC's default limits; raw calls send arbitrary bytes
+where a message belongs. After each call the broker must still be healthy: health SERVING, a
+normal Enqueue/NextJob/Ack works, and its books balance (``nacked + reclaimed == retried +
+buried``, and every task enqueued is acked or in exactly one gauge).
+
+1. undecodable requests: INVALID_ARGUMENT, on every method and mid-stream;
+2. streamed responses: each under 2 MiB encoded, whatever fills it;
+3. status details and Settled messages: at most 1 KiB;
+4. the property suite: random bytes and random messages to every method, random stream
+   sessions; and, as strict xfails, what the service's part of the issue fixes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from google.protobuf.message import DecodeError, Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import invariant_holds, running_broker, wait_until
+from tests.helpers import invariant_holds, make_store, running_broker, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqbroker.grpc.server import MAX_DETAILS_BYTES, TRUNCATED, details, stream_responses
-from wqbroker.limits import MAX_WAIT_MS
+from wqbroker.limits import MAX_DELAY_MS, MAX_LEASE_MS, MAX_MAX_ATTEMPTS, MAX_WAIT_MS
 from wqbroker.models import Delivery, Task
+from wqbroker.retry import Backoff
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -169,6 +180,11 @@ async def assert_healthy(channel: grpc.aio.Channel) -> None:
     d = got.delivery
     await stub.Ack(pb.AckRequest(id=d.task.id, lease_id=d.lease_id), timeout=5)
     await assert_books_balance(stub)
+
+
+async def ack_all_ready(stub: pb_grpc.BrokerAsyncStub) -> None:
+    while (got := await stub.NextJob(pb.NextJobRequest(wait_ms=0))).HasField("delivery"):
+        await stub.Ack(pb.AckRequest(id=got.delivery.task.id, lease_id=got.delivery.lease_id))
 
 
 async def assert_books_balance(stub: pb_grpc.BrokerAsyncStub) -> None:
@@ -619,3 +635,498 @@ async def test_a_last_error_with_a_lone_surrogate_is_carried_escaped(
     reader.call.cancel()
     assert_no_traceback(caplog)
     await assert_healthy(channel)
+
+
+# Random messages with random field values: the strategies.
+
+INT64 = st.one_of(
+    st.none(),
+    st.sampled_from([0, 1, -1, 2**31 - 1, 2**31, MAX_DELAY_MS, MAX_DELAY_MS + 1]),
+    st.sampled_from([MAX_WAIT_MS, MAX_LEASE_MS + 1, 2**63 - 1, -(2**63)]),
+    st.integers(-(2**63), 2**63 - 1),
+)
+JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner),
+    max_leaves=12,
+)
+# Payloads no JSON parser accepts (or too large: RESOURCE_EXHAUSTED).
+BAD_PAYLOADS = [
+    b"",
+    b" \n\t",
+    b"{",
+    b"not json",
+    b"{'single': 'quotes'}",
+    b"1 2",
+    b"NaN",
+    b"[Infinity]",
+    b"-Infinity",
+    b'"\xff"',
+    b'"\xed\xa0\x80"',
+    b'"a\x00b"',
+    b"\xef\xbb\xbf{}",
+    b"[" * 100_000 + b"]" * 100_000,
+    b'"' + b"x" * MIB + b'"',
+]
+# (True: valid, False: invalid, None: who knows) and the bytes.
+PAYLOADS: st.SearchStrategy[tuple[bool | None, bytes]] = st.one_of(
+    JSON_VALUES.map(lambda v: (True, json.dumps(v, ensure_ascii=False).encode())),
+    st.sampled_from([b"null", b"0", b'""', b"[]", b"{}", b'"\\ud800"', b"1e999"]).map(
+        lambda p: (True, p)
+    ),
+    st.sampled_from(BAD_PAYLOADS).map(lambda p: (False, p)),
+    st.binary(max_size=24).map(lambda p: (None, p)),
+)
+IDS = st.one_of(
+    st.text(max_size=24),
+    st.sampled_from(["", " ", "\x00", "é" * 100, "x" * 65536, "🐍" * 1000, "../../etc", "%00"]),
+)
+ERRORS = st.one_of(
+    st.none(), st.text(max_size=64), st.sampled_from(["", "\x00", "é" * 5000, "e" * 300_000])
+)
+
+
+def enqueue_valid(
+    payload: bool | None, max_attempts: int | None, delay_ms: int | None
+) -> bool | None:
+    """Whether an EnqueueRequest is valid (None: it depends on bytes we did not classify)."""
+    if max_attempts is not None and not 1 <= max_attempts <= MAX_MAX_ATTEMPTS:
+        return False
+    if delay_ms is not None and not 0 <= delay_ms <= MAX_DELAY_MS:
+        return False
+    return payload
+
+
+@st.composite
+def enqueue_requests(draw: st.DrawFn) -> tuple[bool | None, pb.EnqueueRequest]:
+    valid, payload = draw(PAYLOADS)
+    max_attempts, delay_ms = draw(INT64), draw(INT64)
+    request = pb.EnqueueRequest(payload=payload, max_attempts=max_attempts, delay_ms=delay_ms)
+    return enqueue_valid(valid, max_attempts, delay_ms), request
+
+
+def assert_refusal(code: Code, details: str) -> None:
+    """A refusal: a clear status other than UNKNOWN/INTERNAL, with a short message."""
+    assert code not in NEVER, (code, details)
+    assert code != Code.OK
+    assert details
+    assert len(details.encode()) <= MAX_DETAILS
+
+
+@pytest.fixture
+async def any_broker(backend: str, clock: FakeClock, tmp_path: Path) -> AsyncIterator[Broker]:
+    """A broker over each store backend (memory, SQLite)."""
+    rng = random.Random(13)
+    store = await make_store(backend, Backoff(1.0, 30.0, rng), rng, tmp_path)
+    async with running_broker(clock=clock, rng=rng, store=store) as b:
+        yield b
+
+
+@pytest.fixture
+async def any_channel(any_broker: Broker) -> AsyncIterator[grpc.aio.Channel]:
+    async with grpc.aio.insecure_channel(any_broker.grpc_target) as ch:
+        yield ch
+
+
+@HOSTILE
+@given(batch=st.lists(enqueue_requests(), max_size=6), single=st.booleans())
+async def test_random_enqueues(
+    any_broker: Broker,
+    clock: FakeClock,
+    any_channel: grpc.aio.Channel,
+    caplog: pytest.LogCaptureFixture,
+    batch: list[tuple[bool | None, pb.EnqueueRequest]],
+    single: bool,
+) -> None:
+    """Enqueue (the first of the batch) or EnqueueBatch: valid requests are taken whole,
+    anything else is refused whole, naming the offending entry."""
+    stub = pb_grpc.BrokerStub(any_channel)
+    before = (await stub.Stats(pb.StatsRequest())).totals.enqueued
+    if single and batch:
+        valid: bool | None = batch[0][0]
+        code, details, body = await unary(
+            any_broker, clock, any_channel, "Enqueue", batch[0][1].SerializeToString()
+        )
+        n, ids = 1, [pb.EnqueueResponse.FromString(body).id] if code == Code.OK else []
+    else:
+        verdicts = [v for v, _ in batch]
+        valid = False if False in verdicts else (None if None in verdicts else True)
+        request = pb.EnqueueBatchRequest(tasks=[r for _, r in batch])
+        code, details, body = await unary(
+            any_broker, clock, any_channel, "EnqueueBatch", request.SerializeToString()
+        )
+        n, ids = len(batch), list(pb.EnqueueBatchResponse.FromString(body).ids)
+        if request.ByteSize() > 4 * MIB:  # over the broker's receive limit: gRPC refuses it
+            assert code == Code.RESOURCE_EXHAUSTED, (code, details)
+        elif code != Code.OK:
+            assert "tasks[" in details, details  # names the offending entry
+    after = (await stub.Stats(pb.StatsRequest())).totals.enqueued
+    if code == Code.OK:
+        assert valid is not False, batch
+        assert len(ids) == n == after - before
+        assert all(ids)
+    else:
+        assert valid is not True, (code, details)
+        assert_refusal(code, details)
+        assert code in (Code.INVALID_ARGUMENT, Code.RESOURCE_EXHAUSTED)
+        assert after == before  # all or nothing
+    assert_no_traceback(caplog)
+    await assert_healthy(any_channel)
+
+
+@st.composite
+def settle_ops(draw: st.DrawFn) -> tuple[str, str, int, str, str, str | None]:
+    """(ack or nack, what it targets, which held task, an id, a lease id, an error)."""
+    kind = draw(st.sampled_from(["ack", "nack"]))
+    target = draw(st.sampled_from(["held", "held", "wrong_lease", "unknown", "no_id", "no_lease"]))
+    return kind, target, draw(st.integers(0, 2)), draw(IDS), draw(IDS), draw(ERRORS)
+
+
+def settle_request(
+    op: tuple[str, str, int, str, str, str | None], held: list[pb.Delivery]
+) -> tuple[str, Message]:
+    kind, target, i, some_id, some_lease, error = op
+    d = held[i]
+    task_id, lease_id = {
+        "held": (d.task.id, d.lease_id),
+        "wrong_lease": (d.task.id, d.lease_id + "-not"),
+        "unknown": (some_id or "x", some_lease or "y"),
+        "no_id": ("", some_lease or "y"),
+        "no_lease": (some_id or "x", ""),
+    }[target]
+    if kind == "ack":
+        return "Ack", pb.AckRequest(id=task_id, lease_id=lease_id)
+    return "Nack", pb.NackRequest(id=task_id, lease_id=lease_id, error=error)
+
+
+def settle_expected(target: str, finished: bool) -> Code:
+    """The status of an ack or nack (the model): ``finished`` if its task was already settled."""
+    if target in ("no_id", "no_lease"):
+        return Code.INVALID_ARGUMENT
+    if target == "unknown" or finished:
+        return Code.NOT_FOUND
+    return Code.OK if target == "held" else Code.FAILED_PRECONDITION
+
+
+@HOSTILE
+@given(
+    ops=st.lists(settle_ops(), max_size=8),
+    max_attempts=st.lists(st.integers(1, 3), min_size=3, max_size=3),
+)
+async def test_random_acks_and_nacks(
+    any_broker: Broker,
+    clock: FakeClock,
+    any_channel: grpc.aio.Channel,
+    caplog: pytest.LogCaptureFixture,
+    ops: list[tuple[str, str, int, str, str, str | None]],
+    max_attempts: list[int],
+) -> None:
+    """Acks and nacks of held tasks, under wrong leases, of unknown ids, without ids; with
+    errors long, empty, unicode or none: each answered as the model says."""
+    stub = pb_grpc.BrokerStub(any_channel)
+    await stub.EnqueueBatch(
+        pb.EnqueueBatchRequest(
+            tasks=[pb.EnqueueRequest(payload=b"{}", max_attempts=n) for n in max_attempts]
+        )
+    )
+    held = [(await stub.NextJob(pb.NextJobRequest(wait_ms=0))).delivery for _ in range(3)]
+    finished: set[str] = set()
+    for op in ops:
+        method, request = settle_request(op, held)
+        code, details, _ = await unary(
+            any_broker, clock, any_channel, method, request.SerializeToString()
+        )
+        expected = settle_expected(op[1], held[op[2]].task.id in finished)
+        error = op[5]
+        if expected == Code.OK and method == "Nack" and error and len(error) > 4096:
+            # Someone may cap error texts by refusing long ones: then nothing happened.
+            if code == Code.INVALID_ARGUMENT and "error" in details:
+                expected = code
+        assert code == expected, (op, code, details)
+        if code != Code.OK:
+            assert_refusal(code, details)
+        elif op[1] == "held":
+            finished.add(held[op[2]].task.id)
+    for d in held:
+        if d.task.id not in finished:
+            await stub.Ack(pb.AckRequest(id=d.task.id, lease_id=d.lease_id))
+    assert_no_traceback(caplog)
+    await assert_healthy(any_channel)
+
+
+@HOSTILE
+@given(
+    wait_ms=INT64,
+    lease_ms=INT64,
+    acks=st.lists(st.tuples(IDS, IDS), max_size=4),
+    real_at=st.integers(0, 4),
+)
+async def test_random_next_jobs(
+    broker: Broker,
+    clock: FakeClock,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+    wait_ms: int | None,
+    lease_ms: int | None,
+    acks: list[tuple[str, str]],
+    real_at: int,
+) -> None:
+    """NextJob with any wait and lease, acking anything: refused whole when a number is out of
+    range (nothing is acked then), or every ack answered, in order."""
+    await stub.Enqueue(pb.EnqueueRequest(payload=b"1"))
+    mine = (await stub.NextJob(pb.NextJobRequest(wait_ms=0))).delivery
+    requests = [pb.AckRequest(id=i, lease_id=lease) for i, lease in acks]
+    requests.insert(
+        min(real_at, len(requests)), pb.AckRequest(id=mine.task.id, lease_id=mine.lease_id)
+    )
+    request = pb.NextJobRequest(wait_ms=wait_ms, lease_ms=lease_ms, acks=requests)
+    code, details, body = await unary(
+        broker, clock, channel, "NextJob", request.SerializeToString()
+    )
+    bad = (wait_ms is not None and wait_ms < 0) or (lease_ms is not None and lease_ms < 1)
+    if bad:
+        assert code == Code.INVALID_ARGUMENT, (code, details)
+        assert_refusal(code, details)
+        assert ("wait_ms" if wait_ms is not None and wait_ms < 0 else "lease_ms") in details
+        await stub.Ack(pb.AckRequest(id=mine.task.id, lease_id=mine.lease_id))
+    else:
+        assert code == Code.OK, (code, details)
+        response = pb.NextJobResponse.FromString(body)
+        assert [(s.id, s.lease_id) for s in response.settled] == [
+            (r.id, r.lease_id) for r in requests
+        ]
+        for s, r in zip(response.settled, requests, strict=True):
+            assert s.code == (0 if r.id == mine.task.id else s.code)
+            assert s.code in (0, 3, 5, 9)
+            assert len(s.message.encode()) <= MAX_DETAILS
+            assert (s.code == 0) == (not s.message)
+        if response.HasField("delivery"):
+            d = response.delivery
+            await stub.Ack(pb.AckRequest(id=d.task.id, lease_id=d.lease_id))
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
+
+
+@HOSTILE
+@given(
+    calls=st.lists(
+        st.one_of(
+            st.tuples(st.just("Stats"), st.none()),
+            st.tuples(st.just("ListDead"), INT64),
+            st.tuples(st.just("Requeue"), st.one_of(IDS, st.just("dead"))),
+        ),
+        max_size=5,
+    )
+)
+async def test_random_admin_calls(
+    broker: Broker,
+    clock: FakeClock,
+    channel: grpc.aio.Channel,
+    stub: pb_grpc.BrokerAsyncStub,
+    caplog: pytest.LogCaptureFixture,
+    calls: list[tuple[str, Any]],
+) -> None:
+    """Stats, ListDead with any limit, Requeue of anything (a dead task among them)."""
+    await ack_all_ready(stub)  # what earlier examples requeued
+    await stub.Enqueue(pb.EnqueueRequest(payload=b"1", max_attempts=1))
+    d = (await stub.NextJob(pb.NextJobRequest(wait_ms=0))).delivery
+    await stub.Nack(pb.NackRequest(id=d.task.id, lease_id=d.lease_id, error="buried"))
+    requeued = False
+    for method, value in calls:
+        request: Message
+        if method == "Stats":
+            request, expected = pb.StatsRequest(), Code.OK
+        elif method == "ListDead":
+            request = pb.ListDeadRequest(limit=value)
+            expected = Code.INVALID_ARGUMENT if value is not None and value < 0 else Code.OK
+        else:
+            task_id = d.task.id if value == "dead" else value
+            request = pb.RequeueRequest(id=task_id)
+            if task_id == d.task.id and not requeued:
+                expected, requeued = Code.OK, True
+            else:
+                expected = Code.INVALID_ARGUMENT if not task_id else Code.NOT_FOUND
+        code, details, body = await unary(
+            broker, clock, channel, method, request.SerializeToString()
+        )
+        assert code == expected, (method, value, code, details)
+        if code != Code.OK:
+            assert_refusal(code, details)
+        elif method == "ListDead":
+            tasks = pb.ListDeadResponse.FromString(body).tasks
+            assert len(tasks) <= (value if value is not None else len(tasks))
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
+
+
+STREAM_ACTIONS = st.one_of(
+    st.tuples(st.sampled_from(["ack", "nack", "ack_twice"]), st.integers(0, 9), ERRORS),
+    st.tuples(st.just("ack_unknown"), IDS, IDS),
+    st.tuples(st.sampled_from(["drain", "open", "enqueue", "nothing"]), st.none(), st.none()),
+)
+
+
+class Session:
+    """One StreamJobs call driven by random actions; a reader takes in what comes meanwhile."""
+
+    def __init__(self, stub: pb_grpc.BrokerAsyncStub) -> None:
+        self.stub = stub
+        self.call = stub.StreamJobs(None)
+        self.received: list[pb.Delivery] = []
+        self.settled: list[pb.Settled] = []
+        self.sent = 0  # acks and nacks sent on the stream
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> tuple[Code, str]:
+        try:
+            while isinstance(response := await self.call.read(), pb.StreamJobsResponse):
+                assert response.ByteSize() <= STREAM_BOUND
+                self.settled += response.settled
+                self.received += response.deliveries
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details() or ""
+        except asyncio.CancelledError:
+            return Code.CANCELLED, "cancelled by the client"
+        return await self.call.code(), await self.call.details() or ""
+
+    def target(self, i: int) -> pb.Delivery | None:
+        return self.received[i % len(self.received)] if self.received else None
+
+    async def act(self, action: tuple[str, Any, Any]) -> bool:
+        """Do ``action``; False if it ends the call (a second open)."""
+        name, a, b = action
+        if name == "open":
+            await self.call.write(pb.StreamJobsRequest(open=pb.StreamOpen()))
+            return False
+        if name == "enqueue":
+            await self.stub.Enqueue(pb.EnqueueRequest(payload=b'"more"'))
+        elif name == "drain":
+            await self.call.write(pb.StreamJobsRequest(drain=True))
+        elif name == "ack_unknown":
+            await self.send(acks=[pb.AckRequest(id=a, lease_id=b)])
+        elif name in ("ack", "nack", "ack_twice"):
+            d = self.target(a)
+            task_id, lease_id = (d.task.id, d.lease_id) if d else ("gone", "gone")
+            if name == "nack":
+                await self.send(nacks=[pb.NackRequest(id=task_id, lease_id=lease_id, error=b)])
+            else:
+                ack = pb.AckRequest(id=task_id, lease_id=lease_id)
+                await self.send(acks=[ack] * (2 if name == "ack_twice" else 1))
+        return True
+
+    async def run(self, actions: list[tuple[str, Any, Any]], end: str) -> Code:
+        """Do the actions, then ``end`` the call (unless an action ended it); how it must end."""
+        for action in actions:
+            if not await self.act(action):
+                return Code.INVALID_ARGUMENT
+        if end == "cancel":
+            self.call.cancel()
+            return Code.CANCELLED
+        if end == "drain_and_half_close":
+            await self.call.write(pb.StreamJobsRequest(drain=True))
+        await self.call.done_writing()
+        return Code.OK
+
+    async def send(
+        self, acks: Sequence[pb.AckRequest] = (), nacks: Sequence[pb.NackRequest] = ()
+    ) -> None:
+        await self.call.write(pb.StreamJobsRequest(acks=acks, nacks=nacks))
+        self.sent += len(acks) + len(nacks)
+
+
+@HOSTILE
+@given(
+    prefetch=INT64,
+    lease_ms=INT64,
+    actions=st.lists(STREAM_ACTIONS, max_size=8),
+    end=st.sampled_from(["half_close", "cancel", "drain_and_half_close"]),
+)
+async def test_random_stream_sessions(
+    broker: Broker,
+    stub: pb_grpc.BrokerAsyncStub,
+    channel: grpc.aio.Channel,
+    caplog: pytest.LogCaptureFixture,
+    prefetch: int | None,
+    lease_ms: int | None,
+    actions: list[tuple[str, Any, Any]],
+    end: str,
+) -> None:
+    """Open with any settings, then ack, nack, ack twice, ack unknown ids, drain, open again,
+    enqueue, and end by half-closing (after a drain or not) or cancelling, at any point. The call
+    ends as it should; every outcome sent is answered; nothing stays handed out."""
+    await stub.Enqueue(pb.EnqueueRequest(payload=b'"for the stream"'))
+    session = Session(stub)
+    await session.call.write(
+        pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms))
+    )
+    bad_open = (prefetch is not None and prefetch < 1) or (lease_ms is not None and lease_ms < 1)
+    expected = Code.INVALID_ARGUMENT if bad_open else await session.run(actions, end)
+    code, details = await asyncio.wait_for(session.reader, CALL_TIMEOUT)
+    assert code == expected, (code, details)
+    event(f"ended {code.name}, {len(session.received)} received, {session.sent} sent")
+    if code == Code.INVALID_ARGUMENT:
+        assert_refusal(code, details)
+        assert "open" in details or "prefetch" in details or "lease_ms" in details
+    if code == Code.OK:
+        assert len(session.settled) == session.sent
+    await wait_until(
+        lambda: stub.Stats(pb.StatsRequest()),
+        lambda s: s.handed_out == 0,
+        what="the stream's unfinished tasks to be reclaimed",
+    )
+    await wait_until(lambda: broker.service.waiting == 0, what="the stream to be gone")
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
+
+
+# -- what other parts of the issue fix (in the service): strict xfails until they land ----------
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="error texts are capped at a documented size in the service (another part of the "
+    "issue, not on this branch): today a 1 MiB error is stored and sent back whole",
+)
+async def test_the_service_caps_error_texts(
+    stub: pb_grpc.BrokerAsyncStub, channel: grpc.aio.Channel
+) -> None:
+    await stub.Enqueue(pb.EnqueueRequest(payload=b"1", max_attempts=1))
+    d = (await stub.NextJob(pb.NextJobRequest(wait_ms=0))).delivery
+    error = "e" * MIB
+    code, details, _ = await raw_unary(
+        channel,
+        "Nack",
+        pb.NackRequest(id=d.task.id, lease_id=d.lease_id, error=error).SerializeToString(),
+    )
+    if code == Code.OK:
+        (dead,) = (await stub.ListDead(pb.ListDeadRequest())).tasks
+        assert len(dead.last_error) < len(error)
+    else:  # refused, naming the field: a cap too
+        assert (code, "error" in details) == (Code.INVALID_ARGUMENT, True)
+    await assert_healthy(channel)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the service's messages quote ids within a bound (another part of the issue, not on "
+    "this branch): today a 64 KB id is quoted whole and only the gRPC edge cuts the message",
+)
+@pytest.mark.parametrize("method", ["Ack", "Nack", "Requeue"])
+async def test_service_messages_quote_long_ids_briefly(
+    stub: pb_grpc.BrokerAsyncStub, method: str
+) -> None:
+    long_id = "x" * 65536
+    request: Message
+    if method == "Requeue":
+        request = pb.RequeueRequest(id=long_id)
+    else:
+        request = REQUEST[method](id=long_id, lease_id=long_id)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await getattr(stub, method)(request, timeout=CALL_TIMEOUT)
+    assert info.value.code() == Code.NOT_FOUND
+    assert not (info.value.details() or "").endswith(TRUNCATED)
