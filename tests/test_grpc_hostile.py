@@ -129,13 +129,17 @@ async def unary(
 RawStream = grpc.aio.StreamStreamCall[bytes, bytes]
 
 
-def open_raw_stream(channel: grpc.aio.Channel) -> RawStream:
-    """A StreamJobs call that sends and receives bytes as they are."""
-    start = channel.stream_stream(
-        path("StreamJobs"), request_serializer=None, response_deserializer=None
-    )
+def open_raw_call(channel: grpc.aio.Channel, method: str) -> RawStream:
+    """A call of ``method`` that may send any number of messages (a client-streaming call on
+    the wire, whatever the method is)."""
+    start = channel.stream_stream(path(method), request_serializer=None, response_deserializer=None)
     call: RawStream = start(None)
     return call
+
+
+def open_raw_stream(channel: grpc.aio.Channel) -> RawStream:
+    """A StreamJobs call that sends and receives bytes as they are."""
+    return open_raw_call(channel, "StreamJobs")
 
 
 async def raw_stream(
@@ -310,6 +314,22 @@ async def test_a_corrupt_frame_mid_stream_ends_it_and_reclaims_its_tasks(
 async def _read_to_the_end(call: RawStream) -> None:
     while isinstance(await asyncio.wait_for(call.read(), 5), bytes):
         pass
+
+
+@pytest.mark.parametrize("method", UNARY)
+async def test_a_unary_call_without_a_request_is_invalid_argument(
+    channel: grpc.aio.Channel, caplog: pytest.LogCaptureFixture, method: str
+) -> None:
+    """A client that half-closes without sending its request: answered at once (grpc.aio alone
+    would never answer it, and the caller would wait for its deadline, or forever)."""
+    call = open_raw_call(channel, method)
+    await call.done_writing()
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await asyncio.wait_for(_read_to_the_end(call), 5)
+    assert info.value.code() == Code.INVALID_ARGUMENT
+    assert "no request" in (info.value.details() or "")
+    assert_no_traceback(caplog)
+    await assert_healthy(channel)
 
 
 @pytest.mark.parametrize("method", UNARY)

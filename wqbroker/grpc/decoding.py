@@ -12,6 +12,10 @@ every method:
   could not be decoded: a unary call before the servicer sees it; on a stream, when the servicer
   reads it (the stream then ends as on any other invalid request: its unfinished tasks are
   reclaimed).
+
+A unary method is served as a client-streaming one (the same on the wire) that takes the first
+message: a call that half-closes without sending any is answered INVALID_ARGUMENT, where grpc.aio
+would never answer it (its caller would wait for its deadline, or forever).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import inspect
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NoReturn, TypeAlias
+from typing import Any, Final, NoReturn, TypeAlias
 
 import grpc
 from google.protobuf.descriptor import ServiceDescriptor
@@ -29,6 +33,7 @@ from wqbroker.errors import InvalidArgument, WqError
 
 log = logging.getLogger("wqbroker.grpc")
 
+EOF: Final[object] = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 #: Ends a call with the status for ``error`` (never returns).
 Reject = Callable[[Any, WqError], Awaitable[NoReturn]]
@@ -60,16 +65,22 @@ def guarded(
 
 def _guarded(handler: Handler, service: ServiceDescriptor, name: str, reject: Reject) -> Handler:
     h: Any = handler  # a namedtuple (grpc-stubs does not say so)
-    slot = ("stream_" if h.request_streaming else "unary_") + (
-        "stream" if h.response_streaming else "unary"
-    )
+    response = "stream" if h.response_streaming else "unary"
+    slot = ("stream_" if h.request_streaming else "unary_") + response
     behaviour = getattr(h, slot)
     if h.request_deserializer is None or not inspect.iscoroutinefunction(behaviour):
         raise TypeError(f"{name}: expected a deserializer and an async servicer method")
     wanted = service.methods_by_name[name].input_type.full_name
     decode = _decoder(h.request_deserializer, wanted, f"/{service.full_name}/{name}")
-    wrap = _streaming(behaviour) if h.request_streaming else _unary(behaviour, reject)
-    guarded: Handler = h._replace(request_deserializer=decode, **{slot: wrap})
+    if h.request_streaming:
+        guarded: Handler = h._replace(request_deserializer=decode, **{slot: _streaming(behaviour)})
+    else:
+        # Served as a client-streaming method (the same on the wire) that takes the first message.
+        guarded = h._replace(
+            request_streaming=True,
+            request_deserializer=decode,
+            **{slot: None, "stream_" + response: _unary(behaviour, reject)},
+        )
     return guarded
 
 
@@ -95,7 +106,10 @@ def _reason(error: Exception) -> str:
 
 
 def _unary(behaviour: Callable[..., Any], reject: Reject) -> Callable[..., Any]:
-    async def call(request: Any, context: Any) -> Any:
+    async def call(requests: object, context: Any) -> Any:
+        request = await context.read()
+        if request is EOF:
+            await reject(context, InvalidArgument("the call carried no request message"))
         if isinstance(request, Undecodable):
             await reject(context, InvalidArgument(request.message))
         return await behaviour(request, context)
