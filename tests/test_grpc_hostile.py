@@ -34,13 +34,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import invariant_holds, make_store, running_broker, wait_until
+from tests.helpers import invariant_holds, make_store, running_broker, settle, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
-from wqbroker.grpc.server import MAX_DETAILS_BYTES, TRUNCATED, details, stream_responses
-from wqbroker.limits import MAX_DELAY_MS, MAX_LEASE_MS, MAX_MAX_ATTEMPTS, MAX_WAIT_MS
+from wqbroker.grpc.server import (
+    MAX_DETAILS_BYTES,
+    TRUNCATED,
+    _StreamCall,
+    details,
+    stream_responses,
+)
+from wqbroker.limits import MAX_BATCH, MAX_DELAY_MS, MAX_LEASE_MS, MAX_MAX_ATTEMPTS, MAX_WAIT_MS
 from wqbroker.models import Delivery, Task
 from wqbroker.retry import Backoff
+from wqbroker.service import Service
+from wqbroker.store.memory import MemoryStore
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -1150,3 +1158,55 @@ async def test_service_messages_quote_long_ids_briefly(
         await getattr(stub, method)(request, timeout=CALL_TIMEOUT)
     assert info.value.code() == Code.NOT_FOUND
     assert not (info.value.details() or "").endswith(TRUNCATED)
+
+
+# -- a worker that stops reading -----------------------------------------------------------------
+
+
+class _Unread:
+    """A StreamJobs call's context whose worker stopped reading: the answer to open goes out,
+    then every write waits, as gRPC's flow control makes it wait."""
+
+    def __init__(self) -> None:
+        self.writes = 0
+        self.stuck = False
+
+    async def write(self, response: pb.StreamJobsResponse) -> None:
+        self.writes += 1
+        if self.writes > 1:
+            self.stuck = True
+            await asyncio.Event().wait()
+
+    def done(self) -> bool:
+        return False
+
+
+async def test_a_worker_that_stops_reading_cannot_make_the_broker_hoard_outcomes(
+    clock: FakeClock,
+) -> None:
+    """A worker that keeps sending acks (10,000 a request) but reads nothing: the broker stops
+    reading its requests once a bound of outcomes waits to be written (gRPC's flow control then
+    holds the worker back), rather than settling everything and keeping every outcome."""
+    rng = random.Random(5)
+    service = Service(MemoryStore(Backoff(1.0, 30.0, rng), rng), clock)
+    await service.start()
+    stream = await service.open_stream(1, None)
+    context = _Unread()
+    read = 0
+
+    async def requests() -> AsyncIterator[pb.StreamJobsRequest]:
+        nonlocal read
+        for i in range(20):
+            read += 1
+            acks = [pb.AckRequest(id=f"{i}-{j}", lease_id="x") for j in range(MAX_BATCH)]
+            yield pb.StreamJobsRequest(acks=acks)
+
+    first = pb.StreamJobsRequest(open=pb.StreamOpen())
+    call = asyncio.create_task(_StreamCall(service, stream, context).run(first, requests()))  # type: ignore[arg-type]
+    await wait_until(lambda: context.stuck, what="the writer to wait for the worker")
+    await settle(50)
+    assert read <= 3, f"{read} requests of 10,000 acks read while the worker read nothing"
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    await service.close()

@@ -65,6 +65,10 @@ SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
 # -max-body-bytes, plus its envelope): it then comes alone.
 STREAM_CHUNK_BYTES: Final = 2 * 1024 * 1024
 
+# A stream reads no more of its worker's requests while this many outcomes wait to be written
+# (a worker that sends acks and reads nothing is held back instead of filling the broker's memory).
+MAX_UNSENT_OUTCOMES: Final = 10_000
+
 Context = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -286,7 +290,8 @@ class _StreamCall:
         self._service = service
         self._stream = stream
         self._context = context
-        self._settled: list[pb.Settled] = []
+        self._settled: list[pb.Settled] = []  # outcomes not yet taken by the writer
+        self._taken = asyncio.Event()  # set when the writer takes them
 
     async def run(
         self, first: pb.StreamJobsRequest, requests: AsyncIterator[pb.StreamJobsRequest]
@@ -312,6 +317,7 @@ class _StreamCall:
             if deliveries or self._settled:
                 # Take the outcomes now: the reader may add more while we write.
                 outcomes, self._settled = self._settled, []
+                self._taken.set()
                 for response in stream_responses(deliveries, outcomes):
                     await self._context.write(response)
                 continue
@@ -336,6 +342,11 @@ class _StreamCall:
         while True:
             await self._apply(request)
             self._stream.poke()
+            if len(self._settled) >= MAX_UNSENT_OUTCOMES:
+                # The worker is not reading: read nothing more from it (gRPC's flow control then
+                # holds it back) until the writer takes these.
+                self._taken.clear()
+                await self._taken.wait()
             try:
                 request = await anext(requests)
             except StopAsyncIteration:
