@@ -543,6 +543,27 @@ def test_stream_responses_are_packed_by_encoded_size(
         assert a.ByteSize() + b.ByteSize() > limit
 
 
+async def test_a_next_job_whose_answer_a_default_client_would_refuse_hands_out_nothing(
+    broker: Broker, channel: grpc.aio.Channel, stub: pb_grpc.BrokerAsyncStub
+) -> None:
+    """NextJob acking 10,000 unknown tasks with long ids: the outcomes alone make an answer over
+    the 4 MiB a default client accepts. The caller loses its answer (its own doing), but the
+    ready task must not go down with it, handed out to nobody until its lease runs out."""
+    await stub.Enqueue(pb.EnqueueRequest(payload=b'"innocent"'))
+    acks = [pb.AckRequest(id=f"{i:05}".ljust(200, "i"), lease_id="l" * 190) for i in range(10_000)]
+    request = pb.NextJobRequest(wait_ms=0, acks=acks)
+    assert request.ByteSize() < 4 * MIB
+    code, _, _ = await raw_unary(channel, "NextJob", request.SerializeToString())
+    assert code == Code.RESOURCE_EXHAUSTED  # refused by the client, over its limit
+    s = await stub.Stats(pb.StatsRequest())
+    assert (s.ready, s.handed_out, s.totals.delivered) == (1, 0, 0)
+    # 10,000 acks of ordinary ids (failing or not) leave plenty of room for the task.
+    acks = [pb.AckRequest(id=f"{i:016x}", lease_id=f"{i:016x}") for i in range(10_000)]
+    got = await stub.NextJob(pb.NextJobRequest(wait_ms=0, acks=acks))
+    assert (got.delivery.task.payload, got.delivery.task.attempts) == (b'"innocent"', 1)
+    assert [s.code for s in got.settled] == [Code.NOT_FOUND.value[0]] * 10_000
+
+
 # -- 3. bounded status details -------------------------------------------------------------------
 
 MAX_DETAILS = 1024  # the documented bound on status details and Settled.message (UTF-8 bytes)

@@ -65,6 +65,10 @@ SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
 # -max-body-bytes, plus its envelope): it then comes alone.
 STREAM_CHUNK_BYTES: Final = 2 * 1024 * 1024
 
+# What a gRPC client accepts by default (grpc.max_receive_message_length): a NextJob answer that
+# its outcomes put over it would be refused, so it carries no task then (the task stays ready).
+CLIENT_RECEIVE_LIMIT: Final = 4 * 1024 * 1024
+
 # A stream reads no more of its worker's requests while this many outcomes wait to be written
 # (a worker that sends acks and reads nothing is held back instead of filling the broker's memory).
 MAX_UNSENT_OUTCOMES: Final = 10_000
@@ -170,6 +174,12 @@ def _settled(task_id: str, lease_id: str, error: WqError | None, *, nack: bool) 
     )
 
 
+def _refused_for(response: pb.NextJobResponse) -> bool:
+    """True if a client with default limits would refuse ``response`` for its outcomes (when
+    its delivery alone is larger, the client must have raised its limit)."""
+    return response.ByteSize() > CLIENT_RECEIVE_LIMIT >= _entry_size(response.delivery)
+
+
 def _optional(message: Any, name: str) -> int | None:
     return getattr(message, name) if message.HasField(name) else None
 
@@ -238,7 +248,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             ]
             if delivery is None:
                 return pb.NextJobResponse(settled=settled)
-            return pb.NextJobResponse(delivery=delivery_pb(delivery), settled=settled)
+            response = pb.NextJobResponse(delivery=delivery_pb(delivery), settled=settled)
+            if settled and _refused_for(response):
+                # A client with default limits would refuse the answer, for the outcomes it
+                # carries: nobody would see the task. It goes back.
+                await self._service.release(delivery)
+                return pb.NextJobResponse(settled=settled)
+            return response
 
     async def Ack(self, request: pb.AckRequest, context: Context) -> pb.AckResponse:
         async with _Errors(context):
