@@ -3,7 +3,7 @@
 gRPC hands a request's bytes to the method's deserializer before any servicer code runs; if it
 raises (corrupt protobuf, invalid UTF-8 in a ``string`` field, a truncated message), grpc.aio logs
 a traceback and the caller gets UNKNOWN. So the Broker service is registered with a handler table
-of its own, built from the generated one (``add_BrokerServicer_to_server``) with two changes to
+of its own, built from the generated one (``add_BrokerServicer_to_server``), with two changes to
 every method:
 
 - the request deserializer never raises: bytes it cannot decode become an :class:`Undecodable`
@@ -52,6 +52,8 @@ def handler_table(
     """The generated ``add_XServicer_to_server``'s method handlers for ``servicer``, by name."""
     table = _Table()
     add_to_server(servicer, table)
+    if not table.handlers:
+        raise RuntimeError("the generated code registered no method handlers by name")
     return table.handlers
 
 
