@@ -11,6 +11,8 @@ to UNIMPLEMENTED unchecked.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -67,8 +69,17 @@ def _replaced(handler: Handler, behavior: Callable[..., Any]) -> Handler:
     )
 
 
+# How long a refused call that takes a stream may take to send its first message.
+_FIRST_MESSAGE_WAIT = 1.0
+
+
 def _refusal(handler: Handler, error: WqError) -> Handler:
     async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if handler.request_streaming:
+            # Take the first message the client is sending before ending the call: a client
+            # still writing when the call ends sees INTERNAL (grpc.aio), not this status.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(anext(aiter(request)), _FIRST_MESSAGE_WAIT)
         await context.abort(code_for(error), error.message)
 
     return _replaced(handler, refuse)

@@ -1,18 +1,21 @@
 """grpc.aio servicer, pb <-> model conversion, and the error -> status code table.
 
 Like the HTTP handlers, each method parses its request, calls the service and renders the answer;
-the service holds every default, cap and rule, so both protocols behave the same.
+the service holds every default, cap and rule, so both protocols behave the same. Requests that
+cannot be decoded never reach these methods as messages (see :mod:`wqbroker.grpc.decoding`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
+from itertools import chain
 from types import TracebackType
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import grpc
+from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
@@ -30,6 +33,7 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
+from wqbroker.grpc.decoding import guarded, handler_table
 from wqbroker.models import Delivery, Task
 from wqbroker.service import Service
 from wqclient.pb import broker_pb2 as pb
@@ -50,9 +54,24 @@ CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
     Overloaded: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
+# Status details and Settled messages: at most this many bytes of UTF-8 (a longer one is cut and
+# ends with TRUNCATED). gRPC percent-encodes details into metadata, so this is at most 3 KiB there.
+MAX_DETAILS_BYTES: Final = 1024
+TRUNCATED: Final = " [truncated]"
+
 SERVICE_NAME: Final = pb.DESCRIPTOR.services_by_name["Broker"].full_name
-# Keep each streamed response well under the 4 MiB that gRPC clients accept by default.
+# Each streamed response is at most this many bytes encoded, well under the 4 MiB that gRPC
+# clients accept by default, unless one delivery or outcome alone is larger (a payload of up to
+# -max-body-bytes, plus its envelope): it then comes alone.
 STREAM_CHUNK_BYTES: Final = 2 * 1024 * 1024
+
+# What a gRPC client accepts by default (grpc.max_receive_message_length): a NextJob answer that
+# its outcomes put over it would be refused, so it carries no task then (the task stays ready).
+CLIENT_RECEIVE_LIMIT: Final = 4 * 1024 * 1024
+
+# A stream reads no more of its worker's requests while this many outcomes wait to be written
+# (a worker that sends acks and reads nothing is held back instead of filling the broker's memory).
+MAX_UNSENT_OUTCOMES: Final = 10_000
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -64,14 +83,6 @@ def code_for(error: WqError) -> grpc.StatusCode:
 #: Trailing metadata on RESOURCE_EXHAUSTED when the broker is at a limit (not a size limit): how
 #: long to wait before trying again.
 RETRY_AFTER_KEY: Final = "retry-after-ms"
-
-
-async def abort(context: Context, error: WqError) -> None:
-    """End the call with the status for ``error`` (and, for a limit, when to retry)."""
-    metadata: tuple[tuple[str, str], ...] = ()
-    if isinstance(error, Overloaded):
-        metadata = ((RETRY_AFTER_KEY, str(round(error.retry_after * 1000))),)
-    await context.abort(code_for(error), error.message, trailing_metadata=metadata)
 
 
 class _Errors:
@@ -95,6 +106,40 @@ class _Errors:
             await abort(self._context, exc)
 
 
+async def abort(context: Context, error: WqError) -> NoReturn:
+    """End the call with the status for ``error`` (its message bounded: :func:`details`; for a
+    limit, when to retry)."""
+    metadata: tuple[tuple[str, str], ...] = ()
+    if isinstance(error, Overloaded):
+        metadata = ((RETRY_AFTER_KEY, str(round(error.retry_after * 1000))),)
+    await context.abort(code_for(error), details(error.message), trailing_metadata=metadata)
+
+
+def details(message: str) -> str:
+    """``message`` as it may be sent to a client: as status details (which travel in metadata,
+    percent-encoded: at most three bytes there for each of ours) or as Settled.message. At most
+    MAX_DETAILS_BYTES of UTF-8, cut at a character and marked as cut, so no message can overflow
+    a client's metadata limit (8 KiB by default) however much of the request it quotes."""
+    text = utf8(message)
+    data = text.encode()
+    if len(data) <= MAX_DETAILS_BYTES:
+        return text
+    return data[: MAX_DETAILS_BYTES - len(TRUNCATED)].decode("utf-8", "ignore") + TRUNCATED
+
+
+def utf8(text: str) -> str:
+    """``text`` as protobuf can carry it: a lone surrogate (which JSON sent to the HTTP API can
+    smuggle into an error text) is written as its escape, ``\\ud800``, rather than failing the
+    call."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode()
+    return text
+
+
 # -- conversion ---------------------------------------------------------------------------------
 
 
@@ -114,7 +159,7 @@ def task_pb(task: Task) -> pb.Task:
         max_attempts=task.max_attempts,
         created_at=timestamp(task.created_at),
         available_at=timestamp(task.available_at),
-        last_error=task.last_error,
+        last_error=None if task.last_error is None else utf8(task.last_error),
     )
 
 
@@ -134,8 +179,14 @@ def _settled(task_id: str, lease_id: str, error: WqError | None, *, nack: bool) 
         lease_id=lease_id,
         nack=nack,
         code=code_for(error).value[0],
-        message=error.message,
+        message=details(error.message),
     )
+
+
+def _refused_for(response: pb.NextJobResponse) -> bool:
+    """True if a client with default limits would refuse ``response`` for its outcomes (when
+    its delivery alone is larger, the client must have raised its limit)."""
+    return response.ByteSize() > CLIENT_RECEIVE_LIMIT >= _entry_size(response.delivery)
 
 
 def _optional(message: Any, name: str) -> int | None:
@@ -206,7 +257,13 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             ]
             if delivery is None:
                 return pb.NextJobResponse(settled=settled)
-            return pb.NextJobResponse(delivery=delivery_pb(delivery), settled=settled)
+            response = pb.NextJobResponse(delivery=delivery_pb(delivery), settled=settled)
+            if settled and _refused_for(response):
+                # A client with default limits would refuse the answer, for the outcomes it
+                # carries: nobody would see the task. It goes back.
+                await self._service.release(delivery)
+                return pb.NextJobResponse(settled=settled)
+            return response
 
     async def Ack(self, request: pb.AckRequest, context: Context) -> pb.AckResponse:
         async with _Errors(context):
@@ -258,7 +315,8 @@ class _StreamCall:
         self._service = service
         self._stream = stream
         self._context = context
-        self._settled: list[pb.Settled] = []
+        self._settled: list[pb.Settled] = []  # outcomes not yet taken by the writer
+        self._taken = asyncio.Event()  # set when the writer takes them
 
     async def run(
         self, first: pb.StreamJobsRequest, requests: AsyncIterator[pb.StreamJobsRequest]
@@ -284,7 +342,8 @@ class _StreamCall:
             if deliveries or self._settled:
                 # Take the outcomes now: the reader may add more while we write.
                 outcomes, self._settled = self._settled, []
-                for response in _responses(deliveries, outcomes):
+                self._taken.set()
+                for response in stream_responses(deliveries, outcomes):
                     await self._context.write(response)
                 continue
             if reader.done():
@@ -308,6 +367,11 @@ class _StreamCall:
         while True:
             await self._apply(request)
             self._stream.poke()
+            if len(self._settled) >= MAX_UNSENT_OUTCOMES:
+                # The worker is not reading: read nothing more from it (gRPC's flow control then
+                # holds it back) until the writer takes these.
+                self._taken.clear()
+                await self._taken.wait()
             try:
                 request = await anext(requests)
             except StopAsyncIteration:
@@ -325,21 +389,32 @@ class _StreamCall:
             await self._stream.drain()
 
 
-def _responses(
-    deliveries: list[Delivery], settled: list[pb.Settled]
+def stream_responses(
+    deliveries: list[Delivery], settled: list[pb.Settled], limit: int = STREAM_CHUNK_BYTES
 ) -> list[pb.StreamJobsResponse]:
-    """Pack deliveries into responses of at most STREAM_CHUNK_BYTES of payload each. The outcomes
-    go in the first: they freed the slots these deliveries fill."""
-    responses = [pb.StreamJobsResponse(settled=settled)]
+    """The outcomes, then the deliveries, packed into responses of at most ``limit`` bytes
+    each, by their encoded size (a delivery or outcome larger than that comes alone). The
+    outcomes go first: they freed the slots these deliveries fill."""
+    responses = [pb.StreamJobsResponse()]
     size = 0
-    for delivery in deliveries:
-        n = len(delivery.task.payload) + 256
-        if size and size + n > STREAM_CHUNK_BYTES:
+    entries: Iterable[tuple[str, pb.Settled | pb.Delivery]] = chain(
+        (("settled", s) for s in settled), (("deliveries", delivery_pb(d)) for d in deliveries)
+    )
+    for field, entry in entries:
+        n = _entry_size(entry)
+        if size and size + n > limit:
             responses.append(pb.StreamJobsResponse())
             size = 0
-        responses[-1].deliveries.append(delivery_pb(delivery))
+        getattr(responses[-1], field).append(entry)
         size += n
     return responses
+
+
+def _entry_size(message: Message) -> int:
+    """What ``message`` adds to its parent as an entry of a repeated field numbered below 16:
+    a one-byte tag, its length as a varint, and its encoding."""
+    n = message.ByteSize()
+    return 1 + max(1, (n.bit_length() + 6) // 7) + n
 
 
 # grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
@@ -379,7 +454,14 @@ def create_server(
             ("grpc.keepalive_permit_without_calls", 1),
         ],
     )
-    pb_grpc.add_BrokerServicer_to_server(BrokerServicer(service), server)
+    # The generated table, with requests that cannot be decoded answered INVALID_ARGUMENT.
+    handlers = guarded(
+        handler_table(pb_grpc.add_BrokerServicer_to_server, BrokerServicer(service)),
+        pb.DESCRIPTOR.services_by_name["Broker"],
+        abort,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
     health_servicer = _Health(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

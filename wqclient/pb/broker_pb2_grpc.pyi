@@ -12,7 +12,9 @@ payload survives any mix of protocols unchanged. Enqueue rejects bytes that are 
 value (UTF-8, no NaN/Infinity).
 
 Errors (the same error tree as the HTTP API; one table maps it):
-  INVALID_ARGUMENT     a malformed request; the message names the field        (HTTP 400)
+  INVALID_ARGUMENT     a malformed request; the message names the field, or
+                       says the request could not be decoded (corrupt
+                       protobuf, invalid UTF-8 in a string)                     (HTTP 400)
   NOT_FOUND            unknown task id, nobody holds the task, or (Requeue)
                        the task is not in the dead-letter queue                  (HTTP 404)
   FAILED_PRECONDITION  the task is held under a different lease: yours is no
@@ -20,6 +22,8 @@ Errors (the same error tree as the HTTP API; one table maps it):
   RESOURCE_EXHAUSTED   a message or payload over the size limit (1 MiB by
                        default, the broker's -max-body-bytes)                    (HTTP 413)
   UNAVAILABLE          the broker is shutting down or its store failed           (HTTP 503)
+A status message (and Settled.message) is at most 1 KiB of UTF-8; a longer one is cut and ends
+with " [truncated]", so it always fits a client's metadata limit.
 
 Generate a client for any language from this file (see the README), e.g.
   protoc -I proto --go_out=. --go-grpc_out=. wqclient/pb/broker.proto
