@@ -2,7 +2,8 @@
 
 Handlers parse the request, call the service and render the answer; every rule lives in the
 service. Every error answer is JSON, ``{"error": "<message naming the problem>"}``, including the
-ones aiohttp produces itself (unknown path, wrong method, body too large).
+ones aiohttp produces itself (unknown path, wrong method, body too large). What any request may
+cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport.py``.
 """
 
 from __future__ import annotations
@@ -28,13 +29,21 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
-from wqbroker.limits import DEFAULT_MAX_PAYLOAD
+from wqbroker.http.server import Runner
+from wqbroker.http.transport import (
+    BODY,
+    DEFAULT_MAX_BODY,
+    BodyRules,
+    error_response,
+    expect_continue,
+    guard_body,
+    json_response,
+    read_body,
+)
 from wqbroker.models import Delivery, Stats, Task
 from wqbroker.service import Service
 
 log = logging.getLogger("wqbroker.http")
-
-DEFAULT_MAX_BODY: Final = DEFAULT_MAX_PAYLOAD
 
 # The one table from the error tree to HTTP status codes (a subclass maps as its parent).
 STATUS: Final[dict[type[WqError], int]] = {
@@ -52,16 +61,7 @@ STATUS: Final[dict[type[WqError], int]] = {
 SERVICE: Final = web.AppKey("service", Service)
 MAX_BODY: Final = web.AppKey("max_body", int)
 
-_JSON: Final = "application/json"
 _ENQUEUE_RAW: Final = frozenset({"payload"})
-
-
-def _json_response(body: bytes, status: int = 200) -> web.Response:
-    return web.Response(body=body, status=status, content_type=_JSON)
-
-
-def _error_response(status: int, message: str) -> web.Response:
-    return _json_response(codec.dumps({"error": message}), status)
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -119,23 +119,15 @@ def _query_int(request: web.Request, name: str) -> int | None:
     return int(text)
 
 
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[MAX_BODY]
-        raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes") from None
-
-
 # -- handlers -----------------------------------------------------------------------------------
 
 
 async def enqueue(request: web.Request) -> web.Response:
-    fields = codec.parse_object(await _read_body(request), _ENQUEUE_RAW)
+    fields = codec.parse_object(await read_body(request), _ENQUEUE_RAW)
     task = await request.app[SERVICE].enqueue(
         fields.get("payload"), fields.get("max_attempts"), fields.get("delay_ms")
     )
-    return _json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
+    return json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
@@ -148,7 +140,7 @@ async def claim(request: web.Request) -> web.StreamResponse:
         transport = request.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
-        answer = _json_response(render_delivery(delivery))
+        answer = json_response(render_delivery(delivery))
         await answer.prepare(request)
         await answer.write_eof()
 
@@ -172,7 +164,7 @@ async def nack(request: web.Request) -> web.Response:
     lease_id = _query_str(request, "lease_id")
     if lease_id is None:
         raise InvalidArgument("lease_id is required (a query parameter)")
-    body = await _read_body(request)
+    body = await read_body(request)
     error = None
     if body.strip(b" \t\r\n"):
         error = codec.parse_object(body).get("error")
@@ -181,12 +173,12 @@ async def nack(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return _json_response(render_stats(await request.app[SERVICE].stats()))
+    return json_response(render_stats(await request.app[SERVICE].stats()))
 
 
 async def dlq(request: web.Request) -> web.Response:
     tasks = await request.app[SERVICE].dead_letters(_query_int(request, "limit"))
-    return _json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
+    return json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
 
 
 async def requeue(request: web.Request) -> web.Response:
@@ -197,8 +189,8 @@ async def requeue(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     problem = request.app[SERVICE].problem()
     if problem is not None:
-        return _json_response(codec.dumps({"status": "unavailable", "error": problem}), 503)
-    return _json_response(b'{"status":"ok"}')
+        return json_response(codec.dumps({"status": "unavailable", "error": problem}), 503)
+    return json_response(b'{"status":"ok"}')
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -208,7 +200,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_answer(error: WqError) -> web.Response:
     """The JSON answer for an error of the tree, with the headers its status calls for."""
-    response = _error_response(lookup(STATUS, error), error.message)
+    response = error_response(lookup(STATUS, error), error.message)
     if isinstance(error, Overloaded):
         response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     elif isinstance(error, Unauthenticated):
@@ -224,45 +216,42 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error_answer(e)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
-        response = _error_response(
+        response = error_response(
             405, f"method {request.method} is not allowed on {request.path}; use {allowed}"
         )
         response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
         return response
     except web.HTTPNotFound:
-        return _error_response(404, f"no such endpoint: {request.method} {request.path}")
+        return error_response(404, f"no such endpoint: {request.method} {request.path}")
     except web.HTTPException as e:
         if e.status_code < 400:
             raise
-        return _error_response(e.status_code, e.reason)
+        return error_response(e.status_code, e.reason)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error_response(500, "internal error")
+        return error_response(500, "internal error")
 
 
 def create_app(service: Service, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
-    app = web.Application(middlewares=[errors_as_json], client_max_size=max_body)
+    # guard_body is outermost: it sees every answer, errors included, before it is sent.
+    app = web.Application(middlewares=[guard_body, errors_as_json], client_max_size=max_body)
     app[SERVICE] = service
     app[MAX_BODY] = max_body
-    app.router.add_post("/jobs", enqueue)
-    app.router.add_get("/jobs/next", claim)
-    app.router.add_post("/jobs/{id}/ack", ack)
-    app.router.add_post("/jobs/{id}/nack", nack)
-    app.router.add_get("/stats", stats)
-    app.router.add_get("/dlq", dlq)
-    app.router.add_post("/dlq/{id}/requeue", requeue)
-    app.router.add_get("/healthz", healthz)
+    app[BODY] = BodyRules(max_body)
+    routes = app.router
+    expect = expect_continue
+    routes.add_post("/jobs", enqueue, expect_handler=expect)
+    routes.add_get("/jobs/next", claim, expect_handler=expect)
+    routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)
+    routes.add_post("/jobs/{id}/nack", nack, expect_handler=expect)
+    routes.add_get("/stats", stats, expect_handler=expect)
+    routes.add_get("/dlq", dlq, expect_handler=expect)
+    routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
+    routes.add_get("/healthz", healthz, expect_handler=expect)
     return app
 
 
 def make_runner(app: web.Application, *, access_log: bool = False) -> web.AppRunner:
-    # handler_cancellation: a long-poll whose client disconnects is cancelled at once, so it leaves
-    # the queue of waiting consumers and is never handed a task.
-    return web.AppRunner(
-        app,
-        handler_cancellation=True,
-        access_log=log if access_log else None,
-        shutdown_timeout=5.0,
-    )
+    return Runner(app, access_log=log if access_log else None, shutdown_timeout=5.0)

@@ -1,0 +1,230 @@
+"""The HTTP edge against hostile input: compressed bodies, bodies over the limit, methods that must
+not change state, integers too long to convert, malformed HTTP, and clients that are slow on
+purpose. Each test sends what a hostile or broken client would, over a real socket, to a real
+broker on port 0, and checks the answer is a clear JSON 4xx, that nothing else was harmed, and
+that the broker still serves everyone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import zlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from tests.helpers import Http, http_client, running_broker
+from tests.rawhttp import exchange, raw_connection, request, stubborn_upload
+from wqbroker.broker import Broker
+from wqbroker.clock import FakeClock
+
+pytestmark = pytest.mark.timeout(60)
+
+LIMIT = 64 * 1024
+
+
+@pytest.fixture
+async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
+    async with running_broker(clock=clock, max_body=LIMIT) as b:
+        yield b
+
+
+@pytest.fixture
+async def http(broker: Broker) -> AsyncIterator[Http]:
+    async with http_client(broker.http_url) as h:
+        yield h
+
+
+def address(broker: Broker) -> str:
+    return broker.http_addresses[0]
+
+
+def json_error(response: Any) -> str:
+    assert (response.header("Content-Type") or "").startswith("application/json"), response.headers
+    body = response.json()
+    assert set(body) == {"error"}, body
+    assert isinstance(body["error"], str)
+    assert body["error"]
+    return str(body["error"])
+
+
+def deflate_bomb(inflated: int, wbits: int) -> bytes:
+    """``inflated`` zero bytes, compressed (about 1000:1): small on the wire, huge inflated."""
+    compressor = zlib.compressobj(9, zlib.DEFLATED, wbits)
+    block = bytes(1 << 20)
+    parts = [compressor.compress(block) for _ in range(inflated >> 20)]
+    parts.append(compressor.flush())
+    return b"".join(parts)
+
+
+# -- 1. compressed bodies, bodies over the limit, Expect: 100-continue ----------------------------
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br", "x-gzip", "gzip, identity", "zstd"])
+async def test_a_compressed_body_is_refused_with_415(
+    http: Http, broker: Broker, encoding: str
+) -> None:
+    body = b'{"payload": 1}'
+    response = await exchange(
+        address(broker), request("POST", "/jobs", body, {"Content-Encoding": encoding})
+    )
+    assert response.status == 415
+    assert "Content-Encoding" in json_error(response)
+    assert response.header("Accept-Encoding") == "identity"
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+@pytest.mark.parametrize("encoding", ["identity", "IDENTITY", ""])
+async def test_identity_encoding_is_accepted(http: Http, broker: Broker, encoding: str) -> None:
+    body = b'{"payload": 1}'
+    response = await exchange(
+        address(broker), request("POST", "/jobs", body, {"Content-Encoding": encoding})
+    )
+    assert response.status == 201, response.body
+
+
+async def test_a_compression_bomb_is_answered_from_its_headers(broker: Broker) -> None:
+    """The 415 comes before a byte of the body is sent: nothing is ever inflated."""
+    bomb = deflate_bomb(64 << 20, 31)
+    head = request("POST", "/jobs", headers={"Content-Encoding": "gzip"})[:-2]
+    head += f"Content-Length: {len(bomb)}\r\n\r\n".encode()
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(head)
+        response = await conn.response()
+        assert response.status == 415
+        assert response.closes
+        assert await conn.closed()
+
+
+async def test_a_gzip_bomb_costs_no_cpu_and_stalls_nobody(http: Http, broker: Broker) -> None:
+    """1 MB on the wire that would inflate to 1 GiB, sent in full before reading: refused, the
+    connection closed, at little CPU, while another client carries on."""
+    bomb = deflate_bomb(1 << 30, 31)
+    head = request("POST", "/jobs", headers={"Content-Encoding": "gzip"})[:-2]
+    head += f"Content-Length: {len(bomb)}\r\n\r\n".encode()
+    stop = asyncio.Event()
+    served = 0
+
+    async def other_client() -> None:
+        nonlocal served
+        while not stop.is_set():
+            await http.enqueue({"n": served})
+            served += 1
+
+    other = asyncio.create_task(other_client())
+    cpu = time.process_time()
+    chunks = (bomb[i : i + 65536] for i in range(0, len(bomb), 65536))
+    upload = await stubborn_upload(address(broker), head, chunks)
+    spent = time.process_time() - cpu
+    stop.set()
+    await other
+    assert upload.response.status == 415
+    assert upload.closed
+    # Inflating the bomb costs seconds of CPU; refusing it, next to nothing. The bound is loose.
+    assert spent < 0.5, f"{spent:.2f}s of CPU for one refused request"
+    assert served > 0
+    stats = await http.stats()
+    assert stats["totals"]["enqueued"] == served
+
+
+async def test_expect_100_continue_over_the_limit_gets_413_before_the_body(
+    http: Http, broker: Broker
+) -> None:
+    head = request(
+        "POST",
+        "/jobs",
+        headers={"Content-Length": str(10**9), "Expect": "100-continue"},
+    )
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(head)
+        response = await conn.response()
+        assert response.status == 413  # not "100 Continue"
+        assert str(LIMIT) in json_error(response)
+        assert response.closes
+        assert await conn.closed()
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_expect_100_continue_within_the_limit_still_works(broker: Broker) -> None:
+    async with raw_connection(address(broker)) as conn:
+        body = b'{"payload": {"n": 1}}'
+        await conn.send(request("POST", "/jobs", headers={"Expect": "100-continue"})[:-2])
+        await conn.send(f"Content-Length: {len(body)}\r\n\r\n".encode())
+        interim = await conn.response()
+        assert interim.status == 100
+        await conn.send(body)
+        response = await conn.response()
+        assert response.status == 201
+    async with aiohttp.ClientSession() as session:
+        async with session.post(
+            broker.http_url + "/jobs", data=b'{"payload": 2}', expect100=True
+        ) as resp:
+            assert resp.status == 201
+
+
+async def test_an_unknown_expectation_gets_417_json(broker: Broker) -> None:
+    for path in ("/jobs", "/nowhere"):
+        response = await exchange(
+            address(broker), request("POST", path, b"{}", {"Expect": "something-else"})
+        )
+        assert response.status == 417
+        assert "Expect" in json_error(response)
+
+
+async def test_a_body_over_the_limit_closes_the_connection_instead_of_draining(
+    http: Http, broker: Broker
+) -> None:
+    """Content-Length says 100 MB: 413 at once, and the connection is closed after reading at
+    most about another limit's worth, however long the client keeps sending."""
+    head = request("POST", "/jobs", headers={"Content-Length": str(100 << 20)})
+    upload = await stubborn_upload(address(broker), head, (bytes(65536) for _ in range(1600)))
+    assert upload.response.status == 413
+    assert str(LIMIT) in json_error(upload.response)
+    assert upload.response.closes
+    assert upload.closed
+    assert upload.sent < 100 << 20
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_a_chunked_body_over_the_limit_gets_413_and_a_closed_connection(
+    http: Http, broker: Broker
+) -> None:
+    chunk = b"%x\r\n%s\r\n" % (16384, b"x" * 16384)
+    head = request("POST", "/jobs", headers={"Transfer-Encoding": "chunked"})
+    upload = await stubborn_upload(address(broker), head, (chunk for _ in range(10_000)))
+    assert upload.response.status == 413
+    assert str(LIMIT) in json_error(upload.response)
+    assert upload.response.closes
+    assert upload.closed
+    assert upload.sent < 10_000 * len(chunk)
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_a_client_that_reads_while_it_sends_gets_the_413(broker: Broker) -> None:
+    """aiohttp's client reads the answer while it still sends the body."""
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            yield bytes(65536)
+
+    async with aiohttp.ClientSession() as session:
+        async with session.post(broker.http_url + "/jobs", data=endless()) as resp:
+            assert resp.status == 413
+            assert str(LIMIT) in (await resp.json())["error"]
+
+
+async def test_a_small_unread_body_keeps_the_connection(broker: Broker) -> None:
+    """A body nobody reads (an ack's, a 404's) within the limit is skipped, not a reason to
+    close: the next request on the connection is served."""
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(request("POST", "/jobs/nope/ack?lease_id=x", b'{"ignored": true}'))
+        assert (await conn.response()).status == 404
+        await conn.send(request("GET", "/nowhere", b"x" * 1000))
+        assert (await conn.response()).status == 404
+        await conn.send(request("GET", "/healthz"))
+        response = await conn.response()
+        assert response.status == 200
+        assert response.json() == {"status": "ok"}
