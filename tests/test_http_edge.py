@@ -228,3 +228,69 @@ async def test_a_small_unread_body_keeps_the_connection(broker: Broker) -> None:
         response = await conn.response()
         assert response.status == 200
         assert response.json() == {"status": "ok"}
+
+
+# -- 2. only documented methods reach handlers -----------------------------------------------------
+
+# Every route and the methods that reach its handler. HEAD is allowed where it changes nothing
+# (the read-only GETs answer it as GET, without the body); never on /jobs/next, which claims.
+ROUTES = {
+    "/jobs": {"POST"},
+    "/jobs/next?wait_ms=0": {"GET"},
+    "/jobs/abc/ack?lease_id=x": {"POST"},
+    "/jobs/abc/nack?lease_id=x": {"POST"},
+    "/stats": {"GET", "HEAD"},
+    "/dlq": {"GET", "HEAD"},
+    "/dlq/abc/requeue": {"POST"},
+    "/healthz": {"GET", "HEAD"},
+}
+METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND"]
+
+
+async def test_head_on_jobs_next_is_405_and_claims_nothing(http: Http, broker: Broker) -> None:
+    task_id = await http.enqueue({"n": 1})
+    response = await exchange(address(broker), request("HEAD", "/jobs/next?wait_ms=0"), head=True)
+    assert response.status == 405
+    assert response.header("Allow") == "GET"
+    stats = await http.stats()
+    assert (stats["ready"], stats["handed_out"]) == (1, 0)
+    assert stats["totals"]["delivered"] == 0
+    body = await http.claim()
+    assert body["task"]["id"] == task_id
+    assert body["task"]["attempts"] == 1
+
+
+@pytest.mark.parametrize("path", list(ROUTES))
+async def test_only_documented_methods_reach_handlers(
+    http: Http, broker: Broker, path: str
+) -> None:
+    await http.enqueue({"n": 1})
+    before = await http.stats()
+    allowed = ROUTES[path]
+    for method in METHODS:
+        if method in allowed:
+            continue
+        head = method == "HEAD"
+        response = await exchange(address(broker), request(method, path, b""), head=head)
+        assert response.status == 405, (method, path, response.status)
+        assert set((response.header("Allow") or "").split(",")) == allowed, (method, path)
+        if not head:
+            assert method in json_error(response)
+    assert await http.stats() == before  # none of them changed anything (abc is no task)
+
+
+async def test_head_on_a_read_only_route_answers_as_get_without_a_body(
+    http: Http, broker: Broker
+) -> None:
+    await http.enqueue({"n": 1})
+    before = await http.stats()
+    async with raw_connection(address(broker)) as conn:
+        for path in ("/stats", "/dlq", "/healthz"):
+            await conn.send(request("HEAD", path))
+            response = await conn.response(head=True)
+            assert response.status == 200, path
+            assert (response.header("Content-Type") or "").startswith("application/json")
+        # The connection is still in step: no body followed any of the HEAD answers.
+        await conn.send(request("GET", "/healthz"))
+        assert (await conn.response()).json() == {"status": "ok"}
+    assert await http.stats() == before

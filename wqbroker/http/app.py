@@ -240,10 +240,12 @@ def create_app(service: Service, *, max_body: int = DEFAULT_MAX_BODY) -> web.App
     app[SERVICE] = service
     app[MAX_BODY] = max_body
     app[BODY] = BodyRules(max_body)
+    # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
+    # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
     routes = app.router
     expect = expect_continue
     routes.add_post("/jobs", enqueue, expect_handler=expect)
-    routes.add_get("/jobs/next", claim, expect_handler=expect)
+    routes.add_get("/jobs/next", claim, allow_head=False, expect_handler=expect)
     routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)
     routes.add_post("/jobs/{id}/nack", nack, expect_handler=expect)
     routes.add_get("/stats", stats, expect_handler=expect)
