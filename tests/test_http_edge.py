@@ -11,12 +11,13 @@ import asyncio
 import time
 import zlib
 from collections.abc import AsyncIterator
+from datetime import datetime
 from typing import Any
 
 import aiohttp
 import pytest
 
-from tests.helpers import Http, http_client, running_broker
+from tests.helpers import Http, http_client, running_broker, settle, wait_until
 from tests.rawhttp import exchange, raw_connection, request, stubborn_upload
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
@@ -294,3 +295,143 @@ async def test_head_on_a_read_only_route_answers_as_get_without_a_body(
         await conn.send(request("GET", "/healthz"))
         assert (await conn.response()).json() == {"status": "ok"}
     assert await http.stats() == before
+
+
+# -- 3. integers too long to convert ---------------------------------------------------------------
+
+HUGE = "9" * 5000  # past Python's 4300-digit limit on int(str)
+
+
+@pytest.mark.parametrize("name", ["wait_ms", "lease_ms"])
+async def test_a_huge_duration_is_clamped_as_the_spec_says(
+    http: Http, clock: FakeClock, name: str
+) -> None:
+    await http.enqueue({"n": 1})
+    status, body = await http.request("GET", f"/jobs/next?{name}={HUGE}")
+    assert status == 200, body
+    if name == "lease_ms":  # clamped to 5 minutes
+        deadline = datetime.fromisoformat(body["deadline"].replace("Z", "+00:00")).timestamp()
+        assert deadline == pytest.approx(clock.now() + 300, abs=1e-3)
+
+
+async def test_a_huge_wait_is_clamped_to_30s(http: Http, broker: Broker, clock: FakeClock) -> None:
+    poll = asyncio.create_task(http.request("GET", f"/jobs/next?wait_ms={HUGE}"))
+    await wait_until(lambda: broker.service.waiting == 1, what="the claim to park")
+    clock.advance(29.9)
+    await settle()
+    assert broker.service.waiting == 1
+    clock.advance(0.2)
+    assert await asyncio.wait_for(poll, 5) == (204, None)
+
+
+@pytest.mark.parametrize("limit", [HUGE, "99999999999999999999", "9223372036854775808"])
+async def test_a_huge_dlq_limit_lists_everything(http: Http, limit: str) -> None:
+    await http.enqueue({"n": 1}, max_attempts=1)
+    body = await http.claim()
+    assert await http.nack(body["task"]["id"], body["lease_id"], "x") == 204
+    status, dead = await http.request("GET", f"/dlq?limit={limit}")
+    assert status == 200, dead
+    assert [d["id"] for d in dead] == [body["task"]["id"]]
+
+
+@pytest.mark.parametrize(
+    ("query", "needle"),
+    [
+        (f"/jobs/next?wait_ms=-{HUGE}", "wait_ms must not be negative"),
+        (f"/jobs/next?lease_ms=-{HUGE}", "lease_ms must be at least 1"),
+        (f"/dlq?limit=-{HUGE}", "limit must not be negative"),
+        (f"/jobs/next?wait_ms=%2B-{HUGE}", "wait_ms must be an integer"),
+    ],
+)
+async def test_a_huge_negative_query_integer_gets_400(http: Http, query: str, needle: str) -> None:
+    await http.enqueue({"n": 1})
+    status, body = await http.request("GET", query)
+    assert status == 400, body
+    assert needle in body["error"]
+    assert len(body["error"]) < 200  # names the number, does not repeat all of it
+    assert (await http.stats())["handed_out"] == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "needle"),
+    [
+        ("max_attempts", HUGE, "max_attempts must be at most 2147483647"),
+        ("max_attempts", "-" + HUGE, "max_attempts must be at least 1"),
+        ("delay_ms", HUGE, "delay_ms must be at most 31536000000"),
+        ("delay_ms", "-" + HUGE, "delay_ms must not be negative"),
+        ("max_attempts", "1e999999", "max_attempts must be an integer"),
+        ("max_attempts", "-1e999999", "max_attempts must be an integer"),
+        ("delay_ms", "1" + "0" * 5000 + ".5", "delay_ms must be an integer"),
+    ],
+)
+async def test_a_huge_number_in_an_integer_field_gets_a_clear_400(
+    http: Http, field: str, value: str, needle: str
+) -> None:
+    body = f'{{"payload": 1, "{field}": {value}}}'.encode()
+    status, answer = await http.request("POST", "/jobs", data=body)
+    assert status == 400, answer
+    assert needle in answer["error"]
+    assert "sys.set_int_max_str_digits" not in answer["error"]
+    assert len(answer["error"]) < 200
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        HUGE.encode(),
+        b"-" + HUGE.encode(),
+        b"1" * 60_000,
+        b"[" + HUGE.encode() + b', {"n": -' + HUGE.encode() + b"}]",
+        b"1e999999",
+        b"-1e999999",
+        b"1e-999999",
+        b"0." + b"1" * 10_000,
+        b"1" * 5000 + b".5e-3",
+    ],
+    ids=lambda p: f"{len(p)}B:{p[:12].decode()}",
+)
+async def test_a_payload_holding_huge_numbers_is_accepted_and_returned_byte_for_byte(
+    http: Http, payload: bytes
+) -> None:
+    status, answer = await http.request(
+        "POST", "/jobs", data=b'{"payload": ' + payload + b', "ignored": ' + HUGE.encode() + b"}"
+    )
+    assert status == 201, answer
+    async with http.session.get(http.base + "/jobs/next?wait_ms=0") as resp:
+        raw = await resp.read()
+    assert resp.status == 200
+    assert b'"payload":' + payload + b',"attempts":1' in raw
+
+
+async def test_a_nack_body_with_a_huge_number_in_an_unknown_field_is_accepted(
+    http: Http,
+) -> None:
+    await http.enqueue({"n": 1})
+    body = await http.claim()
+    status, answer = await http.request(
+        "POST",
+        f"/jobs/{body['task']['id']}/nack?lease_id={body['lease_id']}",
+        data=b'{"error": "boom", "code": ' + HUGE.encode() + b"}",
+    )
+    assert status == 204, answer
+    assert (await http.stats())["totals"]["nacked"] == 1
+
+
+def test_the_codec_validates_numbers_without_converting_them() -> None:
+    from wqbroker import codec
+
+    for text in (HUGE, "1" * 100_000, "1e999999", "[-" + HUGE + "]"):
+        assert codec.validate_json(text.encode()) == text.encode()
+    fields = codec.parse_object(
+        b'{"payload": ' + HUGE.encode() + b', "n": ' + HUGE.encode() + b"}", frozenset({"payload"})
+    )
+    assert fields["payload"] == HUGE.encode()
+    # A number the broker reads saturates at int64 and names itself without converting.
+    assert fields["n"] == 2**63 - 1
+    assert f"{fields['n']}" == "9" * 16 + "... (5000 digits)"
+    assert codec.parse_int("-" + HUGE) == -(2**63)
+    assert codec.parse_int("9223372036854775807") == 2**63 - 1
+    assert type(codec.parse_int("9223372036854775807")) is int
+    assert type(codec.parse_int("9223372036854775808")) is codec.BigInt
+    assert codec.parse_int("0" * 10_000 + "42") == 42

@@ -9,6 +9,7 @@ cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -107,6 +108,13 @@ def _query_str(request: web.Request, name: str) -> str | None:
     return values[0] if values else None
 
 
+def _quoted(text: str) -> str:
+    """What a client sent, quoted for an error message (JSON-escaped, cut short if long)."""
+    if len(text) <= 40:
+        return json.dumps(text)
+    return f'{json.dumps(text[:16])[:-1]}..." ({len(text)} characters)'
+
+
 def _query_int(request: web.Request, name: str) -> int | None:
     raw = _query_str(request, name)
     if raw is None:
@@ -115,8 +123,8 @@ def _query_int(request: web.Request, name: str) -> int | None:
     digits = text[1:] if text[:1] in ("+", "-") else text
     # Plain ASCII digits only: int() would also take "1_000" and other scripts' digits.
     if not (digits.isascii() and digits.isdigit()):
-        raise InvalidArgument(f"{name} must be an integer, got {raw!r}")
-    return int(text)
+        raise InvalidArgument(f"{name} must be an integer, got {_quoted(raw)}")
+    return codec.parse_int(text)  # never converts more than int64's 19 digits
 
 
 # -- handlers -----------------------------------------------------------------------------------
