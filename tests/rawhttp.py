@@ -25,6 +25,7 @@ class RawResponse:
     reason: str
     headers: list[tuple[str, str]] = field(default_factory=list)
     body: bytes = b""
+    version: str = "HTTP/1.1"
 
     def header(self, name: str) -> str | None:
         """The last value of a header (case-insensitive), or None."""
@@ -39,8 +40,10 @@ class RawResponse:
 
     @property
     def closes(self) -> bool:
-        """The answer says the server will close the connection after it."""
-        return (self.header("Connection") or "").lower() == "close"
+        """The answer says the server will close the connection after it (HTTP/1.0: unless it
+        says keep-alive)."""
+        connection = (self.header("Connection") or "").lower()
+        return connection == "close" or (self.version == "HTTP/1.0" and connection != "keep-alive")
 
 
 class RawConnection:
@@ -61,7 +64,7 @@ class RawConnection:
         status_line = await self.reader.readuntil(b"\r\n")
         version, status, reason = status_line.decode("latin-1").rstrip("\r\n").split(" ", 2)
         assert version.startswith("HTTP/1."), status_line
-        response = RawResponse(int(status), reason)
+        response = RawResponse(int(status), reason, version=version)
         while True:
             line = await self.reader.readuntil(b"\r\n")
             if line == b"\r\n":
@@ -114,8 +117,8 @@ async def exchange(address: str, data: bytes, *, head: bool = False) -> RawRespo
 def _parse(data: bytes) -> RawResponse:
     head, _, body = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
-    _, status, reason = lines[0].split(" ", 2)
-    response = RawResponse(int(status), reason)
+    version, status, reason = lines[0].split(" ", 2)
+    response = RawResponse(int(status), reason, version=version)
     for line in lines[1:]:
         name, _, value = line.partition(":")
         response.headers.append((name.strip(), value.strip()))

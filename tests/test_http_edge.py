@@ -8,6 +8,7 @@ that the broker still serves everyone else.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import zlib
 from collections.abc import AsyncIterator
@@ -435,3 +436,86 @@ def test_the_codec_validates_numbers_without_converting_them() -> None:
     assert type(codec.parse_int("9223372036854775807")) is int
     assert type(codec.parse_int("9223372036854775808")) is codec.BigInt
     assert codec.parse_int("0" * 10_000 + "42") == 42
+
+
+# -- 4. malformed HTTP ----------------------------------------------------------------------------
+
+MALFORMED = {
+    "a 64 KB path": b"GET /" + b"a" * 65536 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a 70 KB header": b"GET /stats HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000 + b"\r\n\r\n",
+    "300 headers": b"GET /stats HTTP/1.1\r\nHost: x\r\n"
+    + b"".join(b"X-H%d: y\r\n" % i for i in range(300))
+    + b"\r\n",
+    "Content-Length with Transfer-Encoding": b"POST /jobs HTTP/1.1\r\nHost: x\r\n"
+    b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+    "a NUL in a header": b"GET /stats HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\n\r\n",
+    "an unknown method": b"FOO /stats HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a method that is not a token": b"G@T /stats HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a bad Content-Length": b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    "a negative Content-Length": b"POST /jobs HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    "an overflowing Content-Length": b"POST /jobs HTTP/1.1\r\nHost: x\r\n"
+    b"Content-Length: 99999999999999999999999\r\n\r\n",
+    "two Content-Lengths": b"POST /jobs HTTP/1.1\r\nHost: x\r\n"
+    b"Content-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    "an unknown Transfer-Encoding": b"POST /jobs HTTP/1.1\r\nHost: x\r\n"
+    b"Transfer-Encoding: foo\r\n\r\n",
+    "a bad chunk size": b"POST /jobs HTTP/1.1\r\nHost: x\r\n"
+    b"Transfer-Encoding: chunked\r\n\r\nZZ\r\n",
+    "HTTP/9.9": b"GET /stats HTTP/9.9\r\nHost: x\r\n\r\n",
+    "garbage": b"GARBAGE / HTTP/9.9\r\n\r\n",
+    "a space in the path": b"GET /st ats HTTP/1.1\r\nHost: x\r\n\r\n",
+    "bytes that are not ASCII in the path": b"GET /jobs/\xff\xfe/ack HTTP/1.1\r\nHost: x\r\n\r\n",
+    "a bad header name": b"GET /stats HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    "no Host": b"GET /stats HTTP/1.1\r\n\r\n",
+    "bare line feeds": b"GET /stats HTTP/1.1\nHost: x\n\n",
+    "TLS": b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(40),
+    "HTTP/2": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n",
+}
+
+_REPRS = ("b'", 'b"', "\\x", "bytearray", "aaaaaaaa", "Traceback")
+
+
+@pytest.mark.parametrize("data", list(MALFORMED.values()), ids=list(MALFORMED))
+async def test_malformed_http_gets_a_json_400_and_no_traceback(
+    http: Http, broker: Broker, data: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(data)
+        response = await conn.response()
+        assert 400 <= response.status < 500
+        error = json_error(response)
+        assert not any(mark in error for mark in _REPRS), error
+        assert response.closes
+        assert await conn.closed()
+    assert (await http.request("GET", "/healthz"))[0] == 200
+    for record in caplog.records:
+        assert record.exc_info is None, record.getMessage()
+        assert record.levelno < logging.WARNING, record.getMessage()
+        assert not any(mark in record.getMessage() for mark in _REPRS), record.getMessage()
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_malformed_requests_are_logged_in_one_line_at_most_every_ten_seconds(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO)
+    for _ in range(30):
+        response = await exchange(address(broker), MALFORMED["a NUL in a header"])
+        assert response.status == 400
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO and "bad" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    assert "127.0.0.1" in lines[0].getMessage()
+    assert "header" in lines[0].getMessage()
+
+
+async def test_a_malformed_request_after_good_ones_on_one_connection(broker: Broker) -> None:
+    async with raw_connection(address(broker)) as conn:
+        for _ in range(3):
+            await conn.send(request("GET", "/healthz"))
+            assert (await conn.response()).status == 200
+        await conn.send(MALFORMED["a NUL in a header"])
+        response = await conn.response()
+        assert response.status == 400
+        json_error(response)
+        assert await conn.closed()
