@@ -79,6 +79,19 @@ async def test_a_compressed_body_is_refused_with_415(
     assert (await http.stats())["totals"]["enqueued"] == 0
 
 
+@pytest.mark.parametrize("coding", ["gzip, chunked", "deflate,chunked", "br , chunked"])
+async def test_a_compressing_transfer_coding_is_refused_with_415(
+    http: Http, broker: Broker, coding: str
+) -> None:
+    body = zlib.compress(b'{"payload": 1}')
+    chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+    head = request("POST", "/jobs", headers={"Transfer-Encoding": coding})
+    response = await exchange(address(broker), head + chunked)
+    assert response.status == 415
+    assert "Transfer-Encoding" in json_error(response)
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
 @pytest.mark.parametrize("encoding", ["identity", "IDENTITY", ""])
 async def test_identity_encoding_is_accepted(http: Http, broker: Broker, encoding: str) -> None:
     body = b'{"payload": 1}'

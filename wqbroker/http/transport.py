@@ -1,8 +1,9 @@
 """The HTTP transport's handling of request bodies: what a body may cost before a handler sees it
 and after its answer.
 
-- Nothing is ever inflated: a body with a ``Content-Encoding`` other than ``identity`` gets 415
-  (the API never needs compressed bodies), before a byte of it is read.
+- Nothing is ever inflated: a body with a ``Content-Encoding`` other than ``identity``, or a
+  transfer-coding other than ``chunked``, gets 415 (the API never needs compressed bodies),
+  before a byte of it is read.
 - A body over the limit gets 413: from its Content-Length, before it is read; for a chunked one,
   once the limit is passed. The connection is closed after the answer.
 - ``Expect: 100-continue`` is answered from the headers, so a client told 413 or 415 never sends
@@ -62,13 +63,19 @@ def _too_large(limit: int) -> str:
     return f"request body is larger than the limit of {limit} bytes"
 
 
-def _encodings(request: web.BaseRequest) -> list[str]:
-    return [
+def _codings(request: web.BaseRequest, header: str, plain: str) -> str | None:
+    """The codings a header lists other than ``plain`` (as a short text for a message), or None
+    if it lists none."""
+    tokens = [
         token.strip()
-        for value in request.headers.getall("Content-Encoding", [])
+        for value in request.headers.getall(header, [])
         for token in value.split(",")
         if token.strip()
     ]
+    if all(token.lower() == plain for token in tokens):
+        return None
+    shown = ", ".join(tokens)
+    return shown if len(shown) <= 40 and shown.isascii() and shown.isprintable() else "given"
 
 
 def body_refusal(request: web.BaseRequest, rules: BodyRules) -> web.Response | None:
@@ -76,15 +83,14 @@ def body_refusal(request: web.BaseRequest, rules: BodyRules) -> web.Response | N
     413: Content-Length over the limit), or None."""
     if not request.body_exists:
         return None
-    encodings = _encodings(request)
-    if any(token.lower() != "identity" for token in encodings):
-        shown = ", ".join(encodings)
-        named = shown if len(shown) <= 40 and shown.isascii() and shown.isprintable() else "given"
-        response = error_response(
-            415,
-            f"Content-Encoding {named} is not supported: send the request body uncompressed "
-            "(Content-Encoding: identity, or none)",
-        )
+    encoding = _codings(request, "Content-Encoding", "identity")
+    transfer = _codings(request, "Transfer-Encoding", "chunked")
+    if encoding is not None or transfer is not None:
+        if encoding is not None:
+            problem = f"Content-Encoding {encoding} is not supported"
+        else:
+            problem = f"Transfer-Encoding {transfer} is not supported (only chunked is)"
+        response = error_response(415, f"{problem}: send the request body uncompressed")
         response.headers["Accept-Encoding"] = "identity"
         return response
     length = request.content_length
