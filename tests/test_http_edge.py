@@ -532,3 +532,119 @@ async def test_a_malformed_request_after_good_ones_on_one_connection(broker: Bro
         assert response.status == 400
         json_error(response)
         assert await conn.closed()
+
+
+# -- 5. time-outs ---------------------------------------------------------------------------------
+
+# Short time-outs, so a test takes a second or two; real time (they are the transport's, on the
+# event loop), while the service runs on the fake clock: a parked long-poll stays parked for as
+# long as the test likes.
+HEADER_TIMEOUT, BODY_TIMEOUT, IDLE_TIMEOUT = 0.4, 0.4, 0.8
+
+
+@pytest.fixture
+async def strict(clock: FakeClock) -> AsyncIterator[Broker]:
+    async with running_broker(
+        clock=clock,
+        read_header_timeout=HEADER_TIMEOUT,
+        read_body_timeout=BODY_TIMEOUT,
+        idle_timeout=IDLE_TIMEOUT,
+    ) as b:
+        yield b
+
+
+def test_the_timeout_flags_reach_the_config() -> None:
+    from wqbroker import __main__ as cli
+
+    config = cli.config_from_args(cli.parse_args([]))
+    assert (config.read_header_timeout, config.read_body_timeout, config.idle_timeout) == (
+        10.0,
+        30.0,
+        75.0,
+    )
+    args = cli.parse_args(
+        ["-read-header-timeout-ms", "500", "--read-body-timeout-ms=700", "-idle-timeout-ms=900"]
+    )
+    config = cli.config_from_args(args)
+    assert (config.read_header_timeout, config.read_body_timeout, config.idle_timeout) == (
+        0.5,
+        0.7,
+        0.9,
+    )
+
+
+async def test_slowloris_is_cut_off_while_a_long_poll_and_others_carry_on(
+    strict: Broker,
+) -> None:
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    async with http_client(strict.http_url) as http:
+        poll = asyncio.create_task(http.request("GET", "/jobs/next?wait_ms=30000"))
+        await wait_until(lambda: strict.service.waiting == 1, what="the long-poll to park")
+        async with raw_connection(address(strict)) as slow:
+            dribbled = 0
+
+            async def dribble() -> None:
+                nonlocal dribbled
+                head = request("GET", "/stats", headers={"X-Slow": "y" * 1000})
+                for byte in head:
+                    await slow.send(bytes([byte]))
+                    dribbled += 1
+                    await asyncio.sleep(0.02)
+
+            dribbler = asyncio.create_task(dribble())
+            response = await slow.response()
+            assert response.status == 408
+            assert "within 400 ms" in json_error(response)
+            assert await slow.closed()
+            dribbler.cancel()
+            assert dribbled < 200  # cut off long before the head was done
+            # Everyone else is served meanwhile.
+            assert (await http.request("GET", "/healthz"))[0] == 200
+        # The long-poll outlives every time-out, twice over, and still gets its task.
+        await wait_until(
+            loop.time, lambda now: now > began + 2 * IDLE_TIMEOUT, what="the time-outs to pass"
+        )
+        assert not poll.done()
+        task_id = await http.enqueue({"n": 1})
+        status, body = await asyncio.wait_for(poll, 5)
+        assert status == 200
+        assert body["task"]["id"] == task_id
+
+
+async def test_a_connection_that_sends_nothing_is_closed_without_an_answer(
+    strict: Broker,
+) -> None:
+    async with raw_connection(address(strict)) as conn:
+        assert await conn.closed(timeout=5)
+
+
+async def test_a_slow_body_gets_408_and_a_closed_connection(strict: Broker) -> None:
+    async with raw_connection(address(strict)) as conn:
+        await conn.send(request("POST", "/jobs", headers={"Content-Length": "100"}))
+        await conn.send(b'{"payload": ')  # and nothing more
+        response = await conn.response()
+        assert response.status == 408
+        assert "body" in json_error(response)
+        assert response.closes
+        assert await conn.closed()
+    async with http_client(strict.http_url) as http:
+        assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_an_idle_connection_is_kept_for_the_idle_timeout_then_closed(
+    strict: Broker,
+) -> None:
+    loop = asyncio.get_running_loop()
+    async with raw_connection(address(strict)) as conn:
+        await conn.send(request("GET", "/healthz"))
+        assert (await conn.response()).status == 200
+        # Idle for longer than the head time-out (which only starts with a request's first
+        # byte), well within the idle one: still open.
+        resumed = loop.time() + HEADER_TIMEOUT * 1.5
+        await wait_until(loop.time, lambda now: now > resumed, what="a pause")
+        await conn.send(request("GET", "/healthz"))
+        assert (await conn.response()).status == 200
+        quiet_since = loop.time()
+        assert await conn.closed(timeout=5)
+        assert loop.time() - quiet_since >= IDLE_TIMEOUT * 0.9

@@ -30,11 +30,13 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
-from wqbroker.http.server import Runner
+from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
     BODY,
     DEFAULT_MAX_BODY,
+    DEFAULT_READ_BODY_TIMEOUT,
     BodyRules,
+    RequestTimeout,
     error_response,
     expect_continue,
     guard_body,
@@ -235,6 +237,8 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         if e.status_code < 400:
             raise
         return error_response(e.status_code, e.reason)
+    except RequestTimeout as e:
+        return error_response(408, e.message)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
@@ -242,12 +246,17 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error_response(500, "internal error")
 
 
-def create_app(service: Service, *, max_body: int = DEFAULT_MAX_BODY) -> web.Application:
+def create_app(
+    service: Service,
+    *,
+    max_body: int = DEFAULT_MAX_BODY,
+    read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT,
+) -> web.Application:
     # guard_body is outermost: it sees every answer, errors included, before it is sent.
     app = web.Application(middlewares=[guard_body, errors_as_json], client_max_size=max_body)
     app[SERVICE] = service
     app[MAX_BODY] = max_body
-    app[BODY] = BodyRules(max_body)
+    app[BODY] = BodyRules(max_body, read_body_timeout)
     # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
     # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
     routes = app.router
@@ -263,5 +272,17 @@ def create_app(service: Service, *, max_body: int = DEFAULT_MAX_BODY) -> web.App
     return app
 
 
-def make_runner(app: web.Application, *, access_log: bool = False) -> web.AppRunner:
-    return Runner(app, access_log=log if access_log else None, shutdown_timeout=5.0)
+def make_runner(
+    app: web.Application,
+    *,
+    access_log: bool = False,
+    read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+) -> web.AppRunner:
+    return Runner(
+        app,
+        access_log=log if access_log else None,
+        read_header_timeout=read_header_timeout,
+        idle_timeout=idle_timeout,
+        shutdown_timeout=5.0,
+    )

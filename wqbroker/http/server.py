@@ -7,6 +7,12 @@
 - ``lingering_time=0``: aiohttp never drains an unread body after an answer (it would, for up to
   ten seconds, whatever it costs); ``transport.guard_body`` skips a bounded amount of it first,
   and the connection is closed if more is left.
+- Time-outs (Go's net/http has the same three): a request's line and headers must arrive within
+  the head time-out of its first byte (or of the connection's start), else 408 and the
+  connection is closed (closed without an answer if nothing was sent); an idle keep-alive
+  connection is closed after the idle time-out (aiohttp's ``keepalive_timeout``); the body
+  time-out is in ``transport.py``. None of them runs while a handler works on a request, so a
+  long-poll is never cut off.
 - Whatever escapes the application (an HTTP error raised before the middlewares run, such as
   aiohttp's own ``Expect`` handling on an unknown path) is answered in JSON.
 - What aiohttp's parser rejects (an oversized line or header, too many headers, Content-Length
@@ -16,7 +22,8 @@
 
 aiohttp has no public hook for that last one (aio-libs/aiohttp#3287): :class:`Runner` serves the
 application with :class:`Protocol`, a ``web.RequestHandler`` whose ``handle_error`` (the method
-aiohttp calls to answer those requests) is replaced.
+aiohttp calls to answer those requests) is replaced, and which keeps the head time-out (aiohttp
+has none: its keep-alive timer runs from the end of the last answer, whatever arrives meanwhile).
 """
 
 from __future__ import annotations
@@ -28,10 +35,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Final
 
 from aiohttp import http_exceptions, web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.streams import StreamReader
 
-from wqbroker.http.transport import error_response
+from wqbroker.http.transport import error_body, error_response
 
 log = logging.getLogger("wqbroker.http")
+
+DEFAULT_READ_HEADER_TIMEOUT: Final = 10.0
+DEFAULT_IDLE_TIMEOUT: Final = 75.0
 
 # Rejected requests are logged at INFO at most once in this many seconds; the others at DEBUG.
 REPORT_EVERY: Final = 10.0
@@ -127,20 +140,96 @@ class _Reporter:
 # -- connections ----------------------------------------------------------------------------------
 
 
+def _raw_answer(status: int, reason: str, message: str) -> bytes:
+    """A whole JSON error answer that closes the connection, for when there is no request to
+    answer through aiohttp (its head never arrived)."""
+    body = error_body(message)
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
 class Protocol(web.RequestHandler):
-    """aiohttp's handler of one connection, answering the requests its parser rejects in JSON."""
+    """aiohttp's handler of one connection, with the head time-out, answering the requests its
+    parser rejects in JSON."""
 
     def __init__(
         self,
         manager: web.Server,
         *,
         loop: asyncio.AbstractEventLoop,
+        read_header_timeout: float,
         reporter: _Reporter,
         **kwargs: Any,
     ) -> None:
         super().__init__(manager, loop=loop, **kwargs)
         self._event_loop = loop
         self._reporter = reporter
+        self._header_timeout = read_header_timeout
+        self._header_timer: asyncio.TimerHandle | None = None
+        self._busy = False  # a request is with the application
+        self._begun = False  # bytes of the next request have arrived
+
+    # The head time-out runs from the connection's start, or from the first byte after an answer,
+    # until the request reaches the application (aiohttp's request factory is called).
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        if data and not self._busy:
+            self._begun = True
+            if self._header_timer is None:
+                self._arm()
+        super().data_received(data)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def request_started(self) -> None:
+        """A request's head is in: it is handed to the application."""
+        self._busy = True
+        self._begun = False
+        self._disarm()
+
+    async def finish_response(
+        self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
+    ) -> tuple[web.StreamResponse, bool]:
+        try:
+            return await super().finish_response(request, resp, start_time)
+        finally:
+            self._busy = False
+
+    def _arm(self) -> None:
+        self._header_timer = self._event_loop.call_later(self._header_timeout, self._expired)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _expired(self) -> None:
+        self._header_timer = None
+        # One more turn of the loop first: a head parsed in this very turn reaches the application.
+        self._event_loop.call_soon(self._time_out)
+
+    def _time_out(self) -> None:
+        transport = self.transport
+        if self._busy or transport is None or transport.is_closing():
+            return
+        peer = transport.get_extra_info("peername")
+        if self._begun:
+            ms = round(self._header_timeout * 1000)
+            message = f"request line and headers not received within {ms} ms"
+            transport.write(_raw_answer(408, "Request Timeout", message))
+            log.debug("closing the connection from %s: %s", peer, message)
+        else:
+            log.debug("closing the connection from %s: no request within the time-out", peer)
+        self.force_close()
 
     def handle_error(
         self,
@@ -164,26 +253,50 @@ class Protocol(web.RequestHandler):
         return response
 
 
+RequestFactory = Callable[
+    [RawRequestMessage, StreamReader, web.RequestHandler, AbstractStreamWriter, Any],
+    web.BaseRequest,
+]
+
+
 class _Server(web.Server):
-    """aiohttp's Server, making a :class:`Protocol` for each connection."""
+    """aiohttp's Server, making a :class:`Protocol` for each connection, and telling it when a
+    request reaches the application."""
 
     def __init__(
         self,
         handler: RequestHandler,
-        request_factory: Any,
+        request_factory: RequestFactory,
         *,
         loop: asyncio.AbstractEventLoop,
+        read_header_timeout: float,
         **protocol_kwargs: Any,
     ) -> None:
+        def make_request(
+            message: RawRequestMessage,
+            payload: StreamReader,
+            protocol: web.RequestHandler,
+            writer: AbstractStreamWriter,
+            task: Any,
+        ) -> web.BaseRequest:
+            if isinstance(protocol, Protocol):
+                protocol.request_started()
+            return request_factory(message, payload, protocol, writer, task)
+
         super().__init__(
             _outermost(handler),
-            request_factory=request_factory,
+            request_factory=make_request,
             handler_cancellation=True,
             loop=loop,
             **protocol_kwargs,
         )
         self._new_protocol = functools.partial(
-            Protocol, self, loop=loop, reporter=_Reporter(), **protocol_kwargs
+            Protocol,
+            self,
+            loop=loop,
+            read_header_timeout=read_header_timeout,
+            reporter=_Reporter(),
+            **protocol_kwargs,
         )
 
     def __call__(self) -> web.RequestHandler:
@@ -198,11 +311,15 @@ class Runner(web.AppRunner):
         app: web.Application,
         *,
         access_log: logging.Logger | None,
+        read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         shutdown_timeout: float,
     ) -> None:
         super().__init__(app, shutdown_timeout=shutdown_timeout)
+        self._read_header_timeout = read_header_timeout
         self._protocol_kwargs: dict[str, Any] = {
             "access_log": access_log,
+            "keepalive_timeout": idle_timeout,
             "lingering_time": 0.0,
             "auto_decompress": False,
         }
@@ -213,5 +330,6 @@ class Runner(web.AppRunner):
             made.request_handler,
             made.request_factory,
             loop=asyncio.get_running_loop(),
+            read_header_timeout=self._read_header_timeout,
             **self._protocol_kwargs,
         )

@@ -8,6 +8,8 @@ and after its answer.
   once the limit is passed. The connection is closed after the answer.
 - ``Expect: 100-continue`` is answered from the headers, so a client told 413 or 415 never sends
   the body; any other expectation gets 417.
+- A body must arrive within the body time-out once a handler reads it (408 after it, and the
+  connection is closed).
 - A body nobody reads (an ack's, a 404's) is skipped if it ends within the limit and a second;
   otherwise the connection is closed. What is skipped after an answer is bounded by the body
   limit: no request is drained without end (aiohttp's own draining is switched off, see
@@ -29,6 +31,7 @@ from wqbroker.errors import PayloadTooLarge
 from wqbroker.limits import DEFAULT_MAX_PAYLOAD
 
 DEFAULT_MAX_BODY: Final = DEFAULT_MAX_PAYLOAD
+DEFAULT_READ_BODY_TIMEOUT: Final = 30.0
 
 # How long an unread body is skipped after the answer (at most the body limit's worth of it)
 # before the connection is closed instead.
@@ -44,8 +47,12 @@ def json_response(body: bytes, status: int = 200) -> web.Response:
     return web.Response(body=body, status=status, content_type=_JSON)
 
 
+def error_body(message: str) -> bytes:
+    return codec.dumps({"error": message})
+
+
 def error_response(status: int, message: str) -> web.Response:
-    return json_response(codec.dumps({"error": message}), status)
+    return json_response(error_body(message), status)
 
 
 # -- bodies -------------------------------------------------------------------------------------
@@ -54,9 +61,18 @@ def error_response(status: int, message: str) -> web.Response:
 @dataclass(frozen=True)
 class BodyRules:
     max_bytes: int = DEFAULT_MAX_BODY
+    read_timeout: float = DEFAULT_READ_BODY_TIMEOUT  # seconds
 
 
 BODY: Final = web.AppKey("body", BodyRules)
+
+
+class RequestTimeout(Exception):
+    """The request body did not arrive in time (answered 408; the connection is closed)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
 
 
 def _too_large(limit: int) -> str:
@@ -100,12 +116,17 @@ def body_refusal(request: web.BaseRequest, rules: BodyRules) -> web.Response | N
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The whole request body: at most the limit (else PayloadTooLarge)."""
+    """The whole request body: at most the limit (else PayloadTooLarge), within the body time-out
+    (else RequestTimeout)."""
     rules = request.app[BODY]
     try:
-        return await request.read()
+        async with asyncio.timeout(rules.read_timeout):
+            return await request.read()
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(_too_large(rules.max_bytes)) from None
+    except TimeoutError:
+        ms = round(rules.read_timeout * 1000)
+        raise RequestTimeout(f"request body not received within {ms} ms") from None
 
 
 async def _skip(payload: StreamReader, budget: int) -> bool:
@@ -125,8 +146,8 @@ async def _skip(payload: StreamReader, budget: int) -> bool:
 
 # An answer with one of these statuses closes the connection when the body was not read to its
 # end; the value says whether to skip some of it first (so a client that sends its whole body
-# before it reads gets the answer rather than a reset), or not (it will not come).
-_CLOSING: Final = {413: True, 415: True, 417: False}
+# before it reads gets the answer rather than a reset), or not (it will not come, or too slowly).
+_CLOSING: Final = {413: True, 415: True, 408: False, 417: False}
 
 
 async def _finish(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
