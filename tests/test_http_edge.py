@@ -8,6 +8,7 @@ that the broker still serves everyone else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import zlib
@@ -648,3 +649,31 @@ async def test_an_idle_connection_is_kept_for_the_idle_timeout_then_closed(
         quiet_since = loop.time()
         assert await conn.closed(timeout=5)
         assert loop.time() - quiet_since >= IDLE_TIMEOUT * 0.9
+
+
+async def test_the_head_time_out_of_a_later_request_runs_from_its_own_first_byte(
+    strict: Broker,
+) -> None:
+    """On a kept connection, after an answer and a pause longer than the head time-out, a
+    request dribbled in is given the whole time-out from its first byte, and no more."""
+    loop = asyncio.get_running_loop()
+    async with raw_connection(address(strict)) as conn:
+        await conn.send(request("GET", "/healthz"))
+        assert (await conn.response()).status == 200
+        resumed = loop.time() + HEADER_TIMEOUT * 1.5
+        await wait_until(loop.time, lambda now: now > resumed, what="a pause")
+        started = loop.time()
+        dribbler = asyncio.create_task(_dribble(conn, request("GET", "/stats") + bytes(10_000)))
+        response = await conn.response()
+        cut_after = loop.time() - started
+        dribbler.cancel()
+        assert response.status == 408
+        assert HEADER_TIMEOUT * 0.9 <= cut_after < HEADER_TIMEOUT * 5
+        assert await conn.closed()
+
+
+async def _dribble(conn: Any, data: bytes) -> None:
+    with contextlib.suppress(ConnectionError):
+        for byte in data:
+            await conn.send(bytes([byte]))
+            await asyncio.sleep(0.02)

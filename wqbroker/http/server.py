@@ -8,11 +8,11 @@
   ten seconds, whatever it costs); ``transport.guard_body`` skips a bounded amount of it first,
   and the connection is closed if more is left.
 - Time-outs (Go's net/http has the same three): a request's line and headers must arrive within
-  the head time-out of its first byte (or of the connection's start), else 408 and the
-  connection is closed (closed without an answer if nothing was sent); an idle keep-alive
-  connection is closed after the idle time-out (aiohttp's ``keepalive_timeout``); the body
-  time-out is in ``transport.py``. None of them runs while a handler works on a request, so a
-  long-poll is never cut off.
+  the head time-out of its first byte (of the connection's start, for its first request), else
+  408 and the connection is closed; a kept connection is closed, without an answer, when the
+  next request has not begun within the idle time-out of the last answer; the body time-out is
+  in ``transport.py``. None runs while the application works on a request, so a long-poll is
+  never cut off.
 - Whatever escapes the application (an HTTP error raised before the middlewares run, such as
   aiohttp's own ``Expect`` handling on an unknown path) is answered in JSON.
 - What aiohttp's parser rejects (an oversized line or header, too many headers, Content-Length
@@ -22,8 +22,9 @@
 
 aiohttp has no public hook for that last one (aio-libs/aiohttp#3287): :class:`Runner` serves the
 application with :class:`Protocol`, a ``web.RequestHandler`` whose ``handle_error`` (the method
-aiohttp calls to answer those requests) is replaced, and which keeps the head time-out (aiohttp
-has none: its keep-alive timer runs from the end of the last answer, whatever arrives meanwhile).
+aiohttp calls to answer those requests) is replaced, and which keeps the head and idle time-outs
+(aiohttp has neither as such: its keep-alive timer runs from the end of the last answer until a
+whole request is in, and closes a connection whose next request is still arriving).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import asyncio
 import functools
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from aiohttp import http_exceptions, web
 from aiohttp.abc import AbstractStreamWriter
@@ -152,8 +153,14 @@ def _raw_answer(status: int, reason: str, message: str) -> bytes:
 
 
 class Protocol(web.RequestHandler):
-    """aiohttp's handler of one connection, with the head time-out, answering the requests its
-    parser rejects in JSON."""
+    """aiohttp's handler of one connection, with the head and idle time-outs, answering the
+    requests its parser rejects in JSON.
+
+    One timer per connection keeps both time-outs: until the request's first byte, the idle one
+    (or, on a new connection, the head one, as Go does); from its first byte until it reaches the
+    application, the head one; none while the application works on it. The timer is not
+    cancelled and re-made per request: it fires at the deadline it was set for and, if the
+    deadline has moved since, waits again for the new one."""
 
     def __init__(
         self,
@@ -161,40 +168,46 @@ class Protocol(web.RequestHandler):
         *,
         loop: asyncio.AbstractEventLoop,
         read_header_timeout: float,
+        idle_timeout: float,
         reporter: _Reporter,
         **kwargs: Any,
     ) -> None:
-        super().__init__(manager, loop=loop, **kwargs)
+        # aiohttp's own keep-alive timer (from an answer until the next request is complete)
+        # stays as a backstop, later than ours ever is.
+        backstop = 2 * (idle_timeout + read_header_timeout) + 1
+        super().__init__(manager, loop=loop, keepalive_timeout=backstop, **kwargs)
         self._event_loop = loop
         self._reporter = reporter
         self._header_timeout = read_header_timeout
-        self._header_timer: asyncio.TimerHandle | None = None
-        self._busy = False  # a request is with the application
+        self._idle_timeout = idle_timeout
+        self._phase: Literal["head", "busy", "idle"] = "head"
+        self._due: float | None = None  # when the connection times out (None: busy)
+        self._timer: asyncio.TimerHandle | None = None
         self._begun = False  # bytes of the next request have arrived
-
-    # The head time-out runs from the connection's start, or from the first byte after an answer,
-    # until the request reaches the application (aiohttp's request factory is called).
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self._arm()
+        self._wait(self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
-        if data and not self._busy:
+        if data and not self._begun and self._phase != "busy":
             self._begun = True
-            if self._header_timer is None:
-                self._arm()
+            if self._phase == "idle":  # the first byte of the next request: its head is due
+                self._phase = "head"
+                self._wait(self._header_timeout)
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
 
     def request_started(self) -> None:
-        """A request's head is in: it is handed to the application."""
-        self._busy = True
+        """A request's head is in: it is handed to the application (no time-out runs)."""
+        self._phase = "busy"
+        self._due = None
         self._begun = False
-        self._disarm()
 
     async def finish_response(
         self, request: web.BaseRequest, resp: web.StreamResponse, start_time: float | None
@@ -202,24 +215,31 @@ class Protocol(web.RequestHandler):
         try:
             return await super().finish_response(request, resp, start_time)
         finally:
-            self._busy = False
+            self._phase = "idle"  # until the next request's first byte
+            self._wait(self._idle_timeout)
 
-    def _arm(self) -> None:
-        self._header_timer = self._event_loop.call_later(self._header_timeout, self._expired)
+    def _wait(self, timeout: float) -> None:
+        self._due = self._event_loop.time() + timeout
+        if self._timer is None:
+            self._timer = self._event_loop.call_at(self._due, self._check)
 
-    def _disarm(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
-
-    def _expired(self) -> None:
-        self._header_timer = None
+    def _check(self) -> None:
+        self._timer = None
+        due = self._due
+        if due is None:
+            return
+        if self._event_loop.time() < due:  # the deadline moved: wait for the new one
+            self._timer = self._event_loop.call_at(due, self._check)
+            return
         # One more turn of the loop first: a head parsed in this very turn reaches the application.
         self._event_loop.call_soon(self._time_out)
 
     def _time_out(self) -> None:
         transport = self.transport
-        if self._busy or transport is None or transport.is_closing():
+        due = self._due
+        if due is None or self._event_loop.time() < due or transport is None:
+            return
+        if transport.is_closing():
             return
         peer = transport.get_extra_info("peername")
         if self._begun:
@@ -228,7 +248,7 @@ class Protocol(web.RequestHandler):
             transport.write(_raw_answer(408, "Request Timeout", message))
             log.debug("closing the connection from %s: %s", peer, message)
         else:
-            log.debug("closing the connection from %s: no request within the time-out", peer)
+            log.debug("closing the idle connection from %s", peer)
         self.force_close()
 
     def handle_error(
@@ -270,6 +290,7 @@ class _Server(web.Server):
         *,
         loop: asyncio.AbstractEventLoop,
         read_header_timeout: float,
+        idle_timeout: float,
         **protocol_kwargs: Any,
     ) -> None:
         def make_request(
@@ -295,6 +316,7 @@ class _Server(web.Server):
             self,
             loop=loop,
             read_header_timeout=read_header_timeout,
+            idle_timeout=idle_timeout,
             reporter=_Reporter(),
             **protocol_kwargs,
         )
@@ -317,9 +339,9 @@ class Runner(web.AppRunner):
     ) -> None:
         super().__init__(app, shutdown_timeout=shutdown_timeout)
         self._read_header_timeout = read_header_timeout
+        self._idle_timeout = idle_timeout
         self._protocol_kwargs: dict[str, Any] = {
             "access_log": access_log,
-            "keepalive_timeout": idle_timeout,
             "lingering_time": 0.0,
             "auto_decompress": False,
         }
@@ -331,5 +353,6 @@ class Runner(web.AppRunner):
             made.request_factory,
             loop=asyncio.get_running_loop(),
             read_header_timeout=self._read_header_timeout,
+            idle_timeout=self._idle_timeout,
             **self._protocol_kwargs,
         )

@@ -120,6 +120,8 @@ async def read_body(request: web.Request) -> bytes:
     (else RequestTimeout)."""
     rules = request.app[BODY]
     try:
+        if request.content.is_eof():  # all of it is here already (a small body, usually)
+            return await request.read()
         async with asyncio.timeout(rules.read_timeout):
             return await request.read()
     except web.HTTPRequestEntityTooLarge:
