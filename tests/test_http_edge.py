@@ -480,6 +480,7 @@ MALFORMED = {
     "a space in the path": b"GET /st ats HTTP/1.1\r\nHost: x\r\n\r\n",
     "bytes that are not ASCII in the path": b"GET /jobs/\xff\xfe/ack HTTP/1.1\r\nHost: x\r\n\r\n",
     "a bad header name": b"GET /stats HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    "an absolute URL that is not one": b"GET http://[::1/aaaaaaaa HTTP/1.1\r\nHost: x\r\n\r\n",
     "no Host": b"GET /stats HTTP/1.1\r\n\r\n",
     "bare line feeds": b"GET /stats HTTP/1.1\nHost: x\n\n",
     "TLS": b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + bytes(40),

@@ -106,6 +106,8 @@ def describe_protocol_error(exc: BaseException | None) -> str:
         return f"the request line or a header is longer than {limit} bytes"
     if isinstance(exc, http_exceptions.InvalidHeader):
         return "a header has a character that is not allowed in it"
+    if isinstance(exc, http_exceptions.InvalidURLError) and "\n" not in exc.message:
+        return "the request target is not a valid URL"  # (aiohttp's message is the target)
     if isinstance(exc, http_exceptions.BadHttpMethod):
         if "HTTPS" in exc.message:
             return "this port speaks plain HTTP, not HTTPS"
