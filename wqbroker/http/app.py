@@ -62,7 +62,6 @@ STATUS: Final[dict[type[WqError], int]] = {
 }
 
 SERVICE: Final = web.AppKey("service", Service)
-MAX_BODY: Final = web.AppKey("max_body", int)
 
 _ENQUEUE_RAW: Final = frozenset({"payload"})
 
@@ -255,7 +254,6 @@ def create_app(
     # guard_body is outermost: it sees every answer, errors included, before it is sent.
     app = web.Application(middlewares=[guard_body, errors_as_json], client_max_size=max_body)
     app[SERVICE] = service
-    app[MAX_BODY] = max_body
     app[BODY] = BodyRules(max_body, read_body_timeout)
     # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
     # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
