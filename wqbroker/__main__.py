@@ -11,7 +11,12 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
-from wqbroker.http import DEFAULT_MAX_BODY
+from wqbroker.http import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_BODY,
+    DEFAULT_READ_BODY_TIMEOUT,
+    DEFAULT_READ_HEADER_TIMEOUT,
+)
 from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS
 from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
 
@@ -72,6 +77,27 @@ FLAGS: tuple[Flag, ...] = (
         parse=positive_int,
         metavar="N",
         help="largest request body accepted",
+    ),
+    Flag(
+        "read-header-timeout-ms",
+        default=round(DEFAULT_READ_HEADER_TIMEOUT * 1000),
+        parse=positive_int,
+        metavar="MS",
+        help="HTTP: time to send a request's line and headers, from its first byte",
+    ),
+    Flag(
+        "read-body-timeout-ms",
+        default=round(DEFAULT_READ_BODY_TIMEOUT * 1000),
+        parse=positive_int,
+        metavar="MS",
+        help="HTTP: time to send a request's body",
+    ),
+    Flag(
+        "idle-timeout-ms",
+        default=round(DEFAULT_IDLE_TIMEOUT * 1000),
+        parse=positive_int,
+        metavar="MS",
+        help="HTTP: how long an idle keep-alive connection is kept open",
     ),
     Flag(
         "store",
@@ -150,6 +176,9 @@ def config_from_args(args: argparse.Namespace) -> Config:
         backoff_base=args.backoff_base_ms / 1000.0,
         backoff_cap=args.backoff_cap_ms / 1000.0,
         max_body=args.max_body_bytes,
+        read_header_timeout=args.read_header_timeout_ms / 1000.0,
+        read_body_timeout=args.read_body_timeout_ms / 1000.0,
+        idle_timeout=args.idle_timeout_ms / 1000.0,
         access_log=args.access_log,
         store=args.store,
         sqlite_sync=args.sqlite_sync,

@@ -16,7 +16,14 @@ from wqbroker.clock import Clock, SystemClock
 from wqbroker.errors import StoreError
 from wqbroker.grpc.auth import AuthInterceptor
 from wqbroker.grpc.server import create_server, set_serving
-from wqbroker.http import DEFAULT_MAX_BODY, create_app, make_runner
+from wqbroker.http import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_MAX_BODY,
+    DEFAULT_READ_BODY_TIMEOUT,
+    DEFAULT_READ_HEADER_TIMEOUT,
+    create_app,
+    make_runner,
+)
 from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS, DEFAULT_SWEEP_INTERVAL
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import Service
@@ -72,6 +79,11 @@ class Config:
     backoff_base: float = DEFAULT_BASE
     backoff_cap: float = DEFAULT_CAP
     max_body: int = DEFAULT_MAX_BODY
+    # HTTP time-outs, in seconds: a request's line and headers, from its first byte (or the
+    # connection's start); its body, once a handler reads it; an idle keep-alive connection.
+    read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT
+    read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     access_log: bool = False
     store: str = "memory"  # or "sqlite:PATH"
     sqlite_sync: str = "full"
@@ -181,8 +193,19 @@ class Broker:
             raise
 
     async def _start_http(self, host: str | None, port: int) -> None:
-        app = create_app(self.service, max_body=self.config.max_body, tokens=self.tokens)
-        runner = make_runner(app, access_log=self.config.access_log)
+        config = self.config
+        app = create_app(
+            self.service,
+            max_body=config.max_body,
+            read_body_timeout=config.read_body_timeout,
+            tokens=self.tokens,
+        )
+        runner = make_runner(
+            app,
+            access_log=config.access_log,
+            read_header_timeout=config.read_header_timeout,
+            idle_timeout=config.idle_timeout,
+        )
         await runner.setup()
         self._runner = runner
         try:

@@ -6,6 +6,13 @@ text, and the renderers splice stored payload bytes straight into responses. So 
 byte for byte as it was sent, over either protocol.
 
 Standard JSON only: ``NaN`` and ``Infinity`` (which Python's json module would accept) are rejected.
+
+Numbers: a payload is validated without converting its numbers, so any valid JSON number is
+accepted, whatever its size (Python refuses to convert an integer of more than 4300 digits, and
+the work grows with the square of the length). A number the broker reads (``max_attempts``, a
+query's ``wait_ms``) is an integer of the wire contract's int64 range; one outside it is never
+converted in full: :func:`parse_int` gives a :class:`BigInt`, the int64 bound of its sign, which
+every range check then refuses or clamps as the value it stands for.
 """
 
 from __future__ import annotations
@@ -14,18 +21,61 @@ import json
 import re
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from wqbroker.errors import InvalidArgument
+
+INT64_MIN: Final = -(2**63)
+INT64_MAX: Final = 2**63 - 1
+_INT64_DIGITS: Final = len(str(INT64_MAX))  # 19
+
+
+class BigInt(int):
+    """An integer outside int64, as :func:`parse_int` gives it: its value is the int64 bound of
+    its sign, so comparisons treat it as the huge number it stands for; it prints as the number
+    it stands for, abbreviated (error messages name what the client sent)."""
+
+    _shown: str
+
+    def __new__(cls, text: str) -> BigInt:
+        self = super().__new__(cls, INT64_MIN if text.startswith("-") else INT64_MAX)
+        digits = text.lstrip("+-")
+        self._shown = text if len(text) <= 40 else f"{text[:16]}... ({len(digits)} digits)"
+        return self
+
+    def __repr__(self) -> str:
+        return self._shown
+
+    __str__ = __repr__
+
+    def __format__(self, spec: str) -> str:
+        return format(self._shown, spec)
+
+
+def parse_int(text: str) -> int:
+    """An integer from its decimal digits (optionally signed; already checked to be digits),
+    converting at most 19 of them: outside int64 it is a :class:`BigInt`."""
+    sign = "-" if text.startswith("-") else ""
+    digits = text.lstrip("+-").lstrip("0") or "0"
+    if len(digits) <= _INT64_DIGITS:
+        value = int(sign + digits)
+        if INT64_MIN <= value <= INT64_MAX:
+            return value
+    return BigInt(text)
 
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-_decoder = json.JSONDecoder(parse_constant=_reject_constant)
-# The decoder's own scanners (C-accelerated), which parse one value at a given index.
-_scan_once = cast(Callable[[str, int], tuple[Any, int]], getattr(_decoder, "scan_once"))  # noqa: B009
+# Values the broker reads: integers within int64 (else BigInt), floats as Python floats.
+_decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_int=parse_int)
+# Values kept as text (payloads): checked, numbers never converted (str is the cheapest hook).
+_validator = json.JSONDecoder(parse_constant=_reject_constant, parse_int=str, parse_float=str)
+# The decoders' own scanners (C-accelerated), which parse one value at a given index.
+_Scanner = Callable[[str, int], tuple[Any, int]]
+_scan_value = cast(_Scanner, getattr(_decoder, "scan_once"))  # noqa: B009
+_scan_raw = cast(_Scanner, getattr(_validator, "scan_once"))  # noqa: B009
 _scanstring = cast(
     Callable[[str, int], tuple[str, int]],
     getattr(json.decoder, "scanstring"),  # noqa: B009
@@ -43,7 +93,7 @@ def _skip(text: str, idx: int) -> int:
 def _diagnose(text: str) -> str | None:
     """Why ``text`` is not one JSON value, in the standard decoder's words; None if it is one."""
     try:
-        _decoder.decode(text)
+        _validator.decode(text)
     except json.JSONDecodeError as e:
         return f"is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}"
     except RecursionError:
@@ -80,8 +130,11 @@ def _member(text: str, idx: int, raw: frozenset[str], out: dict[str, Any]) -> in
         raise ValueError
     idx = _skip(text, idx + 1)
     start = idx
-    value, idx = _scan_once(text, idx)
-    out[key] = JsonText(text[start:idx].encode("utf-8")) if key in raw else value
+    if key in raw:
+        _, idx = _scan_raw(text, idx)
+        out[key] = JsonText(text[start:idx].encode("utf-8"))
+    else:
+        out[key], idx = _scan_value(text, idx)
     return _skip(text, idx)
 
 

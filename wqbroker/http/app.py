@@ -2,12 +2,14 @@
 
 Handlers parse the request, call the service and render the answer; every rule lives in the
 service. Every error answer is JSON, ``{"error": "<message naming the problem>"}``, including the
-ones aiohttp produces itself (unknown path, wrong method, body too large).
+ones aiohttp produces itself (unknown path, wrong method, body too large). What any request may
+cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
@@ -30,13 +32,23 @@ from wqbroker.errors import (
     lookup,
 )
 from wqbroker.http.auth import auth_middleware
-from wqbroker.limits import DEFAULT_MAX_PAYLOAD
+from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
+from wqbroker.http.transport import (
+    BODY,
+    DEFAULT_MAX_BODY,
+    DEFAULT_READ_BODY_TIMEOUT,
+    BodyRules,
+    RequestTimeout,
+    error_response,
+    expect_continue,
+    guard_body,
+    json_response,
+    read_body,
+)
 from wqbroker.models import Delivery, Stats, Task
 from wqbroker.service import Service
 
 log = logging.getLogger("wqbroker.http")
-
-DEFAULT_MAX_BODY: Final = DEFAULT_MAX_PAYLOAD
 
 # The one table from the error tree to HTTP status codes (a subclass maps as its parent).
 STATUS: Final[dict[type[WqError], int]] = {
@@ -52,18 +64,8 @@ STATUS: Final[dict[type[WqError], int]] = {
 }
 
 SERVICE: Final = web.AppKey("service", Service)
-MAX_BODY: Final = web.AppKey("max_body", int)
 
-_JSON: Final = "application/json"
 _ENQUEUE_RAW: Final = frozenset({"payload"})
-
-
-def _json_response(body: bytes, status: int = 200) -> web.Response:
-    return web.Response(body=body, status=status, content_type=_JSON)
-
-
-def _error_response(status: int, message: str) -> web.Response:
-    return _json_response(codec.dumps({"error": message}), status)
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -109,6 +111,13 @@ def _query_str(request: web.Request, name: str) -> str | None:
     return values[0] if values else None
 
 
+def _quoted(text: str) -> str:
+    """What a client sent, quoted for an error message (JSON-escaped, cut short if long)."""
+    if len(text) <= 40:
+        return json.dumps(text)
+    return f'{json.dumps(text[:16])[:-1]}..." ({len(text)} characters)'
+
+
 def _query_int(request: web.Request, name: str) -> int | None:
     raw = _query_str(request, name)
     if raw is None:
@@ -117,27 +126,19 @@ def _query_int(request: web.Request, name: str) -> int | None:
     digits = text[1:] if text[:1] in ("+", "-") else text
     # Plain ASCII digits only: int() would also take "1_000" and other scripts' digits.
     if not (digits.isascii() and digits.isdigit()):
-        raise InvalidArgument(f"{name} must be an integer, got {raw!r}")
-    return int(text)
-
-
-async def _read_body(request: web.Request) -> bytes:
-    try:
-        return await request.read()
-    except web.HTTPRequestEntityTooLarge:
-        limit = request.app[MAX_BODY]
-        raise PayloadTooLarge(f"request body is larger than the limit of {limit} bytes") from None
+        raise InvalidArgument(f"{name} must be an integer, got {_quoted(raw)}")
+    return codec.parse_int(text)  # never converts more than int64's 19 digits
 
 
 # -- handlers -----------------------------------------------------------------------------------
 
 
 async def enqueue(request: web.Request) -> web.Response:
-    fields = codec.parse_object(await _read_body(request), _ENQUEUE_RAW)
+    fields = codec.parse_object(await read_body(request), _ENQUEUE_RAW)
     task = await request.app[SERVICE].enqueue(
         fields.get("payload"), fields.get("max_attempts"), fields.get("delay_ms")
     )
-    return _json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
+    return json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
@@ -150,7 +151,7 @@ async def claim(request: web.Request) -> web.StreamResponse:
         transport = request.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client went away")
-        answer = _json_response(render_delivery(delivery))
+        answer = json_response(render_delivery(delivery))
         await answer.prepare(request)
         await answer.write_eof()
 
@@ -174,7 +175,7 @@ async def nack(request: web.Request) -> web.Response:
     lease_id = _query_str(request, "lease_id")
     if lease_id is None:
         raise InvalidArgument("lease_id is required (a query parameter)")
-    body = await _read_body(request)
+    body = await read_body(request)
     error = None
     if body.strip(b" \t\r\n"):
         error = codec.parse_object(body).get("error")
@@ -183,12 +184,12 @@ async def nack(request: web.Request) -> web.Response:
 
 
 async def stats(request: web.Request) -> web.Response:
-    return _json_response(render_stats(await request.app[SERVICE].stats()))
+    return json_response(render_stats(await request.app[SERVICE].stats()))
 
 
 async def dlq(request: web.Request) -> web.Response:
     tasks = await request.app[SERVICE].dead_letters(_query_int(request, "limit"))
-    return _json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
+    return json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
 
 
 async def requeue(request: web.Request) -> web.Response:
@@ -199,8 +200,8 @@ async def requeue(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     problem = request.app[SERVICE].problem()
     if problem is not None:
-        return _json_response(codec.dumps({"status": "unavailable", "error": problem}), 503)
-    return _json_response(b'{"status":"ok"}')
+        return json_response(codec.dumps({"status": "unavailable", "error": problem}), 503)
+    return json_response(b'{"status":"ok"}')
 
 
 # -- errors -------------------------------------------------------------------------------------
@@ -210,7 +211,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_answer(error: WqError) -> web.Response:
     """The JSON answer for an error of the tree, with the headers its status calls for."""
-    response = _error_response(lookup(STATUS, error), error.message)
+    response = error_response(lookup(STATUS, error), error.message)
     if isinstance(error, Overloaded):
         response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
     elif isinstance(error, Unauthenticated):
@@ -226,49 +227,65 @@ async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamRe
         return error_answer(e)
     except web.HTTPMethodNotAllowed as e:
         allowed = ", ".join(sorted(e.allowed_methods))
-        response = _error_response(
+        response = error_response(
             405, f"method {request.method} is not allowed on {request.path}; use {allowed}"
         )
         response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
         return response
     except web.HTTPNotFound:
-        return _error_response(404, f"no such endpoint: {request.method} {request.path}")
+        return error_response(404, f"no such endpoint: {request.method} {request.path}")
     except web.HTTPException as e:
         if e.status_code < 400:
             raise
-        return _error_response(e.status_code, e.reason)
+        return error_response(e.status_code, e.reason)
+    except RequestTimeout as e:
+        return error_response(408, e.message)
     except (asyncio.CancelledError, ConnectionError):
         raise
     except Exception:
         log.exception("unexpected error in %s %s", request.method, request.path)
-        return _error_response(500, "internal error")
+        return error_response(500, "internal error")
 
 
 def create_app(
-    service: Service, *, max_body: int = DEFAULT_MAX_BODY, tokens: Tokens | None = None
+    service: Service,
+    *,
+    max_body: int = DEFAULT_MAX_BODY,
+    read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT,
+    tokens: Tokens | None = None,
 ) -> web.Application:
     """The app; with ``tokens``, every request but health checks needs a bearer token."""
     auth = () if tokens is None else (auth_middleware(tokens),)
-    app = web.Application(middlewares=[errors_as_json, *auth], client_max_size=max_body)
+    # guard_body is outermost: it sees every answer, errors included, before it is sent.
+    app = web.Application(middlewares=[guard_body, errors_as_json, *auth], client_max_size=max_body)
     app[SERVICE] = service
-    app[MAX_BODY] = max_body
-    app.router.add_post("/jobs", enqueue)
-    app.router.add_get("/jobs/next", claim)
-    app.router.add_post("/jobs/{id}/ack", ack)
-    app.router.add_post("/jobs/{id}/nack", nack)
-    app.router.add_get("/stats", stats)
-    app.router.add_get("/dlq", dlq)
-    app.router.add_post("/dlq/{id}/requeue", requeue)
-    app.router.add_get("/healthz", healthz)
+    app[BODY] = BodyRules(max_body, read_body_timeout)
+    # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
+    # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
+    routes = app.router
+    expect = expect_continue
+    routes.add_post("/jobs", enqueue, expect_handler=expect)
+    routes.add_get("/jobs/next", claim, allow_head=False, expect_handler=expect)
+    routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)
+    routes.add_post("/jobs/{id}/nack", nack, expect_handler=expect)
+    routes.add_get("/stats", stats, expect_handler=expect)
+    routes.add_get("/dlq", dlq, expect_handler=expect)
+    routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
+    routes.add_get("/healthz", healthz, expect_handler=expect)
     return app
 
 
-def make_runner(app: web.Application, *, access_log: bool = False) -> web.AppRunner:
-    # handler_cancellation: a long-poll whose client disconnects is cancelled at once, so it leaves
-    # the queue of waiting consumers and is never handed a task.
-    return web.AppRunner(
+def make_runner(
+    app: web.Application,
+    *,
+    access_log: bool = False,
+    read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+) -> web.AppRunner:
+    return Runner(
         app,
-        handler_cancellation=True,
         access_log=log if access_log else None,
+        read_header_timeout=read_header_timeout,
+        idle_timeout=idle_timeout,
         shutdown_timeout=5.0,
     )

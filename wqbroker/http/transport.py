@@ -1,0 +1,200 @@
+"""The HTTP transport's handling of request bodies: what a body may cost before a handler sees it
+and after its answer.
+
+- Nothing is ever inflated: a body with a ``Content-Encoding`` other than ``identity``, or a
+  transfer-coding other than ``chunked``, gets 415 (the API never needs compressed bodies),
+  before a byte of it is read.
+- A body over the limit gets 413: from its Content-Length, before it is read; for a chunked one,
+  once the limit is passed. The connection is closed after the answer.
+- ``Expect: 100-continue`` is answered from the headers, so a client told 413 or 415 never sends
+  the body; any other expectation gets 417.
+- A body must arrive within the body time-out once a handler reads it (408 after it, and the
+  connection is closed).
+- A body nobody reads (an ack's, a 404's) is skipped if it ends within the limit and a second;
+  otherwise the connection is closed. What is skipped after an answer is bounded by the body
+  limit: no request is drained without end (aiohttp's own draining is switched off, see
+  ``server.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Final
+
+from aiohttp import HttpVersion11, web
+from aiohttp.streams import StreamReader
+
+from wqbroker import codec
+from wqbroker.errors import PayloadTooLarge
+from wqbroker.limits import DEFAULT_MAX_PAYLOAD
+
+DEFAULT_MAX_BODY: Final = DEFAULT_MAX_PAYLOAD
+DEFAULT_READ_BODY_TIMEOUT: Final = 30.0
+
+# How long an unread body is skipped after the answer (at most the body limit's worth of it)
+# before the connection is closed instead.
+SKIP_SECONDS: Final = 1.0
+
+_JSON: Final = "application/json"
+
+
+# -- JSON answers -------------------------------------------------------------------------------
+
+
+def json_response(body: bytes, status: int = 200) -> web.Response:
+    return web.Response(body=body, status=status, content_type=_JSON)
+
+
+def error_body(message: str) -> bytes:
+    return codec.dumps({"error": message})
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return json_response(error_body(message), status)
+
+
+# -- bodies -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BodyRules:
+    max_bytes: int = DEFAULT_MAX_BODY
+    read_timeout: float = DEFAULT_READ_BODY_TIMEOUT  # seconds
+
+
+BODY: Final = web.AppKey("body", BodyRules)
+
+
+class RequestTimeout(Exception):
+    """The request body did not arrive in time (answered 408; the connection is closed)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+def _too_large(limit: int) -> str:
+    return f"request body is larger than the limit of {limit} bytes"
+
+
+def _codings(request: web.BaseRequest, header: str, plain: str) -> str | None:
+    """The codings a header lists other than ``plain`` (as a short text for a message), or None
+    if it lists none."""
+    tokens = [
+        token.strip()
+        for value in request.headers.getall(header, [])
+        for token in value.split(",")
+        if token.strip()
+    ]
+    if all(token.lower() == plain for token in tokens):
+        return None
+    shown = ", ".join(tokens)
+    return shown if len(shown) <= 40 and shown.isascii() and shown.isprintable() else "given"
+
+
+def body_refusal(request: web.BaseRequest, rules: BodyRules) -> web.Response | None:
+    """The answer to a request whose body is refused from its headers alone (415: compressed;
+    413: Content-Length over the limit), or None."""
+    if not request.body_exists:
+        return None
+    encoding = _codings(request, "Content-Encoding", "identity")
+    transfer = _codings(request, "Transfer-Encoding", "chunked")
+    if encoding is not None or transfer is not None:
+        if encoding is not None:
+            problem = f"Content-Encoding {encoding} is not supported"
+        else:
+            problem = f"Transfer-Encoding {transfer} is not supported (only chunked is)"
+        response = error_response(415, f"{problem}: send the request body uncompressed")
+        response.headers["Accept-Encoding"] = "identity"
+        return response
+    length = request.content_length
+    if length is not None and length > rules.max_bytes:
+        return error_response(413, _too_large(rules.max_bytes))
+    return None
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The whole request body: at most the limit (else PayloadTooLarge), within the body time-out
+    (else RequestTimeout)."""
+    rules = request.app[BODY]
+    try:
+        if request.content.is_eof():  # all of it is here already (a small body, usually)
+            return await request.read()
+        async with asyncio.timeout(rules.read_timeout):
+            return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise PayloadTooLarge(_too_large(rules.max_bytes)) from None
+    except TimeoutError:
+        ms = round(rules.read_timeout * 1000)
+        raise RequestTimeout(f"request body not received within {ms} ms") from None
+
+
+async def _skip(payload: StreamReader, budget: int) -> bool:
+    """Read and drop up to ``budget`` bytes of an unread body, for up to SKIP_SECONDS; True if the
+    body ended."""
+    try:
+        async with asyncio.timeout(SKIP_SECONDS):
+            while budget >= 0 and not payload.is_eof():
+                chunk = await payload.readany()
+                if not chunk:
+                    break
+                budget -= len(chunk)
+    except Exception:  # a body that ends badly (reset, malformed) ends the skipping
+        pass
+    return payload.is_eof()
+
+
+# An answer with one of these statuses closes the connection when the body was not read to its
+# end; the value says whether to skip some of it first (so a client that sends its whole body
+# before it reads gets the answer rather than a reset), or not (it will not come, or too slowly).
+_CLOSING: Final = {413: True, 415: True, 408: False, 417: False}
+
+
+async def _finish(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+    """After the answer to a request whose body was not read to its end: send the answer, then
+    skip the rest of the body if it is small, or have aiohttp close the connection (it closes
+    one whose answer says so, or whose body is unfinished: it is run with ``lingering_time=0``)."""
+    skip = _CLOSING.get(response.status, True)
+    if response.status in _CLOSING:
+        response.force_close()
+    if not response.prepared:
+        await response.prepare(request)
+        await response.write_eof()
+    if skip:
+        await _skip(request.content, request.app[BODY].max_bytes)
+    return response
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def guard_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """The outermost middleware: refuse what the headers already rule out, and deal with whatever
+    of the body the handler left unread."""
+    refusal = body_refusal(request, request.app[BODY])
+    response = refusal if refusal is not None else await handler(request)
+    if request.content.is_eof():
+        return response
+    return await _finish(request, response)
+
+
+async def expect_continue(request: web.Request) -> web.StreamResponse | None:
+    """Every route's ``Expect`` handler: ``100 Continue`` only for a body that will be accepted, so
+    a refused body is never sent; JSON 417 for any other expectation. The connection is closed
+    after a refusal (the body the headers announced is never read)."""
+    if request.version != HttpVersion11:
+        return None
+    refusal: web.Response | None
+    if request.headers.get("Expect", "").strip().lower() != "100-continue":
+        refusal = error_response(417, "the Expect header supports only 100-continue")
+    else:
+        refusal = body_refusal(request, request.app[BODY])
+    if refusal is not None:
+        refusal.force_close()
+        return refusal
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # the answer proper has not started
+    return None
