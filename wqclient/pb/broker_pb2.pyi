@@ -25,8 +25,14 @@ Errors (the same error tree as the HTTP API; one table maps it):
 A status message (and Settled.message) is at most 1 KiB of UTF-8; a longer one is cut and ends
 with " [truncated]", so it always fits a client's metadata limit.
 
-Generate a client for any language from this file (see the README), e.g.
-  protoc -I proto --go_out=. --go-grpc_out=. wqclient/pb/broker.proto
+Generate a client for any language from this file (see the README), e.g. for Go:
+  protoc -I proto --go_out=. --go_opt=module=github.com/wq-dev/wq \\
+    --go-grpc_out=. --go-grpc_opt=module=github.com/wq-dev/wq wqclient/pb/broker.proto
+writes gen/go/wq/v1/broker.pb.go and broker_grpc.pb.go (package wqv1).
+
+Queues: every task belongs to one named queue (1 to 64 characters of [A-Za-z0-9_.-]); an empty
+queue field means "default" wherever a queue is given for a task or a claim. Within a queue,
+higher priority (0 to 9) is served first, oldest first within a priority.
 """
 
 from collections import abc as _abc
@@ -58,6 +64,8 @@ class Task(_message.Message):
     CREATED_AT_FIELD_NUMBER: _builtins.int
     AVAILABLE_AT_FIELD_NUMBER: _builtins.int
     LAST_ERROR_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     payload: _builtins.bytes
     """The JSON payload, exactly as enqueued."""
@@ -66,6 +74,10 @@ class Task(_message.Message):
     max_attempts: _builtins.int
     last_error: _builtins.str
     """The error of the previous failed attempt ("lease expired" when reclaimed); unset if none."""
+    queue: _builtins.str
+    """The queue it belongs to ("default" unless enqueued to another)."""
+    priority: _builtins.int
+    """0 to 9; higher is served first."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -82,10 +94,12 @@ class Task(_message.Message):
         created_at: _timestamp_pb2.Timestamp | None = ...,
         available_at: _timestamp_pb2.Timestamp | None = ...,
         last_error: _builtins.str | None = ...,
+        queue: _builtins.str = ...,
+        priority: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "available_at", b"available_at", "created_at", b"created_at", "last_error", b"last_error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "attempts", b"attempts", "available_at", b"available_at", "created_at", b"created_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "attempts", b"attempts", "available_at", b"available_at", "created_at", b"created_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_error: _TypeAlias = _typing.Literal["last_error"]  # noqa: Y015
     _WhichOneofArgType__last_error: _TypeAlias = _typing.Literal["_last_error", b"_last_error"]  # noqa: Y015
@@ -132,31 +146,49 @@ class EnqueueRequest(_message.Message):
     PAYLOAD_FIELD_NUMBER: _builtins.int
     MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
     DELAY_MS_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     """Required: one JSON value (any type, including null), as UTF-8 bytes."""
     max_attempts: _builtins.int
     """Deliveries before the task is buried. Default 3 when unset; 1 to 2147483647."""
     delay_ms: _builtins.int
     """Hold the task back this long before it can be claimed. Default 0; 0 to 31536000000 (a year)."""
+    queue: _builtins.str
+    """The queue: 1 to 64 characters of [A-Za-z0-9_.-]. Empty: "default"."""
+    priority: _builtins.int
+    """0 to 9, higher first. Default 0 when unset."""
+    idempotency_key: _builtins.str
+    """1 to 256 characters, no control characters (HTTP: the Idempotency-Key header). Empty: none.
+    A second enqueue with the same key and queue within the dedup window creates nothing.
+    """
     def __init__(
         self,
         *,
         payload: _builtins.bytes = ...,
         max_attempts: _builtins.int | None = ...,
         delay_ms: _builtins.int | None = ...,
+        queue: _builtins.str = ...,
+        priority: _builtins.int | None = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_max_attempts", b"_max_attempts", "delay_ms", b"delay_ms", "max_attempts", b"max_attempts"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "delay_ms", b"delay_ms", "max_attempts", b"max_attempts", "priority", b"priority"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_max_attempts", b"_max_attempts", "delay_ms", b"delay_ms", "max_attempts", b"max_attempts", "payload", b"payload"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "delay_ms", b"delay_ms", "idempotency_key", b"idempotency_key", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__delay_ms: _TypeAlias = _typing.Literal["delay_ms"]  # noqa: Y015
     _WhichOneofArgType__delay_ms: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms"]  # noqa: Y015
     _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
     _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__delay_ms) -> _WhichOneofReturnType__delay_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
 
 Global___EnqueueRequest: _TypeAlias = EnqueueRequest  # noqa: Y015
 
@@ -165,15 +197,20 @@ class EnqueueResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ID_FIELD_NUMBER: _builtins.int
+    DUPLICATE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
+    """The new task's id; for a duplicate, the id of the task first enqueued with the key."""
+    duplicate: _builtins.bool
+    """True if an idempotency key matched and nothing was created."""
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
+        duplicate: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicate", b"duplicate", "id", b"id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -206,18 +243,26 @@ class EnqueueBatchResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     IDS_FIELD_NUMBER: _builtins.int
+    DUPLICATES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """The new ids, in the order of the requests."""
+        """The new ids, in the order of the requests (for a duplicate, the first task's id)."""
+
+    @_builtins.property
+    def duplicates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]:
+        """duplicates[i] is true if tasks[i]'s idempotency key matched and nothing was created for it.
+        As many entries as ids.
+        """
 
     def __init__(
         self,
         *,
         ids: _abc.Iterable[_builtins.str] | None = ...,
+        duplicates: _abc.Iterable[_builtins.bool] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ids", b"ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["duplicates", b"duplicates", "ids", b"ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -230,6 +275,7 @@ class NextJobRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
     ACKS_FIELD_NUMBER: _builtins.int
+    QUEUES_FIELD_NUMBER: _builtins.int
     wait_ms: _builtins.int
     """How long to wait for a task. Default 20000 when unset; values above 30000 are clamped to
     30000; 0 answers at once; negative is INVALID_ARGUMENT.
@@ -245,16 +291,23 @@ class NextJobRequest(_message.Message):
         not stop the claim.
         """
 
+    @_builtins.property
+    def queues(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The queues to claim from, in order of preference: the first with a ready task wins. Empty:
+        "default". At most 64.
+        """
+
     def __init__(
         self,
         *,
         wait_ms: _builtins.int | None = ...,
         lease_ms: _builtins.int | None = ...,
         acks: _abc.Iterable[Global___AckRequest] | None = ...,
+        queues: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_wait_ms", b"_wait_ms", "lease_ms", b"lease_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_wait_ms", b"_wait_ms", "acks", b"acks", "lease_ms", b"lease_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_wait_ms", b"_wait_ms", "acks", b"acks", "lease_ms", b"lease_ms", "queues", b"queues", "wait_ms", b"wait_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_ms: _TypeAlias = _typing.Literal["lease_ms"]  # noqa: Y015
     _WhichOneofArgType__lease_ms: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms"]  # noqa: Y015
@@ -341,25 +394,40 @@ class NackRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    DELAY_MS_FIELD_NUMBER: _builtins.int
+    TERMINAL_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     lease_id: _builtins.str
     error: _builtins.str
     """What went wrong; kept as the task's last_error. Longer than 8 KiB (UTF-8), it is cut to
     8 KiB, ending with "… [truncated: the error was N bytes]".
     """
+    delay_ms: _builtins.int
+    """Retry after exactly this long instead of the backoff (still counts an attempt: with none
+    left, the task is buried). 0 to 31536000000; 0 retries at once. Unset: the backoff.
+    """
+    terminal: _builtins.bool
+    """Bury the task now, whatever attempts remain. Not together with delay_ms."""
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         lease_id: _builtins.str = ...,
         error: _builtins.str | None = ...,
+        delay_ms: _builtins.int | None = ...,
+        terminal: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_error", b"_error", "delay_ms", b"delay_ms", "error", b"error"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_error", b"_error", "error", b"error", "id", b"id", "lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_error", b"_error", "delay_ms", b"delay_ms", "error", b"error", "id", b"id", "lease_id", b"lease_id", "terminal", b"terminal"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__delay_ms: _TypeAlias = _typing.Literal["delay_ms"]  # noqa: Y015
+    _WhichOneofArgType__delay_ms: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms"]  # noqa: Y015
     _WhichOneofReturnType__error: _TypeAlias = _typing.Literal["error"]  # noqa: Y015
     _WhichOneofArgType__error: _TypeAlias = _typing.Literal["_error", b"_error"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__delay_ms) -> _WhichOneofReturnType__delay_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__error) -> _WhichOneofReturnType__error | None: ...
 
 Global___NackRequest: _TypeAlias = NackRequest  # noqa: Y015
@@ -383,12 +451,17 @@ Global___NackResponse: _TypeAlias = NackResponse  # noqa: Y015
 class StatsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Only this queue's tasks (a queue never seen: all zeros). Empty: the whole broker."""
     def __init__(
         self,
+        *,
+        queue: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -406,6 +479,7 @@ class Totals(_message.Message):
     RETRIED_FIELD_NUMBER: _builtins.int
     BURIED_FIELD_NUMBER: _builtins.int
     REQUEUED_FIELD_NUMBER: _builtins.int
+    PURGED_FIELD_NUMBER: _builtins.int
     enqueued: _builtins.int
     delivered: _builtins.int
     acked: _builtins.int
@@ -414,6 +488,8 @@ class Totals(_message.Message):
     retried: _builtins.int
     buried: _builtins.int
     requeued: _builtins.int
+    purged: _builtins.int
+    """Dead tasks dropped for good (PurgeDead)."""
     def __init__(
         self,
         *,
@@ -425,10 +501,11 @@ class Totals(_message.Message):
         retried: _builtins.int = ...,
         buried: _builtins.int = ...,
         requeued: _builtins.int = ...,
+        purged: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "buried", b"buried", "delivered", b"delivered", "enqueued", b"enqueued", "nacked", b"nacked", "reclaimed", b"reclaimed", "requeued", b"requeued", "retried", b"retried"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "buried", b"buried", "delivered", b"delivered", "enqueued", b"enqueued", "nacked", b"nacked", "purged", b"purged", "reclaimed", b"reclaimed", "requeued", b"requeued", "retried", b"retried"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -437,7 +514,8 @@ Global___Totals: _TypeAlias = Totals  # noqa: Y015
 @_typing.final
 class StatsResponse(_message.Message):
     """Gauges (tasks in each collection now) and lifetime totals.
-    nacked + reclaimed == retried + buried always holds.
+    nacked + reclaimed == retried + buried always holds; dead == buried - requeued - purged for
+    a broker that started empty.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -475,16 +553,20 @@ class ListDeadRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LIMIT_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
     limit: _builtins.int
     """Return at most this many (the oldest burials first). Unset: all."""
+    queue: _builtins.str
+    """Only this queue's dead tasks. Empty: every queue."""
     def __init__(
         self,
         *,
         limit: _builtins.int | None = ...,
+        queue: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "limit", b"limit"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "limit", b"limit"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "limit", b"limit", "queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__limit: _TypeAlias = _typing.Literal["limit"]  # noqa: Y015
     _WhichOneofArgType__limit: _TypeAlias = _typing.Literal["_limit", b"_limit"]  # noqa: Y015
@@ -549,6 +631,318 @@ class RequeueResponse(_message.Message):
 Global___RequeueResponse: _TypeAlias = RequeueResponse  # noqa: Y015
 
 @_typing.final
+class RequeueAllRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Only this queue's dead tasks. Empty: every queue."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequeueAllRequest: _TypeAlias = RequeueAllRequest  # noqa: Y015
+
+@_typing.final
+class RequeueAllResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEUED_FIELD_NUMBER: _builtins.int
+    requeued: _builtins.int
+    """How many dead tasks went back to ready."""
+    def __init__(
+        self,
+        *,
+        requeued: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["requeued", b"requeued"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequeueAllResponse: _TypeAlias = RequeueAllResponse  # noqa: Y015
+
+@_typing.final
+class PurgeDeadRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeDeadRequest: _TypeAlias = PurgeDeadRequest  # noqa: Y015
+
+@_typing.final
+class PurgeDeadResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PurgeDeadResponse: _TypeAlias = PurgeDeadResponse  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_MS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    lease_id: _builtins.str
+    lease_ms: _builtins.int
+    """The lease now runs out this long from now. Default 30000 when unset; values above 300000
+    are clamped to 300000; must be at least 1 (as NextJobRequest.lease_ms).
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+        lease_ms: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "lease_ms", b"lease_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "id", b"id", "lease_id", b"lease_id", "lease_ms", b"lease_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__lease_ms: _TypeAlias = _typing.Literal["lease_ms"]  # noqa: Y015
+    _WhichOneofArgType__lease_ms: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__lease_ms) -> _WhichOneofReturnType__lease_ms | None: ...
+
+Global___ExtendLeaseRequest: _TypeAlias = ExtendLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """The new deadline."""
+
+    def __init__(
+        self,
+        *,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseResponse: _TypeAlias = ExtendLeaseResponse  # noqa: Y015
+
+@_typing.final
+class GetTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTaskRequest: _TypeAlias = GetTaskRequest  # noqa: Y015
+
+@_typing.final
+class GetTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"ready", "handed_out", "delayed" or "dead"."""
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTaskResponse: _TypeAlias = GetTaskResponse  # noqa: Y015
+
+@_typing.final
+class ListQueuesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQueuesRequest: _TypeAlias = ListQueuesRequest  # noqa: Y015
+
+@_typing.final
+class QueueInfo(_message.Message):
+    """One queue and its gauges (HTTP: an entry of GET /queues)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    HANDED_OUT_FIELD_NUMBER: _builtins.int
+    DELAYED_FIELD_NUMBER: _builtins.int
+    DEAD_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    ready: _builtins.int
+    handed_out: _builtins.int
+    delayed: _builtins.int
+    dead: _builtins.int
+    paused: _builtins.bool
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        ready: _builtins.int = ...,
+        handed_out: _builtins.int = ...,
+        delayed: _builtins.int = ...,
+        dead: _builtins.int = ...,
+        paused: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "name", b"name", "paused", b"paused", "ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___QueueInfo: _TypeAlias = QueueInfo  # noqa: Y015
+
+@_typing.final
+class ListQueuesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def queues(self) -> _containers.RepeatedCompositeFieldContainer[Global___QueueInfo]:
+        """Sorted by name."""
+
+    def __init__(
+        self,
+        *,
+        queues: _abc.Iterable[Global___QueueInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queues", b"queues"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListQueuesResponse: _TypeAlias = ListQueuesResponse  # noqa: Y015
+
+@_typing.final
+class PauseQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Required: 1 to 64 characters of [A-Za-z0-9_.-]."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseQueueRequest: _TypeAlias = PauseQueueRequest  # noqa: Y015
+
+@_typing.final
+class PauseQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseQueueResponse: _TypeAlias = PauseQueueResponse  # noqa: Y015
+
+@_typing.final
+class ResumeQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Required: 1 to 64 characters of [A-Za-z0-9_.-]."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeQueueRequest: _TypeAlias = ResumeQueueRequest  # noqa: Y015
+
+@_typing.final
+class ResumeQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeQueueResponse: _TypeAlias = ResumeQueueResponse  # noqa: Y015
+
+@_typing.final
 class StreamOpen(_message.Message):
     """Settings for a stream, in its first request."""
 
@@ -556,21 +950,29 @@ class StreamOpen(_message.Message):
 
     PREFETCH_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    QUEUES_FIELD_NUMBER: _builtins.int
     prefetch: _builtins.int
     """How many unfinished (pushed and not yet acked or nacked) tasks the worker can hold.
     Default 1 when unset; at least 1; values above 10000 are clamped to 10000.
     """
     lease_ms: _builtins.int
     """The lease for each pushed task, as in NextJobRequest.lease_ms (default 30000, cap 300000)."""
+    @_builtins.property
+    def queues(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The queues to take tasks from, in order of preference (as NextJobRequest.queues). Empty:
+        "default".
+        """
+
     def __init__(
         self,
         *,
         prefetch: _builtins.int | None = ...,
         lease_ms: _builtins.int | None = ...,
+        queues: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_prefetch", b"_prefetch", "lease_ms", b"lease_ms", "prefetch", b"prefetch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_prefetch", b"_prefetch", "lease_ms", b"lease_ms", "prefetch", b"prefetch"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "_prefetch", b"_prefetch", "lease_ms", b"lease_ms", "prefetch", b"prefetch", "queues", b"queues"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_ms: _TypeAlias = _typing.Literal["lease_ms"]  # noqa: Y015
     _WhichOneofArgType__lease_ms: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms"]  # noqa: Y015
@@ -591,18 +993,27 @@ class StreamJobsRequest(_message.Message):
     ACKS_FIELD_NUMBER: _builtins.int
     NACKS_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    EXTENDS_FIELD_NUMBER: _builtins.int
     drain: _builtins.bool
-    """Stop pushing new tasks to this stream; tasks queued for it and not yet sent go back to ready."""
+    """Stop pushing new tasks to this stream; tasks queued for it and not yet sent go back to ready.
+    Answered with StreamJobsResponse.drained (the first drain only).
+    """
     @_builtins.property
     def open(self) -> Global___StreamOpen:
         """Required in the first request, and only there."""
 
     @_builtins.property
     def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___AckRequest]:
-        """Finish streamed (or any) tasks. Processed in order, acks before nacks."""
+        """Finish streamed (or any) tasks. Processed in order: extends, then acks, then nacks."""
 
     @_builtins.property
     def nacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___NackRequest]: ...
+    @_builtins.property
+    def extends(self) -> _containers.RepeatedCompositeFieldContainer[Global___ExtendLeaseRequest]:
+        """Extend the leases of held tasks (as ExtendLease); each answered in `settled`, with the new
+        deadline.
+        """
+
     def __init__(
         self,
         *,
@@ -610,10 +1021,11 @@ class StreamJobsRequest(_message.Message):
         acks: _abc.Iterable[Global___AckRequest] | None = ...,
         nacks: _abc.Iterable[Global___NackRequest] | None = ...,
         drain: _builtins.bool = ...,
+        extends: _abc.Iterable[Global___ExtendLeaseRequest] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["open", b"open"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "drain", b"drain", "nacks", b"nacks", "open", b"open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "drain", b"drain", "extends", b"extends", "nacks", b"nacks", "open", b"open"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -621,7 +1033,7 @@ Global___StreamJobsRequest: _TypeAlias = StreamJobsRequest  # noqa: Y015
 
 @_typing.final
 class Settled(_message.Message):
-    """The outcome of an ack or nack sent on the stream."""
+    """The outcome of an ack, nack or extend sent on the stream."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -630,6 +1042,8 @@ class Settled(_message.Message):
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
     NACK_FIELD_NUMBER: _builtins.int
+    EXTEND_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     lease_id: _builtins.str
     code: _builtins.int
@@ -639,7 +1053,13 @@ class Settled(_message.Message):
     1 KiB).
     """
     nack: _builtins.bool
-    """True for a nack, false for an ack."""
+    """True for a nack, false for an ack or an extend."""
+    extend: _builtins.bool
+    """True for an extend."""
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """An extend's new deadline (set when code is 0)."""
+
     def __init__(
         self,
         *,
@@ -648,14 +1068,40 @@ class Settled(_message.Message):
         code: _builtins.int = ...,
         message: _builtins.str = ...,
         nack: _builtins.bool = ...,
+        extend: _builtins.bool = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "id", b"id", "lease_id", b"lease_id", "message", b"message", "nack", b"nack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "deadline", b"deadline", "extend", b"extend", "id", b"id", "lease_id", b"lease_id", "message", b"message", "nack", b"nack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Settled: _TypeAlias = Settled  # noqa: Y015
+
+@_typing.final
+class Drained(_message.Message):
+    """The answer to a drain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    UNSETTLED_FIELD_NUMBER: _builtins.int
+    unsettled: _builtins.int
+    """Tasks sent on this stream and not yet settled (acked, nacked or reclaimed) when the drain
+    was answered, counting the `settled` outcomes that came before this.
+    """
+    def __init__(
+        self,
+        *,
+        unsettled: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["unsettled", b"unsettled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Drained: _TypeAlias = Drained  # noqa: Y015
 
 @_typing.final
 class StreamJobsResponse(_message.Message):
@@ -667,6 +1113,7 @@ class StreamJobsResponse(_message.Message):
 
     DELIVERIES_FIELD_NUMBER: _builtins.int
     SETTLED_FIELD_NUMBER: _builtins.int
+    DRAINED_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def deliveries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Delivery]:
         """Tasks pushed to the worker, oldest first. Possibly several per response."""
@@ -677,15 +1124,22 @@ class StreamJobsResponse(_message.Message):
         before this response's deliveries were made: count them first when tracking unfinished tasks.
         """
 
+    @_builtins.property
+    def drained(self) -> Global___Drained:
+        """The answer to the stream's drain, after its last delivery (in this response or an earlier
+        one) and after the outcomes in this response; only `settled` outcomes follow it.
+        """
+
     def __init__(
         self,
         *,
         deliveries: _abc.Iterable[Global___Delivery] | None = ...,
         settled: _abc.Iterable[Global___Settled] | None = ...,
+        drained: Global___Drained | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliveries", b"deliveries", "settled", b"settled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliveries", b"deliveries", "drained", b"drained", "settled", b"settled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -59,10 +59,35 @@ class BrokerStub:
                 request_serializer=wqclient_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
                 response_deserializer=wqclient_dot_pb_dot_broker__pb2.NackResponse.FromString,
                 _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/wq.v1.Broker/ExtendLease',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
+                _registered_method=True)
+        self.GetTask = channel.unary_unary(
+                '/wq.v1.Broker/GetTask',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.GetTaskResponse.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/wq.v1.Broker/Stats',
                 request_serializer=wqclient_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
                 response_deserializer=wqclient_dot_pb_dot_broker__pb2.StatsResponse.FromString,
+                _registered_method=True)
+        self.ListQueues = channel.unary_unary(
+                '/wq.v1.Broker/ListQueues',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesResponse.FromString,
+                _registered_method=True)
+        self.PauseQueue = channel.unary_unary(
+                '/wq.v1.Broker/PauseQueue',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueResponse.FromString,
+                _registered_method=True)
+        self.ResumeQueue = channel.unary_unary(
+                '/wq.v1.Broker/ResumeQueue',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueResponse.FromString,
                 _registered_method=True)
         self.ListDead = channel.unary_unary(
                 '/wq.v1.Broker/ListDead',
@@ -73,6 +98,16 @@ class BrokerStub:
                 '/wq.v1.Broker/Requeue',
                 request_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
                 response_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
+                _registered_method=True)
+        self.RequeueAll = channel.unary_unary(
+                '/wq.v1.Broker/RequeueAll',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllResponse.FromString,
+                _registered_method=True)
+        self.PurgeDead = channel.unary_unary(
+                '/wq.v1.Broker/PurgeDead',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
                 _registered_method=True)
         self.StreamJobs = channel.stream_stream(
                 '/wq.v1.Broker/StreamJobs',
@@ -85,7 +120,9 @@ class BrokerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Enqueue(self, request, context):
-        """Enqueue a task (HTTP: POST /jobs).
+        """Enqueue a task (HTTP: POST /jobs). With an idempotency_key seen for the same queue within the
+        broker's dedup window (-dedup-window-ms, default 5 minutes), nothing is created: the answer
+        carries the first task's id and duplicate = true (HTTP 200 instead of 201).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -93,14 +130,16 @@ class BrokerServicer:
 
     def EnqueueBatch(self, request, context):
         """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
-        request is invalid nothing is enqueued and the error names its index.
+        request is invalid nothing is enqueued and the error names its index. Idempotency keys work
+        per item (EnqueueBatchResponse.duplicates).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def NextJob(self, request, context):
-        """Claim the oldest ready task, long-polling up to wait_ms for one (HTTP: GET /jobs/next).
+        """Claim the next ready task of the queues asked for (highest priority first, then oldest),
+        long-polling up to wait_ms for one (HTTP: GET /jobs/next).
         A response without `delivery` is the normal idle answer (HTTP 204): ask again. If the call is
         cancelled while it waits, it is never handed a task.
         """
@@ -116,22 +155,61 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Nack(self, request, context):
-        """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff, or buried
-        in the dead-letter queue once attempts reaches max_attempts.
+        """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff (or after
+        exactly delay_ms), or buried in the dead-letter queue once attempts reaches max_attempts (or
+        at once with terminal).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtendLease(self, request, context):
+        """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
+        NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetTask(self, request, context):
+        """A task that is not yet acked, and its state (HTTP: GET /jobs/{id}). NOT_FOUND once acked or
+        for an unknown id. Never shows a lease id.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Stats(self, request, context):
-        """Gauges and lifetime totals (HTTP: GET /stats).
+        """Gauges and lifetime totals, of the whole broker or of one queue (HTTP: GET /stats).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListQueues(self, request, context):
+        """Every queue the broker knows, by name, with its gauges (HTTP: GET /queues).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseQueue(self, request, context):
+        """A paused queue accepts tasks but hands none out (HTTP: POST /queues/{name}/pause). Pausing
+        and resuming are idempotent; a queue not seen before is created.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeQueue(self, request, context):
+        """Hand out a paused queue's tasks again (HTTP: POST /queues/{name}/resume).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListDead(self, request, context):
-        """The dead-letter queue, in the order tasks were buried (HTTP: GET /dlq).
+        """The dead-letter queue, in the order tasks were buried, of every queue or one (HTTP: GET /dlq).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -145,18 +223,36 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequeueAll(self, request, context):
+        """Requeue every dead task, of every queue or of one (HTTP: POST /dlq/requeue?queue=NAME).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeDead(self, request, context):
+        """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
+        the task is not in the dead-letter queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamJobs(self, request_iterator, context):
-        """The streaming NextJob: tasks are pushed to the worker as soon as they are ready, with no
-        polling, never more than `prefetch` unfinished at once.
+        """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
+        as they are ready, with no polling, never more than `prefetch` unfinished at once.
 
         The first request must carry `open`; the broker answers it with an empty response once the
-        stream is registered (so a worker knows it is connected). Later requests carry acks and nacks
-        for streamed tasks (the unary Ack and Nack work on them too); each finished task frees a
-        slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
-        order.
+        stream is registered (so a worker knows it is connected). Later requests carry acks, nacks
+        and lease extensions for streamed tasks (the unary Ack, Nack and ExtendLease work on them
+        too); each finished task frees a slot. Every ack, nack and extend sent on the stream is
+        answered in a later response's `settled`, in order.
 
-        To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
-        end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+        To stop, send `drain`: no new tasks are pushed from then on, and the broker answers with a
+        response carrying `drained` once every task already on its way has been sent (so nothing
+        but `settled` outcomes follows it): `drained.unsettled` tasks sent on this stream are not
+        yet settled. Settle them; the broker ends the call (status OK) once none is left, at once
+        if there were none. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
         was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
         buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
         ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
@@ -195,10 +291,35 @@ def add_BrokerServicer_to_server(servicer, server):
                     request_deserializer=wqclient_dot_pb_dot_broker__pb2.NackRequest.FromString,
                     response_serializer=wqclient_dot_pb_dot_broker__pb2.NackResponse.SerializeToString,
             ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseResponse.SerializeToString,
+            ),
+            'GetTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTask,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.GetTaskRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.GetTaskResponse.SerializeToString,
+            ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
                     request_deserializer=wqclient_dot_pb_dot_broker__pb2.StatsRequest.FromString,
                     response_serializer=wqclient_dot_pb_dot_broker__pb2.StatsResponse.SerializeToString,
+            ),
+            'ListQueues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueues,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesResponse.SerializeToString,
+            ),
+            'PauseQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseQueue,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueResponse.SerializeToString,
+            ),
+            'ResumeQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeQueue,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueResponse.SerializeToString,
             ),
             'ListDead': grpc.unary_unary_rpc_method_handler(
                     servicer.ListDead,
@@ -209,6 +330,16 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.Requeue,
                     request_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueRequest.FromString,
                     response_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueResponse.SerializeToString,
+            ),
+            'RequeueAll': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequeueAll,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllResponse.SerializeToString,
+            ),
+            'PurgeDead': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeDead,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadResponse.SerializeToString,
             ),
             'StreamJobs': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamJobs,
@@ -362,6 +493,60 @@ class Broker:
             _registered_method=True)
 
     @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/ExtendLease',
+            wqclient_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/GetTask',
+            wqclient_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.GetTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def Stats(request,
             target,
             options=(),
@@ -378,6 +563,87 @@ class Broker:
             '/wq.v1.Broker/Stats',
             wqclient_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
             wqclient_dot_pb_dot_broker__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/ListQueues',
+            wqclient_dot_pb_dot_broker__pb2.ListQueuesRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.ListQueuesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/PauseQueue',
+            wqclient_dot_pb_dot_broker__pb2.PauseQueueRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.PauseQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/ResumeQueue',
+            wqclient_dot_pb_dot_broker__pb2.ResumeQueueRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.ResumeQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -432,6 +698,60 @@ class Broker:
             '/wq.v1.Broker/Requeue',
             wqclient_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
             wqclient_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequeueAll(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/RequeueAll',
+            wqclient_dot_pb_dot_broker__pb2.RequeueAllRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.RequeueAllResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeDead(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/PurgeDead',
+            wqclient_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,8 +25,14 @@ Errors (the same error tree as the HTTP API; one table maps it):
 A status message (and Settled.message) is at most 1 KiB of UTF-8; a longer one is cut and ends
 with " [truncated]", so it always fits a client's metadata limit.
 
-Generate a client for any language from this file (see the README), e.g.
-  protoc -I proto --go_out=. --go-grpc_out=. wqclient/pb/broker.proto
+Generate a client for any language from this file (see the README), e.g. for Go:
+  protoc -I proto --go_out=. --go_opt=module=github.com/wq-dev/wq \\
+    --go-grpc_out=. --go-grpc_opt=module=github.com/wq-dev/wq wqclient/pb/broker.proto
+writes gen/go/wq/v1/broker.pb.go and broker_grpc.pb.go (package wqv1).
+
+Queues: every task belongs to one named queue (1 to 64 characters of [A-Za-z0-9_.-]); an empty
+queue field means "default" wherever a queue is given for a task or a claim. Within a queue,
+higher priority (0 to 9) is served first, oldest first within a priority.
 """
 
 from collections import abc as _abc
@@ -58,42 +64,73 @@ class BrokerStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> BrokerAsyncStub: ...
     Enqueue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.EnqueueRequest, _broker_pb2.EnqueueResponse]
-    """Enqueue a task (HTTP: POST /jobs)."""
+    """Enqueue a task (HTTP: POST /jobs). With an idempotency_key seen for the same queue within the
+    broker's dedup window (-dedup-window-ms, default 5 minutes), nothing is created: the answer
+    carries the first task's id and duplicate = true (HTTP 200 instead of 201).
+    """
     EnqueueBatch: _grpc.UnaryUnaryMultiCallable[_broker_pb2.EnqueueBatchRequest, _broker_pb2.EnqueueBatchResponse]
     """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
-    request is invalid nothing is enqueued and the error names its index.
+    request is invalid nothing is enqueued and the error names its index. Idempotency keys work
+    per item (EnqueueBatchResponse.duplicates).
     """
     NextJob: _grpc.UnaryUnaryMultiCallable[_broker_pb2.NextJobRequest, _broker_pb2.NextJobResponse]
-    """Claim the oldest ready task, long-polling up to wait_ms for one (HTTP: GET /jobs/next).
+    """Claim the next ready task of the queues asked for (highest priority first, then oldest),
+    long-polling up to wait_ms for one (HTTP: GET /jobs/next).
     A response without `delivery` is the normal idle answer (HTTP 204): ask again. If the call is
     cancelled while it waits, it is never handed a task.
     """
     Ack: _grpc.UnaryUnaryMultiCallable[_broker_pb2.AckRequest, _broker_pb2.AckResponse]
     """Report success (HTTP: POST /jobs/{id}/ack)."""
     Nack: _grpc.UnaryUnaryMultiCallable[_broker_pb2.NackRequest, _broker_pb2.NackResponse]
-    """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff, or buried
-    in the dead-letter queue once attempts reaches max_attempts.
+    """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff (or after
+    exactly delay_ms), or buried in the dead-letter queue once attempts reaches max_attempts (or
+    at once with terminal).
+    """
+    ExtendLease: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ExtendLeaseRequest, _broker_pb2.ExtendLeaseResponse]
+    """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
+    NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+    """
+    GetTask: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetTaskRequest, _broker_pb2.GetTaskResponse]
+    """A task that is not yet acked, and its state (HTTP: GET /jobs/{id}). NOT_FOUND once acked or
+    for an unknown id. Never shows a lease id.
     """
     Stats: _grpc.UnaryUnaryMultiCallable[_broker_pb2.StatsRequest, _broker_pb2.StatsResponse]
-    """Gauges and lifetime totals (HTTP: GET /stats)."""
+    """Gauges and lifetime totals, of the whole broker or of one queue (HTTP: GET /stats)."""
+    ListQueues: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListQueuesRequest, _broker_pb2.ListQueuesResponse]
+    """Every queue the broker knows, by name, with its gauges (HTTP: GET /queues)."""
+    PauseQueue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PauseQueueRequest, _broker_pb2.PauseQueueResponse]
+    """A paused queue accepts tasks but hands none out (HTTP: POST /queues/{name}/pause). Pausing
+    and resuming are idempotent; a queue not seen before is created.
+    """
+    ResumeQueue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ResumeQueueRequest, _broker_pb2.ResumeQueueResponse]
+    """Hand out a paused queue's tasks again (HTTP: POST /queues/{name}/resume)."""
     ListDead: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListDeadRequest, _broker_pb2.ListDeadResponse]
-    """The dead-letter queue, in the order tasks were buried (HTTP: GET /dlq)."""
+    """The dead-letter queue, in the order tasks were buried, of every queue or one (HTTP: GET /dlq)."""
     Requeue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RequeueRequest, _broker_pb2.RequeueResponse]
     """Give a dead task a clean start: attempts 0, no error, back of ready
     (HTTP: POST /dlq/{id}/requeue).
     """
+    RequeueAll: _grpc.UnaryUnaryMultiCallable[_broker_pb2.RequeueAllRequest, _broker_pb2.RequeueAllResponse]
+    """Requeue every dead task, of every queue or of one (HTTP: POST /dlq/requeue?queue=NAME)."""
+    PurgeDead: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PurgeDeadRequest, _broker_pb2.PurgeDeadResponse]
+    """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
+    the task is not in the dead-letter queue.
+    """
     StreamJobs: _grpc.StreamStreamMultiCallable[_broker_pb2.StreamJobsRequest, _broker_pb2.StreamJobsResponse]
-    """The streaming NextJob: tasks are pushed to the worker as soon as they are ready, with no
-    polling, never more than `prefetch` unfinished at once.
+    """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
+    as they are ready, with no polling, never more than `prefetch` unfinished at once.
 
     The first request must carry `open`; the broker answers it with an empty response once the
-    stream is registered (so a worker knows it is connected). Later requests carry acks and nacks
-    for streamed tasks (the unary Ack and Nack work on them too); each finished task frees a
-    slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
-    order.
+    stream is registered (so a worker knows it is connected). Later requests carry acks, nacks
+    and lease extensions for streamed tasks (the unary Ack, Nack and ExtendLease work on them
+    too); each finished task frees a slot. Every ack, nack and extend sent on the stream is
+    answered in a later response's `settled`, in order.
 
-    To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
-    end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+    To stop, send `drain`: no new tasks are pushed from then on, and the broker answers with a
+    response carrying `drained` once every task already on its way has been sent (so nothing
+    but `settled` outcomes follows it): `drained.unsettled` tasks sent on this stream are not
+    yet settled. Settle them; the broker ends the call (status OK) once none is left, at once
+    if there were none. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
     was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
     buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
     ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
@@ -105,42 +142,73 @@ class BrokerStub:
 class BrokerAsyncStub(BrokerStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Enqueue: _aio.UnaryUnaryMultiCallable[_broker_pb2.EnqueueRequest, _broker_pb2.EnqueueResponse]  # type: ignore[assignment]
-    """Enqueue a task (HTTP: POST /jobs)."""
+    """Enqueue a task (HTTP: POST /jobs). With an idempotency_key seen for the same queue within the
+    broker's dedup window (-dedup-window-ms, default 5 minutes), nothing is created: the answer
+    carries the first task's id and duplicate = true (HTTP 200 instead of 201).
+    """
     EnqueueBatch: _aio.UnaryUnaryMultiCallable[_broker_pb2.EnqueueBatchRequest, _broker_pb2.EnqueueBatchResponse]  # type: ignore[assignment]
     """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
-    request is invalid nothing is enqueued and the error names its index.
+    request is invalid nothing is enqueued and the error names its index. Idempotency keys work
+    per item (EnqueueBatchResponse.duplicates).
     """
     NextJob: _aio.UnaryUnaryMultiCallable[_broker_pb2.NextJobRequest, _broker_pb2.NextJobResponse]  # type: ignore[assignment]
-    """Claim the oldest ready task, long-polling up to wait_ms for one (HTTP: GET /jobs/next).
+    """Claim the next ready task of the queues asked for (highest priority first, then oldest),
+    long-polling up to wait_ms for one (HTTP: GET /jobs/next).
     A response without `delivery` is the normal idle answer (HTTP 204): ask again. If the call is
     cancelled while it waits, it is never handed a task.
     """
     Ack: _aio.UnaryUnaryMultiCallable[_broker_pb2.AckRequest, _broker_pb2.AckResponse]  # type: ignore[assignment]
     """Report success (HTTP: POST /jobs/{id}/ack)."""
     Nack: _aio.UnaryUnaryMultiCallable[_broker_pb2.NackRequest, _broker_pb2.NackResponse]  # type: ignore[assignment]
-    """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff, or buried
-    in the dead-letter queue once attempts reaches max_attempts.
+    """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff (or after
+    exactly delay_ms), or buried in the dead-letter queue once attempts reaches max_attempts (or
+    at once with terminal).
+    """
+    ExtendLease: _aio.UnaryUnaryMultiCallable[_broker_pb2.ExtendLeaseRequest, _broker_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
+    """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
+    NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+    """
+    GetTask: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetTaskRequest, _broker_pb2.GetTaskResponse]  # type: ignore[assignment]
+    """A task that is not yet acked, and its state (HTTP: GET /jobs/{id}). NOT_FOUND once acked or
+    for an unknown id. Never shows a lease id.
     """
     Stats: _aio.UnaryUnaryMultiCallable[_broker_pb2.StatsRequest, _broker_pb2.StatsResponse]  # type: ignore[assignment]
-    """Gauges and lifetime totals (HTTP: GET /stats)."""
+    """Gauges and lifetime totals, of the whole broker or of one queue (HTTP: GET /stats)."""
+    ListQueues: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListQueuesRequest, _broker_pb2.ListQueuesResponse]  # type: ignore[assignment]
+    """Every queue the broker knows, by name, with its gauges (HTTP: GET /queues)."""
+    PauseQueue: _aio.UnaryUnaryMultiCallable[_broker_pb2.PauseQueueRequest, _broker_pb2.PauseQueueResponse]  # type: ignore[assignment]
+    """A paused queue accepts tasks but hands none out (HTTP: POST /queues/{name}/pause). Pausing
+    and resuming are idempotent; a queue not seen before is created.
+    """
+    ResumeQueue: _aio.UnaryUnaryMultiCallable[_broker_pb2.ResumeQueueRequest, _broker_pb2.ResumeQueueResponse]  # type: ignore[assignment]
+    """Hand out a paused queue's tasks again (HTTP: POST /queues/{name}/resume)."""
     ListDead: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListDeadRequest, _broker_pb2.ListDeadResponse]  # type: ignore[assignment]
-    """The dead-letter queue, in the order tasks were buried (HTTP: GET /dlq)."""
+    """The dead-letter queue, in the order tasks were buried, of every queue or one (HTTP: GET /dlq)."""
     Requeue: _aio.UnaryUnaryMultiCallable[_broker_pb2.RequeueRequest, _broker_pb2.RequeueResponse]  # type: ignore[assignment]
     """Give a dead task a clean start: attempts 0, no error, back of ready
     (HTTP: POST /dlq/{id}/requeue).
     """
+    RequeueAll: _aio.UnaryUnaryMultiCallable[_broker_pb2.RequeueAllRequest, _broker_pb2.RequeueAllResponse]  # type: ignore[assignment]
+    """Requeue every dead task, of every queue or of one (HTTP: POST /dlq/requeue?queue=NAME)."""
+    PurgeDead: _aio.UnaryUnaryMultiCallable[_broker_pb2.PurgeDeadRequest, _broker_pb2.PurgeDeadResponse]  # type: ignore[assignment]
+    """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
+    the task is not in the dead-letter queue.
+    """
     StreamJobs: _aio.StreamStreamMultiCallable[_broker_pb2.StreamJobsRequest, _broker_pb2.StreamJobsResponse]  # type: ignore[assignment]
-    """The streaming NextJob: tasks are pushed to the worker as soon as they are ready, with no
-    polling, never more than `prefetch` unfinished at once.
+    """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
+    as they are ready, with no polling, never more than `prefetch` unfinished at once.
 
     The first request must carry `open`; the broker answers it with an empty response once the
-    stream is registered (so a worker knows it is connected). Later requests carry acks and nacks
-    for streamed tasks (the unary Ack and Nack work on them too); each finished task frees a
-    slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
-    order.
+    stream is registered (so a worker knows it is connected). Later requests carry acks, nacks
+    and lease extensions for streamed tasks (the unary Ack, Nack and ExtendLease work on them
+    too); each finished task frees a slot. Every ack, nack and extend sent on the stream is
+    answered in a later response's `settled`, in order.
 
-    To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
-    end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+    To stop, send `drain`: no new tasks are pushed from then on, and the broker answers with a
+    response carrying `drained` once every task already on its way has been sent (so nothing
+    but `settled` outcomes follows it): `drained.unsettled` tasks sent on this stream are not
+    yet settled. Settle them; the broker ends the call (status OK) once none is left, at once
+    if there were none. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
     was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
     buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
     ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
@@ -155,7 +223,10 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.EnqueueRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.EnqueueResponse, _abc.Awaitable[_broker_pb2.EnqueueResponse]]:
-        """Enqueue a task (HTTP: POST /jobs)."""
+        """Enqueue a task (HTTP: POST /jobs). With an idempotency_key seen for the same queue within the
+        broker's dedup window (-dedup-window-ms, default 5 minutes), nothing is created: the answer
+        carries the first task's id and duplicate = true (HTTP 200 instead of 201).
+        """
 
     @_abc_1.abstractmethod
     def EnqueueBatch(
@@ -164,7 +235,8 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.EnqueueBatchResponse, _abc.Awaitable[_broker_pb2.EnqueueBatchResponse]]:
         """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
-        request is invalid nothing is enqueued and the error names its index.
+        request is invalid nothing is enqueued and the error names its index. Idempotency keys work
+        per item (EnqueueBatchResponse.duplicates).
         """
 
     @_abc_1.abstractmethod
@@ -173,7 +245,8 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.NextJobRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.NextJobResponse, _abc.Awaitable[_broker_pb2.NextJobResponse]]:
-        """Claim the oldest ready task, long-polling up to wait_ms for one (HTTP: GET /jobs/next).
+        """Claim the next ready task of the queues asked for (highest priority first, then oldest),
+        long-polling up to wait_ms for one (HTTP: GET /jobs/next).
         A response without `delivery` is the normal idle answer (HTTP 204): ask again. If the call is
         cancelled while it waits, it is never handed a task.
         """
@@ -192,8 +265,29 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.NackRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.NackResponse, _abc.Awaitable[_broker_pb2.NackResponse]]:
-        """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff, or buried
-        in the dead-letter queue once attempts reaches max_attempts.
+        """Report failure (HTTP: POST /jobs/{id}/nack). The task is retried after a backoff (or after
+        exactly delay_ms), or buried in the dead-letter queue once attempts reaches max_attempts (or
+        at once with terminal).
+        """
+
+    @_abc_1.abstractmethod
+    def ExtendLease(
+        self,
+        request: _broker_pb2.ExtendLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ExtendLeaseResponse, _abc.Awaitable[_broker_pb2.ExtendLeaseResponse]]:
+        """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
+        NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+        """
+
+    @_abc_1.abstractmethod
+    def GetTask(
+        self,
+        request: _broker_pb2.GetTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.GetTaskResponse, _abc.Awaitable[_broker_pb2.GetTaskResponse]]:
+        """A task that is not yet acked, and its state (HTTP: GET /jobs/{id}). NOT_FOUND once acked or
+        for an unknown id. Never shows a lease id.
         """
 
     @_abc_1.abstractmethod
@@ -202,7 +296,33 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.StatsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.StatsResponse, _abc.Awaitable[_broker_pb2.StatsResponse]]:
-        """Gauges and lifetime totals (HTTP: GET /stats)."""
+        """Gauges and lifetime totals, of the whole broker or of one queue (HTTP: GET /stats)."""
+
+    @_abc_1.abstractmethod
+    def ListQueues(
+        self,
+        request: _broker_pb2.ListQueuesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ListQueuesResponse, _abc.Awaitable[_broker_pb2.ListQueuesResponse]]:
+        """Every queue the broker knows, by name, with its gauges (HTTP: GET /queues)."""
+
+    @_abc_1.abstractmethod
+    def PauseQueue(
+        self,
+        request: _broker_pb2.PauseQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PauseQueueResponse, _abc.Awaitable[_broker_pb2.PauseQueueResponse]]:
+        """A paused queue accepts tasks but hands none out (HTTP: POST /queues/{name}/pause). Pausing
+        and resuming are idempotent; a queue not seen before is created.
+        """
+
+    @_abc_1.abstractmethod
+    def ResumeQueue(
+        self,
+        request: _broker_pb2.ResumeQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ResumeQueueResponse, _abc.Awaitable[_broker_pb2.ResumeQueueResponse]]:
+        """Hand out a paused queue's tasks again (HTTP: POST /queues/{name}/resume)."""
 
     @_abc_1.abstractmethod
     def ListDead(
@@ -210,7 +330,7 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.ListDeadRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.ListDeadResponse, _abc.Awaitable[_broker_pb2.ListDeadResponse]]:
-        """The dead-letter queue, in the order tasks were buried (HTTP: GET /dlq)."""
+        """The dead-letter queue, in the order tasks were buried, of every queue or one (HTTP: GET /dlq)."""
 
     @_abc_1.abstractmethod
     def Requeue(
@@ -223,22 +343,43 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         """
 
     @_abc_1.abstractmethod
+    def RequeueAll(
+        self,
+        request: _broker_pb2.RequeueAllRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.RequeueAllResponse, _abc.Awaitable[_broker_pb2.RequeueAllResponse]]:
+        """Requeue every dead task, of every queue or of one (HTTP: POST /dlq/requeue?queue=NAME)."""
+
+    @_abc_1.abstractmethod
+    def PurgeDead(
+        self,
+        request: _broker_pb2.PurgeDeadRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PurgeDeadResponse, _abc.Awaitable[_broker_pb2.PurgeDeadResponse]]:
+        """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
+        the task is not in the dead-letter queue.
+        """
+
+    @_abc_1.abstractmethod
     def StreamJobs(
         self,
         request_iterator: _MaybeAsyncIterator[_broker_pb2.StreamJobsRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_broker_pb2.StreamJobsResponse], _abc.AsyncIterator[_broker_pb2.StreamJobsResponse]]:
-        """The streaming NextJob: tasks are pushed to the worker as soon as they are ready, with no
-        polling, never more than `prefetch` unfinished at once.
+        """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
+        as they are ready, with no polling, never more than `prefetch` unfinished at once.
 
         The first request must carry `open`; the broker answers it with an empty response once the
-        stream is registered (so a worker knows it is connected). Later requests carry acks and nacks
-        for streamed tasks (the unary Ack and Nack work on them too); each finished task frees a
-        slot. Every ack and nack sent on the stream is answered in a later response's `settled`, in
-        order.
+        stream is registered (so a worker knows it is connected). Later requests carry acks, nacks
+        and lease extensions for streamed tasks (the unary Ack, Nack and ExtendLease work on them
+        too); each finished task frees a slot. Every ack, nack and extend sent on the stream is
+        answered in a later response's `settled`, in order.
 
-        To stop, send `drain` (no new tasks are pushed from then on), settle the tasks you hold, then
-        end the call. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
+        To stop, send `drain`: no new tasks are pushed from then on, and the broker answers with a
+        response carrying `drained` once every task already on its way has been sent (so nothing
+        but `settled` outcomes follows it): `drained.unsettled` tasks sent on this stream are not
+        yet settled. Settle them; the broker ends the call (status OK) once none is left, at once
+        if there were none. When the call ends (the worker half-closes, cancels, or vanishes), the tasks it
         was sent and did not finish are reclaimed at once (counted in totals.reclaimed, then retried or
         buried) rather than waiting out their leases; tasks queued for it but not yet sent go back to
         ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
