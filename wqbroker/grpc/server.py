@@ -34,8 +34,8 @@ from wqbroker.errors import (
     lookup,
 )
 from wqbroker.grpc.decoding import guarded, handler_table
-from wqbroker.models import Delivery, Task
-from wqbroker.service import Service
+from wqbroker.models import Delivery, Enqueued, QueueStats, Task
+from wqbroker.service import Service, Submission
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -160,6 +160,8 @@ def task_pb(task: Task) -> pb.Task:
         created_at=timestamp(task.created_at),
         available_at=timestamp(task.available_at),
         last_error=None if task.last_error is None else utf8(task.last_error),
+        queue=task.queue,
+        priority=task.priority,
     )
 
 
@@ -171,13 +173,27 @@ def delivery_pb(delivery: Delivery) -> pb.Delivery:
     )
 
 
-def _settled(task_id: str, lease_id: str, error: WqError | None, *, nack: bool) -> pb.Settled:
+def queue_pb(queue: QueueStats) -> pb.QueueInfo:
+    return pb.QueueInfo(
+        name=queue.name,
+        ready=queue.ready,
+        handed_out=queue.handed_out,
+        delayed=queue.delayed,
+        dead=queue.dead,
+        paused=queue.paused,
+    )
+
+
+def _settled(
+    task_id: str, lease_id: str, error: WqError | None, *, nack: bool, extend: bool = False
+) -> pb.Settled:
     if error is None:
-        return pb.Settled(id=task_id, lease_id=lease_id, nack=nack)
+        return pb.Settled(id=task_id, lease_id=lease_id, nack=nack, extend=extend)
     return pb.Settled(
         id=task_id,
         lease_id=lease_id,
         nack=nack,
+        extend=extend,
         code=code_for(error).value[0],
         message=details(error.message),
     )
@@ -197,12 +213,56 @@ def _error(message: pb.NackRequest) -> str | None:
     return message.error if message.HasField("error") else None
 
 
+def _text(value: str) -> str | None:
+    """A string field whose empty value means "the default" (or "none"): None then."""
+    return value or None
+
+
+def _queues(queues: Sequence[str]) -> list[str] | None:
+    """A repeated queues field: None (the default queue) when empty."""
+    return list(queues) or None
+
+
+def _terminal(message: pb.NackRequest) -> bool | None:
+    return True if message.terminal else None
+
+
+def _submission(item: pb.EnqueueRequest) -> Submission:
+    return Submission(
+        item.payload,
+        max_attempts=_optional(item, "max_attempts"),
+        delay_ms=_optional(item, "delay_ms"),
+        queue=_text(item.queue),
+        priority=_optional(item, "priority"),
+        key=_text(item.idempotency_key),
+    )
+
+
+def _nack_item(n: pb.NackRequest) -> tuple[str, str, str | None, int | None, bool | None]:
+    return (n.id, n.lease_id, _error(n), _optional(n, "delay_ms"), _terminal(n))
+
+
+async def _extend(service: Service, extends: Sequence[pb.ExtendLeaseRequest]) -> list[pb.Settled]:
+    """Extend each lease, in order; their outcomes, with the new deadlines."""
+    outcomes = []
+    for e in extends:
+        try:
+            deadline = await service.extend(e.id, e.lease_id, _optional(e, "lease_ms"))
+        except WqError as error:
+            outcomes.append(_settled(e.id, e.lease_id, error, nack=False, extend=True))
+        else:
+            outcome = _settled(e.id, e.lease_id, None, nack=False, extend=True)
+            outcome.deadline.CopyFrom(timestamp(deadline))
+            outcomes.append(outcome)
+    return outcomes
+
+
 async def _settle(
     service: Service, acks: Sequence[pb.AckRequest], nacks: Sequence[pb.NackRequest] = ()
 ) -> list[pb.Settled]:
     """Settle acks, then nacks, at once; their outcomes, in that order."""
     ack_errors, nack_errors = await service.settle_many(
-        [(a.id, a.lease_id) for a in acks], [(n.id, n.lease_id, _error(n)) for n in nacks]
+        [(a.id, a.lease_id) for a in acks], [_nack_item(n) for n in nacks]
     )
     return [
         _settled(a.id, a.lease_id, error, nack=False)
@@ -219,23 +279,26 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Enqueue(self, request: pb.EnqueueRequest, context: Context) -> pb.EnqueueResponse:
         async with _Errors(context):
-            task = await self._service.enqueue(
-                request.payload,
-                _optional(request, "max_attempts"),
-                _optional(request, "delay_ms"),
+            item = _submission(request)
+            result = await self._service.enqueue(
+                item.payload,
+                item.max_attempts,
+                item.delay_ms,
+                queue=item.queue,
+                priority=item.priority,
+                key=item.key,
             )
-            return pb.EnqueueResponse(id=task.id)
+            return pb.EnqueueResponse(id=result.id, duplicate=result.duplicate)
 
     async def EnqueueBatch(
         self, request: pb.EnqueueBatchRequest, context: Context
     ) -> pb.EnqueueBatchResponse:
         async with _Errors(context):
-            items = [
-                (item.payload, _optional(item, "max_attempts"), _optional(item, "delay_ms"))
-                for item in request.tasks
-            ]
-            tasks = await self._service.enqueue_many(items, what="tasks")
-            return pb.EnqueueBatchResponse(ids=[t.id for t in tasks])
+            items = [_submission(item) for item in request.tasks]
+            results: list[Enqueued] = await self._service.enqueue_many(items, what="tasks")
+            return pb.EnqueueBatchResponse(
+                ids=[r.id for r in results], duplicates=[r.duplicate for r in results]
+            )
 
     async def NextJob(self, request: pb.NextJobRequest, context: Context) -> pb.NextJobResponse:
         async with _Errors(context):
@@ -250,6 +313,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 _optional(request, "lease_ms"),
                 [(a.id, a.lease_id) for a in acks],
                 hand_over,
+                queues=_queues(request.queues),
             )
             settled = [
                 _settled(a.id, a.lease_id, error, nack=False)
@@ -272,24 +336,81 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Nack(self, request: pb.NackRequest, context: Context) -> pb.NackResponse:
         async with _Errors(context):
-            await self._service.nack(request.id, request.lease_id, _error(request))
+            await self._service.nack(
+                request.id,
+                request.lease_id,
+                _error(request),
+                delay_ms=_optional(request, "delay_ms"),
+                terminal=_terminal(request),
+            )
             return pb.NackResponse()
+
+    async def ExtendLease(
+        self, request: pb.ExtendLeaseRequest, context: Context
+    ) -> pb.ExtendLeaseResponse:
+        async with _Errors(context):
+            deadline = await self._service.extend(
+                request.id, request.lease_id, _optional(request, "lease_ms")
+            )
+            return pb.ExtendLeaseResponse(deadline=timestamp(deadline))
+
+    async def GetTask(self, request: pb.GetTaskRequest, context: Context) -> pb.GetTaskResponse:
+        async with _Errors(context):
+            found = await self._service.lookup(request.id)
+            return pb.GetTaskResponse(task=task_pb(found.task), state=found.state)
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         async with _Errors(context):
-            stats = (await self._service.stats()).as_dict()
+            stats = (await self._service.stats(_text(request.queue))).as_dict()
             totals = pb.Totals(**stats.pop("totals"))
             return pb.StatsResponse(**stats, totals=totals)
 
+    async def ListQueues(
+        self, request: pb.ListQueuesRequest, context: Context
+    ) -> pb.ListQueuesResponse:
+        async with _Errors(context):
+            queues = await self._service.queues()
+            return pb.ListQueuesResponse(queues=[queue_pb(q) for q in queues])
+
+    async def PauseQueue(
+        self, request: pb.PauseQueueRequest, context: Context
+    ) -> pb.PauseQueueResponse:
+        async with _Errors(context):
+            await self._service.pause(request.queue)  # required: "" is refused, not a default
+            return pb.PauseQueueResponse()
+
+    async def ResumeQueue(
+        self, request: pb.ResumeQueueRequest, context: Context
+    ) -> pb.ResumeQueueResponse:
+        async with _Errors(context):
+            await self._service.resume(request.queue)
+            return pb.ResumeQueueResponse()
+
     async def ListDead(self, request: pb.ListDeadRequest, context: Context) -> pb.ListDeadResponse:
         async with _Errors(context):
-            tasks = await self._service.dead_letters(_optional(request, "limit"))
+            tasks = await self._service.dead_letters(
+                _optional(request, "limit"), queue=_text(request.queue)
+            )
             return pb.ListDeadResponse(tasks=[task_pb(t) for t in tasks])
 
     async def Requeue(self, request: pb.RequeueRequest, context: Context) -> pb.RequeueResponse:
         async with _Errors(context):
             await self._service.requeue(request.id)
             return pb.RequeueResponse()
+
+    async def RequeueAll(
+        self, request: pb.RequeueAllRequest, context: Context
+    ) -> pb.RequeueAllResponse:
+        async with _Errors(context):
+            requeued = await self._service.requeue_all(_text(request.queue))
+            return pb.RequeueAllResponse(requeued=requeued)
+
+    async def PurgeDead(
+        self, request: pb.PurgeDeadRequest, context: Context
+    ) -> pb.PurgeDeadResponse:
+        async with _Errors(context):
+            await self._service.purge(request.id)
+            return pb.PurgeDeadResponse()
 
     async def StreamJobs(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamJobsRequest], context: Context
@@ -302,14 +423,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if not first.HasField("open"):
                 raise InvalidArgument("the first StreamJobsRequest must carry open")
             stream = await self._service.open_stream(
-                _optional(first.open, "prefetch"), _optional(first.open, "lease_ms")
+                _optional(first.open, "prefetch"),
+                _optional(first.open, "lease_ms"),
+                queues=_queues(first.open.queues),
             )
         await _StreamCall(self._service, stream, context).run(first, request_iterator)
 
 
 class _StreamCall:
     """One StreamJobs call once its stream is open: a reader settles what the worker sends; the
-    writer pushes deliveries and outcomes until the worker half-closes or the broker stops."""
+    writer pushes deliveries and outcomes until the worker half-closes, a drained stream has no
+    unsettled task left, or the broker stops."""
 
     def __init__(self, service: Service, stream: Stream, context: Context) -> None:
         self._service = service
@@ -317,6 +441,10 @@ class _StreamCall:
         self._context = context
         self._settled: list[pb.Settled] = []  # outcomes not yet taken by the writer
         self._taken = asyncio.Event()  # set when the writer takes them
+        self._applying = False  # the reader is between reading a request and queuing its outcomes
+        self._drain_asked = False  # the worker sent drain (the first one is answered)
+        self._drain_unanswered = False  # ... and the writer has not yet answered it
+        self._drained = False  # Drained was sent: the call ends once nothing is unsettled
 
     async def run(
         self, first: pb.StreamJobsRequest, requests: AsyncIterator[pb.StreamJobsRequest]
@@ -339,13 +467,20 @@ class _StreamCall:
         stream = self._stream
         while True:
             deliveries = stream.take_ready()
-            if deliveries or self._settled:
+            if deliveries or self._settled or self._drain_unanswered:
                 # Take the outcomes now: the reader may add more while we write.
                 outcomes, self._settled = self._settled, []
                 self._taken.set()
-                for response in stream_responses(deliveries, outcomes):
+                responses = stream_responses(deliveries, outcomes)
+                if self._drain_unanswered:
+                    # After the last delivery: the stream is draining, none can follow.
+                    self._drain_unanswered, self._drained = False, True
+                    responses[-1].drained.CopyFrom(pb.Drained(unsettled=stream.unsettled))
+                for response in responses:
                     await self._context.write(response)
                 continue
+            if self._drained and not self._applying and stream.unsettled == 0:
+                return  # drained, every task settled and every outcome sent: the call ends OK
             if reader.done():
                 await self._reader_ended(reader)
                 return  # the worker half-closed: the stream is over
@@ -365,7 +500,11 @@ class _StreamCall:
     ) -> None:
         request = first
         while True:
-            await self._apply(request)
+            self._applying = True
+            try:
+                await self._apply(request)
+            finally:
+                self._applying = False
             self._stream.poke()
             if len(self._settled) >= MAX_UNSENT_OUTCOMES:
                 # The worker is not reading: read nothing more from it (gRPC's flow control then
@@ -383,10 +522,19 @@ class _StreamCall:
                 raise InvalidArgument("open may only be sent in the first StreamJobsRequest")
 
     async def _apply(self, request: pb.StreamJobsRequest) -> None:
+        # Never `self._settled += await ...`: that reads the list before the await, and the
+        # writer may take (and send) it meanwhile; its outcomes would then be sent again.
+        if request.extends:
+            outcomes = await _extend(self._service, request.extends)
+            self._settled.extend(outcomes)
         if request.acks or request.nacks:
-            self._settled += await _settle(self._service, request.acks, request.nacks)
-        if request.drain and not self._stream.draining:
-            await self._stream.drain()
+            outcomes = await _settle(self._service, request.acks, request.nacks)
+            self._settled.extend(outcomes)
+        if request.drain and not self._drain_asked:
+            self._drain_asked = True
+            if not self._stream.draining:
+                await self._stream.drain()
+            self._drain_unanswered = True
 
 
 def stream_responses(
