@@ -35,6 +35,7 @@ from wqbroker.auth import (
     SCOPES,
     UNLISTED,
     Access,
+    Rule,
     TokenFileError,
     Tokens,
     grpc_rule,
@@ -519,6 +520,20 @@ async def _requeue_request(stub: pb_grpc.BrokerAsyncStub) -> pb.RequeueRequest:
     return pb.RequeueRequest(id=await _dead_pb(stub))
 
 
+async def _extend_request(stub: pb_grpc.BrokerAsyncStub) -> pb.ExtendLeaseRequest:
+    task_id, lease_id = await _held_pb(stub)
+    return pb.ExtendLeaseRequest(id=task_id, lease_id=lease_id, lease_ms=60_000)
+
+
+async def _get_task_request(stub: pb_grpc.BrokerAsyncStub) -> pb.GetTaskRequest:
+    response = await stub.Enqueue(pb.EnqueueRequest(payload=b"1"), metadata=metadata(ROOT))
+    return pb.GetTaskRequest(id=response.id)
+
+
+async def _purge_request(stub: pb_grpc.BrokerAsyncStub) -> pb.PurgeDeadRequest:
+    return pb.PurgeDeadRequest(id=await _dead_pb(stub))
+
+
 GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "Enqueue": _const(pb.EnqueueRequest(payload=b"1")),
     "EnqueueBatch": _const(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")])),
@@ -529,7 +544,32 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "ListDead": _const(pb.ListDeadRequest()),
     "Requeue": _requeue_request,
     "StreamJobs": _nothing,
+    "ExtendLease": _extend_request,
+    "GetTask": _get_task_request,
+    "ListQueues": _const(pb.ListQueuesRequest()),
+    "PauseQueue": _const(pb.PauseQueueRequest(queue="q")),
+    "ResumeQueue": _const(pb.ResumeQueueRequest(queue="q")),
+    "RequeueAll": _const(pb.RequeueAllRequest()),
+    "PurgeDead": _purge_request,
 }
+
+
+@pytest.mark.parametrize(
+    ("name", "rule"),
+    [
+        ("ExtendLease", "consume"),
+        ("GetTask", Access.ANY),
+        ("ListQueues", Access.ANY),
+        ("PauseQueue", "admin"),
+        ("ResumeQueue", "admin"),
+        ("RequeueAll", "admin"),
+        ("PurgeDead", "admin"),
+    ],
+)
+def test_the_rules_of_the_issue_11_grpc_methods(name: str, rule: Rule) -> None:
+    # Each is explicitly named (none falls to UNLISTED): as ack; as stats; as the DLQ.
+    assert f"/wq.v1.Broker/{name}" in GRPC_RULES
+    assert grpc_rule(f"/wq.v1.Broker/{name}") == rule
 
 
 def test_the_grpc_calls_cover_every_broker_method() -> None:

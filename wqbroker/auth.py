@@ -56,11 +56,24 @@ SCOPES: Final[Mapping[str, Routes]] = {
     # NextJob settles its acks as well as claiming, all of it the consumer's business.
     "consume": Routes(
         http=("GET /jobs/next", "POST /jobs/{id}/ack", "POST /jobs/{id}/nack"),
-        grpc=(_BROKER + "NextJob", _BROKER + "StreamJobs", _BROKER + "Ack", _BROKER + "Nack"),
+        grpc=(
+            _BROKER + "NextJob",
+            _BROKER + "StreamJobs",
+            _BROKER + "Ack",
+            _BROKER + "Nack",
+            _BROKER + "ExtendLease",
+        ),
     ),
     "admin": Routes(
         http=("GET /dlq", "POST /dlq/{id}/requeue"),
-        grpc=(_BROKER + "ListDead", _BROKER + "Requeue"),
+        grpc=(
+            _BROKER + "ListDead",
+            _BROKER + "Requeue",
+            _BROKER + "RequeueAll",
+            _BROKER + "PurgeDead",
+            _BROKER + "PauseQueue",
+            _BROKER + "ResumeQueue",
+        ),
     ),
 }
 
@@ -71,6 +84,8 @@ ANY_TOKEN: Final = Routes(
     http=("GET /stats",),
     grpc=(
         _BROKER + "Stats",
+        _BROKER + "GetTask",
+        _BROKER + "ListQueues",
         "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
         "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
     ),
