@@ -20,13 +20,14 @@ from wqclient.errors import (
     Overloaded,
     PayloadTooLarge,
     PermissionDenied,
+    ProtocolError,
     StreamEnded,
     Unauthenticated,
     Unavailable,
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
-from wqclient.models import Delivery, Stats, Task
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -104,14 +105,41 @@ def _delivery(d: pb.Delivery) -> Delivery:
     return Delivery.from_mapping(_Fields(d))
 
 
-def _enqueue_request(
-    payload_json: bytes, max_attempts: int | None, delay_ms: int | None
-) -> pb.EnqueueRequest:
-    return pb.EnqueueRequest(payload=payload_json, max_attempts=max_attempts, delay_ms=delay_ms)
+def _enqueue_request(item: EnqueueItem) -> pb.EnqueueRequest:
+    return pb.EnqueueRequest(
+        payload=item.payload_json,
+        max_attempts=item.max_attempts,
+        delay_ms=item.delay_ms,
+        queue=item.queue or "",
+        priority=item.priority,
+        idempotency_key=item.idempotency_key or "",
+    )
+
+
+def _nack_request(
+    task_id: str, lease_id: str, error: str | None, delay_ms: int | None, terminal: bool
+) -> pb.NackRequest:
+    return pb.NackRequest(
+        id=task_id, lease_id=lease_id, error=error, delay_ms=delay_ms, terminal=terminal
+    )
+
+
+def _task(task: pb.Task, state: str | None = None) -> Task:
+    fields = dict(_Fields(task))
+    if state:
+        fields["state"] = state
+    return Task.from_mapping(fields)
+
+
+def _outcome(outcome: pb.Settled) -> datetime | None:
+    """What a settlement's future resolves to: an extend's new deadline; None for the rest."""
+    return _ts(outcome.deadline) if outcome.extend else None
 
 
 class GrpcStream:
-    """One StreamJobs call. Acks and nacks issued close together go out in one request."""
+    """One StreamJobs call. Acks, nacks and extends issued close together go out in one request
+    (the broker applies a request's extends, then its acks, then its nacks, and answers each in
+    that order)."""
 
     def __init__(
         self,
@@ -119,33 +147,44 @@ class GrpcStream:
         prefetch: int,
         lease_ms: int | None,
         metadata: Metadata | None = None,
+        queues: Sequence[str] | None = None,
     ) -> None:
-        self._outbox: list[pb.StreamJobsRequest] = [
-            pb.StreamJobsRequest(open=pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms))
-        ]
+        opening = pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms, queues=queues or ())
+        self._outbox: list[pb.StreamJobsRequest] = [pb.StreamJobsRequest(open=opening)]
+        self._extends: list[pb.ExtendLeaseRequest] = []
         self._acks: list[pb.AckRequest] = []
         self._nacks: list[pb.NackRequest] = []
         self._wake = asyncio.Event()
         self._wake.set()
         self._closing = False
         # Futures for settlements in the order the broker will answer them.
-        self._settling: deque[asyncio.Future[None]] = deque()
+        self._settling: deque[asyncio.Future[Any]] = deque()
         self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
         self._opened = asyncio.Event()
+        self._drained: asyncio.Future[int] | None = None  # the answer to our drain, once sent
         self._call = stub.StreamJobs(self._requests(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
+
+    def _batched(self) -> bool:
+        return bool(self._extends or self._acks or self._nacks)
+
+    def _flush(self) -> None:
+        """Queue the batch being gathered as one request."""
+        if self._batched():
+            self._outbox.append(
+                pb.StreamJobsRequest(extends=self._extends, acks=self._acks, nacks=self._nacks)
+            )
+            self._extends, self._acks, self._nacks = [], [], []
 
     async def _requests(self) -> AsyncIterator[pb.StreamJobsRequest]:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            if self._acks or self._nacks:
-                self._outbox.append(pb.StreamJobsRequest(acks=self._acks, nacks=self._nacks))
-                self._acks, self._nacks = [], []
+            self._flush()
             outbox, self._outbox = self._outbox, []
             for request in outbox:
                 yield request
-            if self._closing and not self._acks and not self._nacks:
+            if self._closing and not self._batched():
                 return
 
     async def _read(self) -> None:
@@ -156,6 +195,8 @@ class GrpcStream:
                 self._opened.set()
                 self._settled(response.settled)
                 self._received(response.deliveries)
+                if response.HasField("drained") and self._drained and not self._drained.done():
+                    self._drained.set_result(response.drained.unsettled)
         except grpc.aio.AioRpcError as e:
             end = self._why_broken(e)
         except WqError as e:  # a response this client cannot read
@@ -173,7 +214,7 @@ class GrpcStream:
             if future is None or future.done():
                 continue
             if outcome.code == 0:
-                future.set_result(None)
+                future.set_result(_outcome(outcome))
             else:
                 kind = _BY_NUMBER.get(outcome.code, WqError)
                 future.set_exception(kind(outcome.message))
@@ -193,14 +234,16 @@ class GrpcStream:
         return error
 
     def _ended(self, end: BaseException | None) -> None:
-        """The call is over: fail the settlements still waiting (with ``end``, or StreamEnded),
-        and end the iteration (raising ``end`` if it is an error)."""
+        """The call is over: fail the settlements (and the drain) still waiting (with ``end``,
+        or StreamEnded), and end the iteration (raising ``end`` if it is an error)."""
         self._opened.set()
         failure = end or StreamEnded("the stream has ended")
-        while self._settling:
-            future = self._settling.popleft()
+        waiting = [*self._settling, *([self._drained] if self._drained else [])]
+        self._settling.clear()
+        for future in waiting:
             if not future.done():
                 future.set_exception(failure)
+                future.exception()  # retrieved: nobody may be waiting for a drain's answer
         self._deliveries.put_nowait(end)
 
     def __aiter__(self) -> GrpcStream:
@@ -229,37 +272,75 @@ class GrpcStream:
                 raise item
             raise StreamEnded("the stream ended as it opened")
 
-    def _settle(self) -> asyncio.Future[None]:
+    def _settle(self) -> asyncio.Future[Any]:
         if self._reader.done() or self._closing:
             raise StreamEnded("the stream has ended")
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._settling.append(future)
         self._wake.set()
         return future
 
+    def _check_open(self) -> None:
+        if self._reader.done() or self._closing:
+            raise StreamEnded("the stream has ended")
+
+    async def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
+        self._check_open()
+        # Extends go first in a request: one after acks or nacks starts a new request.
+        if self._acks or self._nacks:
+            self._flush()
+        self._extends.append(
+            pb.ExtendLeaseRequest(
+                id=delivery.task.id, lease_id=delivery.lease_id, lease_ms=lease_ms
+            )
+        )
+        deadline: datetime = await self._settle()
+        return deadline
+
     async def ack(self, delivery: Delivery) -> None:
+        self._check_open()
         # The broker settles a request's acks before its nacks: keep the futures in that order.
         if self._nacks:
-            self._outbox.append(pb.StreamJobsRequest(acks=self._acks, nacks=self._nacks))
-            self._acks, self._nacks = [], []
+            self._flush()
         self._acks.append(pb.AckRequest(id=delivery.task.id, lease_id=delivery.lease_id))
         await self._settle()
 
-    async def nack(self, delivery: Delivery, error: str | None = None) -> None:
+    async def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        self._check_open()
         self._nacks.append(
-            pb.NackRequest(id=delivery.task.id, lease_id=delivery.lease_id, error=error)
+            _nack_request(delivery.task.id, delivery.lease_id, error, delay_ms, terminal)
         )
         await self._settle()
 
-    async def drain(self) -> None:
-        self._outbox.append(pb.StreamJobsRequest(drain=True))
-        self._wake.set()
+    def _send_drain(self) -> asyncio.Future[int]:
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+            if self._reader.done():
+                self._drained.set_exception(StreamEnded("the stream has ended"))
+                self._drained.exception()
+            else:
+                self._flush()  # the settlements asked for before it go first
+                self._outbox.append(pb.StreamJobsRequest(drain=True))
+                self._wake.set()
+        return self._drained
+
+    async def drain(self) -> int:
+        """Ask for no new tasks; returns the broker's answer, how many deliveries sent on this
+        stream are not yet settled (those not yet received included). The broker ends the stream
+        once they are settled (iteration then stops)."""
+        return await asyncio.shield(self._send_drain())
 
     async def close(self) -> None:
         """Drain, half-close after sending what is queued, and wait for the broker to end the
         call. Tasks received and not settled are reclaimed by the broker."""
         if not self._closing:
-            self._outbox.append(pb.StreamJobsRequest(drain=True))
+            self._send_drain()
             self._closing = True
             self._wake.set()
         try:
@@ -322,24 +403,32 @@ class GrpcTransport:
             raise error from None
 
     async def enqueue(
-        self, payload_json: bytes, max_attempts: int | None, delay_ms: int | None
-    ) -> str:
-        response = await self._unary(
-            self._stub.Enqueue, _enqueue_request(payload_json, max_attempts, delay_ms)
-        )
-        return str(response.id)
+        self,
+        payload_json: bytes,
+        max_attempts: int | None,
+        delay_ms: int | None,
+        queue: str | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Enqueued:
+        item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        response = await self._unary(self._stub.Enqueue, _enqueue_request(item))
+        return Enqueued(str(response.id), bool(response.duplicate))
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int | None, int | None]]
-    ) -> list[str]:
-        request = pb.EnqueueBatchRequest(tasks=[_enqueue_request(*item) for item in items])
+    async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
+        request = pb.EnqueueBatchRequest(tasks=[_enqueue_request(item) for item in items])
         response = await self._unary(self._stub.EnqueueBatch, request)
-        return list(response.ids)
+        duplicates = list(response.duplicates) or [False] * len(response.ids)
+        if len(duplicates) != len(response.ids):
+            raise ProtocolError("the broker answered a batch with not as many duplicates as ids")
+        return [Enqueued(str(i), bool(d)) for i, d in zip(response.ids, duplicates, strict=True)]
 
-    async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None:
+    async def claim(
+        self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> Delivery | None:
         response = await self._unary(
             self._stub.NextJob,
-            pb.NextJobRequest(wait_ms=wait_ms, lease_ms=lease_ms),
+            pb.NextJobRequest(wait_ms=wait_ms, lease_ms=lease_ms, queues=queues or ()),
             timeout=poll_timeout(wait_ms),
         )
         if not response.HasField("delivery"):
@@ -349,23 +438,59 @@ class GrpcTransport:
     async def ack(self, task_id: str, lease_id: str) -> None:
         await self._unary(self._stub.Ack, pb.AckRequest(id=task_id, lease_id=lease_id))
 
-    async def nack(self, task_id: str, lease_id: str, error: str | None) -> None:
-        await self._unary(
-            self._stub.Nack, pb.NackRequest(id=task_id, lease_id=lease_id, error=error)
-        )
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        request = _nack_request(task_id, lease_id, error, delay_ms, terminal)
+        await self._unary(self._stub.Nack, request)
 
-    async def stats(self) -> Stats:
-        return Stats.from_mapping(_Fields(await self._unary(self._stub.Stats, pb.StatsRequest())))
+    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
+        request = pb.ExtendLeaseRequest(id=task_id, lease_id=lease_id, lease_ms=lease_ms)
+        response = await self._unary(self._stub.ExtendLease, request)
+        return _ts(response.deadline)
 
-    async def dead_letters(self, limit: int | None) -> list[Task]:
-        response = await self._unary(self._stub.ListDead, pb.ListDeadRequest(limit=limit))
-        return [Task.from_mapping(_Fields(t)) for t in response.tasks]
+    async def get_task(self, task_id: str) -> Task:
+        response = await self._unary(self._stub.GetTask, pb.GetTaskRequest(id=task_id))
+        return _task(response.task, response.state)
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        response = await self._unary(self._stub.Stats, pb.StatsRequest(queue=queue or ""))
+        return Stats.from_mapping(_Fields(response))
+
+    async def queues(self) -> list[QueueInfo]:
+        response = await self._unary(self._stub.ListQueues, pb.ListQueuesRequest())
+        return [QueueInfo.from_mapping(_Fields(q)) for q in response.queues]
+
+    async def dead_letters(self, limit: int | None, queue: str | None = None) -> list[Task]:
+        request = pb.ListDeadRequest(limit=limit, queue=queue or "")
+        response = await self._unary(self._stub.ListDead, request)
+        return [_task(t) for t in response.tasks]
 
     async def requeue(self, task_id: str) -> None:
         await self._unary(self._stub.Requeue, pb.RequeueRequest(id=task_id))
 
-    async def stream(self, prefetch: int, lease_ms: int | None) -> GrpcStream:
-        stream = GrpcStream(self._stub, prefetch, lease_ms, self._metadata)
+    async def requeue_all(self, queue: str | None = None) -> int:
+        response = await self._unary(self._stub.RequeueAll, pb.RequeueAllRequest(queue=queue or ""))
+        return int(response.requeued)
+
+    async def purge(self, task_id: str) -> None:
+        await self._unary(self._stub.PurgeDead, pb.PurgeDeadRequest(id=task_id))
+
+    async def pause(self, queue: str) -> None:
+        await self._unary(self._stub.PauseQueue, pb.PauseQueueRequest(queue=queue))
+
+    async def resume(self, queue: str) -> None:
+        await self._unary(self._stub.ResumeQueue, pb.ResumeQueueRequest(queue=queue))
+
+    async def stream(
+        self, prefetch: int, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> GrpcStream:
+        stream = GrpcStream(self._stub, prefetch, lease_ms, self._metadata, queues)
         try:
             await stream.wait_open(self._timeout)
         except Unavailable as e:
