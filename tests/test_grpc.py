@@ -102,6 +102,7 @@ def stats_dict(s: pb.StatsResponse) -> dict[str, Any]:
             "retried": t.retried,
             "buried": t.buried,
             "requeued": t.requeued,
+            "purged": t.purged,
         },
     }
 
@@ -745,6 +746,7 @@ async def test_stats_reports_every_gauge_and_total(
             "retried": 1,
             "buried": 2,
             "requeued": 1,
+            "purged": 0,
         },
     }
     assert stats_dict(s) == expected
@@ -1478,4 +1480,5 @@ async def test_many_streams_and_http_long_pollers_share_2000_tasks_exactly_once(
         "retried": 0,
         "buried": 0,
         "requeued": 0,
+        "purged": 0,
     }
