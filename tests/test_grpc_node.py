@@ -132,3 +132,31 @@ async def test_node_worker_nack_is_counted(broker: Broker, http: Http) -> None:
     assert result["stats"]["totals"]["nacked"] == 1
     status, body = await http.request("GET", "/jobs/next?wait_ms=0")
     assert status == 204, body
+
+
+async def test_node_client_uses_named_queues_extend_list_queues_and_drained(
+    broker: Broker, http: Http, clock: FakeClock
+) -> None:
+    result = await run_node(broker.grpc_target, "--queues")
+    q = result["queues"]
+    low, high = q["enqueued"]
+    # The idempotency key matched: the first task's id, nothing created.
+    assert q["duplicate"] == {"id": high, "duplicate": True, "first": False}
+    assert q["default_idle"] is True
+    # Priority 7 is served before priority 1, from the queue the claim named.
+    assert q["claimed"] == {"id": high, "queue": "node-q", "priority": 7}
+    assert q["extended_deadline_s"] == int(clock.now()) + 120
+    assert {"name": "node-q", "ready": 1, "paused": False} in q["queues"]
+
+    stream = q["stream"]
+    assert stream["received"] == [{"id": low, "queue": "node-q"}]
+    extend, ack = stream["settled"]
+    assert extend == {"id": low, "code": 0, "extend": True, "deadline_s": int(clock.now()) + 90}
+    assert (ack["id"], ack["code"], ack["extend"]) == (low, 0, False)
+    # Drain after the last ack: nothing unsettled, and the broker ended the call (OK).
+    assert stream["drained"] == {"unsettled": 0}
+    assert stream["status"] == 0
+
+    stats = await http.stats()
+    assert (stats["totals"]["enqueued"], stats["totals"]["acked"]) == (2, 2)
+    assert broker.service.waiting == 0

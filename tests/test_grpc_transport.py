@@ -208,8 +208,8 @@ async def test_stream_queues_extend_and_nack_options(
     assert (again.task.id, again.task.attempts) == (b, 2)
     await stream.nack(again, "fatal", terminal=True)
     assert (await transport.get_task(b)).state == "dead"
-    with pytest.raises(LeaseLost):
-        await stream.extend(again, None)  # not held any more under that lease
+    with pytest.raises(NotFound):
+        await stream.extend(again, None)  # dead: nobody holds it
     assert await stream.drain() == 0
     assert [x async for x in stream] == []  # the broker ended the stream
     await stream.close()

@@ -1,11 +1,13 @@
 // A wq gRPC worker in Node.js, built only from the project's .proto with @grpc/grpc-js and
 // @grpc/proto-loader: the proof that workers in any language can use wq.
 //
-//   node client.mjs HOST:PORT [--enqueue N] [--consume M] [--prefetch P] [--fail-first]
+//   node client.mjs HOST:PORT [--enqueue N] [--consume M] [--prefetch P] [--fail-first] [--queues]
 //
 // Enqueues N tasks (unary Enqueue), then consumes M tasks over the StreamJobs stream, acking each
 // on the stream (or, with --fail-first, nacking the first delivery), and prints one JSON line with
-// what happened.
+// what happened. With --queues it also exercises the named queues of issue 11 (queue, priority,
+// idempotency_key, ExtendLease, ListQueues, a stream subscribed to a queue extending its lease,
+// and the Drained answer), under "queues" in the JSON.
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import grpc from "@grpc/grpc-js";
@@ -22,6 +24,7 @@ function parseArgs(argv) {
     else if (a === "--consume") opts.consume = Number(argv[++i]);
     else if (a === "--prefetch") opts.prefetch = Number(argv[++i]);
     else if (a === "--fail-first") opts.failFirst = true;
+    else if (a === "--queues") opts.queues = true;
     else throw new Error(`unknown argument ${a}`);
   }
   if (!opts.target) throw new Error("usage: client.mjs HOST:PORT [--enqueue N] [--consume M]");
@@ -103,6 +106,73 @@ if (opts.consume > 0) {
     call.write({ open: { prefetch: opts.prefetch, lease_ms: 60000 } });
   });
 }
+
+// Named queues, priorities, keys, lease extension (unary and on a stream), and drain's answer.
+async function queues() {
+  const out = {};
+  const enqueue = (priority, key) =>
+    unary("Enqueue", {
+      payload: Buffer.from(JSON.stringify({ priority })),
+      queue: "node-q",
+      priority,
+      idempotency_key: key,
+    });
+  const low = await enqueue(1, "");
+  const high = await enqueue(7, "node-key");
+  const again = await enqueue(7, "node-key");
+  out.enqueued = [low.id, high.id];
+  out.duplicate = { id: again.id, duplicate: again.duplicate, first: high.duplicate };
+  // The default queue has nothing: the claim names the queue.
+  const idle = await unary("NextJob", { wait_ms: 0 });
+  out.default_idle = idle.delivery === null || idle.delivery === undefined;
+  const { delivery } = await unary("NextJob", { wait_ms: 0, lease_ms: 10000, queues: ["node-q"] });
+  out.claimed = { id: delivery.task.id, queue: delivery.task.queue, priority: delivery.task.priority };
+  const extended = await unary("ExtendLease", {
+    id: delivery.task.id,
+    lease_id: delivery.lease_id,
+    lease_ms: 120000,
+  });
+  out.extended_deadline_s = Number(extended.deadline.seconds);
+  await unary("Ack", { id: delivery.task.id, lease_id: delivery.lease_id });
+  const listed = await unary("ListQueues", {});
+  out.queues = listed.queues.map((q) => ({ name: q.name, ready: q.ready, paused: q.paused }));
+
+  // A stream on node-q: extend the one task on the stream, ack it, drain, and wait for the end.
+  out.stream = await new Promise((resolve, reject) => {
+    const seen = { received: [], settled: [], drained: null, ended: false };
+    const call = client.StreamJobs();
+    call.on("data", (response) => {
+      for (const s of response.settled) {
+        seen.settled.push({
+          id: s.id,
+          code: s.code,
+          extend: s.extend,
+          deadline_s: s.deadline ? Number(s.deadline.seconds) : null,
+        });
+        if (s.extend) {
+          call.write({ acks: [{ id: s.id, lease_id: s.lease_id }] });
+        } else {
+          call.write({ drain: true });
+        }
+      }
+      for (const d of response.deliveries) {
+        seen.received.push({ id: d.task.id, queue: d.task.queue });
+        call.write({ extends: [{ id: d.task.id, lease_id: d.lease_id, lease_ms: 90000 }] });
+      }
+      if (response.drained) seen.drained = { unsettled: response.drained.unsettled };
+    });
+    call.on("status", (status) => {
+      seen.status = status.code;
+      call.end();
+      resolve(seen);
+    });
+    call.on("error", reject);
+    call.write({ open: { prefetch: 2, lease_ms: 30000, queues: ["node-q"] } });
+  });
+  return out;
+}
+
+if (opts.queues) result.queues = await queues();
 
 result.stats = await unary("Stats", {});
 client.close();
