@@ -641,7 +641,7 @@ async def test_ack_and_nack_with_a_wrong_lease_is_failed_precondition(
 async def test_ack_and_nack_require_id_and_lease_id(
     stub: pb_grpc.BrokerAsyncStub, method: str, fields: dict[str, str], needle: str
 ) -> None:
-    request = pb.AckRequest if method == "Ack" else pb.NackRequest
+    request: Any = pb.AckRequest if method == "Ack" else pb.NackRequest
     err = await rpc_error(getattr(stub, method)(request(**fields)))
     assert err.code() == Code.INVALID_ARGUMENT
     assert (err.details() or "").startswith(needle + " ")
@@ -1009,7 +1009,7 @@ async def test_stream_open_only_in_the_first_request(stub: pb_grpc.BrokerAsyncSt
     ("fields", "needle"), [({"prefetch": 0}, "prefetch"), ({"lease_ms": 0}, "lease_ms")]
 )
 async def test_stream_open_rejects_bad_settings(
-    stub: pb_grpc.BrokerAsyncStub, fields: dict[str, int], needle: str
+    stub: pb_grpc.BrokerAsyncStub, fields: dict[str, Any], needle: str
 ) -> None:
     await enqueue(stub, b"1")
     call = stub.StreamJobs(None)

@@ -147,7 +147,7 @@ async def test_get_task(transport: GrpcTransport) -> None:
 async def test_stats_queues_pause_and_resume(transport: GrpcTransport) -> None:
     await transport.enqueue(b"1", None, None, queue="a")
     await transport.enqueue(b"1", None, None, queue="b")
-    await transport.enqueue(b"1", None, None, queue="b", delay_ms=5000)
+    await transport.enqueue(b"1", None, 5000, queue="b")
     await transport.pause("a")
     assert await transport.claim(0, None, ["a"]) is None
     assert await transport.queues() == [
