@@ -888,6 +888,13 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "ListDead",
         "Requeue",
         "StreamJobs",
+        "ExtendLease",
+        "GetTask",
+        "ListQueues",
+        "PauseQueue",
+        "ResumeQueue",
+        "RequeueAll",
+        "PurgeDead",
     }
     assert methods["StreamJobs"].client_streaming
     assert methods["StreamJobs"].server_streaming

@@ -67,6 +67,7 @@ if (opts.consume > 0) {
     let unfinished = 0;
     let settledCount = 0;
     let failed = false;
+    let stopping = false;
     call.on("data", (response) => {
       // Outcomes first: the slots they freed are what made room for this response's deliveries.
       for (const s of response.settled) {
@@ -95,8 +96,10 @@ if (opts.consume > 0) {
           }
         });
       }
-      if (settledCount >= opts.consume) {
-        // Stop the pushes before ending, so no task is sent to a worker that is leaving.
+      if (settledCount >= opts.consume && !stopping) {
+        // Stop the pushes before ending, so no task is sent to a worker that is leaving. (The
+        // broker answers the drain with one more response, `drained`: write nothing then.)
+        stopping = true;
         call.write({ drain: true });
         call.end();
       }
