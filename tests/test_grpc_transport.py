@@ -55,8 +55,8 @@ async def buried(transport: GrpcTransport, queue: str | None = None) -> str:
     return str(task_id)
 
 
-def test_the_grpc_transport_streams() -> None:
-    assert isinstance(GrpcTransport("127.0.0.1:1"), StreamingTransport)
+async def test_the_grpc_transport_streams(transport: GrpcTransport) -> None:
+    assert isinstance(transport, StreamingTransport)
 
 
 async def test_enqueue_with_queue_priority_and_key(transport: GrpcTransport) -> None:
