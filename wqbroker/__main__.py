@@ -10,7 +10,7 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
+from wqbroker.broker import DEFAULT_DEDUP_WINDOW, Broker, Config, StartupError, disabled, parse_addr
 from wqbroker.http import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_BODY,
@@ -139,6 +139,14 @@ FLAGS: tuple[Flag, ...] = (
         help="parked long-polls and open streams before more get 429; 0: no limit",
     ),
     Flag(
+        "dedup-window-ms",
+        default=round(DEFAULT_DEDUP_WINDOW * 1000),
+        parse=positive_int,
+        metavar="MS",
+        help="how long an idempotency key is remembered: an enqueue with the same key and "
+        "queue within it is answered with the first task's id and creates nothing",
+    ),
+    Flag(
         "token-file",
         default="",
         metavar="PATH",
@@ -184,6 +192,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,
         max_waiters=args.max_waiters,
+        dedup_window=args.dedup_window_ms / 1000.0,
         token_file=args.token_file or None,
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,

@@ -35,6 +35,10 @@ from wqbroker.tls import ServerTLS, TLSError, load_server_tls
 log = logging.getLogger("wqbroker")
 
 
+# How long an idempotency key is remembered, in seconds (-dedup-window-ms; as SQS FIFO's).
+DEFAULT_DEDUP_WINDOW = 300.0
+
+
 class StartupError(Exception):
     """The broker cannot start (address taken, bad store...). The message is one line for users."""
 
@@ -89,6 +93,7 @@ class Config:
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
     max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
+    dedup_window: float = DEFAULT_DEDUP_WINDOW  # seconds an idempotency key is remembered
     token_file: str | None = None  # bearer tokens and their scopes (wqbroker.auth); None: none
     tls_cert: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS (with tls_key)
     tls_key: str | None = None
@@ -181,6 +186,7 @@ class Broker:
             max_payload=config.max_body,
             max_tasks=config.max_tasks,
             max_waiters=config.max_waiters,
+            dedup_window=config.dedup_window,
         )
         await self._service.start()
         try:
