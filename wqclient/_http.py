@@ -244,7 +244,7 @@ class HttpTransport:
 
     async def _enqueue(self, item: EnqueueItem) -> Enqueued:
         key = item.idempotency_key
-        status, data = await self._call(
+        _, data = await self._call(
             "POST",
             "/jobs",
             body=self._enqueue_body(item),

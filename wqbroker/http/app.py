@@ -69,9 +69,12 @@ _ENQUEUE_RAW: Final = frozenset({"payload"})
 
 IDEMPOTENCY_KEY: Final = "Idempotency-Key"
 
-# A task id in a path: anything but the literal ``next`` (GET /jobs/next claims; a HEAD on it
-# must not fall through to the lookup of a task called "next", which no task is).
+# A task id in a path where a fixed word sits at the same place: anything but that word (no task
+# is called so). Else a method the fixed route does not take would fall through to the task's
+# route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
+# DELETE /dlq/requeue to the purge of a task "requeue".
 _JOB_ID: Final = "{id:(?!next$)[^{}/]+}"
+_DEAD_ID: Final = "{id:(?!requeue$)[^{}/]+}"
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -247,9 +250,7 @@ async def nack(request: web.Request) -> web.Response:
 async def extend(request: web.Request) -> web.Response:
     task_id = request.match_info["id"]
     lease_id = _lease_id(request)
-    deadline = await request.app[SERVICE].extend(
-        task_id, lease_id, _query_int(request, "lease_ms")
-    )
+    deadline = await request.app[SERVICE].extend(task_id, lease_id, _query_int(request, "lease_ms"))
     return json_response(f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode())
 
 
@@ -380,7 +381,7 @@ def create_app(
     routes.add_get("/dlq", dlq, expect_handler=expect)
     routes.add_post("/dlq/requeue", requeue_all, expect_handler=expect)
     routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
-    routes.add_delete("/dlq/{id}", purge, expect_handler=expect)
+    routes.add_delete(f"/dlq/{_DEAD_ID}", purge, expect_handler=expect)
     routes.add_get("/healthz", healthz, expect_handler=expect)
     return app
 
