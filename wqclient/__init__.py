@@ -23,7 +23,7 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.models import Delivery, Stats, Task, Totals
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task, Totals
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 if TYPE_CHECKING:
@@ -44,6 +44,8 @@ __all__ = [
     "AsyncStream",
     "Client",
     "Delivery",
+    "EnqueueItem",
+    "Enqueued",
     "InvalidArgument",
     "LeaseLost",
     "NotFound",
@@ -51,6 +53,7 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "ProtocolError",
+    "QueueInfo",
     "Stats",
     "Stream",
     "StreamEnded",

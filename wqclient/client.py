@@ -14,7 +14,7 @@ import json
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from wqclient._grpc import GrpcTransport
@@ -22,7 +22,7 @@ from wqclient._http import HttpTransport
 from wqclient._tls import check_token, env_default, grpc_credentials, ssl_context
 from wqclient.errors import InvalidArgument, Unavailable, WqError
 from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
-from wqclient.models import Delivery, Stats, Task
+from wqclient.models import Delivery, EnqueueItem, Stats, Task
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 T = TypeVar("T")
@@ -77,17 +77,21 @@ def make_transport(
     if token is not None:
         check_token(token)
     if parts.scheme in ("http", "https"):
-        return HttpTransport(
+        http = HttpTransport(
             f"{parts.scheme}://{parts.netloc}{parts.path}",
             timeout=timeout,
             token=token,
             ssl_context=ssl_context(ca_file) if parts.scheme == "https" else None,
         )
+        return cast(Transport, http)  # TODO(issue 11): drop the cast once HttpTransport conforms
     if parts.scheme in ("grpc", "grpcs"):
         if not parts.netloc:
             raise WqError(f"broker URL {url!r} has no host:port")
         credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
-        return GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials)
+        return cast(  # TODO(issue 11): drop the cast once GrpcTransport conforms
+            Transport,
+            GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials),
+        )
     raise WqError(
         f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
     )
@@ -182,8 +186,8 @@ class AsyncClient:
     ) -> list[str]:
         """Enqueue several tasks (one batch call over gRPC, all or none); returns their ids."""
         attempts, delay = _option("max_attempts", max_attempts), _option("delay_ms", delay_ms)
-        items = [(encode_payload(p), attempts, delay) for p in payloads]
-        return await self._transport.enqueue_many(items) if items else []
+        items = [EnqueueItem(encode_payload(p), attempts, delay) for p in payloads]
+        return list(await self._transport.enqueue_many(items)) if items else []
 
     async def claim(
         self, *, wait_ms: int | None = None, lease_ms: int | None = None
