@@ -250,13 +250,7 @@ class HttpTransport:
             body=self._enqueue_body(item),
             headers={"Idempotency-Key": key} if key is not None else None,
         )
-        answer = self._json(data)
-        try:
-            return Enqueued(str(answer["id"]), duplicate=bool(answer.get("duplicate", False)))
-        except (KeyError, TypeError, AttributeError):
-            raise ProtocolError(
-                f"the broker's answer to an enqueue has no id: {data[:200]!r}"
-            ) from None
+        return Enqueued.from_mapping(self._json(data))
 
     async def enqueue(
         self,
