@@ -10,14 +10,19 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
-from wqbroker.broker import DEFAULT_DEDUP_WINDOW, Broker, Config, StartupError, disabled, parse_addr
+from wqbroker.broker import Broker, Config, StartupError, disabled, parse_addr
 from wqbroker.http import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_MAX_BODY,
     DEFAULT_READ_BODY_TIMEOUT,
     DEFAULT_READ_HEADER_TIMEOUT,
 )
-from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS
+from wqbroker.limits import (
+    DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_MAX_TASKS,
+    DEFAULT_MAX_WAITERS,
+    dedup_window_seconds,
+)
 from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
 
 log = logging.getLogger("wqbroker")
@@ -140,8 +145,8 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "dedup-window-ms",
-        default=round(DEFAULT_DEDUP_WINDOW * 1000),
-        parse=positive_int,
+        default=DEFAULT_DEDUP_WINDOW_MS,
+        parse=non_negative_int,
         metavar="MS",
         help="how long an idempotency key is remembered: an enqueue with the same key and "
         "queue within it is answered with the first task's id and creates nothing",
@@ -192,7 +197,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,
         max_waiters=args.max_waiters,
-        dedup_window=args.dedup_window_ms / 1000.0,
+        dedup_window=dedup_window_seconds(args.dedup_window_ms),
         token_file=args.token_file or None,
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,

@@ -24,7 +24,12 @@ from wqbroker.http import (
     create_app,
     make_runner,
 )
-from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS, DEFAULT_SWEEP_INTERVAL
+from wqbroker.limits import (
+    DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_MAX_TASKS,
+    DEFAULT_MAX_WAITERS,
+    DEFAULT_SWEEP_INTERVAL,
+)
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
@@ -33,10 +38,6 @@ from wqbroker.store.sqlite import SqliteStore
 from wqbroker.tls import ServerTLS, TLSError, load_server_tls
 
 log = logging.getLogger("wqbroker")
-
-
-# How long an idempotency key is remembered, in seconds (-dedup-window-ms; as SQS FIFO's).
-DEFAULT_DEDUP_WINDOW = 300.0
 
 
 class StartupError(Exception):
@@ -93,7 +94,8 @@ class Config:
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
     max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
-    dedup_window: float = DEFAULT_DEDUP_WINDOW  # seconds an idempotency key is remembered
+    # Seconds an idempotency key is remembered (-dedup-window-ms; five minutes, as SQS FIFO's).
+    dedup_window: float = DEFAULT_DEDUP_WINDOW_MS / 1000
     token_file: str | None = None  # bearer tokens and their scopes (wqbroker.auth); None: none
     tls_cert: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS (with tls_key)
     tls_key: str | None = None
