@@ -204,11 +204,11 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
     status, body = await http.request("GET", "/queues")
     assert status == 200
     assert isinstance(body, list)
+    await bury(http, "zeta")
     await put(http, 1, queue="zeta")
     await put(http, 2, queue="alpha")
     await put(http, 3, queue="alpha", delay_ms=5000)
     await take(http, "queue=alpha")
-    await bury(http, "zeta")
     status, body = await http.request("GET", "/queues")
     assert status == 200
     rows = {row["name"]: row for row in body}
