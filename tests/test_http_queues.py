@@ -310,6 +310,27 @@ async def test_a_paused_queue_takes_tasks_and_hands_none_out_until_resumed(http:
     assert {r["name"]: r["paused"] for r in rows}["mail"] is False
 
 
+async def test_a_paused_queue_still_promotes_delayed_tasks_and_takes_settlements(
+    http: Http, clock: FakeClock
+) -> None:
+    held_id = await put(http, "held", queue="p")
+    held = await take(http, "queue=p")
+    await put(http, "later", queue="p", delay_ms=1000)
+    assert (await http.request("POST", "/queues/p/pause"))[0] == 204
+    clock.advance(1.01)
+    await settle()
+    _, stats = await wait_until(
+        lambda: http.request("GET", "/stats?queue=p"),
+        lambda answer: answer[1]["ready"] == 1,
+        what="the delayed task to become ready",
+    )
+    assert gauges(stats) == (1, 1, 0, 0)
+    assert await take(http, "queue=p") is None
+    path = f"/jobs/{held_id}/extend?lease_id={held['lease_id']}"
+    assert (await http.request("POST", path))[0] == 200
+    assert await http.ack(held_id, held["lease_id"]) == 204
+
+
 async def test_pause_and_resume_are_idempotent_and_create_an_unknown_queue(http: Http) -> None:
     for _ in range(2):
         assert (await http.request("POST", "/queues/fresh/pause"))[0] == 204
@@ -593,6 +614,24 @@ async def test_a_key_is_forgotten_after_the_window(
         assert second != first
 
 
+def test_the_dedup_window_flag_reaches_the_service(capsys: pytest.CaptureFixture[str]) -> None:
+    from wqbroker import __main__ as cli
+
+    assert cli.config_from_args(cli.parse_args([])).dedup_window == 300.0
+    for argv in (["-dedup-window-ms", "1500"], ["--dedup-window-ms=1500"]):
+        assert cli.config_from_args(cli.parse_args(argv)).dedup_window == 1.5
+    assert cli.config_from_args(cli.parse_args(["-dedup-window-ms=0"])).dedup_window == 0.0
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(["-dedup-window-ms=-1"])
+    assert e.value.code == 2
+    assert "-dedup-window-ms" in capsys.readouterr().err
+
+
+async def test_the_window_reaches_the_service(clock: FakeClock) -> None:
+    async with running_broker(clock=clock, grpc_addr="off", dedup_window=1.5) as broker:
+        assert broker.service.dedup_window == 1.5
+
+
 async def test_without_a_key_every_enqueue_is_new(http: Http) -> None:
     ids = {await put(http, 1) for _ in range(3)}
     assert len(ids) == 3
@@ -775,6 +814,25 @@ async def test_requeue_all_of_one_queue(http: Http) -> None:
     assert [t["id"] for t in got] == b
     assert all(t["attempts"] == 1 and t["last_error"] is None for t in got)
     assert (await http.request("POST", "/dlq/requeue?queue=nobody"))[1] == {"requeued": 0}
+
+
+async def test_the_gauges_and_totals_agree_through_requeues_and_purges(http: Http) -> None:
+    again = await bury(http, "a")
+    await bury(http, "a")
+    await bury(http, "b")
+    assert (await http.request("POST", "/dlq/requeue?queue=a"))[1] == {"requeued": 2}
+    held = await take(http, "queue=a")
+    assert held["task"]["id"] == again
+    assert await http.nack(again, held["lease_id"], "again") == 204  # dies a second time
+    assert (await http.request("DELETE", f"/dlq/{again}"))[0] == 204
+    for query in ("", "?queue=a", "?queue=b"):
+        _, stats = await http.request("GET", "/stats" + query)
+        t = stats["totals"]
+        assert sum(gauges(stats)) == t["enqueued"] - t["acked"] - t["purged"], (query, stats)
+        assert stats["dead"] == t["buried"] - t["requeued"] - t["purged"], (query, stats)
+        assert invariant_holds(stats)
+    _, a = await http.request("GET", "/stats?queue=a")
+    assert (gauges(a), a["totals"]["purged"], a["totals"]["requeued"]) == ((1, 0, 0, 0), 1, 2)
 
 
 async def test_requeue_all_wakes_a_parked_poll(http: Http, broker: Broker) -> None:
