@@ -1,9 +1,11 @@
 """Handing ready tasks to whoever waits for them.
 
 Consumers are whatever waits for tasks: a long-polling claim (a :class:`Poller`, room for one task)
-or a :class:`Stream` (room for up to its prefetch of unfinished tasks). Consumers with room wait in
-one queue, served first come, first served; a stream that still has room after receiving a task
-goes to the back of the queue, so streams and long-pollers share ready tasks fairly.
+or a :class:`Stream` (room for up to its prefetch of unfinished tasks). Each takes tasks from a list
+of queues, in order of preference. Consumers with room wait in a line per list of queues (most
+brokers see a handful of distinct lists), served first come, first served; a stream that still has
+room after receiving a task goes to the back of its line, so streams and long-pollers share ready
+tasks fairly. When tasks become ready in a queue, the lines that listen to it are pumped.
 
 The :class:`Dispatcher` owns that queue, the streams and which stream holds which lease, and the
 pump that claims ready tasks from the store for them. It is also the one place where a task that no
@@ -23,7 +25,7 @@ from wqbroker.clock import Clock
 from wqbroker.errors import Overloaded, WqError
 from wqbroker.followthrough import Background
 from wqbroker.limits import RETRY_AFTER
-from wqbroker.models import Delivery
+from wqbroker.models import DEFAULT_QUEUE, Delivery
 from wqbroker.store import Store
 
 log = logging.getLogger("wqbroker.dispatch")
@@ -37,16 +39,20 @@ HandOver = Callable[[Delivery], Awaitable[None]]
 # How many tasks the pump claims from the store in one call (one commit in a durable store).
 _PUMP_BATCH: Final = 128
 
+Queues = tuple[str, ...]  # the queues a consumer takes from, in order of preference
+_DEFAULT_QUEUES: Final[Queues] = (DEFAULT_QUEUE,)
+
 
 class Consumer:
     """Something waiting for deliveries."""
 
-    __slots__ = ("lease", "room", "closed")
+    __slots__ = ("lease", "room", "closed", "queues")
 
-    def __init__(self, lease: float, room: int) -> None:
+    def __init__(self, lease: float, room: int, queues: Queues = _DEFAULT_QUEUES) -> None:
         self.lease = lease
         self.room = room  # how many more tasks it can take now
         self.closed = False
+        self.queues = queues
 
     def gone(self) -> bool:
         """True once it can take no more deliveries."""
@@ -65,8 +71,13 @@ class Poller(Consumer):
 
     __slots__ = ("future",)
 
-    def __init__(self, lease: float, future: asyncio.Future[Delivery | None]) -> None:
-        super().__init__(lease, 1)
+    def __init__(
+        self,
+        lease: float,
+        future: asyncio.Future[Delivery | None],
+        queues: Queues = _DEFAULT_QUEUES,
+    ) -> None:
+        super().__init__(lease, 1, queues)
         self.future = future
 
     def gone(self) -> bool:
@@ -95,8 +106,14 @@ class Stream(Consumer):
 
     __slots__ = ("prefetch", "draining", "_dispatcher", "_pending", "_waiter", "_sent")
 
-    def __init__(self, dispatcher: Dispatcher, prefetch: int, lease: float) -> None:
-        super().__init__(lease, prefetch)
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        prefetch: int,
+        lease: float,
+        queues: Queues = _DEFAULT_QUEUES,
+    ) -> None:
+        super().__init__(lease, prefetch, queues)
         self.prefetch = prefetch
         self.draining = False
         self._dispatcher = dispatcher
@@ -153,6 +170,16 @@ class Stream(Consumer):
             out.append(delivery)
         return out
 
+    @property
+    def unsettled(self) -> int:
+        """Deliveries passed on to the worker (taken) and not yet finished."""
+        return len(self._sent)
+
+    @property
+    def pending(self) -> int:
+        """Deliveries queued here, not yet taken."""
+        return len(self._pending)
+
     async def drain(self) -> None:
         """Take no new tasks; the ones queued here but not yet taken go back to ready."""
         await self._dispatcher.drain(self)
@@ -174,10 +201,12 @@ class Stream(Consumer):
 
     def finished(self, lease_id: str) -> None:
         self._sent.pop(lease_id, None)
+        if self.draining:
+            self.poke()  # an adapter may be waiting for the last one to be settled
 
 
 class Dispatcher:
-    """The queue of waiting consumers and the pump that feeds them from the store."""
+    """The lines of waiting consumers and the pump that feeds them from the store."""
 
     def __init__(
         self,
@@ -192,13 +221,15 @@ class Dispatcher:
         self._clock = clock
         self._wake_by = wake_by  # the sweeper must look again by then (a lease's deadline)
         self._background = background
-        # Consumers with room, in the order they are to be served. An OrderedDict is a queue with
-        # O(1) removal from the middle (a long-poller that times out or disconnects).
-        self._consumers: OrderedDict[Consumer, None] = OrderedDict()
+        # Consumers with room, per list of queues, in the order they are to be served. An
+        # OrderedDict is a queue with O(1) removal from the middle (a long-poller that times out
+        # or disconnects).
+        self._lines: dict[Queues, OrderedDict[Consumer, None]] = {}
+        self._listening: dict[str, set[Queues]] = {}  # queue -> the lines that take from it
         self._stream_leases: dict[str, Stream] = {}  # lease_id -> stream holding it
         self._streams: set[Stream] = set()
         self._pumping = False
-        self._pump_again = False
+        self._to_pump: set[Queues] = set()  # lines to pump (by the pump running now)
         self._closing = False
         self._max_waiters = max_waiters  # parked long-polls and open streams (0: no limit)
         self._parked = 0  # long-polls waiting now
@@ -206,7 +237,7 @@ class Dispatcher:
     @property
     def waiting(self) -> int:
         """Consumers with room waiting for a task (long-pollers and streams)."""
-        return len(self._consumers)
+        return sum(len(line) for line in self._lines.values())
 
     def holder(self, lease_id: str) -> Stream | None:
         """The stream holding ``lease_id``, if a stream does."""
@@ -215,18 +246,60 @@ class Dispatcher:
     async def close(self) -> None:
         """Answer every parked long-poll (with nothing) and end every stream."""
         self._closing = True
-        for consumer in list(self._consumers):
-            consumer.shutdown()
-        self._consumers.clear()
+        for line in list(self._lines.values()):
+            for consumer in list(line):
+                consumer.shutdown()
+        self._lines.clear()
+        self._listening.clear()
         for stream in list(self._streams):
             await self.close_stream(stream)
+
+    # -- the lines ---------------------------------------------------------------------------
+
+    def _join(self, consumer: Consumer) -> None:
+        """Put a consumer at the back of its line."""
+        key = consumer.queues
+        line = self._lines.get(key)
+        if line is None:
+            line = self._lines[key] = OrderedDict()
+            for name in key:
+                self._listening.setdefault(name, set()).add(key)
+        line[consumer] = None
+
+    def _leave(self, consumer: Consumer) -> None:
+        """Take a consumer out of its line (if it is in it)."""
+        key = consumer.queues
+        line = self._lines.get(key)
+        if line is None:
+            return
+        line.pop(consumer, None)
+        if not line:
+            self._drop_line(key)
+
+    def _drop_line(self, key: Queues) -> None:
+        del self._lines[key]
+        for name in key:
+            lines = self._listening.get(name)
+            if lines is not None:
+                lines.discard(key)
+                if not lines:
+                    del self._listening[name]
+
+    def _in_line(self, consumer: Consumer) -> bool:
+        line = self._lines.get(consumer.queues)
+        return line is not None and consumer in line
 
     # -- long-polls --------------------------------------------------------------------------
 
     async def claim(
-        self, wait: float, lease: float, hand_over: HandOver | None = None
+        self,
+        wait: float,
+        lease: float,
+        hand_over: HandOver | None = None,
+        queues: Queues = _DEFAULT_QUEUES,
     ) -> Delivery | None:
-        """The oldest ready task, waiting up to ``wait`` seconds for one (None if none came).
+        """The next ready task of ``queues``, waiting up to ``wait`` seconds for one (None if
+        none came).
 
         ``hand_over`` puts the delivery in the consumer's hands (an adapter writes its answer);
         if it raises or is cancelled, nobody saw the task: it is handed back, and the claim
@@ -234,18 +307,19 @@ class Dispatcher:
         parked long-poll costs as little as it can."""
         if self._closing:
             return None
-        delivery = await self._claim_now(lease) if not self._consumers else None
+        queued_behind = queues in self._lines
+        delivery = await self._claim_now(lease, queues) if not queued_behind else None
         if delivery is None and wait > 0:
             self._room_for_a_waiter()
             future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
-            poller = Poller(lease, future)
-            queued_behind = bool(self._consumers)
-            self._consumers[poller] = None
+            poller = Poller(lease, future, queues)
+            queued_behind = queues in self._lines
+            self._join(poller)
             self._parked += 1
             timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
             try:
                 if queued_behind:
-                    await self.pump()
+                    await self.pump(queues)
                 delivery = await future
             except asyncio.CancelledError:
                 # The caller went away. If a task was handed to it meanwhile, nobody saw it.
@@ -255,7 +329,7 @@ class Dispatcher:
             finally:
                 timer.cancel()
                 poller.closed = True
-                self._consumers.pop(poller, None)
+                self._leave(poller)
                 self._parked -= 1
         if delivery is None:
             return None
@@ -274,8 +348,8 @@ class Dispatcher:
             return None
         return delivery
 
-    async def _claim_now(self, lease: float) -> Delivery | None:
-        claimed = self._store.claim(lease=lease, now=self._clock.now())
+    async def _claim_now(self, lease: float, queues: Queues) -> Delivery | None:
+        claimed = self._store.claim(lease=lease, now=self._clock.now(), queues=queues)
         if self._store.never_suspends:
             return await claimed
         task = asyncio.get_running_loop().create_task(claimed)
@@ -294,7 +368,7 @@ class Dispatcher:
 
     async def give_back(self, delivery: Delivery, *, pump: bool = True) -> bool:
         """Hand back a delivery that never reached a worker: the task goes back to the head of
-        ready as if it had not been handed out. False if its lease is no longer current."""
+        its lane as if it had not been handed out. False if its lease is no longer current."""
         stream = self._stream_leases.pop(delivery.lease_id, None)
         if stream is not None:
             stream.finished(delivery.lease_id)
@@ -304,7 +378,7 @@ class Dispatcher:
         if stream is not None:
             self._freed(stream)
         if pump:
-            await self.pump()
+            await self.pump((delivery.task.queue,))
         return True
 
     def give_back_later(self, delivery: Delivery | None) -> None:
@@ -328,12 +402,14 @@ class Dispatcher:
                 retry_after=RETRY_AFTER,
             )
 
-    async def open_stream(self, prefetch: int, lease: float) -> Stream:
+    async def open_stream(
+        self, prefetch: int, lease: float, queues: Queues = _DEFAULT_QUEUES
+    ) -> Stream:
         self._room_for_a_waiter()
-        stream = Stream(self, prefetch, lease)
+        stream = Stream(self, prefetch, lease, queues)
         self._streams.add(stream)
-        self._consumers[stream] = None
-        await self.pump()
+        self._join(stream)
+        await self.pump(queues)
         return stream
 
     async def close_stream(self, stream: Stream) -> None:
@@ -353,52 +429,67 @@ class Dispatcher:
                 continue
             if failure.retry_at is not None:
                 self._wake_by(failure.retry_at)
-        if handed_back and self._consumers:
-            await self.pump()
+        if handed_back:
+            await self.pump(handed_back)
 
     async def drain(self, stream: Stream) -> None:
         stream.draining = True
-        if await self._hand_back_pending(stream) and self._consumers:
-            await self.pump()
+        handed_back = await self._hand_back_pending(stream)
+        if handed_back:
+            await self.pump(handed_back)
 
-    async def _hand_back_pending(self, stream: Stream) -> bool:
+    async def _hand_back_pending(self, stream: Stream) -> set[str]:
         """Take the stream out of line and hand back the tasks queued for it, not yet taken, to
-        the head of ready in their order. True if any went back."""
-        self._consumers.pop(stream, None)
-        handed_back = False
+        the head of their lanes in their order. The queues of those that went back."""
+        self._leave(stream)
+        handed_back: set[str] = set()
         for delivery in reversed(stream.take_pending()):  # each goes to the head: oldest last
             if self._stream_leases.get(delivery.lease_id) is stream:
-                handed_back |= await self.give_back(delivery, pump=False)
+                if await self.give_back(delivery, pump=False):
+                    handed_back.add(delivery.task.queue)
         return handed_back
 
     async def finished(self, lease_ids: Iterable[str]) -> None:
         """Leases ended (ack, nack, reclaim): free the slots of the streams that held them, then
         hand out what is ready (once, for all of them)."""
-        wanted = False
+        wanted: set[Queues] = set()
         for lease_id in lease_ids:
             stream = self._stream_leases.pop(lease_id, None)
             if stream is not None:
                 stream.finished(lease_id)
-                wanted |= self._freed(stream)
+                if self._freed(stream):
+                    wanted.add(stream.queues)
         if wanted:
-            await self.pump()
+            await self._pump_lines(wanted)
 
     def _freed(self, stream: Stream) -> bool:
         """One of the stream's slots is free. True if it went back in line for tasks."""
         stream.room += 1
-        if not stream.closed and not stream.draining and stream not in self._consumers:
-            self._consumers[stream] = None
+        if not stream.closed and not stream.draining and not self._in_line(stream):
+            self._join(stream)
             return True
         return False
 
     # -- the pump ----------------------------------------------------------------------------
 
-    async def pump(self) -> None:
-        """Hand ready tasks to waiting consumers, first come first served, until one runs out."""
-        if not self._consumers:
+    async def pump(self, queues: Iterable[str] | None = None) -> None:
+        """Hand ready tasks of ``queues`` (None: of any queue) to the consumers waiting for
+        them, first come first served in each line, until they run out."""
+        if not self._lines:
             return
+        if queues is None:
+            keys = set(self._lines)
+        else:
+            keys = set()
+            listening = self._listening
+            for name in queues:
+                keys.update(listening.get(name, ()))
+        if keys:
+            await self._pump_lines(keys)
+
+    async def _pump_lines(self, keys: set[Queues]) -> None:
+        self._to_pump.update(keys)
         if self._pumping:  # a pump is already running (only possible with a store that suspends)
-            self._pump_again = True
             return
         self._pumping = True
         if self._store.never_suspends:
@@ -410,26 +501,26 @@ class Dispatcher:
 
     async def _pump_all(self) -> None:
         try:
-            again = True
-            while again:
-                self._pump_again = False
-                await self._pump_once()
-                again = self._pump_again
+            to_pump = self._to_pump
+            while to_pump:
+                key = to_pump.pop()
+                if key in self._lines:
+                    await self._pump_line(key)
         finally:
             self._pumping = False
 
-    async def _pump_once(self) -> None:
+    async def _pump_line(self, key: Queues) -> None:
         # Claim about as many tasks as are ready (one commit in a durable store), and more per
         # call while they keep coming: a single enqueue costs one slot however many consumers
         # wait, and a burst moves in large batches.
         hint = self._store.ready_hint()
         batch = _PUMP_BATCH if hint is None else max(1, min(hint, _PUMP_BATCH))
-        while self._consumers:
-            slots = self._slots(batch)
+        while key in self._lines:
+            slots = self._slots(key, batch)
             if not slots:
                 return
             deliveries = await self._store.claim_many(
-                [consumer.lease for consumer in slots], now=self._clock.now()
+                [consumer.lease for consumer in slots], now=self._clock.now(), queues=key
             )
             await self._hand_out(slots, deliveries)
             if len(deliveries) < len(slots):
@@ -449,19 +540,18 @@ class Dispatcher:
                 self._stream_leases[delivery.lease_id] = consumer
             consumer.deliver(delivery)
             self._wake_by(delivery.deadline)
-        consumers = self._consumers
-        for consumer in served:  # served ones go to the back of the queue: round robin
-            consumers.pop(consumer, None)
+        for consumer in served:  # served ones go to the back of their line: round robin
+            self._leave(consumer)
             if consumer.room > 0 and not consumer.gone():
-                consumers[consumer] = None
+                self._join(consumer)
 
-    def _slots(self, limit: int) -> list[Consumer]:
-        """The next ``limit`` claims to make: one per consumer in queue order, round after round
-        while they have room, from no more than ``limit`` consumers at the front."""
-        consumers = self._consumers
+    def _slots(self, key: Queues, limit: int) -> list[Consumer]:
+        """The next ``limit`` claims to make for a line: one per consumer in order, round after
+        round while they have room, from no more than ``limit`` consumers at the front."""
+        line = self._lines[key]
         front: list[Consumer] = []
         gone: list[Consumer] = []
-        for consumer in consumers:
+        for consumer in line:
             if consumer.gone():
                 gone.append(consumer)
                 continue
@@ -469,7 +559,7 @@ class Dispatcher:
             if len(front) >= limit:
                 break
         for consumer in gone:
-            del consumers[consumer]
+            self._leave(consumer)
         slots: list[Consumer] = []
         round_ = 0
         while front and len(slots) < limit:

@@ -8,10 +8,13 @@ Durations come back in seconds.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Final
 
 from wqbroker import codec
 from wqbroker.errors import InvalidArgument, PayloadTooLarge
+from wqbroker.models import DEFAULT_QUEUE
 
 # The spec's defaults and caps.
 DEFAULT_MAX_ATTEMPTS: Final = 3
@@ -28,6 +31,15 @@ MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000
 MAX_BATCH: Final = 10_000  # tasks per batch enqueue, settlements per batch
 MAX_ERROR_BYTES: Final = 8 * 1024  # a nack's error text is cut to this (UTF-8), saying so
+
+# Queues, priorities, idempotency keys (issue 11).
+MAX_QUEUE_NAME: Final = 64
+QUEUE_NAME_RULE: Final = "1-64 characters of A-Z a-z 0-9 _ . -"
+MAX_QUEUES_PER_CLAIM: Final = 64
+MAX_PRIORITY: Final = 9
+MAX_KEY_CHARS: Final = 256
+DEFAULT_DEDUP_WINDOW_MS: Final = 300_000  # five minutes, as SQS FIFO
+_QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 # Backpressure (flags -max-tasks and -max-waiters; 0 means no limit).
 DEFAULT_MAX_TASKS: Final = 10_000_000  # tasks held: ready, delayed and handed out
@@ -174,3 +186,88 @@ def payload_value(data: bytes | None, max_bytes: int, what: str = "payload") -> 
 def batch_size(name: str, n: int) -> None:
     if n > MAX_BATCH:
         raise InvalidArgument(f"{name} has {n} entries; at most {MAX_BATCH} per call")
+
+
+def _quote(text: str) -> str:
+    shown = text if len(text) <= 80 else text[:77] + "..."
+    return repr(shown)
+
+
+def queue_value(value: object | None, name: str = "queue") -> str:
+    """A queue's name: ``default`` when absent."""
+    if value is None:
+        return DEFAULT_QUEUE
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string, got {describe(value)}")
+    if not _QUEUE_NAME.fullmatch(value):
+        raise InvalidArgument(f"{name} {_quote(value)} is not a queue name ({QUEUE_NAME_RULE})")
+    return value
+
+
+def queues_value(value: object | None) -> tuple[str, ...]:
+    """The queues a claim takes from, in order of preference: ``None`` or an empty list for the
+    default queue, a comma-separated string (``?queue=a,b``) or a sequence of names. A name
+    listed twice counts once."""
+    if value is None:
+        return (DEFAULT_QUEUE,)
+    if isinstance(value, str):
+        names: Sequence[object] = value.split(",")
+    elif isinstance(value, (list, tuple)):
+        names = value
+    else:
+        raise InvalidArgument(f"queue must be a list of queue names, got {describe(value)}")
+    if not names:
+        return (DEFAULT_QUEUE,)
+    if len(names) > MAX_QUEUES_PER_CLAIM:
+        raise InvalidArgument(
+            f"queue lists {len(names)} queues; at most {MAX_QUEUES_PER_CLAIM} per claim"
+        )
+    return tuple(dict.fromkeys(queue_value(n) for n in names))
+
+
+def priority_value(value: object | None) -> int:
+    """A task's priority: 0-9, higher first; 0 when absent."""
+    if value is None:
+        return 0
+    n = integer("priority", value)
+    if not 0 <= n <= MAX_PRIORITY:
+        raise InvalidArgument(f"priority must be from 0 to {MAX_PRIORITY}, got {n}")
+    return n
+
+
+def key_value(value: object | None) -> str | None:
+    """An idempotency key: 1-256 characters, no control characters; None when absent."""
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise InvalidArgument(f"idempotency key must be a string, got {describe(value)}")
+    if not value:
+        raise InvalidArgument("idempotency key must not be empty")
+    if len(value) > MAX_KEY_CHARS:
+        raise InvalidArgument(
+            f"idempotency key must be at most {MAX_KEY_CHARS} characters, got {len(value)}"
+        )
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise InvalidArgument("idempotency key must not hold control characters")
+    return text_value("idempotency key", value)
+
+
+def flag_value(name: str, value: object | None) -> bool:
+    """A boolean option: false when absent."""
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be a boolean, got {describe(value)}")
+    return value
+
+
+def retry_delay_seconds(value: object | None) -> float | None:
+    """A nack's ``delay_ms``: retry after exactly this long (None: the backoff decides)."""
+    return None if value is None else delay_seconds(value)
+
+
+def dedup_window_seconds(value: int) -> float:
+    """The ``-dedup-window-ms`` flag: how long an idempotency key is remembered."""
+    if value < 0:
+        raise ValueError(f"-dedup-window-ms must not be negative, got {value}")
+    return value / 1000.0

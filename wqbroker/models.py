@@ -7,7 +7,16 @@ can build them from rows just as the memory backend builds them from its records
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Final
+
+#: The queue a task goes to, and a claim takes from, when none is named.
+DEFAULT_QUEUE: Final = "default"
+
+# The states a task can be in, as GET /jobs/{id} names them.
+READY: Final = "ready"
+HANDED_OUT: Final = "handed_out"
+DELAYED: Final = "delayed"
+DEAD: Final = "dead"
 
 
 @dataclass(slots=True, frozen=True)
@@ -21,6 +30,38 @@ class Task:
     created_at: float  # epoch seconds
     available_at: float  # epoch seconds
     last_error: str | None = None
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0  # 0-9, higher first
+
+
+@dataclass(slots=True, frozen=True)
+class Enqueued:
+    """What an enqueue did: a new task, or (an idempotency key matched) nothing."""
+
+    id: str
+    duplicate: bool  # True: the key was seen within the window; ``id`` is the first task's
+    task: Task | None  # the new task (None for a duplicate)
+
+
+@dataclass(slots=True, frozen=True)
+class TaskState:
+    """A task and the collection it is in (``ready``, ``handed_out``, ``delayed``, ``dead``)."""
+
+    task: Task
+    state: str
+
+
+@dataclass(slots=True, frozen=True)
+class NewTask:
+    """A checked task to enqueue. ``key``: its idempotency key, remembered until ``key_until``."""
+
+    payload: bytes
+    max_attempts: int
+    delay: float  # seconds (0: at once)
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    key: str | None = None
+    key_until: float = 0.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -44,6 +85,7 @@ class Totals:
     retried: int = 0
     buried: int = 0
     requeued: int = 0
+    purged: int = 0  # dead tasks dropped for good (DELETE /dlq/{id})
 
     def copy(self) -> Totals:
         return replace(self)
@@ -65,6 +107,29 @@ class Stats:
 
 
 @dataclass(slots=True, frozen=True)
+class QueueStats:
+    """One queue's gauges, and whether it is paused."""
+
+    name: str
+    ready: int
+    handed_out: int
+    delayed: int
+    dead: int
+    paused: bool
+
+
+@dataclass(slots=True, frozen=True)
+class NackItem:
+    """A checked nack: ``delay`` (seconds) replaces the backoff; ``terminal`` buries at once."""
+
+    task_id: str
+    lease_id: str
+    error: str | None = None
+    delay: float | None = None
+    terminal: bool = False
+
+
+@dataclass(slots=True, frozen=True)
 class Failure:
     """What became of a task whose delivery failed (nacked or reclaimed)."""
 
@@ -79,3 +144,4 @@ class SweepResult:
 
     reclaimed: list[tuple[str, str]] = field(default_factory=list)  # (task_id, lease_id)
     promoted: int = 0  # delayed tasks moved to ready
+    ready_queues: set[str] = field(default_factory=set)  # queues where tasks became ready

@@ -10,14 +10,33 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from wqbroker import limits
 from wqbroker.clock import Clock
 from wqbroker.dispatch import Dispatcher, HandOver, Stream
-from wqbroker.errors import InvalidArgument, Overloaded, PayloadTooLarge, Unavailable, WqError
+from wqbroker.errors import (
+    InvalidArgument,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+    WqError,
+    quoted,
+)
 from wqbroker.followthrough import Background, follow_through
-from wqbroker.models import Delivery, Failure, Stats, Task
+from wqbroker.models import (
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueStats,
+    Stats,
+    Task,
+    TaskState,
+)
 from wqbroker.store import Store
 from wqbroker.sweeper import Sweeper
 
@@ -26,7 +45,20 @@ log = logging.getLogger("wqbroker.service")
 T = TypeVar("T")
 
 AckItem = tuple[object, object]  # (task id, lease id), as the client sent them
-NackItem = tuple[object, object, object | None]  # (task id, lease id, error)
+# (task id, lease id, error), or with (delay_ms, terminal) too, as the client sent them
+NackRequest = tuple[object, object, object | None] | tuple[object, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    """One task to enqueue, its fields as the client sent them (None: the default)."""
+
+    payload: bytes | None
+    max_attempts: object | None = None
+    delay_ms: object | None = None
+    queue: object | None = None
+    priority: object | None = None
+    key: object | None = None  # its idempotency key
 
 
 class Service:
@@ -39,9 +71,11 @@ class Service:
         max_payload: int = limits.DEFAULT_MAX_PAYLOAD,
         max_tasks: int = limits.DEFAULT_MAX_TASKS,
         max_waiters: int = limits.DEFAULT_MAX_WAITERS,
+        dedup_window: float = limits.DEFAULT_DEDUP_WINDOW_MS / 1000,
     ) -> None:
         self._store = store
         self._clock = clock
+        self.dedup_window = dedup_window  # seconds an idempotency key is remembered
         self.max_payload = max_payload
         self.max_tasks = max_tasks  # 0: no limit
         self._sweeper = Sweeper(clock, sweep_interval, self.sweep)
@@ -93,42 +127,53 @@ class Service:
         payload: bytes | None,
         max_attempts: object | None = None,
         delay_ms: object | None = None,
-    ) -> Task:
+        *,
+        queue: object | None = None,
+        priority: object | None = None,
+        key: object | None = None,
+    ) -> Enqueued:
         """Accept a task. ``payload`` is JSON text (checked here: present, within the size
-        limit, valid JSON)."""
-        checked = limits.payload_value(payload, self.max_payload)
-        attempts = limits.max_attempts_value(max_attempts)
-        delay = limits.delay_seconds(delay_ms)
+        limit, valid JSON). With an idempotency ``key`` seen in the same queue within the
+        window, nothing is created and the first task's id comes back as a duplicate."""
+        new = self._checked(Submission(payload, max_attempts, delay_ms, queue, priority, key))
         self._room_for(1)
-        task = await self._store.enqueue(
-            checked, max_attempts=attempts, delay=delay, now=self._clock.now()
-        )
-        if delay > 0:
-            self._sweeper.wake_by(task.available_at)
-        else:
-            await self._dispatch.pump()
-        return task
+        now = self._clock.now()
+        done = await self._store.enqueue_many((new,), now=now)
+        await self._placed(done, now)
+        return done[0]
 
     @follow_through
     async def enqueue_many(
-        self,
-        items: Sequence[tuple[bytes | None, object | None, object | None]],
-        *,
-        what: str = "tasks",
-    ) -> list[Task]:
-        """Enqueue (payload, max_attempts, delay_ms) triples, all or none: an invalid one is
-        reported as ``{what}[i].field problem`` and nothing is enqueued."""
+        self, items: Sequence[Submission], *, what: str = "tasks"
+    ) -> list[Enqueued]:
+        """Enqueue submissions, all or none: an invalid one is reported as
+        ``{what}[i].field problem`` and nothing is enqueued. Duplicates (by idempotency key)
+        are answered per item."""
         limits.batch_size(what, len(items))
         checked = [self._checked_item(item, f"{what}[{i}]") for i, item in enumerate(items)]
         self._room_for(len(checked))
         now = self._clock.now()
-        tasks = await self._store.enqueue_many(checked, now=now)
-        earliest = min((t.available_at for t in tasks if t.available_at > now), default=None)
+        done = await self._store.enqueue_many(checked, now=now)
+        await self._placed(done, now)
+        return done
+
+    async def _placed(self, done: Sequence[Enqueued], now: float) -> None:
+        """New tasks are in the store: wake the sweeper for the delayed, feed consumers."""
+        earliest = None
+        ready: set[str] = set()
+        for enqueued in done:
+            task = enqueued.task
+            if task is None:
+                continue
+            if task.available_at > now:
+                if earliest is None or task.available_at < earliest:
+                    earliest = task.available_at
+            else:
+                ready.add(task.queue)
         if earliest is not None:
             self._sweeper.wake_by(earliest)
-        if any(t.available_at <= now for t in tasks):
-            await self._dispatch.pump()
-        return tasks
+        if ready:
+            await self._dispatch.pump(ready)
 
     def _room_for(self, n: int) -> None:
         """Refuse ``n`` more tasks (all of them) if they would take the broker past its limit."""
@@ -141,16 +186,21 @@ class Service:
                 retry_after=limits.RETRY_AFTER,
             )
 
-    def _checked_item(
-        self, item: tuple[bytes | None, object | None, object | None], where: str
-    ) -> tuple[bytes, int, float]:
-        payload, max_attempts, delay_ms = item
+    def _checked(self, item: Submission) -> NewTask:
+        key = limits.key_value(item.key)
+        return NewTask(
+            limits.payload_value(item.payload, self.max_payload),
+            limits.max_attempts_value(item.max_attempts),
+            limits.delay_seconds(item.delay_ms),
+            limits.queue_value(item.queue),
+            limits.priority_value(item.priority),
+            key,
+            self._clock.now() + self.dedup_window if key is not None else 0.0,
+        )
+
+    def _checked_item(self, item: Submission, where: str) -> NewTask:
         try:
-            return (
-                limits.payload_value(payload, self.max_payload),
-                limits.max_attempts_value(max_attempts),
-                limits.delay_seconds(delay_ms),
-            )
+            return self._checked(item)
         except (InvalidArgument, PayloadTooLarge) as e:
             raise type(e)(f"{where}.{e.message}") from None
 
@@ -161,13 +211,17 @@ class Service:
         wait_ms: object | None = None,
         lease_ms: object | None = None,
         hand_over: HandOver | None = None,
+        *,
+        queues: object | None = None,
     ) -> Coroutine[Any, Any, Delivery | None]:
-        """Claim the oldest ready task, waiting up to ``wait_ms`` for one (None if none came).
-        ``hand_over`` writes the answer; if it fails, the task is handed back (see
-        :meth:`Dispatcher.claim`). The values are checked at the call."""
+        """Claim the next ready task of ``queues`` (see :func:`limits.queues_value`), waiting up
+        to ``wait_ms`` for one (None if none came). ``hand_over`` writes the answer; if it
+        fails, the task is handed back (see :meth:`Dispatcher.claim`). The values are checked
+        at the call."""
         wait = limits.wait_seconds(wait_ms)
         lease = limits.lease_seconds(lease_ms)
-        return self._dispatch.claim(wait, lease, hand_over)
+        names = limits.queues_value(queues)
+        return self._dispatch.claim(wait, lease, hand_over, names)
 
     async def next_job(
         self,
@@ -175,13 +229,16 @@ class Service:
         lease_ms: object | None,
         acks: Sequence[AckItem] = (),
         hand_over: HandOver | None = None,
+        *,
+        queues: object | None = None,
     ) -> tuple[list[WqError | None], Delivery | None]:
         """Ack ``acks`` (each outcome: None or its error), then claim as :meth:`claim` does.
         Everything is checked before anything is done."""
         wait = limits.wait_seconds(wait_ms)
         lease = limits.lease_seconds(lease_ms)
+        names = limits.queues_value(queues)
         settled = (await self.settle_many(acks, ()))[0] if acks else []
-        return settled, await self._dispatch.claim(wait, lease, hand_over)
+        return settled, await self._dispatch.claim(wait, lease, hand_over, names)
 
     @follow_through
     async def release(self, delivery: Delivery) -> None:
@@ -189,13 +246,18 @@ class Service:
         await self._dispatch.give_back(delivery)
 
     async def open_stream(
-        self, prefetch: object | None = None, lease_ms: object | None = None
+        self,
+        prefetch: object | None = None,
+        lease_ms: object | None = None,
+        *,
+        queues: object | None = None,
     ) -> Stream:
         if self._closing:
             raise Unavailable("the broker is shutting down")
         count = limits.prefetch_value(prefetch)
         lease = limits.lease_seconds(lease_ms)
-        return await self._dispatch.open_stream(count, lease)
+        names = limits.queues_value(queues)
+        return await self._dispatch.open_stream(count, lease, names)
 
     # -- settling ----------------------------------------------------------------------------
 
@@ -206,16 +268,33 @@ class Service:
         await self._dispatch.finished((lid,))
 
     @follow_through
-    async def nack(self, task_id: object, lease_id: object, error: object | None = None) -> None:
-        tid, lid, message = _nack_item((task_id, lease_id, error))
-        failure = await self._store.nack(tid, lid, message, now=self._clock.now())
+    async def nack(
+        self,
+        task_id: object,
+        lease_id: object,
+        error: object | None = None,
+        *,
+        delay_ms: object | None = None,
+        terminal: object | None = None,
+    ) -> None:
+        """Report a failure: retry on the backoff, or after exactly ``delay_ms``, or (with
+        ``terminal``) bury the task now."""
+        item = _nack_item((task_id, lease_id, error, delay_ms, terminal))
+        failure = await self._store.nack(
+            item.task_id,
+            item.lease_id,
+            item.error,
+            now=self._clock.now(),
+            delay=item.delay,
+            terminal=item.terminal,
+        )
         if failure.retry_at is not None:
             self._sweeper.wake_by(failure.retry_at)
-        await self._dispatch.finished((lid,))
+        await self._dispatch.finished((item.lease_id,))
 
     @follow_through
     async def settle_many(
-        self, acks: Sequence[AckItem], nacks: Sequence[NackItem]
+        self, acks: Sequence[AckItem], nacks: Sequence[NackRequest]
     ) -> tuple[list[WqError | None], list[WqError | None]]:
         """Acks, then nacks, all at once (one transaction in a durable store). Returns, for each,
         None on success or the error the single call would have raised."""
@@ -224,28 +303,79 @@ class Service:
         nack_items, nack_errors = _parse_each(nacks, _nack_item)
         acked, nacked = await self._store.settle_many(ack_items, nack_items, now=self._clock.now())
         finished = [lid for (_, lid), error in zip(ack_items, acked, strict=True) if error is None]
-        for (_, lid, _), result in zip(nack_items, nacked, strict=True):
+        for item, result in zip(nack_items, nacked, strict=True):
             if isinstance(result, Failure):
-                finished.append(lid)
+                finished.append(item.lease_id)
                 if result.retry_at is not None:
                     self._sweeper.wake_by(result.retry_at)
         await self._dispatch.finished(finished)
         nack_outcomes = [r if isinstance(r, WqError) else None for r in nacked]
         return _fill(ack_errors, acked), _fill(nack_errors, nack_outcomes)
 
-    # -- the dead-letter queue, stats, the clock ----------------------------------------------
+    @follow_through
+    async def extend(
+        self, task_id: object, lease_id: object, lease_ms: object | None = None
+    ) -> float:
+        """Extend a lease: the new deadline (returned, epoch seconds) is now + ``lease_ms``
+        (default and cap as for claims)."""
+        tid, lid = _ack_item((task_id, lease_id))
+        lease = limits.lease_seconds(lease_ms)
+        return await self._store.extend(tid, lid, lease=lease, now=self._clock.now())
 
-    async def stats(self) -> Stats:
-        return await self._store.stats()
+    # -- looking, the dead-letter queue, queues, stats, the clock -----------------------------
 
-    async def dead_letters(self, limit: object | None = None) -> list[Task]:
-        return await self._store.dead_letters(limit=limits.limit_value(limit))
+    async def lookup(self, task_id: object) -> TaskState:
+        """A task and its state; NotFound once acked or purged, or if never known."""
+        tid = limits.id_value("id", task_id)
+        found = await self._store.lookup(tid)
+        if found is None:
+            raise NotFound(f"task {quoted(tid)} does not exist (or was acked)")
+        return found
+
+    async def stats(self, queue: object | None = None) -> Stats:
+        """The whole broker's gauges and totals, or one queue's."""
+        name = None if queue is None else limits.queue_value(queue)
+        return await self._store.stats(name)
+
+    async def queues(self) -> list[QueueStats]:
+        return await self._store.queues()
+
+    async def dead_letters(
+        self, limit: object | None = None, *, queue: object | None = None
+    ) -> list[Task]:
+        name = None if queue is None else limits.queue_value(queue)
+        return await self._store.dead_letters(limit=limits.limit_value(limit), queue=name)
 
     @follow_through
     async def requeue(self, task_id: object) -> None:
         tid = limits.id_value("id", task_id)
-        await self._store.requeue(tid, now=self._clock.now())
-        await self._dispatch.pump()
+        queue = await self._store.requeue(tid, now=self._clock.now())
+        await self._dispatch.pump((queue,))
+
+    @follow_through
+    async def requeue_all(self, queue: object | None = None) -> int:
+        """Requeue every dead task (of one queue); how many."""
+        name = None if queue is None else limits.queue_value(queue)
+        count, queues = await self._store.requeue_all(queue=name, now=self._clock.now())
+        await self._dispatch.pump(queues)
+        return count
+
+    @follow_through
+    async def purge(self, task_id: object) -> None:
+        """Drop a dead task for good."""
+        tid = limits.id_value("id", task_id)
+        await self._store.purge(tid)
+
+    @follow_through
+    async def pause(self, queue: object) -> None:
+        """Hand out no task of the queue (it still takes tasks) until it is resumed."""
+        await self._store.set_paused(limits.queue_value(queue), True)
+
+    @follow_through
+    async def resume(self, queue: object) -> None:
+        name = limits.queue_value(queue)
+        await self._store.set_paused(name, False)
+        await self._dispatch.pump((name,))
 
     async def sweep(self) -> float | None:
         """One sweep: reclaim expired leases, promote due delayed tasks, feed waiting consumers.
@@ -253,8 +383,8 @@ class Service:
         result, next_due = await self._store.sweep(now=self._clock.now())
         if result.reclaimed:
             await self._dispatch.finished(lease_id for _, lease_id in result.reclaimed)
-        if result.promoted:
-            await self._dispatch.pump()
+        if result.ready_queues:
+            await self._dispatch.pump(result.ready_queues)
         return next_due
 
 
@@ -263,10 +393,17 @@ def _ack_item(item: AckItem) -> tuple[str, str]:
     return limits.id_value("id", task_id), limits.id_value("lease_id", lease_id)
 
 
-def _nack_item(item: NackItem) -> tuple[str, str, str | None]:
-    task_id, lease_id, error = item
+def _nack_item(item: NackRequest) -> NackItem:
+    task_id, lease_id, error, *options = item
     tid, lid = _ack_item((task_id, lease_id))
-    return tid, lid, limits.error_value(error)
+    delay_ms, terminal = (*options, None, None)[:2]
+    delay = limits.retry_delay_seconds(delay_ms)
+    bury = limits.flag_value("terminal", terminal)
+    if bury and delay is not None:
+        raise InvalidArgument(
+            "terminal and delay_ms cannot both be given: a buried task is not retried"
+        )
+    return NackItem(tid, lid, limits.error_value(error), delay, bury)
 
 
 def _parse_each(

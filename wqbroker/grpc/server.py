@@ -35,7 +35,7 @@ from wqbroker.errors import (
 )
 from wqbroker.grpc.decoding import guarded, handler_table
 from wqbroker.models import Delivery, Task
-from wqbroker.service import Service
+from wqbroker.service import Service, Submission
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -231,7 +231,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     ) -> pb.EnqueueBatchResponse:
         async with _Errors(context):
             items = [
-                (item.payload, _optional(item, "max_attempts"), _optional(item, "delay_ms"))
+                Submission(
+                    item.payload, _optional(item, "max_attempts"), _optional(item, "delay_ms")
+                )
                 for item in request.tasks
             ]
             tasks = await self._service.enqueue_many(items, what="tasks")

@@ -1,29 +1,38 @@
 """The store contract.
 
 A store keeps every task in exactly one of four collections -- ready, handed out, delayed, dead --
-and moves tasks between them atomically, keeping the lifetime counters. It applies the retry policy
-it was built with, but it never reads the clock: every method that depends on time is handed ``now``
-(epoch seconds) by the service. Everything above the store (service, protocols) depends only on this
-contract, so a durable backend is a new module implementing these methods.
+and moves tasks between them atomically, keeping the lifetime counters (for the whole store and for
+each named queue). It applies the retry policy it was built with, but it never reads the clock:
+every method that depends on time is handed ``now`` (epoch seconds) by the service. Everything
+above the store (service, protocols) depends only on this contract, so a durable backend is a new
+module implementing these methods.
 
 Rules every backend follows (the contract test suite checks them against each one):
 
-- ``enqueue`` puts a task in ready (``delay == 0``) or delayed; ``enqueued`` +1.
-- ``claim`` first promotes delayed tasks that are due, then hands out the oldest ready task under a
-  fresh random lease: ``attempts`` +1, ``delivered`` +1, deadline ``now + lease``.
-- ``ack``, ``nack`` and ``reclaim`` need the task to be handed out (else :class:`NotFound`) under
-  the given lease (else :class:`LeaseLost`). ``ack`` forgets the task (``acked`` +1). ``nack``
-  (``nacked`` +1) and ``reclaim`` (``reclaimed`` +1) record the error, then either delay the task
-  by the backoff (``retried`` +1) when ``attempts < max_attempts``, or bury it in the dead-letter
-  queue (``buried`` +1).
+- ``enqueue_many`` puts each task in ready (``delay == 0``) or delayed, in its queue at its
+  priority; ``enqueued`` +1 each. A task whose idempotency key (with its queue) was recorded and
+  has not expired creates nothing and is answered as a duplicate of the first task's id, even if
+  that task is gone; a new key is recorded until ``key_until``.
+- ``claim_many`` first promotes delayed tasks that are due, then hands out ready tasks from the
+  first of the listed queues that has one (paused queues are skipped): highest priority first,
+  oldest first within a priority, each under a fresh random lease: ``attempts`` +1, ``delivered``
+  +1, deadline ``now + lease``.
+- ``ack``, ``nack``, ``extend`` and ``reclaim`` need the task to be handed out (else
+  :class:`NotFound`) under the given lease (else :class:`LeaseLost`). ``ack`` forgets the task
+  (``acked`` +1). ``extend`` moves the deadline to ``now + lease``. ``nack`` (``nacked`` +1) and
+  ``reclaim`` (``reclaimed`` +1) record the error, then either delay the task (``retried`` +1) by
+  the backoff, or by the nack's ``delay``, when ``attempts < max_attempts`` and the nack is not
+  ``terminal``, or bury it in the dead-letter queue (``buried`` +1).
 - ``release`` undoes a hand-out that no worker ever saw (its long-poller disconnected): the task
-  goes back to the head of ready, ``attempts`` and ``delivered`` are decremented.
+  goes back to the head of its lane, ``attempts`` and ``delivered`` are decremented.
 - Every method that changes anything returns only once the change is durable (for a durable
   backend: committed), so whatever the service answers after it will survive a crash.
 - ``sweep`` reclaims every lease whose deadline is ``<= now`` and promotes every delayed task whose
   time is ``<= now``, at a cost proportional to what is due, and says when the next thing is due.
 - ``requeue`` moves a dead task to the tail of ready with ``attempts`` 0 and no error
-  (``requeued`` +1); :class:`NotFound` if the task is not dead.
+  (``requeued`` +1); :class:`NotFound` if the task is not dead. ``requeue_all`` does it to every
+  dead task (of a queue). ``purge`` drops a dead task for good (``purged`` +1).
+- ``set_paused`` pauses or resumes a queue: a paused queue takes tasks but hands none out.
 """
 
 from __future__ import annotations
@@ -32,7 +41,19 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from wqbroker.errors import WqError
-from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueStats,
+    Stats,
+    SweepResult,
+    Task,
+    TaskState,
+)
 
 __all__ = ["Store"]
 
@@ -47,41 +68,61 @@ class Store(Protocol):
     #: concurrent calls together may count fewer), never more than one per call.
     transactions: int
 
-    async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
-        """Accept a new task. ``delay`` is in seconds (0 for at once)."""
+    async def enqueue(
+        self,
+        payload: bytes,
+        *,
+        max_attempts: int,
+        delay: float,
+        now: float,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+        key: str | None = None,
+        key_until: float = 0.0,
+    ) -> Enqueued:
+        """Accept one task (as ``enqueue_many`` with one :class:`NewTask`)."""
         ...
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int, float]], *, now: float
-    ) -> list[Task]:
-        """Accept (payload, max_attempts, delay) tasks at once, in order (one transaction)."""
+    async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
+        """Accept tasks at once, in order (one transaction)."""
         ...
 
-    async def claim(self, *, lease: float, now: float) -> Delivery | None:
-        """Hand out the oldest ready task for ``lease`` seconds, or None if nothing is ready."""
+    async def claim(
+        self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> Delivery | None:
+        """Hand out the next ready task of ``queues``, or None if none is ready."""
         ...
 
-    async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
-        """Hand out up to ``len(leases)`` ready tasks, oldest first, the i-th for ``leases[i]``
-        seconds (fewer if fewer are ready). One transaction in a durable store."""
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
+        """Hand out up to ``len(leases)`` ready tasks of ``queues`` (in order of preference),
+        the i-th for ``leases[i]`` seconds (fewer if fewer are ready). One transaction."""
         ...
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None: ...
 
     async def settle_many(
-        self,
-        acks: Sequence[tuple[str, str]],
-        nacks: Sequence[tuple[str, str, str | None]],
-        *,
-        now: float,
+        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        """Acks (task_id, lease_id), then nacks (task_id, lease_id, error), in one transaction:
-        each outcome is None / a Failure for success, or the error that ack or nack would raise."""
+        """Acks (task_id, lease_id), then nacks, in one transaction: each outcome is None / a
+        Failure for success, or the error that ack or nack would raise."""
         ...
 
     async def nack(
-        self, task_id: str, lease_id: str, error: str | None, *, now: float
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        *,
+        now: float,
+        delay: float | None = None,
+        terminal: bool = False,
     ) -> Failure: ...
+
+    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
+        """A new deadline, ``now + lease``, for a task held under ``lease_id``; returns it."""
+        ...
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         """Take a task back from a worker known to be gone, before its lease runs out."""
@@ -96,7 +137,17 @@ class Store(Protocol):
         earliest time anything is due next (None if nothing is scheduled)."""
         ...
 
-    async def stats(self) -> Stats: ...
+    async def stats(self, queue: str | None = None) -> Stats:
+        """The gauges and totals of the whole store, or of one queue (zeros if unknown)."""
+        ...
+
+    async def queues(self) -> list[QueueStats]:
+        """Every queue known, by name."""
+        ...
+
+    async def lookup(self, task_id: str) -> TaskState | None:
+        """The task and its state, if it exists (acked or purged tasks do not)."""
+        ...
 
     def problem(self) -> str | None:
         """Why the store cannot work (it failed and refuses further work), or None if it can."""
@@ -112,10 +163,22 @@ class Store(Protocol):
         used to size batches of claims."""
         ...
 
-    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
-        """Dead tasks, in the order they were buried."""
+    async def dead_letters(
+        self, *, limit: int | None = None, queue: str | None = None
+    ) -> list[Task]:
+        """Dead tasks (of one queue, or all), in the order they were buried."""
         ...
 
-    async def requeue(self, task_id: str, *, now: float) -> None: ...
+    async def requeue(self, task_id: str, *, now: float) -> str:
+        """Requeue a dead task; returns its queue's name."""
+        ...
+
+    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
+        """Requeue every dead task (of one queue): how many, and the queues that got them."""
+        ...
+
+    async def purge(self, task_id: str) -> None: ...
+
+    async def set_paused(self, queue: str, paused: bool) -> None: ...
 
     async def close(self) -> None: ...

@@ -1,6 +1,6 @@
 """The in-memory store: the default backend, fast, and lost on restart.
 
-All of its state is an :class:`~wqbroker.store.index.Index` (a dict, a deque, heaps), payloads
+All of its state is an :class:`~wqbroker.store.index.Index` (dicts, deques, heaps), payloads
 included. None of its coroutines ever suspends, so each operation is atomic on the event loop and
 counts as one transaction.
 """
@@ -11,14 +11,52 @@ import random
 from collections.abc import Sequence
 
 from wqbroker.errors import WqError
-from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueStats,
+    Stats,
+    SweepResult,
+    Task,
+    TaskState,
+)
 from wqbroker.retry import Backoff
-from wqbroker.store.index import Index, Record
+from wqbroker.store.index import STATE_NAMES, Index, Record
 
 
 def _delivery(record: Record) -> Delivery:
     assert record.lease_id is not None
     return Delivery(record.view(), record.lease_id, record.deadline)
+
+
+def enqueue_into(
+    index: Index, items: Sequence[NewTask], now: float
+) -> list[tuple[Enqueued, Record | None]]:
+    """Enqueue into an index, answering duplicates of idempotency keys (shared by the stores)."""
+    out: list[tuple[Enqueued, Record | None]] = []
+    for new in items:
+        owner = index.key_owner(new.queue, new.key, now) if new.key is not None else None
+        if owner is not None:
+            out.append((Enqueued(owner, True, None), None))
+            continue
+        record = index.enqueue(new, now)
+        task = Task(
+            record.task_id,
+            new.payload,
+            0,
+            new.max_attempts,
+            now,
+            record.available_at,
+            None,
+            new.queue,
+            new.priority,
+        )
+        out.append((Enqueued(task.id, False, task), record))
+    return out
 
 
 class MemoryStore:
@@ -30,30 +68,43 @@ class MemoryStore:
         self._index = Index(backoff.delay, rng)
         self.transactions = 0
 
-    async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
-        self.transactions += 1
-        return self._index.enqueue(payload, max_attempts, delay, now).view()
+    async def enqueue(
+        self,
+        payload: bytes,
+        *,
+        max_attempts: int,
+        delay: float,
+        now: float,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+        key: str | None = None,
+        key_until: float = 0.0,
+    ) -> Enqueued:
+        new = NewTask(payload, max_attempts, delay, queue, priority, key, key_until)
+        return (await self.enqueue_many((new,), now=now))[0]
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int, float]], *, now: float
-    ) -> list[Task]:
-        enqueue = self._index.enqueue
-        tasks = [enqueue(payload, tries, delay, now).view() for payload, tries, delay in items]
-        self.transactions += 1
-        return tasks
+    async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
+        done = enqueue_into(self._index, items, now)
+        if any(record is not None for _, record in done):
+            self.transactions += 1
+        return [enqueued for enqueued, _ in done]
 
-    async def claim(self, *, lease: float, now: float) -> Delivery | None:
-        record = self._index.claim(lease, now)
+    async def claim(
+        self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> Delivery | None:
+        record = self._index.claim(queues, lease, now)
         if record is None:
             return None
         self.transactions += 1
         return _delivery(record)
 
-    async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
         out: list[Delivery] = []
         claim = self._index.claim
         for lease in leases:
-            record = claim(lease, now)
+            record = claim(queues, lease, now)
             if record is None:
                 break
             out.append(_delivery(record))
@@ -65,17 +116,27 @@ class MemoryStore:
         self._index.ack(task_id, lease_id)
         self.transactions += 1
 
-    async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
-        failure = self._index.nack(task_id, lease_id, error, now)
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        *,
+        now: float,
+        delay: float | None = None,
+        terminal: bool = False,
+    ) -> Failure:
+        failure = self._index.nack(task_id, lease_id, error, now, delay=delay, terminal=terminal)
         self.transactions += 1
         return failure
 
+    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
+        deadline = self._index.extend(task_id, lease_id, lease, now)
+        self.transactions += 1
+        return deadline
+
     async def settle_many(
-        self,
-        acks: Sequence[tuple[str, str]],
-        nacks: Sequence[tuple[str, str, str | None]],
-        *,
-        now: float,
+        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         acked, nacked = self._index.settle(acks, nacks, now)
         if acked.count(None) or any(isinstance(n, Failure) for n in nacked):
@@ -98,15 +159,41 @@ class MemoryStore:
             self.transactions += 1
         return result, self._index.next_due()
 
-    async def requeue(self, task_id: str, *, now: float) -> None:
+    async def requeue(self, task_id: str, *, now: float) -> str:
         self._index.requeue(task_id, now)
         self.transactions += 1
+        record = self._index.find(task_id)
+        assert record is not None
+        return record.queue.name
 
-    async def stats(self) -> Stats:
-        return self._index.stats()
+    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
+        done = self._index.requeue_all(queue, now)
+        self.transactions += done[0] > 0
+        return done
 
-    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
-        return [record.view() for record in self._index.dead(limit)]
+    async def purge(self, task_id: str) -> None:
+        self._index.purge(task_id)
+        self.transactions += 1
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        self.transactions += self._index.set_paused(queue, paused)
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        return self._index.stats(queue)
+
+    async def queues(self) -> list[QueueStats]:
+        return self._index.queue_rows()
+
+    async def lookup(self, task_id: str) -> TaskState | None:
+        record = self._index.find(task_id)
+        if record is None:
+            return None
+        return TaskState(record.view(), STATE_NAMES[record.state])
+
+    async def dead_letters(
+        self, *, limit: int | None = None, queue: str | None = None
+    ) -> list[Task]:
+        return [record.view() for record in self._index.dead(limit, queue)]
 
     def problem(self) -> str | None:
         return None

@@ -35,29 +35,74 @@ was down). Counters survive too.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import random
 import sqlite3
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import astuple
+from dataclasses import astuple, replace
 from typing import Any, Final, TypeVar
 
 from wqbroker.errors import StoreError, WqError
-from wqbroker.models import Delivery, Failure, Stats, SweepResult, Task, Totals
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueStats,
+    Stats,
+    SweepResult,
+    Task,
+    TaskState,
+    Totals,
+)
 from wqbroker.retry import Backoff
-from wqbroker.store.index import DEAD, Index, Record
+from wqbroker.store.index import (
+    DEAD,
+    STATE_NAMES,
+    Index,
+    Lane,
+    Queue,
+    Record,
+    hex_id,
+    parse_id,
+)
+from wqbroker.store.memory import enqueue_into
 
 log = logging.getLogger("wqbroker.store.sqlite")
 
 R = TypeVar("R")
 
-SCHEMA_VERSION: Final = 2
+SCHEMA_VERSION: Final = 3
 SYNC_MODES: Final = ("full", "normal")
 
-# Two tables: what the index is rebuilt from at start (small rows: a restart reads no payloads), and
-# what only views need (read back by key when a task is handed out or listed).
+# Schema 2, as it was (files of schema 1 are upgraded to it, then to 3).
+_SCHEMA_2 = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tasks (
+    id INTEGER PRIMARY KEY, attempts INTEGER NOT NULL, max_attempts INTEGER NOT NULL,
+    available_at REAL NOT NULL, state INTEGER NOT NULL, lease_id TEXT, deadline REAL,
+    ord INTEGER NOT NULL, last_error TEXT
+);
+CREATE TABLE IF NOT EXISTS bodies (
+    id INTEGER PRIMARY KEY, payload BLOB NOT NULL, created_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS totals (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
+    nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
+    buried INTEGER NOT NULL, requeued INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0);
+"""
+
+# Schema 3: what the index is rebuilt from at start (small rows: a restart reads no payloads), what
+# only views need (read back by key when a task is handed out or listed), the queues (paused, and
+# their totals) and the idempotency keys still in their window.
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS tasks (
@@ -70,7 +115,9 @@ CREATE TABLE IF NOT EXISTS tasks (
     deadline REAL,                    -- handed out: when the lease runs out
     ord INTEGER NOT NULL,             -- where it stands: place in line (ready), tie-break among
                                       -- equal due times (delayed, handed out), burial (dead)
-    last_error TEXT
+    last_error TEXT,
+    queue TEXT NOT NULL DEFAULT 'default',
+    priority INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS bodies (
     id INTEGER PRIMARY KEY,           -- as tasks.id
@@ -81,9 +128,23 @@ CREATE TABLE IF NOT EXISTS totals (
     id INTEGER PRIMARY KEY CHECK (id = 1),
     enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
     nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
-    buried INTEGER NOT NULL, requeued INTEGER NOT NULL
+    buried INTEGER NOT NULL, requeued INTEGER NOT NULL, purged INTEGER NOT NULL DEFAULT 0
 );
-INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0);
+INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+CREATE TABLE IF NOT EXISTS queues (
+    name TEXT PRIMARY KEY,
+    paused INTEGER NOT NULL,
+    enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
+    nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
+    buried INTEGER NOT NULL, requeued INTEGER NOT NULL, purged INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS keys (
+    queue TEXT NOT NULL,
+    key TEXT NOT NULL,
+    task_id INTEGER NOT NULL,         -- as tasks.id (the task may be gone: acked)
+    until REAL NOT NULL,              -- the key is remembered until then
+    PRIMARY KEY (queue, key)
+);
 """
 
 # Schema 1 kept payloads in the tasks table.
@@ -91,7 +152,7 @@ _MIGRATE_FROM_1 = (
     """
 ALTER TABLE tasks RENAME TO tasks_v1;
 """
-    + _SCHEMA
+    + _SCHEMA_2
     + """
 INSERT INTO bodies (id, payload, created_at) SELECT id, payload, created_at FROM tasks_v1;
 INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord,
@@ -103,9 +164,26 @@ UPDATE meta SET value = '2' WHERE key = 'schema';
 """
 )
 
+# Schema 2 had one queue, no priorities, no keys: every task goes to the default queue, which
+# takes the broker's totals.
+_MIGRATE_FROM_2 = (
+    """
+ALTER TABLE tasks ADD COLUMN queue TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE tasks ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE totals ADD COLUMN purged INTEGER NOT NULL DEFAULT 0;
+"""
+    + _SCHEMA
+    + """
+INSERT OR IGNORE INTO queues
+    SELECT 'default', 0, enqueued, delivered, acked, nacked, reclaimed, retried, buried,
+           requeued, 0 FROM totals WHERE id = 1;
+UPDATE meta SET value = '3' WHERE key = 'schema';
+"""
+)
+
 _INSERT = (
-    "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+    "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
+    "queue, priority) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_BODY = "INSERT INTO bodies (id, payload, created_at) VALUES (?, ?, ?)"
 _UPDATE = (
@@ -117,28 +195,40 @@ _DELETE = "DELETE FROM tasks WHERE id = ?"
 _DELETE_BODY = "DELETE FROM bodies WHERE id = ?"
 _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
-    "retried = ?, buried = ?, requeued = ? WHERE id = 1"
+    "retried = ?, buried = ?, requeued = ?, purged = ? WHERE id = 1"
 )
-# The index, streamed at start: ready tasks as their ids (the hex text clients use: the key with its
-# top bit flipped), in order; the others as records, with the error of a live task (a dead task's
-# error stays in the file).
-_SIGN = -(2**63)
-_HEX_ID = f"printf('%016x', (id | {_SIGN}) - (id & {_SIGN}))"
-_LOAD_READY = f"SELECT {_HEX_ID} FROM tasks WHERE state = 0 ORDER BY ord"
+_QUEUE = "INSERT OR REPLACE INTO queues VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_KEY = "INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?)"
+_UNKEY = "DELETE FROM keys WHERE queue = ? AND key = ?"
+# The index, streamed at start: ready tasks as (key, queue, priority), in order; the others as
+# records, with the error of a live task (a dead task's error stays in the file).
+_LOAD_READY = "SELECT id, queue, priority FROM tasks WHERE state = 0 ORDER BY ord"
 _LOAD_OTHERS = (
-    f"SELECT {_HEX_ID}, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
-    "CASE WHEN state = 3 THEN NULL ELSE last_error END FROM tasks WHERE state != 0"
+    "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
+    "CASE WHEN state = 3 THEN NULL ELSE last_error END, priority, queue FROM tasks "
+    "WHERE state != 0"
 )
+_LOAD_QUEUES = (
+    "SELECT name, paused, enqueued, delivered, acked, nacked, reclaimed, retried, buried, "
+    "requeued, purged FROM queues"
+)
+_LOAD_KEYS = "SELECT queue, key, task_id, until FROM keys"
 # Cold ready tasks read back, with their payloads.
 _WARM = (
-    f"SELECT id, {_HEX_ID}, attempts, max_attempts, available_at, state, lease_id, deadline, "
-    "ord, last_error, payload, created_at FROM tasks JOIN bodies USING (id) WHERE id IN ({})"
+    "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, "
+    "ord, last_error, priority, queue, payload, created_at FROM tasks JOIN bodies USING (id) "
+    "WHERE id IN ({})"
 )
 _READ = (
     "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
     "WHERE b.id IN ({})"
 )
-
+# One task, any state (a lookup of a task the index holds only as a cold id).
+_LOOKUP = (
+    "SELECT t.attempts, t.max_attempts, t.available_at, t.state, t.last_error, t.queue, "
+    "t.priority, b.payload, b.created_at FROM tasks t JOIN bodies b ON t.id = b.id "
+    "WHERE t.id = ?"
+)
 _OFFSET: Final = 2**63
 # Before sealing a batch, let the event loop run this many times so that operations already
 # under way (the rest of a burst of requests) join it: fewer, larger commits.
@@ -161,20 +251,16 @@ _NO_TIME: Final = 0.0
 Row = tuple[bytes, float, str | None]
 
 
-def _key(task_id: str) -> int:
-    """A task id (16 hex digits, 64 random bits) as the table's integer key."""
-    return int(task_id, 16) - _OFFSET
+def _key(n: int) -> int:
+    """A task id (as records hold it: 64 bits, unsigned) as the table's integer key (signed)."""
+    return n - _OFFSET
 
 
-def _task_id(key: int) -> str:
-    return f"{key + _OFFSET:016x}"
-
-
-def _record(row: tuple[Any, ...]) -> Record:
-    """A task's record from its row as _LOAD_OTHERS (or _WARM, from its second column) reads it."""
-    task_id, attempts, max_attempts, available_at, state, lease_id, deadline, seq, error = row
-    return Record(
-        task_id,
+def _record(row: Sequence[Any]) -> tuple[Record, str]:
+    """A task's record, and its queue's name, from a row as _LOAD_OTHERS (or _WARM) reads it."""
+    key, attempts, max_attempts, available_at, state, lease_id, deadline, seq, error = row[:9]
+    record = Record(
+        key + _OFFSET,
         _NO_PAYLOAD,
         max_attempts,
         _NO_TIME,
@@ -185,7 +271,9 @@ def _record(row: tuple[Any, ...]) -> Record:
         error,
         lease_id,
         deadline or _NO_TIME,
+        priority=row[9],
     )
+    return record, row[10]
 
 
 def _schema_version(conn: sqlite3.Connection) -> int | None:
@@ -225,13 +313,16 @@ class _Batch:
     """Changes made since the last seal, rows to read back once they are committed, and the
     future the commit resolves (with the rows read)."""
 
-    __slots__ = ("new", "moved", "errors", "deleted", "reads", "future")
+    __slots__ = ("new", "moved", "errors", "deleted", "queues", "keys", "unkeys", "reads", "future")
 
     def __init__(self, future: asyncio.Future[dict[int, Row]]) -> None:
-        self.new: dict[str, tuple[Record, bytes, float]] = {}  # with payload and created_at
-        self.moved: dict[str, Record] = {}  # in the file: update
-        self.errors: dict[str, str | None] = {}  # last_error to write
-        self.deleted: set[str] = set()  # in the file: delete
+        self.new: dict[int, tuple[Record, bytes, float]] = {}  # with payload and created_at
+        self.moved: dict[int, Record] = {}  # in the file: update
+        self.errors: dict[int, str | None] = {}  # last_error to write
+        self.deleted: set[int] = set()  # in the file: delete
+        self.queues: set[Queue] = set()  # whose row (paused, totals) to write
+        self.keys: dict[tuple[str, str], tuple[int, float]] = {}  # idempotency keys to write
+        self.unkeys: set[tuple[str, str]] = set()  # and to delete
         self.reads: set[int] = set()  # keys to read back after the commit
         self.future = future
 
@@ -242,20 +333,23 @@ class _Cache:
     __slots__ = ("_entries", "_bytes")
 
     def __init__(self) -> None:
-        self._entries: dict[str, tuple[bytes, float]] = {}
+        self._entries: dict[int, tuple[bytes, float]] = {}
         self._bytes = 0
 
-    def put(self, task_id: str, payload: bytes, created_at: float) -> None:
+    def put(self, task_id: int, payload: bytes, created_at: float) -> None:
         cost = len(payload) + _CACHE_ENTRY
         if self._bytes + cost <= _CACHE_BYTES:
             self._entries[task_id] = (payload, created_at)
             self._bytes += cost
 
-    def take(self, task_id: str) -> tuple[bytes, float] | None:
+    def take(self, task_id: int) -> tuple[bytes, float] | None:
         entry = self._entries.pop(task_id, None)
         if entry is not None:
             self._bytes -= len(entry[0]) + _CACHE_ENTRY
         return entry
+
+    def peek(self, task_id: int) -> tuple[bytes, float] | None:
+        return self._entries.get(task_id)
 
 
 class _Journal:
@@ -274,12 +368,15 @@ class _Journal:
         return batch
 
     def created(self, record: Record) -> None:
-        self.open().new[record.id] = (record, record.payload, record.created_at)
+        batch = self.open()
+        batch.new[record.id] = (record, record.payload, record.created_at)
+        batch.queues.add(record.queue)
         self.cache.put(record.id, record.payload, record.created_at)
         record.payload, record.created_at = _NO_PAYLOAD, _NO_TIME  # the file keeps them
 
     def moved(self, record: Record) -> None:
         batch = self.open()
+        batch.queues.add(record.queue)
         if record.id not in batch.new:  # a new one is inserted as it stands at the seal
             batch.moved[record.id] = record
 
@@ -290,16 +387,42 @@ class _Journal:
     def deleted(self, record: Record) -> None:
         batch = self.open()
         task_id = record.id
+        batch.queues.add(record.queue)
         batch.errors.pop(task_id, None)
+        self.cache.take(task_id)
         if batch.new.pop(task_id, None) is None:  # else it never reached the file
             batch.moved.pop(task_id, None)
             batch.deleted.add(task_id)
+
+    def queue_changed(self, queue: Queue) -> None:
+        self.open().queues.add(queue)
+
+    def keyed(self, queue: str, key: str, task_id: int, until: float) -> None:
+        batch = self.open()
+        batch.unkeys.discard((queue, key))
+        batch.keys[(queue, key)] = (task_id, until)
+
+    def unkeyed(self, queue: str, key: str) -> None:
+        batch = self.open()
+        batch.keys.pop((queue, key), None)
+        batch.unkeys.add((queue, key))
 
 
 class _Rows:
     """What one batch writes, taken on the event loop at the seal."""
 
-    __slots__ = ("inserts", "bodies", "updates", "errors", "deletes", "totals", "reads")
+    __slots__ = (
+        "inserts",
+        "bodies",
+        "updates",
+        "errors",
+        "deletes",
+        "totals",
+        "queues",
+        "keys",
+        "unkeys",
+        "reads",
+    )
 
     def __init__(self, batch: _Batch, totals: Totals) -> None:
         self.inserts = [
@@ -312,6 +435,8 @@ class _Rows:
                 r.lease_id,
                 r.deadline if r.lease_id is not None else None,
                 r.seq,
+                r.queue.name,
+                r.priority,
             )
             for r, _, _ in batch.new.values()
         ]
@@ -333,6 +458,9 @@ class _Rows:
         self.errors = [(error, _key(task_id)) for task_id, error in batch.errors.items()]
         self.deletes = [(_key(task_id),) for task_id in batch.deleted]
         self.totals = astuple(totals)
+        self.queues = [(q.name, int(q.paused), *astuple(q.totals)) for q in batch.queues]
+        self.keys = [(q, k, _key(n), until) for (q, k), (n, until) in batch.keys.items()]
+        self.unkeys = list(batch.unkeys)
         self.reads = list(batch.reads)
         # The error of a dead task is kept by the file alone.
         for task_id in batch.errors:
@@ -432,9 +560,16 @@ class SqliteStore:
             if version is None:
                 _run_script(conn, _SCHEMA)
                 conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif version == 1:
-                log.info("%s: upgrading the schema from version 1 to %d", self.path, SCHEMA_VERSION)
-                _run_script(conn, _MIGRATE_FROM_1)
+            elif version in (1, 2):
+                log.info(
+                    "%s: upgrading the schema from version %d to %d",
+                    self.path,
+                    version,
+                    SCHEMA_VERSION,
+                )
+                if version == 1:
+                    _run_script(conn, _MIGRATE_FROM_1)
+                _run_script(conn, _MIGRATE_FROM_2)
             elif version != SCHEMA_VERSION:
                 raise ValueError(
                     f"schema version {version} is not one this broker knows (it knows up to "
@@ -459,11 +594,17 @@ class SqliteStore:
         """Rebuild the index from the tasks table, streamed: ready tasks come back cold (ids
         only, in order); the others as records."""
         index = self._index
-        index.restore_ready(task_id for (task_id,) in conn.execute(_LOAD_READY))
+        for name, paused, *counts in conn.execute(_LOAD_QUEUES):
+            index.restore_queue(name, bool(paused), Totals(*counts))
+        index.restore_ready(
+            (key + _OFFSET, queue, priority) for key, queue, priority in conn.execute(_LOAD_READY)
+        )
         index.restore(_record(row) for row in conn.execute(_LOAD_OTHERS))
+        for queue, key, task_key, until in conn.execute(_LOAD_KEYS):
+            index.restore_key(queue, key, task_key + _OFFSET, until)
         totals = conn.execute(
-            "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued "
-            "FROM totals WHERE id = 1"
+            "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued, "
+            "purged FROM totals WHERE id = 1"
         ).fetchone()
         first, last = conn.execute("SELECT min(ord), max(ord) FROM tasks").fetchone()
         (id_key,) = conn.execute("SELECT value FROM meta WHERE key = 'id_key'").fetchone()
@@ -473,39 +614,48 @@ class SqliteStore:
 
     # -- the contract ------------------------------------------------------------------------
 
-    async def enqueue(self, payload: bytes, *, max_attempts: int, delay: float, now: float) -> Task:
-        def change() -> Task:
-            record = self._index.enqueue(payload, max_attempts, delay, now)
-            return Task(record.id, payload, 0, max_attempts, now, record.available_at)
+    async def enqueue(
+        self,
+        payload: bytes,
+        *,
+        max_attempts: int,
+        delay: float,
+        now: float,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+        key: str | None = None,
+        key_until: float = 0.0,
+    ) -> Enqueued:
+        new = NewTask(payload, max_attempts, delay, queue, priority, key, key_until)
+        return (await self.enqueue_many((new,), now=now))[0]
 
-        return await self._change(change)
+    async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
+        self._check()
+        done = enqueue_into(self._index, items, now)
+        if any(record is not None for _, record in done):
+            await self._durable()
+        elif any(enqueued.duplicate for enqueued, _ in done):
+            await self._durable()  # never answer with a task that is not yet committed
+        return [enqueued for enqueued, _ in done]
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int, float]], *, now: float
-    ) -> list[Task]:
-        def change() -> list[Task]:
-            enqueue = self._index.enqueue
-            tasks = []
-            for payload, max_attempts, delay in items:
-                record = enqueue(payload, max_attempts, delay, now)
-                tasks.append(Task(record.id, payload, 0, max_attempts, now, record.available_at))
-            return tasks
-
-        return await self._change(change)
-
-    async def claim(self, *, lease: float, now: float) -> Delivery | None:
-        deliveries = await self.claim_many((lease,), now=now)
+    async def claim(
+        self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> Delivery | None:
+        deliveries = await self.claim_many((lease,), now=now, queues=queues)
         return deliveries[0] if deliveries else None
 
-    async def claim_many(self, leases: Sequence[float], *, now: float) -> list[Delivery]:
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
         self._check()
         index = self._index
         claimed: list[tuple[Record, Delivery]] = []
         while len(claimed) < len(leases):
-            wanted = len(leases) - len(claimed)
-            if index.hot_count < wanted and index.ready_count > index.hot_count:
-                await self._warm(max(wanted, _WARM_BATCH))
-            record = index.claim(leases[len(claimed)], now)
+            lane = index.cold_lane(queues, now)
+            if lane is not None:
+                await self._warm(lane, max(len(leases) - len(claimed), _WARM_BATCH))
+                continue
+            record = index.claim(queues, leases[len(claimed)], now)
             if record is None:
                 break
             claimed.append((record, self._delivery(record)))
@@ -518,40 +668,44 @@ class SqliteStore:
         rows = await self._durable()
         return [self._complete(delivery, rows) for _, delivery in claimed]
 
-    async def _warm(self, n: int) -> None:
-        """Read the next ``n`` cold ready tasks back from the file and make them hot."""
-        async with self._warming:  # one at a time: each takes the head of the cold ones
-            ids = self._index.cold_ids(n)
+    async def _warm(self, lane: Lane, n: int) -> None:
+        """Read the next ``n`` cold ready tasks of ``lane`` back from the file; make them hot."""
+        async with self._warming:  # one at a time: each takes the head of a lane's cold ones
+            ids = list(itertools.islice(lane.cold or (), n))
             if not ids:
                 return
             await self._durable()  # every cold task is in the file
             loop = asyncio.get_running_loop()
             rows = await loop.run_in_executor(self._writer, self._read_cold, ids)
             self._check()
+            if not lane.cold or lane.cold[0] != ids[0]:
+                return  # the lane changed while the rows were read (say, it was purged)
             records = []
-            for task_id in ids:
-                row = rows.get(_key(task_id))
-                if row is None:
-                    self._fail_stop(f"ready task {task_id} is missing from {self.path}")
-                    self._check()
-                    return
-                records.append(_record(row[:9]))
-                self._journal.cache.put(task_id, row[9], row[10])
-            self._index.warm(records)
+            for n_id in itertools.takewhile(lambda i: i in rows, ids):
+                row = rows[n_id]
+                record, queue = _record(row)
+                record.queue = self._index.queue(queue)
+                records.append(record)
+                self._journal.cache.put(n_id, row[11], row[12])
+            if not records:
+                self._fail_stop(f"ready task {hex_id(ids[0])} is missing from {self.path}")
+                self._check()
+            self._index.warm(lane, records)
 
-    def _read_cold(self, ids: list[str]) -> dict[int, tuple[Any, ...]]:
-        """In the writer thread: the rows of cold ready tasks, by key."""
+    def _read_cold(self, ids: list[int]) -> dict[int, tuple[Any, ...]]:
+        """In the writer thread: the rows of cold ready tasks, by id."""
         conn = self._conn
         assert conn is not None
-        keys = [_key(task_id) for task_id in ids]
+        keys = [_key(n) for n in ids]
         out: dict[int, tuple[Any, ...]] = {}
         for i in range(0, len(keys), _READ_CHUNK):
             chunk = keys[i : i + _READ_CHUNK]
             marks = ",".join("?" * len(chunk))
-            for key, *rest in conn.execute(_WARM.format(marks), chunk):
-                payload = rest[9]
-                rest[9] = payload.encode() if isinstance(payload, str) else bytes(payload)
-                out[key] = tuple(rest)
+            for row in conn.execute(_WARM.format(marks), chunk):
+                row = list(row)
+                payload = row[11]
+                row[11] = payload.encode() if isinstance(payload, str) else bytes(payload)
+                out[row[0] + _OFFSET] = tuple(row)
         return out
 
     def _delivery(self, record: Record) -> Delivery:
@@ -560,15 +714,9 @@ class SqliteStore:
         assert record.lease_id is not None
         cached = self._journal.cache.take(record.id)
         payload, created_at = cached if cached is not None else (_NO_PAYLOAD, _NO_TIME)
-        task = Task(
-            record.id,
-            payload,
-            record.attempts,
-            record.max_attempts,
-            created_at,
-            record.available_at,
-            record.last_error,
-        )
+        task = record.view()
+        if cached is not None:
+            task = replace(task, payload=payload, created_at=created_at)
         return Delivery(task, record.lease_id, record.deadline)
 
     @staticmethod
@@ -576,30 +724,32 @@ class SqliteStore:
         task = delivery.task
         if task.payload:
             return delivery
-        payload, created_at, _ = rows[_key(task.id)]
-        task = Task(
-            task.id,
-            payload,
-            task.attempts,
-            task.max_attempts,
-            created_at,
-            task.available_at,
-            task.last_error,
-        )
+        payload, created_at, _ = rows[_key(int(task.id, 16))]
+        task = replace(task, payload=payload, created_at=created_at)
         return Delivery(task, delivery.lease_id, delivery.deadline)
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
         await self._change(lambda: self._index.ack(task_id, lease_id))
 
-    async def nack(self, task_id: str, lease_id: str, error: str | None, *, now: float) -> Failure:
-        return await self._change(lambda: self._index.nack(task_id, lease_id, error, now))
-
-    async def settle_many(
+    async def nack(
         self,
-        acks: Sequence[tuple[str, str]],
-        nacks: Sequence[tuple[str, str, str | None]],
+        task_id: str,
+        lease_id: str,
+        error: str | None,
         *,
         now: float,
+        delay: float | None = None,
+        terminal: bool = False,
+    ) -> Failure:
+        return await self._change(
+            lambda: self._index.nack(task_id, lease_id, error, now, delay=delay, terminal=terminal)
+        )
+
+    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
+        return await self._change(lambda: self._index.extend(task_id, lease_id, lease, now))
+
+    async def settle_many(
+        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         return await self._change(lambda: self._index.settle(acks, nacks, now))
 
@@ -613,18 +763,72 @@ class SqliteStore:
         result = await self._change(lambda: self._index.sweep(now))
         return result, self._index.next_due()
 
-    async def requeue(self, task_id: str, *, now: float) -> None:
-        await self._change(lambda: self._index.requeue(task_id, now))
+    async def requeue(self, task_id: str, *, now: float) -> str:
+        def change() -> str:
+            self._index.requeue(task_id, now)
+            record = self._index.find(task_id)
+            assert record is not None
+            return record.queue.name
 
-    async def stats(self) -> Stats:
+        return await self._change(change)
+
+    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
+        return await self._change(lambda: self._index.requeue_all(queue, now))
+
+    async def purge(self, task_id: str) -> None:
+        await self._change(lambda: self._index.purge(task_id))
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        await self._change(lambda: self._index.set_paused(queue, paused))
+
+    async def stats(self, queue: str | None = None) -> Stats:
         self._check()
         await self._durable()  # never report what is not yet committed
-        return self._index.stats()
+        return self._index.stats(queue)
 
-    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
+    async def queues(self) -> list[QueueStats]:
         self._check()
         await self._durable()
-        records = self._index.dead(limit)
+        return self._index.queue_rows()
+
+    async def lookup(self, task_id: str) -> TaskState | None:
+        self._check()
+        await self._durable()
+        n = parse_id(task_id)
+        if n is None:
+            return None
+        loop = asyncio.get_running_loop()
+        row = await loop.run_in_executor(self._writer, self._read_one, _key(n))
+        if row is None:
+            return None
+        attempts, max_attempts, available_at, state, error, queue, priority, payload, created = row
+        record = self._index.find(task_id)
+        if record is not None:  # the index is ahead of a row read while it changed
+            attempts, available_at, state = record.attempts, record.available_at, record.state
+            error = record.last_error if state != DEAD else error
+        task = Task(
+            task_id, payload, attempts, max_attempts, created, available_at, error, queue, priority
+        )
+        return TaskState(task, STATE_NAMES[state])
+
+    def _read_one(self, key: int) -> tuple[Any, ...] | None:
+        """In the writer thread: one task's row and body (see _LOOKUP)."""
+        conn = self._conn
+        assert conn is not None
+        row = conn.execute(_LOOKUP, (key,)).fetchone()
+        if row is None:
+            return None
+        row = list(row)
+        payload = row[7]
+        row[7] = payload.encode() if isinstance(payload, str) else bytes(payload)
+        return tuple(row)
+
+    async def dead_letters(
+        self, *, limit: int | None = None, queue: str | None = None
+    ) -> list[Task]:
+        self._check()
+        await self._durable()
+        records = self._index.dead(limit, queue)
         keys = [_key(r.id) for r in records]
         loop = asyncio.get_running_loop()
         rows = await loop.run_in_executor(self._writer, self._read, keys)
@@ -635,7 +839,7 @@ class SqliteStore:
                 continue
             payload, created_at, error = row
             views.append(
-                Task(r.id, payload, r.attempts, r.max_attempts, created_at, r.available_at, error)
+                replace(r.view(), payload=payload, created_at=created_at, last_error=error)
             )
         return views
 
@@ -738,6 +942,12 @@ class SqliteStore:
                 conn.executemany(_UPDATE, rows.updates)
             if rows.errors:
                 conn.executemany(_SET_ERROR, rows.errors)
+            if rows.queues:
+                conn.executemany(_QUEUE, rows.queues)
+            if rows.unkeys:
+                conn.executemany(_UNKEY, rows.unkeys)
+            if rows.keys:
+                conn.executemany(_KEY, rows.keys)
             conn.execute(_TOTALS, rows.totals)
             conn.execute("COMMIT")
         except BaseException:
