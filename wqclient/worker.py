@@ -50,9 +50,9 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.flags import FlagParser, bool_flag, positive_int
+from wqclient.flags import FlagParser, bool_flag, positive_int, queue_list
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS, MAX_LEASE_MS
-from wqclient.models import Delivery, Task
+from wqclient.models import DEFAULT_QUEUE, Delivery, Task
 from wqclient.transport import AsyncStream
 
 log = logging.getLogger("wqclient.worker")
@@ -626,7 +626,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-ms",
         type=positive_int,
         default=DEFAULT_LEASE_MS,
-        help=f"how long to claim each task for (default {DEFAULT_LEASE_MS})",
+        help="how long to claim each task for at first; while its handler runs, the lease is "
+        f"extended by as much each time half of it has gone by (default {DEFAULT_LEASE_MS})",
+    )
+    p.add_argument(
+        "-queue",
+        "--queue",
+        type=queue_list,
+        default=[DEFAULT_QUEUE],
+        metavar="NAMES",
+        help="the queues to take tasks from, comma-separated, in order of preference: the first "
+        f"with a ready task wins (default \"{DEFAULT_QUEUE}\")",
     )
     add_auth_flags(p)
     p.add_argument(
@@ -659,12 +669,20 @@ async def _main(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         wait_ms=args.wait_ms,
         lease_ms=args.lease_ms,
+        queues=None if args.queue == [DEFAULT_QUEUE] else args.queue,  # as the spec's worker
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
     mode = "streaming" if client.can_stream else "long-polling"
-    log.info("%d workers %s %s, logging to %s", args.concurrency, mode, args.broker, args.log_file)
+    log.info(
+        "%d workers %s %s (queues %s), logging to %s",
+        args.concurrency,
+        mode,
+        args.broker,
+        ",".join(args.queue),
+        args.log_file,
+    )
     try:
         await worker.run()
     except _REFUSED:
