@@ -230,7 +230,7 @@ async def test_extending_a_lost_lease_is_lease_lost(client: AsyncClient, clock: 
         await client.extend(second, 10_000)
 
 
-# -- DLQ ---------------------------------------------------------------------------------------------
+# -- DLQ ------------------------------------------------------------------------------------------
 
 
 async def test_dlq_by_queue_requeue_all_and_purge(client: AsyncClient) -> None:
@@ -276,7 +276,7 @@ async def test_a_stream_subscribes_to_queues_extends_nacks_with_options_and_drai
         assert (await c.stats("other")).ready == 1
 
 
-# -- the Worker --------------------------------------------------------------------------------------
+# -- the Worker -----------------------------------------------------------------------------------
 
 
 class Hold:
@@ -388,7 +388,7 @@ async def test_the_blocking_client_end_to_end(broker: Broker, transport: str) ->
     await asyncio.to_thread(scenario)
 
 
-# -- the commands -----------------------------------------------------------------------------------
+# -- the commands ---------------------------------------------------------------------------------
 
 
 def run_command(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess[str]:
