@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--queue",
         default=DEFAULT_QUEUE,
         metavar="NAME",
-        help=f"the queue to enqueue to (default \"{DEFAULT_QUEUE}\")",
+        help=f'the queue to enqueue to (default "{DEFAULT_QUEUE}")',
     )
     p.add_argument(
         "-priority",

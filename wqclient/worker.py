@@ -636,7 +636,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=[DEFAULT_QUEUE],
         metavar="NAMES",
         help="the queues to take tasks from, comma-separated, in order of preference: the first "
-        f"with a ready task wins (default \"{DEFAULT_QUEUE}\")",
+        f'with a ready task wins (default "{DEFAULT_QUEUE}")',
     )
     add_auth_flags(p)
     p.add_argument(
