@@ -387,7 +387,9 @@ class Worker:
             lease.done = True
             if not lease.extending:
                 keeper.cancel()  # it is asleep: an extension on its way is let finish
-            await asyncio.gather(keeper, return_exceptions=True)
+            [kept] = await asyncio.gather(keeper, return_exceptions=True)
+            if isinstance(kept, Exception):
+                log.error("task %s: extending its lease failed: %r", delivery.task.id, kept)
         if lease.lost:
             self.discarded += 1
             log.warning(
