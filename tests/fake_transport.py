@@ -578,6 +578,13 @@ class FakeStreamingTransport(FakeTransport):
         self.streams.append(stream)
         return stream
 
+    def take_away(self, task_id: str) -> None:
+        """As FakeTransport.take_away; a stream that had the task is finished with it (the
+        broker frees its prefetch slot, as for a lease reclaimed when it ran out)."""
+        for stream in self.streams:
+            stream.unsettled.pop(task_id, None)
+        super().take_away(task_id)
+
     def break_streams(self, why: str = "the connection broke") -> None:
         """Break every open stream (see FakeStream.break_)."""
         for stream in self.streams:

@@ -27,12 +27,12 @@ from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, T
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 if TYPE_CHECKING:
-    from wqclient.worker import TaskFailed, Worker
+    from wqclient.worker import Fail, Retry, TaskFailed, Worker
 
 
 def __getattr__(name: str) -> Any:
     # Imported lazily so that `python -m wqclient.worker` does not import the module twice.
-    if name in ("Worker", "TaskFailed"):
+    if name in ("Worker", "TaskFailed", "Retry", "Fail"):
         from wqclient import worker
 
         return getattr(worker, name)
@@ -46,6 +46,7 @@ __all__ = [
     "Delivery",
     "EnqueueItem",
     "Enqueued",
+    "Fail",
     "InvalidArgument",
     "LeaseLost",
     "NotFound",
@@ -54,6 +55,7 @@ __all__ = [
     "PermissionDenied",
     "ProtocolError",
     "QueueInfo",
+    "Retry",
     "Stats",
     "Stream",
     "StreamEnded",

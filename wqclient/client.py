@@ -81,6 +81,14 @@ def _queues(value: str | Sequence[str] | None) -> list[str] | None:
     return names
 
 
+def _given(**options: Any) -> dict[str, Any]:
+    """The options that are set (not None, not False), to pass by keyword: a transport written
+    before they existed still serves the calls that leave them unset."""
+    return {
+        name: value for name, value in options.items() if value is not None and value is not False
+    }
+
+
 def _flag(name: str, value: bool) -> bool:
     if not isinstance(value, bool):
         raise InvalidArgument(f"{name} must be true or false, got {type(value).__name__}")
@@ -242,9 +250,11 @@ class AsyncClient:
             encode_payload(payload),
             _option("max_attempts", max_attempts),
             _option("delay_ms", delay_ms),
-            _text("queue", queue),
-            _option("priority", priority),
-            _text("idempotency_key", idempotency_key),
+            **_given(
+                queue=_text("queue", queue),
+                priority=_option("priority", priority),
+                idempotency_key=_text("idempotency_key", idempotency_key),
+            ),
         )
 
     async def enqueue_many(
@@ -288,7 +298,9 @@ class AsyncClient:
         handed out at the very moment of the cancel is only returned when its lease runs
         out."""
         return await self._transport.claim(
-            _option("wait_ms", wait_ms), _option("lease_ms", lease_ms), _queues(queues)
+            _option("wait_ms", wait_ms),
+            _option("lease_ms", lease_ms),
+            **_given(queues=_queues(queues)),
         )
 
     async def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
@@ -312,8 +324,7 @@ class AsyncClient:
         await self._transport.nack(
             *_ids(task, lease_id),
             error,
-            _option("delay_ms", delay_ms),
-            _flag("terminal", terminal),
+            **_given(delay_ms=_option("delay_ms", delay_ms), terminal=_flag("terminal", terminal)),
         )
 
     async def extend(
@@ -332,7 +343,7 @@ class AsyncClient:
     async def stats(self, queue: str | None = None) -> Stats:
         """Gauges (tasks in each collection now) and lifetime totals: of the whole broker, or
         of one ``queue`` (a queue never seen counts zeros)."""
-        return await self._transport.stats(_text("queue", queue))
+        return await self._transport.stats(**_given(queue=_text("queue", queue)))
 
     async def queues(self) -> list[QueueInfo]:
         """Every queue the broker knows, by name: its gauges, and whether it is paused."""
@@ -343,7 +354,9 @@ class AsyncClient:
     ) -> list[Task]:
         """The dead-letter queue (of one ``queue``, or all), oldest burial first, each task with
         its last_error."""
-        return await self._transport.dead_letters(_option("limit", limit), _text("queue", queue))
+        return await self._transport.dead_letters(
+            _option("limit", limit), **_given(queue=_text("queue", queue))
+        )
 
     async def requeue(self, task_id: str) -> None:
         """Give a dead task a clean start (attempts 0, back of ready)."""
@@ -388,7 +401,9 @@ class AsyncClient:
                 "transport that streams, such as gRPC (a grpc://host:port broker URL)"
             )
         prefetch = _option("prefetch", prefetch) or 0
-        return await transport.stream(prefetch, _option("lease_ms", lease_ms), _queues(queues))
+        return await transport.stream(
+            prefetch, _option("lease_ms", lease_ms), **_given(queues=_queues(queues))
+        )
 
     async def close(self) -> None:
         """Close the transport (its connections)."""
@@ -447,7 +462,11 @@ class Stream:
         AsyncClient.nack)."""
         self._runner.run(
             self._stream.nack(
-                delivery, error, _option("delay_ms", delay_ms), _flag("terminal", terminal)
+                delivery,
+                error,
+                **_given(
+                    delay_ms=_option("delay_ms", delay_ms), terminal=_flag("terminal", terminal)
+                ),
             )
         )
 

@@ -8,7 +8,10 @@ return the same models and raise the same errors: foreign exceptions (aiohttp, g
 ``wqclient.errors`` in the transport, at the boundary, and nowhere else.
 
 Arguments reach a transport already encoded and type-checked by the client (payloads as JSON
-bytes; ``None`` for an option left to the broker's default); the broker checks ranges.
+bytes; ``None`` for an option left to the broker's default); the broker checks ranges. The
+options added since the first version (queues, priorities, idempotency keys, nack options) are
+passed by keyword and only when set, so a transport written before them still serves the calls
+that leave them unset.
 """
 
 from __future__ import annotations
