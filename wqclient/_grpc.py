@@ -4,15 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import (
-    AsyncIterator,
-    Awaitable,
-    Callable,
-    Iterable,
-    Iterator,
-    Mapping,
-    Sequence,
-)
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -144,19 +136,10 @@ def _outcome(outcome: pb.Settled) -> datetime | None:
     return _ts(outcome.deadline) if outcome.extend else None
 
 
-# A settlement done by a unary call instead (see GrpcStream._settle).
-Fallback = Callable[[], Awaitable[Any]]
-Unary = Callable[[Any, Any], Awaitable[Any]]
-
-
 class GrpcStream:
     """One StreamJobs call. Acks, nacks and extends issued close together go out in one request
     (the broker applies a request's extends, then its acks, then its nacks, and answers each in
-    that order).
-
-    Once the broker has answered a drain and ended the call (every task it sent is settled), a
-    settlement still asked of the stream goes by the unary call instead, so it fails as it
-    would there (LeaseLost, NotFound) rather than with StreamEnded."""
+    that order)."""
 
     def __init__(
         self,
@@ -165,10 +148,7 @@ class GrpcStream:
         lease_ms: int | None,
         metadata: Metadata | None = None,
         queues: Sequence[str] | None = None,
-        unary: Unary | None = None,
     ) -> None:
-        self._stub = stub
-        self._unary = unary
         opening = pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms, queues=queues or ())
         self._outbox: list[pb.StreamJobsRequest] = [pb.StreamJobsRequest(open=opening)]
         self._extends: list[pb.ExtendLeaseRequest] = []
@@ -178,8 +158,7 @@ class GrpcStream:
         self._wake.set()
         self._closing = False
         # Futures for settlements in the order the broker will answer them.
-        self._settling: deque[tuple[asyncio.Future[Any], Fallback]] = deque()
-        self._fallbacks: set[asyncio.Task[None]] = set()
+        self._settling: deque[asyncio.Future[Any]] = deque()
         self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
         self._opened = asyncio.Event()
         self._drained: asyncio.Future[int] | None = None  # the answer to our drain, once sent
@@ -231,7 +210,7 @@ class GrpcStream:
     def _settled(self, outcomes: Iterable[pb.Settled]) -> None:
         """Resolve the waiting settlements with the broker's outcomes, oldest first."""
         for outcome in outcomes:
-            future = self._settling.popleft()[0] if self._settling else None
+            future = self._settling.popleft() if self._settling else None
             if future is None or future.done():
                 continue
             if outcome.code == 0:
@@ -259,13 +238,8 @@ class GrpcStream:
         or StreamEnded), and end the iteration (raising ``end`` if it is an error)."""
         self._opened.set()
         failure = end or StreamEnded("the stream has ended")
-        settling, self._settling = list(self._settling), deque()
-        if end is None and self._ended_drained():
-            # Sent after the broker ended the call: it never read them. The unary calls do them.
-            for future, fallback in settling:
-                self._run_instead(future, fallback)
-            settling = []
-        waiting = [*(f for f, _ in settling), *([self._drained] if self._drained else [])]
+        waiting = [*self._settling, *([self._drained] if self._drained else [])]
+        self._settling.clear()
         for future in waiting:
             if not future.done():
                 future.set_exception(failure)
@@ -298,62 +272,16 @@ class GrpcStream:
                 raise item
             raise StreamEnded("the stream ended as it opened")
 
-    def _ended_drained(self) -> bool:
-        """The broker answered our drain (and so ended the call once nothing was unsettled),
-        and we did not close the stream ourselves."""
-        drained = self._drained
-        return (
-            self._unary is not None
-            and not self._closing
-            and drained is not None
-            and drained.done()
-            and not drained.cancelled()
-            and drained.exception() is None
-        )
-
-    def _run_instead(self, future: asyncio.Future[Any], fallback: Fallback) -> None:
-        async def run() -> None:
-            try:
-                result = await fallback()
-            except BaseException as e:  # handed to whoever waits for the settlement
-                if not future.done():
-                    future.set_exception(e)
-                return
-            if not future.done():
-                future.set_result(result)
-
-        task = asyncio.get_running_loop().create_task(run())
-        self._fallbacks.add(task)
-        task.add_done_callback(self._fallbacks.discard)
-
-    def _settle(self, fallback: Fallback) -> Awaitable[Any]:
-        """What settles a request just gathered: the broker's answer on the stream, or, once
-        the broker ended a drained stream, ``fallback`` (the unary call)."""
-        if self._reader.done() and self._ended_drained():
-            return fallback()
+    def _settle(self) -> asyncio.Future[Any]:
         if self._reader.done() or self._closing:
             raise StreamEnded("the stream has ended")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._settling.append((future, fallback))
+        self._settling.append(future)
         self._wake.set()
         return future
 
-    def _instead(self, method: Any, request: Message) -> Fallback:
-        unary = self._unary
-
-        async def call() -> Any:
-            if unary is None:
-                raise StreamEnded("the stream has ended")
-            return await unary(method, request)
-
-        return call
-
-    def _gathering(self) -> bool:
-        """Requests still go on the stream (else they go by the unary calls: _settle)."""
-        return not self._reader.done()
-
     def _check_open(self) -> None:
-        if self._closing or (self._reader.done() and not self._ended_drained()):
+        if self._reader.done() or self._closing:
             raise StreamEnded("the stream has ended")
 
     async def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
@@ -361,17 +289,12 @@ class GrpcStream:
         # Extends go first in a request: one after acks or nacks starts a new request.
         if self._acks or self._nacks:
             self._flush()
-        request = pb.ExtendLeaseRequest(
-            id=delivery.task.id, lease_id=delivery.lease_id, lease_ms=lease_ms
+        self._extends.append(
+            pb.ExtendLeaseRequest(
+                id=delivery.task.id, lease_id=delivery.lease_id, lease_ms=lease_ms
+            )
         )
-        call = self._instead(self._stub.ExtendLease, request)
-
-        async def instead() -> datetime:
-            return _ts((await call()).deadline)
-
-        if self._gathering():
-            self._extends.append(request)
-        deadline: datetime = await self._settle(instead)
+        deadline: datetime = await self._settle()
         return deadline
 
     async def ack(self, delivery: Delivery) -> None:
@@ -379,10 +302,8 @@ class GrpcStream:
         # The broker settles a request's acks before its nacks: keep the futures in that order.
         if self._nacks:
             self._flush()
-        request = pb.AckRequest(id=delivery.task.id, lease_id=delivery.lease_id)
-        if self._gathering():
-            self._acks.append(request)
-        await self._settle(self._instead(self._stub.Ack, request))
+        self._acks.append(pb.AckRequest(id=delivery.task.id, lease_id=delivery.lease_id))
+        await self._settle()
 
     async def nack(
         self,
@@ -392,10 +313,10 @@ class GrpcStream:
         terminal: bool = False,
     ) -> None:
         self._check_open()
-        request = _nack_request(delivery.task.id, delivery.lease_id, error, delay_ms, terminal)
-        if self._gathering():
-            self._nacks.append(request)
-        await self._settle(self._instead(self._stub.Nack, request))
+        self._nacks.append(
+            _nack_request(delivery.task.id, delivery.lease_id, error, delay_ms, terminal)
+        )
+        await self._settle()
 
     def _send_drain(self) -> asyncio.Future[int]:
         if self._drained is None:
@@ -569,7 +490,7 @@ class GrpcTransport:
     async def stream(
         self, prefetch: int, lease_ms: int | None, queues: Sequence[str] | None = None
     ) -> GrpcStream:
-        stream = GrpcStream(self._stub, prefetch, lease_ms, self._metadata, queues, self._unary)
+        stream = GrpcStream(self._stub, prefetch, lease_ms, self._metadata, queues)
         try:
             await stream.wait_open(self._timeout)
         except Unavailable as e:
