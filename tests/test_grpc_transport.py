@@ -260,3 +260,20 @@ async def test_extends_acks_and_nacks_together_resolve_in_order(
     assert await stream.drain() == 0
     await stream.close()
     await wait_until(lambda: broker.service.waiting == 0, what="the stream gone")
+
+
+async def test_a_drained_stream_ends_when_its_last_lease_runs_out(
+    transport: GrpcTransport, clock: FakeClock
+) -> None:
+    await transport.enqueue(b"1", None, None)
+    stream = await open_stream(transport, 1, 1000)
+    d = await anext(stream)
+    assert await stream.drain() == 1
+    clock.advance(1.5)  # the lease runs out: reclaimed, and the broker ends the stream
+    assert [x async for x in stream] == []
+    with pytest.raises(StreamEnded):
+        await stream.ack(d)
+    with pytest.raises(NotFound):
+        await transport.ack(d.task.id, d.lease_id)  # the unary call says why: nobody holds it
+    assert (await transport.get_task(d.task.id)).state == "delayed"  # retried after a backoff
+    await stream.close()
