@@ -18,7 +18,17 @@ from typing import Any
 import pytest
 
 from wqbroker.errors import LeaseLost, NotFound
-from wqbroker.models import Delivery, Failure, Stats, Totals
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    Stats,
+    Task,
+    Totals,
+)
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
@@ -27,7 +37,17 @@ NOW = 1_000_000.0
 PAYLOAD = b'{"line": "hello", "n": [1, 2.5, null, "\\u00e9"]}'
 LEASE = 30.0
 
-TOTALS = ("enqueued", "delivered", "acked", "nacked", "reclaimed", "retried", "buried", "requeued")
+TOTALS = (
+    "enqueued",
+    "delivered",
+    "acked",
+    "nacked",
+    "reclaimed",
+    "retried",
+    "buried",
+    "requeued",
+    "purged",
+)
 
 
 async def expect(
@@ -56,6 +76,16 @@ async def enqueue(store: Store, payload: bytes = PAYLOAD, **kw: Any) -> str:
     kw.setdefault("delay", 0.0)
     kw.setdefault("now", NOW)
     return (await store.enqueue(payload, **kw)).id
+
+
+def tasks_of(done: list[Enqueued]) -> list[Task]:
+    """The new tasks of an enqueue_many (none of which may be a duplicate)."""
+    out = []
+    for enqueued in done:
+        assert not enqueued.duplicate
+        assert enqueued.task is not None
+        out.append(enqueued.task)
+    return out
 
 
 async def claim(store: Store, now: float = NOW, lease: float = LEASE) -> Delivery:
@@ -89,7 +119,13 @@ async def bury(store: Store, task_id: str, error: str | None, now: float = NOW) 
 
 async def test_enqueue_puts_the_task_in_ready(store: Store) -> None:
     await expect(store)
-    view = await store.enqueue(PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
+    done = await store.enqueue(PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
+    assert not done.duplicate
+    view = done.task
+    assert view is not None
+    assert view.id == done.id
+    assert view.queue == DEFAULT_QUEUE
+    assert view.priority == 0
     assert view.payload == PAYLOAD
     assert view.attempts == 0
     assert view.max_attempts == 4
@@ -114,7 +150,8 @@ async def test_payload_bytes_come_back_verbatim(store: Store) -> None:
 
 
 async def test_delayed_enqueue_goes_to_delayed(store: Store) -> None:
-    view = await store.enqueue(PAYLOAD, max_attempts=3, delay=5.0, now=NOW)
+    view = (await store.enqueue(PAYLOAD, max_attempts=3, delay=5.0, now=NOW)).task
+    assert view is not None
     assert view.available_at == NOW + 5.0
     assert view.created_at == NOW
     await expect(store, delayed=1, enqueued=1)
@@ -158,9 +195,11 @@ async def test_zero_delay_is_ready_at_once(store: Store) -> None:
 
 async def test_enqueue_many_accepts_tasks_in_order(store: Store) -> None:
     before = await enqueue(store)
-    views = await store.enqueue_many(
-        [(b'{"n": 1}', 3, 0.0), (b'{"n": 2}', 1, 2.0), (b'{"n": 3}', 5, 0.0)], now=NOW + 1
+    done = await store.enqueue_many(
+        [NewTask(b'{"n": 1}', 3, 0.0), NewTask(b'{"n": 2}', 1, 2.0), NewTask(b'{"n": 3}', 5, 0.0)],
+        now=NOW + 1,
     )
+    views = tasks_of(done)
     assert [v.payload for v in views] == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}']
     assert [v.max_attempts for v in views] == [3, 1, 5]
     assert [v.available_at for v in views] == [NOW + 1, NOW + 3, NOW + 1]
@@ -857,13 +896,13 @@ async def test_each_batch_call_is_one_transaction(store: Store) -> None:
     """A batch enqueue, a batch claim and a batch of settlements each commit once, however many
     tasks they touch (all or none)."""
     before = store.transactions
-    await store.enqueue_many([(PAYLOAD, 1, 0.0)] * 100, now=NOW)
+    await store.enqueue_many([NewTask(PAYLOAD, 1, 0.0)] * 100, now=NOW)
     assert store.transactions == before + 1
     deliveries = await store.claim_many([LEASE] * 100, now=NOW)
     assert len(deliveries) == 100
     assert store.transactions == before + 2
     acks = [(d.task.id, d.lease_id) for d in deliveries[:60]]
-    nacks = [(d.task.id, d.lease_id, "no") for d in deliveries[60:]]
+    nacks = [NackItem(d.task.id, d.lease_id, "no") for d in deliveries[60:]]
     acked, nacked = await store.settle_many(acks, nacks, now=NOW)
     assert acked == [None] * 60
     assert all(isinstance(n, Failure) and n.buried for n in nacked)
