@@ -25,6 +25,7 @@ from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
+from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
 from wqbroker.store.sqlite import SqliteStore
 from wqclient.pb import broker_pb2 as pb
@@ -228,7 +229,7 @@ async def test_a_batch_that_fails_to_commit_leaves_nothing_behind(tmp_path: Path
             "BLOB) BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
         )
     store = await SqliteStore.open(path, _backoff())
-    batch = [(b'"a"', 3, 0.0), (b'"b"', 3, 0.0), (b'"boom"', 3, 0.0), (b'"c"', 3, 0.0)]
+    batch = [NewTask(p, 3, 0.0) for p in (b'"a"', b'"b"', b'"boom"', b'"c"')]
     with pytest.raises(StoreError, match="injected failure"):
         await store.enqueue_many(batch, now=NOW)
     with pytest.raises(StoreError):  # it stopped: memory is ahead of the file
@@ -294,7 +295,7 @@ async def test_a_file_of_schema_1_is_upgraded_keeping_everything(tmp_path: Path)
     finally:
         await store.close()
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
 
 
 async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
@@ -307,7 +308,7 @@ async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
         store = await SqliteStore.open(path, _backoff(), sync="normal")
         base = tracemalloc.get_traced_memory()[0]
         for _ in range(10):
-            await store.enqueue_many([(big, 3, 0.0)] * 50, now=NOW)
+            await store.enqueue_many([NewTask(big, 3, 0.0)] * 50, now=NOW)
         grown = tracemalloc.get_traced_memory()[0] - base
         assert grown < 12 * 2**20, f"{grown / 2**20:.1f} MB kept for 50 MB of payloads"
         await store.close()
