@@ -774,13 +774,7 @@ class SqliteStore:
         return result, self._index.next_due()
 
     async def requeue(self, task_id: str, *, now: float) -> str:
-        def change() -> str:
-            self._index.requeue(task_id, now)
-            record = self._index.find(task_id)
-            assert record is not None
-            return record.queue.name
-
-        return await self._change(change)
+        return await self._change(lambda: self._index.requeue(task_id, now))
 
     async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
         return await self._change(lambda: self._index.requeue_all(queue, now))
