@@ -370,6 +370,25 @@ def scale(q: bool) -> None:
     )
 
 
+def queues(q: bool) -> None:
+    print(
+        "Queues: cost per operation with tasks over 1,000 queues x 10 priorities vs one queue",
+        flush=True,
+    )
+    tasks = 100_000 if q else 1_000_000
+    r = run_json("bench.inproc", "queues", "1000", "10", str(tasks), "20000")
+    RESULTS["queues"] = r
+    for op in ("enqueue", "claim", "ack"):
+        ratio = r["ratio"][op]
+        add(
+            "queues",
+            f"{op}: {r['us_one'][op]:.2f} us (one queue) -> {r['us_many'][op]:.2f} us",
+            f"ratio {ratio:.2f}",
+            "<= 1.5" if op == "claim" else "",
+            ratio <= 1.5 if op == "claim" else None,
+        )
+
+
 def pollers(q: bool) -> None:
     print(
         "Parked HTTP long-pollers: broker memory each, and a worker's latency with them", flush=True
@@ -448,6 +467,7 @@ SECTIONS = {
     "memory": memory,
     "backlog": backlog,
     "scale": scale,
+    "queues": queues,
     "pollers": pollers,
     "rabbitmq": rabbitmq,
 }

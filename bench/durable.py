@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from bench.inproc import rss_bytes
+from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
 from wqbroker.store.sqlite import SqliteStore
 
@@ -39,13 +40,13 @@ async def _open(path: str) -> SqliteStore:
 
 async def fill(path: str, n: int, size: int, batch: int = BATCH) -> dict[str, Any]:
     store = await _open(path)
-    await store.enqueue_many([(payload(0, size), 3, 0.0)], now=NOW)  # warm up
+    await store.enqueue_many([NewTask(payload(0, size), 3, 0.0)], now=NOW)  # warm up
     gc.collect()
     before = rss_bytes()
     t0 = time.perf_counter()
     half = 0
     for start in range(1, n + 1, batch):
-        items = [(payload(i, size), 3, 0.0) for i in range(start, min(n + 1, start + batch))]
+        items = [NewTask(payload(i, size), 3, 0.0) for i in range(start, min(n + 1, start + batch))]
         await store.enqueue_many(items, now=NOW)
         if not half and start + batch > n // 2:
             gc.collect()

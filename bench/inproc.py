@@ -4,6 +4,7 @@ cost of operations at 1k versus 1M tasks, and the sweeper's tick with 1M idle le
     python -m bench.inproc memory N
     python -m bench.inproc scale SMALL LARGE OPS
     python -m bench.inproc sweep N
+    python -m bench.inproc queues QUEUES PRIORITIES TASKS OPS
 
 Each prints one JSON line. Run each in a fresh process (the benchmark does) so that memory readings
 are not polluted by earlier work.
@@ -141,6 +142,56 @@ async def sweep(n: int) -> dict[str, Any]:
     }
 
 
+async def _queue_ops(
+    service: Service, names: list[str], priorities: int, ops: int
+) -> dict[str, float]:
+    """Seconds per enqueue, claim and ack, spread over ``names`` and ``priorities``."""
+    p = payload(0)
+    k = len(names)
+    t0 = time.perf_counter()
+    for i in range(ops):
+        await service.enqueue(p, queue=names[i % k], priority=(i // k) % priorities)
+    t1 = time.perf_counter()
+    deliveries = [await service.claim(0, 300_000, queues=names[i % k]) for i in range(ops)]
+    t2 = time.perf_counter()
+    for d in deliveries:
+        assert d is not None
+        await service.ack(d.task.id, d.lease_id)
+    t3 = time.perf_counter()
+    return {"enqueue": (t1 - t0) / ops, "claim": (t2 - t1) / ops, "ack": (t3 - t2) / ops}
+
+
+async def queues(n_queues: int, priorities: int, tasks: int, ops: int) -> dict[str, Any]:
+    """The cost of enqueue, claim and ack with ``tasks`` ready tasks spread over ``n_queues``
+    queues and ``priorities`` priorities, against the same number in one queue at one priority
+    (each claim names one queue, as a worker of that queue does). Timed in turns, best of five."""
+    setups = {"one": (["default"], 1), "many": ([f"q{i}" for i in range(n_queues)], priorities)}
+    services = {}
+    for label, (names, prios) in setups.items():
+        service, _, _ = make_service()
+        k = len(names)
+        for i in range(tasks):
+            await service.enqueue(payload(i), queue=names[i % k], priority=(i // k) % prios)
+        services[label] = service
+    gc.collect()
+    gc.freeze()
+    best: dict[str, dict[str, float]] = {"one": {}, "many": {}}
+    for _ in range(5):
+        for label, service in services.items():
+            names, prios = setups[label]
+            for op, t in (await _queue_ops(service, names, prios, ops)).items():
+                best[label][op] = min(best[label].get(op, t), t)
+    gc.unfreeze()
+    return {
+        "queues": n_queues,
+        "priorities": priorities,
+        "tasks": tasks,
+        "us_one": {k: v * 1e6 for k, v in best["one"].items()},
+        "us_many": {k: v * 1e6 for k, v in best["many"].items()},
+        "ratio": {op: best["many"][op] / best["one"][op] for op in best["one"]},
+    }
+
+
 def main(argv: list[str]) -> None:
     what = argv[0]
     if what == "memory":
@@ -149,6 +200,8 @@ def main(argv: list[str]) -> None:
         result = asyncio.run(scale(int(argv[1]), int(argv[2]), int(argv[3])))
     elif what == "sweep":
         result = asyncio.run(sweep(int(argv[1])))
+    elif what == "queues":
+        result = asyncio.run(queues(*(int(a) for a in argv[1:5])))
     else:
         raise SystemExit(f"unknown measurement {what}")
     print(json.dumps(result), flush=True)

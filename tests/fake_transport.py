@@ -4,8 +4,11 @@
 ``FakeStreamingTransport`` is a :class:`wqclient.StreamingTransport` (it streams too, like gRPC).
 Hand either to ``AsyncClient(transport=...)``. They keep the broker's rules that a client can
 notice (leases, attempts, burial after ``max_attempts``, prefetch, reclaiming a closed stream's
-tasks) and leave out time: delays and backoff are not honoured, and a lease never runs out unless
-a test says so (:meth:`FakeTransport.take_away`).
+tasks, named queues claimed in the order listed, priorities (higher first, then oldest), paused
+queues, idempotency keys, lease extension, nack options, lookups, the DLQ's bulk operations) and
+leave out time: delays and backoff are not honoured (a task nacked with ``delay_ms`` is ready at
+once, as after any nack), idempotency keys never expire, and a lease never runs out unless a test
+says so (:meth:`FakeTransport.take_away`).
 
 Tests steer them and watch them without sleeping: :meth:`FakeTransport.fail` makes the next calls
 of an operation raise, and :meth:`FakeTransport.wait_until` waits for a condition on their state,
@@ -17,16 +20,21 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from wqclient import (
     Delivery,
+    Enqueued,
+    EnqueueItem,
+    InvalidArgument,
     LeaseLost,
     NotFound,
+    QueueInfo,
     Stats,
     StreamEnded,
     Task,
@@ -35,6 +43,9 @@ from wqclient import (
     WqError,
 )
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS
+from wqclient.models import DEFAULT_QUEUE
+
+_QUEUE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 class Call(NamedTuple):
@@ -42,6 +53,15 @@ class Call(NamedTuple):
 
     op: str
     task_id: str | None = None
+
+
+class Nack(NamedTuple):
+    """One accepted nack, with its options."""
+
+    task_id: str
+    error: str | None
+    delay_ms: int | None = None
+    terminal: bool = False
 
 
 @dataclass
@@ -52,6 +72,7 @@ class Counters:
     retried: int = 0
     buried: int = 0
     requeued: int = 0
+    purged: int = 0
 
 
 class FakeTransport:
@@ -64,8 +85,15 @@ class FakeTransport:
         self.dead: list[str] = []
         self.acked: list[str] = []  # ids, in the order their acks were accepted
         self.nacked: list[tuple[str, str | None]] = []  # (id, error), accepted nacks in order
+        self.nacks: list[Nack] = []  # the same nacks, with their options
+        self.extends: list[tuple[str, int | None]] = []  # (id, lease_ms), accepted extends
+        self.claim_queues: list[list[str]] = []  # the queues each claim (or stream) asked for
+        self.keys: dict[tuple[str, str], str] = {}  # (queue, idempotency key) -> the first id
+        self.paused: set[str] = set()
+        self.known_queues: set[str] = {DEFAULT_QUEUE}
         self.calls: list[Call] = []
         self.claims: list[tuple[int | None, int | None]] = []  # (wait_ms, lease_ms) asked for
+        self.purged: set[str] = set()
         self.closed = False
         self.counters = Counters()
         self._failures: dict[str, deque[WqError]] = {}
@@ -75,9 +103,16 @@ class FakeTransport:
 
     # -- steering and watching -------------------------------------------------------------------
 
-    def add(self, payload: Any = None, *, max_attempts: int = 3) -> str:
+    def add(
+        self,
+        payload: Any = None,
+        *,
+        max_attempts: int = 3,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+    ) -> str:
         """Enqueue a task directly (no call recorded); returns its id."""
-        return self._add(json.dumps(payload).encode(), max_attempts)
+        return self._add(json.dumps(payload).encode(), max_attempts, queue, priority)
 
     def fail(self, op: str, error: WqError, times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` ("claim", "ack", "stream", ...) raise
@@ -106,34 +141,43 @@ class FakeTransport:
     # -- Transport -------------------------------------------------------------------------------
 
     async def enqueue(
-        self, payload_json: bytes, max_attempts: int | None, delay_ms: int | None
-    ) -> str:
+        self,
+        payload_json: bytes,
+        max_attempts: int | None,
+        delay_ms: int | None,
+        queue: str | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Enqueued:
         self._call("enqueue")
-        return self._add(payload_json, 3 if max_attempts is None else max_attempts)
+        item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        self._check(item, "")
+        return self._submit(item)
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int | None, int | None]]
-    ) -> list[str]:
+    async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
         self._call("enqueue_many")
-        return [
-            self._add(payload, 3 if attempts is None else attempts)
-            for payload, attempts, _ in items
-        ]
+        for i, item in enumerate(items):  # all or none
+            self._check(item, f"tasks[{i}].")
+        return [self._submit(item) for item in items]
 
-    async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None:
+    async def claim(
+        self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> Delivery | None:
         self._call("claim")
         self.claims.append((wait_ms, lease_ms))
+        wanted = self.queue_list(queues)
+        self.claim_queues.append(wanted)
         wait = DEFAULT_WAIT_MS if wait_ms is None else wait_ms
-        if wait <= 0 or self.ready:
-            return self.hand_out(lease_ms) if self.ready else None
+        if wait <= 0 or self.next_ready(wanted) is not None:
+            return self.hand_out(lease_ms, wanted) if self.next_ready(wanted) else None
         try:
-            return await asyncio.wait_for(self._next_ready(lease_ms), wait / 1000)
+            return await asyncio.wait_for(self._next_ready(lease_ms, wanted), wait / 1000)
         except TimeoutError:
             return None
 
-    async def _next_ready(self, lease_ms: int | None) -> Delivery:
-        await self.until(lambda: bool(self.ready))
-        return self.hand_out(lease_ms)  # at once: no other claim can take it in between
+    async def _next_ready(self, lease_ms: int | None, queues: list[str]) -> Delivery:
+        await self.until(lambda: self.next_ready(queues) is not None)
+        return self.hand_out(lease_ms, queues)  # at once: no other claim can take it in between
 
     async def ack(self, task_id: str, lease_id: str) -> None:
         self._call("ack", task_id)
@@ -141,14 +185,71 @@ class FakeTransport:
         self.acked.append(task_id)
         self.notify()
 
-    async def nack(self, task_id: str, lease_id: str, error: str | None) -> None:
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
         self._call("nack", task_id)
+        if terminal and delay_ms is not None:
+            raise InvalidArgument("delay_ms and terminal cannot both be given")
+        if delay_ms is not None and delay_ms < 0:
+            raise InvalidArgument("delay_ms must be an integer from 0")
         self._release(task_id, lease_id)
         self.nacked.append((task_id, error))
-        self.failed(task_id, error)
+        self.nacks.append(Nack(task_id, error, delay_ms, terminal))
+        self.failed(task_id, error, terminal=terminal)
 
-    async def stats(self) -> Stats:
+    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
+        self._call("extend", task_id)
+        if lease_ms is not None and lease_ms <= 0:
+            raise InvalidArgument("lease_ms must be a positive integer")
+        self._check_lease(task_id, lease_id)
+        self.extends.append((task_id, lease_ms))
+        self.notify()
+        return self.deadline(lease_ms)
+
+    async def get_task(self, task_id: str) -> Task:
+        self._call("get_task", task_id)
+        task = self.tasks.get(task_id)
+        if task is None or task_id in self.acked or task_id in self.purged:
+            raise NotFound(f"task {task_id} not found")
+        return replace(task, state=self.state_of(task_id))
+
+    def state_of(self, task_id: str) -> str:
+        """The task's state as a lookup reports it (the fake has no delayed tasks)."""
+        if task_id in self.held:
+            return "handed_out"
+        return "dead" if task_id in self.dead else "ready"
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        """The gauges of one queue (or all); the totals are always the whole fake's."""
         self._call("stats")
+        if queue is not None:
+            info = self._queue_info(queue)
+            return Stats(info.ready, info.handed_out, 0, info.dead, self._totals())
+        return Stats(
+            ready=len(self.ready),
+            handed_out=len(self.held),
+            dead=len(self.dead),
+            totals=self._totals(),
+        )
+
+    async def queues(self) -> list[QueueInfo]:
+        self._call("queues")
+        return [self._queue_info(name) for name in sorted(self.known_queues)]
+
+    def _queue_info(self, name: str) -> QueueInfo:
+        def count(ids: Iterable[str]) -> int:
+            return sum(1 for task_id in ids if self.tasks[task_id].queue == name)
+
+        paused = name in self.paused
+        return QueueInfo(name, count(self.ready), count(self.held), 0, count(self.dead), paused)
+
+    def _totals(self) -> Totals:
         c = self.counters
         totals = Totals(
             enqueued=c.enqueued,
@@ -159,15 +260,14 @@ class FakeTransport:
             retried=c.retried,
             buried=c.buried,
             requeued=c.requeued,
+            purged=c.purged,
         )
-        return Stats(
-            ready=len(self.ready), handed_out=len(self.held), dead=len(self.dead), totals=totals
-        )
+        return totals
 
-    async def dead_letters(self, limit: int | None) -> list[Task]:
+    async def dead_letters(self, limit: int | None, queue: str | None = None) -> list[Task]:
         self._call("dead_letters")
-        ids = self.dead if limit is None else self.dead[:limit]
-        return [self.tasks[task_id] for task_id in ids]
+        ids = [i for i in self.dead if queue is None or self.tasks[i].queue == queue]
+        return [self.tasks[task_id] for task_id in (ids if limit is None else ids[:limit])]
 
     async def requeue(self, task_id: str) -> None:
         self._call("requeue", task_id)
@@ -179,6 +279,40 @@ class FakeTransport:
         self.counters.requeued += 1
         self.notify()
 
+    async def requeue_all(self, queue: str | None = None) -> int:
+        self._call("requeue_all")
+        ids = [i for i in self.dead if queue is None or self.tasks[i].queue == queue]
+        for task_id in ids:
+            self.dead.remove(task_id)
+            self.tasks[task_id] = replace(self.tasks[task_id], attempts=0, last_error=None)
+            self.ready.append(task_id)
+        self.counters.requeued += len(ids)
+        self.notify()
+        return len(ids)
+
+    async def purge(self, task_id: str) -> None:
+        self._call("purge", task_id)
+        if task_id not in self.dead:
+            raise NotFound(f"task {task_id} is not in the dead-letter queue")
+        self.dead.remove(task_id)
+        self.purged.add(task_id)
+        self.counters.purged += 1
+        self.notify()
+
+    async def pause(self, queue: str) -> None:
+        self._call("pause")
+        self._check_queue(queue, "queue")
+        self.known_queues.add(queue)
+        self.paused.add(queue)
+        self.notify()
+
+    async def resume(self, queue: str) -> None:
+        self._call("resume")
+        self._check_queue(queue, "queue")
+        self.known_queues.add(queue)
+        self.paused.discard(queue)
+        self.notify()
+
     async def close(self) -> None:
         self.calls.append(Call("close"))
         self.closed = True
@@ -186,21 +320,49 @@ class FakeTransport:
 
     # -- the broker's side -----------------------------------------------------------------------
 
-    def hand_out(self, lease_ms: int | None) -> Delivery:
-        """Hand the oldest ready task out under a fresh lease."""
-        task_id = self.ready.popleft()
+    @staticmethod
+    def queue_list(queues: Sequence[str] | None) -> list[str]:
+        """The queues a claim names, in order, without repeats (none: the default queue)."""
+        if not queues:
+            return [DEFAULT_QUEUE]
+        for name in queues:
+            FakeTransport._check_queue(name, "queue")
+        return list(dict.fromkeys(queues))
+
+    def next_ready(self, queues: Sequence[str] = (DEFAULT_QUEUE,)) -> str | None:
+        """The ready task a claim on ``queues`` would get: from the first unpaused queue listed
+        that has one, the highest priority, then the oldest."""
+        for name in queues:
+            if name in self.paused:
+                continue
+            candidates = [i for i in self.ready if self.tasks[i].queue == name]  # oldest first
+            if candidates:
+                return max(candidates, key=lambda i: self.tasks[i].priority)  # the first of ties
+        return None
+
+    def hand_out(self, lease_ms: int | None, queues: Sequence[str] = (DEFAULT_QUEUE,)) -> Delivery:
+        """Hand the next ready task of ``queues`` out under a fresh lease."""
+        task_id = self.next_ready(queues)
+        assert task_id is not None, f"nothing ready in {queues}"
+        self.ready.remove(task_id)
         task = replace(self.tasks[task_id], attempts=self.tasks[task_id].attempts + 1)
         self.tasks[task_id] = task
         lease_id = self.held[task_id] = self._lease()
         self.counters.delivered += 1
         self.notify()
-        lease = timedelta(milliseconds=DEFAULT_LEASE_MS if lease_ms is None else lease_ms)
-        return Delivery(task, lease_id, datetime.now(UTC) + lease)
+        return Delivery(task, lease_id, self.deadline(lease_ms))
 
-    def failed(self, task_id: str, error: str | None) -> None:
-        """A delivery of the task failed: it is retried at once, or buried when out of attempts."""
+    @staticmethod
+    def deadline(lease_ms: int | None) -> datetime:
+        return datetime.now(UTC) + timedelta(
+            milliseconds=DEFAULT_LEASE_MS if lease_ms is None else lease_ms
+        )
+
+    def failed(self, task_id: str, error: str | None, *, terminal: bool = False) -> None:
+        """A delivery of the task failed: it is retried at once, or buried when out of attempts
+        (or ``terminal``)."""
         task = self.tasks[task_id] = replace(self.tasks[task_id], last_error=error)
-        if task.attempts >= task.max_attempts:
+        if terminal or task.attempts >= task.max_attempts:
             self.dead.append(task_id)
             self.counters.buried += 1
         else:
@@ -226,24 +388,63 @@ class FakeTransport:
         if failures:
             raise failures.popleft()
 
-    def _add(self, payload_json: bytes, max_attempts: int) -> str:
+    def _add(
+        self,
+        payload_json: bytes,
+        max_attempts: int,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+    ) -> str:
         task_id = f"t{next(self._ids)}"
         now = datetime.now(UTC)
-        self.tasks[task_id] = Task(task_id, payload_json, 0, max_attempts, now, now)
+        self.tasks[task_id] = Task(
+            task_id, payload_json, 0, max_attempts, now, now, queue=queue, priority=priority
+        )
+        self.known_queues.add(queue)
         self.ready.append(task_id)
         self.counters.enqueued += 1
         self.notify()
         return task_id
 
+    @staticmethod
+    def _check_queue(name: object, field: str) -> None:
+        if not isinstance(name, str) or not _QUEUE_NAME.fullmatch(name):
+            raise InvalidArgument(f"{field} must be 1-64 characters of [A-Za-z0-9_.-]")
+
+    def _check(self, item: EnqueueItem, where: str) -> None:
+        """The broker's checks of the new options (the others are left to it)."""
+        if item.queue is not None:
+            self._check_queue(item.queue, f"{where}queue")
+        if item.priority is not None and not 0 <= item.priority <= 9:
+            raise InvalidArgument(f"{where}priority must be an integer from 0 to 9")
+        key = item.idempotency_key
+        if key is not None and not (0 < len(key) <= 256 and key.isprintable()):
+            raise InvalidArgument(f"{where}idempotency_key must be 1-256 printable characters")
+
+    def _submit(self, item: EnqueueItem) -> Enqueued:
+        queue = DEFAULT_QUEUE if item.queue is None else item.queue
+        if item.idempotency_key is not None:
+            first = self.keys.get((queue, item.idempotency_key))
+            if first is not None:
+                return Enqueued(first, duplicate=True)
+        attempts = 3 if item.max_attempts is None else item.max_attempts
+        task_id = self._add(item.payload_json, attempts, queue, item.priority or 0)
+        if item.idempotency_key is not None:
+            self.keys[(queue, item.idempotency_key)] = task_id
+        return Enqueued(task_id)
+
     def _lease(self) -> str:
         return f"lease{next(self._leases)}"
 
-    def _release(self, task_id: str, lease_id: str) -> None:
+    def _check_lease(self, task_id: str, lease_id: str) -> None:
         holder = self.held.get(task_id)
         if holder is None:
             raise NotFound(f"task {task_id} is not handed out")
         if holder != lease_id:
             raise LeaseLost(f"task {task_id} is held under another lease")
+
+    def _release(self, task_id: str, lease_id: str) -> None:
+        self._check_lease(task_id, lease_id)
         del self.held[task_id]
 
     def notify(self) -> None:
@@ -263,14 +464,22 @@ class FakeStream:
     """One stream from a FakeStreamingTransport: pushes ready tasks, never more than
     ``prefetch`` unsettled, none after ``drain()``."""
 
-    def __init__(self, broker: FakeStreamingTransport, prefetch: int, lease_ms: int | None) -> None:
+    def __init__(
+        self,
+        broker: FakeStreamingTransport,
+        prefetch: int,
+        lease_ms: int | None,
+        queues: Sequence[str] = (DEFAULT_QUEUE,),
+    ) -> None:
         self.broker = broker
         self.prefetch = prefetch
         self.lease_ms = lease_ms
+        self.queues = list(queues)
         self.unsettled: dict[str, Delivery] = {}
         self.draining = False
         self.closed = False
         self.broken: StreamEnded | None = None
+        self.stream_extends: list[str] = []  # ids of the tasks extended on this stream
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -281,7 +490,7 @@ class FakeStream:
             raise self.broken
         if self.closed:
             raise StopAsyncIteration
-        delivery = self.broker.hand_out(self.lease_ms)
+        delivery = self.broker.hand_out(self.lease_ms, self.queues)
         self.unsettled[delivery.task.id] = delivery
         return delivery
 
@@ -289,7 +498,7 @@ class FakeStream:
         if self.closed or self.broken is not None:
             return True
         has_room = len(self.unsettled) < self.prefetch and not self.draining
-        return has_room and bool(self.broker.ready)
+        return has_room and self.broker.next_ready(self.queues) is not None
 
     async def ack(self, delivery: Delivery) -> None:
         self._check_open()
@@ -298,16 +507,30 @@ class FakeStream:
         finally:
             self._settled(delivery)
 
-    async def nack(self, delivery: Delivery, error: str | None = None) -> None:
+    async def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
         self._check_open()
         try:
-            await self.broker.nack(delivery.task.id, delivery.lease_id, error)
+            await self.broker.nack(
+                delivery.task.id, delivery.lease_id, error, delay_ms=delay_ms, terminal=terminal
+            )
         finally:
             self._settled(delivery)
 
-    async def drain(self) -> None:
+    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
+        self._check_open()
+        self.stream_extends.append(delivery.task.id)
+        return await self.broker.extend(delivery.task.id, delivery.lease_id, lease_ms)
+
+    async def drain(self) -> int:
         self.draining = True
         self.broker.notify()
+        return len(self.unsettled)
 
     async def close(self) -> None:
         """End the stream: its unsettled tasks are reclaimed at once."""
@@ -345,11 +568,22 @@ class FakeStreamingTransport(FakeTransport):
         super().__init__()
         self.streams: list[FakeStream] = []
 
-    async def stream(self, prefetch: int, lease_ms: int | None) -> FakeStream:
+    async def stream(
+        self, prefetch: int, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> FakeStream:
         self._call("stream")
-        stream = FakeStream(self, prefetch, lease_ms)
+        wanted = self.queue_list(queues)
+        self.claim_queues.append(wanted)
+        stream = FakeStream(self, prefetch, lease_ms, wanted)
         self.streams.append(stream)
         return stream
+
+    def take_away(self, task_id: str) -> None:
+        """As FakeTransport.take_away; a stream that had the task is finished with it (the
+        broker frees its prefetch slot, as for a lease reclaimed when it ran out)."""
+        for stream in self.streams:
+            stream.unsettled.pop(task_id, None)
+        super().take_away(task_id)
 
     def break_streams(self, why: str = "the connection broke") -> None:
         """Break every open stream (see FakeStream.break_)."""

@@ -48,6 +48,7 @@ from wqclient import AsyncClient, Client, Worker
 from wqclient import PermissionDenied as ClientPermissionDenied
 from wqclient import Unauthenticated as ClientUnauthenticated
 from wqclient import WqError as ClientWqError
+from wqclient._http import HttpTransport
 from wqclient.models import Task
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
@@ -329,6 +330,8 @@ class HttpCall:
 
     async def path(self, root: Http) -> str:
         """The concrete path, after setting the scene the call needs with ``root``."""
+        if "{name}" in self.route:
+            return self.route.replace("{name}", "mail")
         if "{id}" not in self.route:
             return {"/jobs/next": "/jobs/next?wait_ms=0"}.get(self.route, self.route)
         if self.route.startswith("/dlq/"):
@@ -343,10 +346,32 @@ HTTP_CALLS = [
     HttpCall("POST", "/jobs/{id}/ack", 204),
     HttpCall("POST", "/jobs/{id}/nack", 204, {"error": "bad"}),
     HttpCall("GET", "/stats", 200),
+    HttpCall("POST", "/jobs/{id}/extend", 200),
+    HttpCall("GET", "/jobs/{id}", 200),
     HttpCall("GET", "/dlq", 200),
     HttpCall("POST", "/dlq/{id}/requeue", 204),
+    HttpCall("POST", "/dlq/requeue", 200),
+    HttpCall("DELETE", "/dlq/{id}", 204),
+    HttpCall("GET", "/queues", 200),
+    HttpCall("POST", "/queues/{name}/pause", 204),
+    HttpCall("POST", "/queues/{name}/resume", 204),
     HttpCall("GET", "/healthz", 200),
 ]
+
+
+def test_the_issue_11_routes_have_the_scopes_of_their_kin() -> None:
+    # Extending a lease is settling business (as ack/nack); bulk DLQ operations and pausing are
+    # the admin's; a lookup and the list of queues are open to any token (as /stats).
+    assert HTTP_RULES["POST /jobs/{id}/extend"] == HTTP_RULES["POST /jobs/{id}/ack"] == "consume"
+    for route in (
+        "POST /dlq/requeue",
+        "DELETE /dlq/{id}",
+        "POST /queues/{name}/pause",
+        "POST /queues/{name}/resume",
+    ):
+        assert HTTP_RULES[route] == "admin", route
+    for route in ("GET /jobs/{id}", "GET /queues"):
+        assert HTTP_RULES[route] is Access.ANY, route
 
 
 def test_the_http_calls_cover_every_route() -> None:
@@ -703,6 +728,35 @@ async def test_the_client_raises_unauthenticated_and_permission_denied(
         if wq.can_stream:
             with pytest.raises(ClientPermissionDenied):
                 await wq.stream()
+
+
+async def test_the_http_transport_is_refused_the_issue_11_calls_its_token_lacks(
+    broker: Broker,
+) -> None:
+    root = HttpTransport(broker.http_url, token=ROOT)
+    producer = HttpTransport(broker.http_url, token=ONLY["produce"])
+    try:
+        task_id = await producer.enqueue(b"1", 1, None, queue="q", idempotency_key="k")
+        assert (await producer.get_task(task_id)).state == "ready"  # any token
+        assert [q.name for q in await producer.queues()] == ["q"]
+        delivery = await root.claim(0, None, ["q"])
+        assert delivery is not None
+        with pytest.raises(ClientPermissionDenied, match="consume"):
+            await producer.extend(task_id, delivery.lease_id, None)
+        await root.nack(task_id, delivery.lease_id, None, terminal=True)
+        for call in (
+            producer.requeue_all(),
+            producer.purge(task_id),
+            producer.pause("q"),
+            producer.resume("q"),
+        ):
+            with pytest.raises(ClientPermissionDenied, match="admin"):
+                await call
+        assert (await root.get_task(task_id)).state == "dead"
+        await root.purge(task_id)
+    finally:
+        await root.close()
+        await producer.close()
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

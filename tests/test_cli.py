@@ -4,6 +4,7 @@ signals, a taken port) and the flags of all three commands (wqbroker, wq-worker,
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import signal
 import socket
@@ -16,11 +17,12 @@ from typing import Any
 
 import pytest
 
+from tests.fake_transport import FakeTransport
 from tests.procs import broker_command, broker_process, producer_command, worker_command
 from wqbroker import __main__ as wqbroker_main
 from wqbroker.broker import Config, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
-from wqclient import producer, worker
+from wqclient import AsyncClient, producer, worker
 from wqclient.flags import Flag
 
 pytestmark = pytest.mark.timeout(60)
@@ -140,11 +142,15 @@ UNDEFINED = [
     ("wq-worker", ["-lease=5"], "-lease"),
     ("wq-worker", ["-q"], "-q"),
     ("wq-worker", ["-nope"], "-nope"),
+    ("wq-worker", ["-queues", "a"], "-queues"),
+    ("wq-worker", ["-que", "a"], "-que"),
     ("wq-producer", ["-max", "3"], "-max"),
     ("wq-producer", ["--delay", "5"], "--delay"),
     ("wq-producer", ["-conc=2"], "-conc"),
     ("wq-producer", ["-nope"], "-nope"),
     ("wq-producer", ["-n5"], "-n5"),
+    ("wq-producer", ["-prio", "3"], "-prio"),
+    ("wq-producer", ["-key", "k"], "-key"),
 ]
 
 # Defined flags with values they refuse: (command, argv, the flag the error names).
@@ -166,11 +172,16 @@ BAD_VALUES = [
     ("wq-worker", ["-wait-ms=abc"], "-wait-ms"),
     ("wq-worker", ["--lease-ms", "-5"], "-lease-ms"),
     ("wq-worker", ["-quiet=maybe"], "-quiet"),
+    ("wq-worker", ["-queue", "a,,b"], "-queue"),
+    ("wq-worker", ["-queue="], "-queue"),
     ("wq-producer", ["-n", "abc"], "-n"),
     ("wq-producer", ["-n=0"], "-n"),
     ("wq-producer", ["-delay-ms", "-5"], "-delay-ms"),
     ("wq-producer", ["-fail=maybe"], "-fail"),
     ("wq-producer", ["--max-attempts=0"], "-max-attempts"),
+    ("wq-producer", ["-priority", "10"], "-priority"),
+    ("wq-producer", ["-priority=-1"], "-priority"),
+    ("wq-producer", ["-priority", "high"], "-priority"),
 ]
 
 
@@ -339,3 +350,42 @@ def test_worker_and_producer_flags_parse() -> None:
         ["-n", "5", "-fail", "-max-attempts=2", "--delay-ms", "10", "-concurrency=4"]
     )
     assert (p.n, p.fail, p.max_attempts, p.delay_ms, p.concurrency) == (5, True, 2, 10, 4)
+
+
+def test_the_issue_11_flags_parse_and_leave_the_spec_defaults_alone() -> None:
+    w = worker.build_parser().parse_args([])
+    assert (w.queue, w.lease_ms, w.concurrency, w.wait_ms) == (["default"], 30000, 3, 20000)
+    assert worker.build_parser().parse_args(["-queue", "a,b"]).queue == ["a", "b"]
+    assert worker.build_parser().parse_args(["--queue=a, b"]).queue == ["a", "b"]
+    p = producer.build_parser().parse_args([])
+    assert (p.queue, p.priority, p.idempotency_key) == ("default", 0, "")
+    assert (p.n, p.fail, p.max_attempts, p.delay_ms, p.concurrency) == (1, False, 3, 0, 1)
+    p = producer.build_parser().parse_args(
+        ["-queue", "emails", "-priority=9", "--idempotency-key", "order-7"]
+    )
+    assert (p.queue, p.priority, p.idempotency_key) == ("emails", 9, "order-7")
+
+
+def test_the_producers_idempotency_keys() -> None:
+    assert producer.key_for("", 1, 1) is None
+    assert producer.key_for("K", 1, 1) == "K"
+    assert [producer.key_for("K", i, 3) for i in (1, 2, 3)] == ["K-1", "K-2", "K-3"]
+
+
+async def test_a_producer_run_sends_queue_priority_and_keys_and_counts_duplicates() -> None:
+    fake = FakeTransport()
+    argv = ["-n", "3", "-queue", "emails", "-priority", "4", "-idempotency-key", "batch"]
+    args = producer.build_parser().parse_args(argv)
+    async with AsyncClient(transport=fake) as client:
+        for expected in ("enqueued 3, failed 0,", "enqueued 0, duplicates 3, failed 0,"):
+            run = producer._Run(args, client, io.StringIO())
+            await run.post()
+            out = io.StringIO()
+            assert run.report(1.0, out) == 0
+            assert out.getvalue().startswith(expected)
+    assert [(t.queue, t.priority, t.payload["n"]) for t in fake.tasks.values()] == [
+        ("emails", 4, 1),
+        ("emails", 4, 2),
+        ("emails", 4, 3),
+    ]
+    assert set(fake.keys) == {("emails", "batch-1"), ("emails", "batch-2"), ("emails", "batch-3")}

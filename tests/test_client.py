@@ -39,6 +39,7 @@ from wqclient import (
     PayloadTooLarge,
     ProtocolError,
     Stats,
+    StreamEnded,
     Task,
     Totals,
     Unavailable,
@@ -711,17 +712,21 @@ async def test_stream_ack_of_a_stale_lease_raises(grpc_client: AsyncClient) -> N
     stream = await grpc_client.stream(prefetch=1, lease_ms=100)
     try:
         stale = await next_delivery(stream)
-        await stream.drain()  # so the retried task goes to the other consumer
+        assert await stream.drain() == 1  # so the retried task goes to the other consumer
         fresh = await grpc_client.claim(wait_ms=5_000)
         assert fresh is not None
         assert fresh.id == stale.id
         assert fresh.lease_id != stale.lease_id
         with pytest.raises(LeaseLost) as e:
-            await stream.ack(stale)
+            await grpc_client.ack(stale)
         assert stale.id in e.value.message
+        # Drained, with its last delivery taken back, the stream has ended.
+        assert [d async for d in stream] == []
+        with pytest.raises(StreamEnded):
+            await stream.ack(stale)
         await grpc_client.ack(fresh)
         with pytest.raises(NotFound):
-            await stream.nack(stale, "too late")
+            await grpc_client.nack(stale, error="too late")
     finally:
         await stream.close()
     stats = await grpc_client.stats()
@@ -733,13 +738,15 @@ async def test_stream_drain_stops_new_deliveries(grpc_client: AsyncClient) -> No
     stream = await grpc_client.stream(prefetch=2)
     try:
         first, second = await next_delivery(stream), await next_delivery(stream)
-        await stream.drain()
+        assert await stream.drain() == 2  # both still to settle
         await stream.ack(first)
         await stream.ack(second)
         stats = await grpc_client.stats()
         assert (stats.handed_out, stats.ready, stats.totals.acked) == (0, 3, 2)
+        # The last one settled, the broker ends the stream.
+        assert [d async for d in stream] == []
         with pytest.raises(NotFound):
-            await stream.ack(first)  # already settled
+            await grpc_client.ack(first)  # already settled
     finally:
         await stream.close()
     assert [d async for d in stream] == []

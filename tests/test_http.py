@@ -580,6 +580,7 @@ async def test_reclaimed_task_wakes_a_parked_poller(
 async def test_stats_has_exactly_the_spec_fields(http: Http) -> None:
     stats = await http.stats()
     assert set(stats) == {"ready", "handed_out", "delayed", "dead", "totals"}
+    # The spec's eight totals, and one more (issue 11): dead tasks purged for good.
     assert set(stats["totals"]) == {
         "enqueued",
         "delivered",
@@ -589,6 +590,7 @@ async def test_stats_has_exactly_the_spec_fields(http: Http) -> None:
         "retried",
         "buried",
         "requeued",
+        "purged",
     }
     assert all(v == 0 for k, v in stats.items() if k != "totals")
     assert all(v == 0 for v in stats["totals"].values())

@@ -248,6 +248,14 @@ ROUTES = {
     "/dlq": {"GET", "HEAD"},
     "/dlq/abc/requeue": {"POST"},
     "/healthz": {"GET", "HEAD"},
+    # issue 11
+    "/jobs/abc": {"GET", "HEAD"},
+    "/jobs/abc/extend?lease_id=x": {"POST"},
+    "/queues": {"GET", "HEAD"},
+    "/queues/q/pause": {"POST"},
+    "/queues/q/resume": {"POST"},
+    "/dlq/requeue": {"POST"},
+    "/dlq/abc": {"DELETE"},
 }
 METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND"]
 
@@ -290,7 +298,7 @@ async def test_head_on_a_read_only_route_answers_as_get_without_a_body(
     await http.enqueue({"n": 1})
     before = await http.stats()
     async with raw_connection(address(broker)) as conn:
-        for path in ("/stats", "/dlq", "/healthz"):
+        for path in ("/stats", "/dlq", "/healthz", "/queues", "/stats?queue=q"):
             await conn.send(request("HEAD", path))
             response = await conn.response(head=True)
             assert response.status == 200, path

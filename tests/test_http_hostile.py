@@ -6,7 +6,8 @@ The rule for every answer: no 5xx (nothing here shuts the broker down, so not ev
 (every exchange is bounded by a client time-out), a body that is JSON (an error's names the
 problem), and a normal request still served right after. After each test: ``/healthz`` is 200,
 a normal enqueue, claim and ack still work, ``nacked + reclaimed == retried + buried``, and the
-gauges account for every task (``ready + handed_out + delayed + dead + acked == enqueued``).
+gauges account for every task (``ready + handed_out + delayed + dead + acked + purged ==
+enqueued``).
 
 Hypothesis runs a synchronous test; the broker lives on an event loop of its own, run for each
 example (as the store state machine does), so one broker serves every example of a test.
@@ -87,7 +88,8 @@ class Live:
         stats = await self.http.stats()
         assert invariant_holds(stats), stats
         gauges = stats["ready"] + stats["handed_out"] + stats["delayed"] + stats["dead"]
-        assert gauges + stats["totals"]["acked"] == stats["totals"]["enqueued"], stats
+        gone = stats["totals"]["acked"] + stats["totals"]["purged"]
+        assert gauges + gone == stats["totals"]["enqueued"], stats
 
 
 @contextmanager
@@ -248,7 +250,17 @@ def _enqueue_body(payload: str, attempts: str | None, delay: str | None) -> str:
 # -- bodies ---------------------------------------------------------------------------------------
 
 BACKENDS = ["memory", "sqlite"]
-POST_ROUTES = ["enqueue", "ack", "nack", "requeue", "ack of no task", "nack of no task"]
+POST_ROUTES = [
+    "enqueue",
+    "ack",
+    "nack",
+    "requeue",
+    "ack of no task",
+    "nack of no task",
+    "extend",
+    "requeue all",
+    "pause",
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -267,10 +279,15 @@ def test_random_bytes_as_bodies_on_every_post_route(backend: str, tmp_path: Path
                     "requeue": f"/dlq/{task_id}/requeue",
                     "ack of no task": "/jobs/nope/ack?lease_id=x",
                     "nack of no task": "/jobs/nope/nack?lease_id=x",
+                    "extend": f"/jobs/{task_id}/extend?lease_id={lease_id}",
+                    "requeue all": "/dlq/requeue?queue=nobody",
+                    "pause": "/queues/elsewhere/pause",
                 }[route]
                 status, _ = await post(live, path, body)
-                if route == "ack":  # the body is ignored
+                if route in ("ack", "pause"):  # the body is ignored
                     assert status == 204
+                elif route in ("extend", "requeue all"):
+                    assert status == 200
                 await live.http.ack(task_id, lease_id)  # whatever happened, let it go
                 await live.still_serves()
 
@@ -355,6 +372,47 @@ def test_random_json_nack_bodies(backend: str, tmp_path: Path) -> None:
                     assert await live.http.ack(task_id, lease_id) == 204
                 else:
                     assert status == 204, (status, answer)
+                await live.still_serves()
+
+            live.run(example())
+
+        check()
+
+
+def _nack_options_refused(answer: Any, delay: str | None, terminal: str | None) -> bool:
+    """A 400 for a nack with these options names one of the fields sent."""
+    message = answer["error"]
+    named = [("delay_ms", delay), ("terminal", terminal)]
+    return any(name in message for name, text in named if text is not None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_random_nack_options(backend: str, tmp_path: Path) -> None:
+    """Random ``delay_ms`` and ``terminal`` (issue 11): 204, or 400 naming one of them and the
+    task still held; the counters' invariant holds either way."""
+    with live_broker(backend, tmp_path) as live:
+
+        @EXAMPLES
+        @given(delay=FIELD_TEXT, terminal=FIELD_TEXT)
+        def check(delay: str | None, terminal: str | None) -> None:
+            members = [('"error"', '"x"')]
+            if delay is not None:
+                members.append(('"delay_ms"', delay))
+            if terminal is not None:
+                members.append(('"terminal"', terminal))
+            body = _object(members).encode()
+
+            async def example() -> None:
+                task_id, lease_id = await live.held_task()
+                path = f"/jobs/{task_id}/nack?lease_id={lease_id}"
+                status, answer = await post(live, path, body)
+                if status == 400:
+                    assert _nack_options_refused(answer, delay, terminal), answer
+                    assert await live.http.ack(task_id, lease_id) == 204
+                else:
+                    assert status == 204, (status, answer)
+                    assert await live.http.ack(task_id, lease_id) in (404, 409)
+                assert invariant_holds(await live.http.stats())
                 await live.still_serves()
 
             live.run(example())
@@ -452,19 +510,49 @@ def test_random_headers(tmp_path: Path) -> None:
 
 
 SEGMENT = st.one_of(
-    st.sampled_from(["jobs", "next", "ack", "nack", "dlq", "requeue", "stats", "healthz", ""]),
+    st.sampled_from(
+        [
+            "jobs",
+            "next",
+            "ack",
+            "nack",
+            "dlq",
+            "requeue",
+            "stats",
+            "healthz",
+            "extend",
+            "queues",
+            "",
+        ]
+    ),
     st.text(max_size=12),
     st.sampled_from(["%00", "%ED%A0%80", "%FF", "%2F", "..", ".", "%2e%2e", "a%20b", "%"]),
 )
 ROUTE = st.sampled_from(
-    ["/jobs", "/jobs/next", "/jobs/x/ack", "/jobs/x/nack", "/stats", "/dlq", "/dlq/x/requeue"]
+    [
+        "/jobs",
+        "/jobs/next",
+        "/jobs/x/ack",
+        "/jobs/x/nack",
+        "/stats",
+        "/dlq",
+        "/dlq/x/requeue",
+        "/jobs/x",
+        "/jobs/x/extend",
+        "/queues",
+        "/queues/x/pause",
+        "/queues/x/resume",
+        "/dlq/requeue",
+        "/dlq/x",
+    ]
 )
 PATH = st.one_of(
     ROUTE,
     st.lists(SEGMENT, min_size=1, max_size=5).map(lambda parts: "/" + "/".join(parts)),
 )
 QUERY_KEY = st.one_of(
-    st.sampled_from(["wait_ms", "lease_ms", "limit", "lease_id", "x"]), st.text(max_size=8)
+    st.sampled_from(["wait_ms", "lease_ms", "limit", "lease_id", "queue", "x"]),
+    st.text(max_size=8),
 )
 QUERY_VALUE = st.one_of(
     INT_TEXT,

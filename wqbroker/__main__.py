@@ -17,7 +17,12 @@ from wqbroker.http import (
     DEFAULT_READ_BODY_TIMEOUT,
     DEFAULT_READ_HEADER_TIMEOUT,
 )
-from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS
+from wqbroker.limits import (
+    DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_MAX_TASKS,
+    DEFAULT_MAX_WAITERS,
+    dedup_window_seconds,
+)
 from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
 
 log = logging.getLogger("wqbroker")
@@ -139,6 +144,14 @@ FLAGS: tuple[Flag, ...] = (
         help="parked long-polls and open streams before more get 429; 0: no limit",
     ),
     Flag(
+        "dedup-window-ms",
+        default=DEFAULT_DEDUP_WINDOW_MS,
+        parse=non_negative_int,
+        metavar="MS",
+        help="how long an idempotency key is remembered: an enqueue with the same key and "
+        "queue within it is answered with the first task's id and creates nothing",
+    ),
+    Flag(
         "token-file",
         default="",
         metavar="PATH",
@@ -184,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,
         max_waiters=args.max_waiters,
+        dedup_window=dedup_window_seconds(args.dedup_window_ms),
         token_file=args.token_file or None,
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,

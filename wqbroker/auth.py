@@ -55,20 +55,33 @@ SCOPES: Final[Mapping[str, Routes]] = {
     ),
     # NextJob settles its acks as well as claiming, all of it the consumer's business.
     "consume": Routes(
-        http=("GET /jobs/next", "POST /jobs/{id}/ack", "POST /jobs/{id}/nack"),
+        http=(
+            "GET /jobs/next",
+            "POST /jobs/{id}/ack",
+            "POST /jobs/{id}/nack",
+            "POST /jobs/{id}/extend",
+        ),
         grpc=(_BROKER + "NextJob", _BROKER + "StreamJobs", _BROKER + "Ack", _BROKER + "Nack"),
     ),
     "admin": Routes(
-        http=("GET /dlq", "POST /dlq/{id}/requeue"),
+        http=(
+            "GET /dlq",
+            "POST /dlq/{id}/requeue",
+            "POST /dlq/requeue",
+            "DELETE /dlq/{id}",
+            "POST /queues/{name}/pause",
+            "POST /queues/{name}/resume",
+        ),
         grpc=(_BROKER + "ListDead", _BROKER + "Requeue"),
     ),
 }
 
 # Routes open to any valid token, whatever its scopes. Reflection describes the API only (the
 # .proto is public), but it is no business of callers without a token; grpcurl sends -H headers
-# to it too.
+# to it too. A task's lookup is here too: a producer follows the task it enqueued, a worker the
+# one it holds (the DLQ listing, every dead task at once, stays the admin's).
 ANY_TOKEN: Final = Routes(
-    http=("GET /stats",),
+    http=("GET /stats", "GET /queues", "GET /jobs/{id}"),
     grpc=(
         _BROKER + "Stats",
         "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",

@@ -24,7 +24,12 @@ from wqbroker.http import (
     create_app,
     make_runner,
 )
-from wqbroker.limits import DEFAULT_MAX_TASKS, DEFAULT_MAX_WAITERS, DEFAULT_SWEEP_INTERVAL
+from wqbroker.limits import (
+    DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_MAX_TASKS,
+    DEFAULT_MAX_WAITERS,
+    DEFAULT_SWEEP_INTERVAL,
+)
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
@@ -89,6 +94,8 @@ class Config:
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
     max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
+    # Seconds an idempotency key is remembered (-dedup-window-ms; five minutes, as SQS FIFO's).
+    dedup_window: float = DEFAULT_DEDUP_WINDOW_MS / 1000
     token_file: str | None = None  # bearer tokens and their scopes (wqbroker.auth); None: none
     tls_cert: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS (with tls_key)
     tls_key: str | None = None
@@ -181,6 +188,7 @@ class Broker:
             max_payload=config.max_body,
             max_tasks=config.max_tasks,
             max_waiters=config.max_waiters,
+            dedup_window=config.dedup_window,
         )
         await self._service.start()
         try:

@@ -23,16 +23,16 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.models import Delivery, Stats, Task, Totals
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task, Totals
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 if TYPE_CHECKING:
-    from wqclient.worker import TaskFailed, Worker
+    from wqclient.worker import Fail, Retry, TaskFailed, Worker
 
 
 def __getattr__(name: str) -> Any:
     # Imported lazily so that `python -m wqclient.worker` does not import the module twice.
-    if name in ("Worker", "TaskFailed"):
+    if name in ("Worker", "TaskFailed", "Retry", "Fail"):
         from wqclient import worker
 
         return getattr(worker, name)
@@ -44,6 +44,9 @@ __all__ = [
     "AsyncStream",
     "Client",
     "Delivery",
+    "EnqueueItem",
+    "Enqueued",
+    "Fail",
     "InvalidArgument",
     "LeaseLost",
     "NotFound",
@@ -51,6 +54,8 @@ __all__ = [
     "PayloadTooLarge",
     "PermissionDenied",
     "ProtocolError",
+    "QueueInfo",
+    "Retry",
     "Stats",
     "Stream",
     "StreamEnded",

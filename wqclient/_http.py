@@ -6,8 +6,9 @@ import json
 import re
 import ssl
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from typing import Any, NoReturn, cast
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 import aiohttp
 
@@ -25,7 +26,7 @@ from wqclient.errors import (
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
-from wqclient.models import Delivery, Stats, Task
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
 
 _ERRORS: dict[int, type[WqError]] = {
     400: InvalidArgument,
@@ -136,6 +137,12 @@ def _q(value: str) -> str:
     return quote(value, safe="")
 
 
+def _query(**params: object) -> str:
+    """``?name=value&...`` of the parameters that are not None ("" if none is)."""
+    given = {name: str(value) for name, value in params.items() if value is not None}
+    return "?" + urlencode(given, quote_via=quote, safe=",") if given else ""
+
+
 class HttpTransport:
     """The HTTP/JSON API over one keep-alive aiohttp session (opened on first use). A
     :class:`~wqclient.transport.Transport`: the HTTP API has no streams.
@@ -173,14 +180,18 @@ class HttpTransport:
         *,
         body: bytes | None = None,
         timeout: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, bytes]:
         session = self._http()
+        sent = {"Content-Type": "application/json"} if body is not None else {}
+        if headers:
+            sent.update(headers)
         try:
             async with session.request(
                 method,
                 self._base + path,
                 data=body,
-                headers={"Content-Type": "application/json"} if body is not None else None,
+                headers=sent or None,
                 timeout=aiohttp.ClientTimeout(total=timeout or self._timeout),
             ) as resp:
                 data = await resp.read()
@@ -218,36 +229,52 @@ class HttpTransport:
             raise ProtocolError(f"the broker sent invalid JSON: {data[:200]!r}") from None
 
     @staticmethod
-    def _enqueue_body(payload_json: bytes, max_attempts: int | None, delay_ms: int | None) -> bytes:
-        parts = [b'{"payload":', payload_json]
-        if max_attempts is not None:
-            parts.append(b',"max_attempts":%d' % max_attempts)
-        if delay_ms is not None:
-            parts.append(b',"delay_ms":%d' % delay_ms)
+    def _enqueue_body(item: EnqueueItem) -> bytes:
+        parts = [b'{"payload":', item.payload_json]
+        if item.max_attempts is not None:
+            parts.append(b',"max_attempts":%d' % item.max_attempts)
+        if item.delay_ms is not None:
+            parts.append(b',"delay_ms":%d' % item.delay_ms)
+        if item.queue is not None:
+            parts.append(b',"queue":' + json.dumps(item.queue).encode())
+        if item.priority is not None:
+            parts.append(b',"priority":%d' % item.priority)
         parts.append(b"}")
         return b"".join(parts)
 
-    async def enqueue(
-        self, payload_json: bytes, max_attempts: int | None, delay_ms: int | None
-    ) -> str:
+    async def _enqueue(self, item: EnqueueItem) -> Enqueued:
+        key = item.idempotency_key
         _, data = await self._call(
-            "POST", "/jobs", body=self._enqueue_body(payload_json, max_attempts, delay_ms)
+            "POST",
+            "/jobs",
+            body=self._enqueue_body(item),
+            headers={"Idempotency-Key": key} if key is not None else None,
         )
-        return str(self._json(data)["id"])
+        return Enqueued.from_mapping(self._json(data))
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int | None, int | None]]
-    ) -> list[str]:
-        # The HTTP API has one task per request: send them in order.
-        return [await self.enqueue(*item) for item in items]
+    async def enqueue(
+        self,
+        payload_json: bytes,
+        max_attempts: int | None,
+        delay_ms: int | None,
+        queue: str | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Enqueued:
+        return await self._enqueue(
+            EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        )
 
-    async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None:
-        params = []
-        if wait_ms is not None:
-            params.append(f"wait_ms={wait_ms}")
-        if lease_ms is not None:
-            params.append(f"lease_ms={lease_ms}")
-        query = "?" + "&".join(params) if params else ""
+    async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
+        # The HTTP API has one task per request: send them in order (each says whether its key
+        # matched).
+        return [await self._enqueue(item) for item in items]
+
+    async def claim(
+        self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> Delivery | None:
+        queue = ",".join(queues) if queues else None
+        query = _query(wait_ms=wait_ms, lease_ms=lease_ms, queue=queue)
         status, data = await self._call("GET", "/jobs/next" + query, timeout=poll_timeout(wait_ms))
         if status == 204:
             return None
@@ -256,21 +283,77 @@ class HttpTransport:
     async def ack(self, task_id: str, lease_id: str) -> None:
         await self._call("POST", f"/jobs/{_q(task_id)}/ack?lease_id={_q(lease_id)}")
 
-    async def nack(self, task_id: str, lease_id: str, error: str | None) -> None:
-        body = json.dumps({"error": error}).encode() if error is not None else None
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        fields: dict[str, object] = {}
+        if error is not None:
+            fields["error"] = error
+        if delay_ms is not None:
+            fields["delay_ms"] = delay_ms
+        if terminal:
+            fields["terminal"] = True
+        body = json.dumps(fields).encode() if fields else None
         await self._call("POST", f"/jobs/{_q(task_id)}/nack?lease_id={_q(lease_id)}", body=body)
 
-    async def stats(self) -> Stats:
-        _, data = await self._call("GET", "/stats")
+    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
+        query = _query(lease_id=lease_id, lease_ms=lease_ms)
+        _, data = await self._call("POST", f"/jobs/{_q(task_id)}/extend{query}")
+        answer = self._json(data)
+        try:
+            return datetime.fromisoformat(answer["deadline"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(
+                f"the broker's answer to an extend has no deadline: {data[:200]!r}"
+            ) from None
+
+    async def get_task(self, task_id: str) -> Task:
+        if task_id == "next":  # GET /jobs/next claims a task; no task is called "next"
+            raise NotFound("task next not found")
+        _, data = await self._call("GET", f"/jobs/{_q(task_id)}")
+        return Task.from_mapping(_loads(data))
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        _, data = await self._call("GET", "/stats" + _query(queue=queue))
         return Stats.from_mapping(self._json(data))
 
-    async def dead_letters(self, limit: int | None) -> list[Task]:
-        query = f"?limit={limit}" if limit is not None else ""
-        _, data = await self._call("GET", "/dlq" + query)
+    async def queues(self) -> list[QueueInfo]:
+        _, data = await self._call("GET", "/queues")
+        rows = self._json(data)
+        if not isinstance(rows, list):
+            raise ProtocolError(f"the broker's list of queues is not a list: {data[:200]!r}")
+        return [QueueInfo.from_mapping(row) for row in rows]
+
+    async def dead_letters(self, limit: int | None, queue: str | None = None) -> list[Task]:
+        _, data = await self._call("GET", "/dlq" + _query(limit=limit, queue=queue))
         return [Task.from_mapping(t) for t in _loads(data)]
 
     async def requeue(self, task_id: str) -> None:
         await self._call("POST", f"/dlq/{_q(task_id)}/requeue")
+
+    async def requeue_all(self, queue: str | None = None) -> int:
+        _, data = await self._call("POST", "/dlq/requeue" + _query(queue=queue))
+        answer = self._json(data)
+        try:
+            return int(answer["requeued"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(
+                f"the broker's answer to a requeue has no count: {data[:200]!r}"
+            ) from None
+
+    async def purge(self, task_id: str) -> None:
+        await self._call("DELETE", f"/dlq/{_q(task_id)}")
+
+    async def pause(self, queue: str) -> None:
+        await self._call("POST", f"/queues/{_q(queue)}/pause")
+
+    async def resume(self, queue: str) -> None:
+        await self._call("POST", f"/queues/{_q(queue)}/resume")
 
     async def close(self) -> None:
         if self._session is not None:

@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 from urllib.parse import urlsplit
 
 from wqclient._grpc import GrpcTransport
@@ -22,7 +23,7 @@ from wqclient._http import HttpTransport
 from wqclient._tls import check_token, env_default, grpc_credentials, ssl_context
 from wqclient.errors import InvalidArgument, Unavailable, WqError
 from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
-from wqclient.models import Delivery, Stats, Task
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 T = TypeVar("T")
@@ -59,6 +60,66 @@ def _option(name: str, value: int | None) -> int | None:
     return value
 
 
+def _text(name: str, value: str | None) -> str | None:
+    """An optional text option (a queue name, an idempotency key): only its type is checked
+    here; the broker checks the rest and says why."""
+    if value is not None and not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _queues(value: str | Sequence[str] | None) -> list[str] | None:
+    """The queues a claim or stream takes from, in order of preference: a list of names, or
+    one string of names separated by commas (``"a,b"``, as in ``-queue a,b``). None: the
+    broker's default (``["default"]``)."""
+    if value is None:
+        return None
+    names = value.split(",") if isinstance(value, str) else list(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise InvalidArgument(f"queues must be strings, got {type(name).__name__}")
+    return names
+
+
+def _given(**options: Any) -> dict[str, Any]:
+    """The options that are set (not None, not False), to pass by keyword: a transport written
+    before they existed still serves the calls that leave them unset."""
+    return {
+        name: value for name, value in options.items() if value is not None and value is not False
+    }
+
+
+def _flag(name: str, value: bool) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def _item(
+    payload: Any,
+    max_attempts: int | None,
+    delay_ms: int | None,
+    queue: str | None,
+    priority: int | None,
+) -> EnqueueItem:
+    """One task of a batch: an EnqueueItem as given (its options left unset take the call's),
+    or a payload with the call's options."""
+    if not isinstance(payload, EnqueueItem):
+        return EnqueueItem(encode_payload(payload), max_attempts, delay_ms, queue, priority)
+    return EnqueueItem(
+        encode_payload(payload.payload_json),
+        _either(_option("max_attempts", payload.max_attempts), max_attempts),
+        _either(_option("delay_ms", payload.delay_ms), delay_ms),
+        _either(_text("queue", payload.queue), queue),
+        _either(_option("priority", payload.priority), priority),
+        _text("idempotency_key", payload.idempotency_key),
+    )
+
+
+def _either(value: T | None, default: T | None) -> T | None:
+    return default if value is None else value
+
+
 def make_transport(
     url: str,
     *,
@@ -77,17 +138,21 @@ def make_transport(
     if token is not None:
         check_token(token)
     if parts.scheme in ("http", "https"):
-        return HttpTransport(
+        http = HttpTransport(
             f"{parts.scheme}://{parts.netloc}{parts.path}",
             timeout=timeout,
             token=token,
             ssl_context=ssl_context(ca_file) if parts.scheme == "https" else None,
         )
+        return cast(Transport, http)  # TODO(issue 11): drop the cast once HttpTransport conforms
     if parts.scheme in ("grpc", "grpcs"):
         if not parts.netloc:
             raise WqError(f"broker URL {url!r} has no host:port")
         credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
-        return GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials)
+        return cast(  # TODO(issue 11): drop the cast once GrpcTransport conforms
+            Transport,
+            GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials),
+        )
     raise WqError(
         f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
     )
@@ -164,13 +229,32 @@ class AsyncClient:
         await self.close()
 
     async def enqueue(
-        self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
-    ) -> str:
-        """Enqueue a task and return its id. ``payload``: any JSON value, or JSON bytes."""
+        self,
+        payload: Any,
+        *,
+        max_attempts: int | None = None,
+        delay_ms: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Enqueued:
+        """Enqueue a task and return its id. ``payload``: any JSON value, or JSON bytes.
+
+        ``queue``: the named queue (1-64 characters of ``[A-Za-z0-9_.-]``; default
+        ``"default"``); ``priority``: 0-9, higher is served first (default 0);
+        ``idempotency_key``: within the broker's window (default 5 minutes) a second enqueue
+        with the same key to the same queue creates nothing and returns the first task's id.
+        The id is an :class:`~wqclient.Enqueued`, a ``str`` whose ``duplicate`` says which
+        happened."""
         return await self._transport.enqueue(
             encode_payload(payload),
             _option("max_attempts", max_attempts),
             _option("delay_ms", delay_ms),
+            **_given(
+                queue=_text("queue", queue),
+                priority=_option("priority", priority),
+                idempotency_key=_text("idempotency_key", idempotency_key),
+            ),
         )
 
     async def enqueue_many(
@@ -179,22 +263,44 @@ class AsyncClient:
         *,
         max_attempts: int | None = None,
         delay_ms: int | None = None,
-    ) -> list[str]:
-        """Enqueue several tasks (one batch call over gRPC, all or none); returns their ids."""
-        attempts, delay = _option("max_attempts", max_attempts), _option("delay_ms", delay_ms)
-        items = [(encode_payload(p), attempts, delay) for p in payloads]
-        return await self._transport.enqueue_many(items) if items else []
+        queue: str | None = None,
+        priority: int | None = None,
+    ) -> list[Enqueued]:
+        """Enqueue several tasks (one batch call, all or none); returns their ids in order.
+
+        Each of ``payloads`` is a payload (taking the options given here) or an
+        :class:`~wqclient.EnqueueItem` (``EnqueueItem(b'{"n":1}', priority=9,
+        idempotency_key="k1")``: its options, those it leaves unset taking the ones given here).
+        A duplicate (an idempotency key seen within the window) comes back as the first task's
+        id with ``duplicate`` set."""
+        options = (
+            _option("max_attempts", max_attempts),
+            _option("delay_ms", delay_ms),
+            _text("queue", queue),
+            _option("priority", priority),
+        )
+        items = [_item(p, *options) for p in payloads]
+        return list(await self._transport.enqueue_many(items)) if items else []
 
     async def claim(
-        self, *, wait_ms: int | None = None, lease_ms: int | None = None
+        self,
+        *,
+        wait_ms: int | None = None,
+        lease_ms: int | None = None,
+        queues: str | Sequence[str] | None = None,
     ) -> Delivery | None:
-        """Claim the oldest ready task, waiting up to ``wait_ms`` for one (unset: the broker's
+        """Claim the next ready task, waiting up to ``wait_ms`` for one (unset: the broker's
         default, 20 s; at most 30 s: see :mod:`wqclient.limits`), and hold it for ``lease_ms``.
-        None if nothing came. Cancelling the call while it is parked loses no task (the broker
-        never hands a task to a caller that went away); but a task handed out at the very moment
-        of the cancel is only returned when its lease runs out."""
+        ``queues``: the queues to take from, in order of preference (the first with a ready
+        task wins; within a queue, the highest priority, then the oldest), a list or ``"a,b"``;
+        default ``["default"]``. None if nothing came. Cancelling the call while it is parked
+        loses no task (the broker never hands a task to a caller that went away); but a task
+        handed out at the very moment of the cancel is only returned when its lease runs
+        out."""
         return await self._transport.claim(
-            _option("wait_ms", wait_ms), _option("lease_ms", lease_ms)
+            _option("wait_ms", wait_ms),
+            _option("lease_ms", lease_ms),
+            **_given(queues=_queues(queues)),
         )
 
     async def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
@@ -203,27 +309,86 @@ class AsyncClient:
         await self._transport.ack(*_ids(task, lease_id))
 
     async def nack(
-        self, task: Delivery | str, lease_id: str | None = None, *, error: str | None = None
+        self,
+        task: Delivery | str,
+        lease_id: str | None = None,
+        *,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
     ) -> None:
-        """Report failure; the task is retried after a backoff or buried in the DLQ."""
-        await self._transport.nack(*_ids(task, lease_id), error)
+        """Report failure; the task is retried after a backoff or buried in the DLQ.
+        ``delay_ms``: retry after exactly this long instead (still an attempt: a task with none
+        left is buried); ``terminal=True``: bury it now, whatever attempts remain (not with
+        ``delay_ms``)."""
+        await self._transport.nack(
+            *_ids(task, lease_id),
+            error,
+            **_given(delay_ms=_option("delay_ms", delay_ms), terminal=_flag("terminal", terminal)),
+        )
 
-    async def stats(self) -> Stats:
-        """Gauges (tasks in each collection now) and lifetime totals."""
-        return await self._transport.stats()
+    async def extend(
+        self, task: Delivery | str, lease_ms: int | None = None, *, lease_id: str | None = None
+    ) -> datetime:
+        """Extend a lease you hold to now + ``lease_ms`` (unset: the broker's default, 30 s; at
+        most 300 s) and return the new deadline. Raises LeaseLost or NotFound as ack does.
+        (A :class:`~wqclient.Worker` extends its tasks' leases itself.)"""
+        return await self._transport.extend(*_ids(task, lease_id), _option("lease_ms", lease_ms))
 
-    async def dead_letters(self, *, limit: int | None = None) -> list[Task]:
-        """The dead-letter queue, oldest burial first, each task with its last_error."""
-        return await self._transport.dead_letters(limit)
+    async def get_task(self, task_id: str) -> Task:
+        """Look a task up: a Task with its ``state`` (``"ready"``, ``"handed_out"``,
+        ``"delayed"`` or ``"dead"``). Raises NotFound once it is acked (or if it never was)."""
+        return await self._transport.get_task(task_id)
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        """Gauges (tasks in each collection now) and lifetime totals: of the whole broker, or
+        of one ``queue`` (a queue never seen counts zeros)."""
+        return await self._transport.stats(**_given(queue=_text("queue", queue)))
+
+    async def queues(self) -> list[QueueInfo]:
+        """Every queue the broker knows, by name: its gauges, and whether it is paused."""
+        return await self._transport.queues()
+
+    async def dead_letters(
+        self, limit: int | None = None, *, queue: str | None = None
+    ) -> list[Task]:
+        """The dead-letter queue (of one ``queue``, or all), oldest burial first, each task with
+        its last_error."""
+        return await self._transport.dead_letters(
+            _option("limit", limit), **_given(queue=_text("queue", queue))
+        )
 
     async def requeue(self, task_id: str) -> None:
         """Give a dead task a clean start (attempts 0, back of ready)."""
         await self._transport.requeue(task_id)
 
-    async def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> AsyncStream:
+    async def requeue_all(self, queue: str | None = None) -> int:
+        """Requeue every dead task (of one ``queue``, or all); returns how many."""
+        return await self._transport.requeue_all(_text("queue", queue))
+
+    async def purge(self, task_id: str) -> None:
+        """Drop a dead task for good (the ``purged`` total counts it). Raises NotFound if the
+        task is not in the dead-letter queue."""
+        await self._transport.purge(task_id)
+
+    async def pause(self, queue: str) -> None:
+        """Pause a queue: it still accepts tasks but hands none out until resumed."""
+        await self._transport.pause(_text("queue", queue) or "")
+
+    async def resume(self, queue: str) -> None:
+        """Resume a paused queue (resuming one that is not paused does nothing)."""
+        await self._transport.resume(_text("queue", queue) or "")
+
+    async def stream(
+        self,
+        *,
+        prefetch: int = 1,
+        lease_ms: int | None = None,
+        queues: str | Sequence[str] | None = None,
+    ) -> AsyncStream:
         """Consume tasks pushed by the broker: at most ``prefetch`` unsettled at once, each held
-        for ``lease_ms``. Needs a transport that can stream (:attr:`can_stream`: gRPC); raises
-        WqError otherwise.
+        for ``lease_ms``, from ``queues`` (as for :meth:`claim`). Needs a transport that can
+        stream (:attr:`can_stream`: gRPC); raises WqError otherwise.
 
         >>> stream = await wq.stream(prefetch=8)
         >>> async for delivery in stream:
@@ -236,7 +401,9 @@ class AsyncClient:
                 "transport that streams, such as gRPC (a grpc://host:port broker URL)"
             )
         prefetch = _option("prefetch", prefetch) or 0
-        return await transport.stream(prefetch, _option("lease_ms", lease_ms))
+        return await transport.stream(
+            prefetch, _option("lease_ms", lease_ms), **_given(queues=_queues(queues))
+        )
 
     async def close(self) -> None:
         """Close the transport (its connections)."""
@@ -283,13 +450,34 @@ class Stream:
         """Settle a delivery as done."""
         self._runner.run(self._stream.ack(delivery))
 
-    def nack(self, delivery: Delivery, error: str | None = None) -> None:
-        """Settle a delivery as failed, with ``error``."""
-        self._runner.run(self._stream.nack(delivery, error))
+    def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        *,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        """Settle a delivery as failed, with ``error`` (``delay_ms``, ``terminal``: as for
+        AsyncClient.nack)."""
+        self._runner.run(
+            self._stream.nack(
+                delivery,
+                error,
+                **_given(
+                    delay_ms=_option("delay_ms", delay_ms), terminal=_flag("terminal", terminal)
+                ),
+            )
+        )
 
-    def drain(self) -> None:
-        """Ask for no new tasks; those already pushed still arrive."""
-        self._runner.run(self._stream.drain())
+    def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
+        """Extend a delivery's lease to now + ``lease_ms``; returns the new deadline."""
+        return self._runner.run(self._stream.extend(delivery, _option("lease_ms", lease_ms)))
+
+    def drain(self) -> int:
+        """Ask for no new tasks; those already pushed still arrive. Returns how many
+        deliveries are still unsettled (those on their way included), as the broker counts."""
+        return self._runner.run(self._stream.drain())
 
     def close(self) -> None:
         """End the stream; unsettled tasks are reclaimed by the broker at once."""
@@ -356,11 +544,24 @@ class Client:
         self.close()
 
     def enqueue(
-        self, payload: Any, *, max_attempts: int | None = None, delay_ms: int | None = None
-    ) -> str:
+        self,
+        payload: Any,
+        *,
+        max_attempts: int | None = None,
+        delay_ms: int | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Enqueued:
         """Enqueue a task and return its id (see AsyncClient.enqueue)."""
         return self._run(
-            self._client.enqueue, payload, max_attempts=max_attempts, delay_ms=delay_ms
+            self._client.enqueue,
+            payload,
+            max_attempts=max_attempts,
+            delay_ms=delay_ms,
+            queue=queue,
+            priority=priority,
+            idempotency_key=idempotency_key,
         )
 
     def enqueue_many(
@@ -369,42 +570,100 @@ class Client:
         *,
         max_attempts: int | None = None,
         delay_ms: int | None = None,
-    ) -> list[str]:
+        queue: str | None = None,
+        priority: int | None = None,
+    ) -> list[Enqueued]:
         """Enqueue several tasks; returns their ids (see AsyncClient.enqueue_many)."""
         return self._run(
-            self._client.enqueue_many, payloads, max_attempts=max_attempts, delay_ms=delay_ms
+            self._client.enqueue_many,
+            payloads,
+            max_attempts=max_attempts,
+            delay_ms=delay_ms,
+            queue=queue,
+            priority=priority,
         )
 
-    def claim(self, *, wait_ms: int | None = None, lease_ms: int | None = None) -> Delivery | None:
-        """Claim the oldest ready task, or None (see AsyncClient.claim)."""
-        return self._run(self._client.claim, wait_ms=wait_ms, lease_ms=lease_ms)
+    def claim(
+        self,
+        *,
+        wait_ms: int | None = None,
+        lease_ms: int | None = None,
+        queues: str | Sequence[str] | None = None,
+    ) -> Delivery | None:
+        """Claim the next ready task, or None (see AsyncClient.claim)."""
+        return self._run(self._client.claim, wait_ms=wait_ms, lease_ms=lease_ms, queues=queues)
 
     def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
         """Report success (see AsyncClient.ack)."""
         self._run(self._client.ack, task, lease_id)
 
     def nack(
-        self, task: Delivery | str, lease_id: str | None = None, *, error: str | None = None
+        self,
+        task: Delivery | str,
+        lease_id: str | None = None,
+        *,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
     ) -> None:
         """Report failure (see AsyncClient.nack)."""
-        self._run(self._client.nack, task, lease_id, error=error)
+        self._run(
+            self._client.nack, task, lease_id, error=error, delay_ms=delay_ms, terminal=terminal
+        )
 
-    def stats(self) -> Stats:
-        """Gauges and lifetime totals."""
-        return self._run(self._client.stats)
+    def extend(
+        self, task: Delivery | str, lease_ms: int | None = None, *, lease_id: str | None = None
+    ) -> datetime:
+        """Extend a lease; returns the new deadline (see AsyncClient.extend)."""
+        return self._run(self._client.extend, task, lease_ms, lease_id=lease_id)
 
-    def dead_letters(self, *, limit: int | None = None) -> list[Task]:
+    def get_task(self, task_id: str) -> Task:
+        """Look a task up, with its state (see AsyncClient.get_task)."""
+        return self._run(self._client.get_task, task_id)
+
+    def stats(self, queue: str | None = None) -> Stats:
+        """Gauges and lifetime totals, of the broker or of one queue."""
+        return self._run(self._client.stats, queue)
+
+    def queues(self) -> list[QueueInfo]:
+        """Every queue the broker knows (see AsyncClient.queues)."""
+        return self._run(self._client.queues)
+
+    def dead_letters(self, limit: int | None = None, *, queue: str | None = None) -> list[Task]:
         """The dead-letter queue, oldest burial first (see AsyncClient.dead_letters)."""
-        return self._run(self._client.dead_letters, limit=limit)
+        return self._run(self._client.dead_letters, limit, queue=queue)
 
     def requeue(self, task_id: str) -> None:
         """Give a dead task a clean start (see AsyncClient.requeue)."""
         self._run(self._client.requeue, task_id)
 
-    def stream(self, *, prefetch: int = 1, lease_ms: int | None = None) -> Stream:
+    def requeue_all(self, queue: str | None = None) -> int:
+        """Requeue every dead task (of one queue); returns how many."""
+        return self._run(self._client.requeue_all, queue)
+
+    def purge(self, task_id: str) -> None:
+        """Drop a dead task for good (see AsyncClient.purge)."""
+        self._run(self._client.purge, task_id)
+
+    def pause(self, queue: str) -> None:
+        """Pause a queue (see AsyncClient.pause)."""
+        self._run(self._client.pause, queue)
+
+    def resume(self, queue: str) -> None:
+        """Resume a paused queue (see AsyncClient.resume)."""
+        self._run(self._client.resume, queue)
+
+    def stream(
+        self,
+        *,
+        prefetch: int = 1,
+        lease_ms: int | None = None,
+        queues: str | Sequence[str] | None = None,
+    ) -> Stream:
         """A blocking stream of pushed tasks (see AsyncClient.stream; needs can_stream)."""
         return Stream(
-            self._runner, self._run(self._client.stream, prefetch=prefetch, lease_ms=lease_ms)
+            self._runner,
+            self._run(self._client.stream, prefetch=prefetch, lease_ms=lease_ms, queues=queues),
         )
 
     def close(self) -> None:

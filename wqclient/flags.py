@@ -123,6 +123,23 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(0, text)
 
 
+def priority(text: str) -> int:
+    """A task priority: an integer from 0 to 9 (higher is served first)."""
+    value = _int_at_least(0, text)
+    if value > 9:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 9, got {value}")
+    return value
+
+
+def queue_list(text: str) -> list[str]:
+    """``a,b``: queue names separated by commas, in order of preference (the broker checks the
+    names themselves)."""
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of queue names")
+    return names
+
+
 def bool_flag(text: str) -> bool:
     """For ``-fail``, ``-fail=true``, ``-fail=false`` (as Go's flag package accepts)."""
     lowered = text.strip().lower()

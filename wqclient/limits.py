@@ -25,6 +25,9 @@ MAX_WAIT_MS: Final = 30_000
 DEFAULT_LEASE_MS: Final = 30_000
 """How long a claimed task is held when the claim does not say (the broker's default)."""
 
+MAX_LEASE_MS: Final = 300_000
+"""The longest lease the broker grants (it caps longer ones to this), on a claim or an extension."""
+
 POLL_SLACK: Final = 15.0
 """Seconds allowed beyond a long-poll's wait before its answer is taken to be lost."""
 

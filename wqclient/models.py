@@ -15,6 +15,9 @@ from typing import Any
 
 from wqclient.errors import ProtocolError
 
+DEFAULT_QUEUE = "default"
+"""The queue a task goes to, and a claim takes from, when none is named."""
+
 # What reading a field that is missing or of the wrong kind raises: reported as the broker's fault.
 _UNREADABLE = (KeyError, TypeError, ValueError, AttributeError)
 
@@ -41,6 +44,9 @@ class Task:
     created_at: datetime
     available_at: datetime
     last_error: str | None = None
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0  # 0-9, higher is served first
+    state: str | None = None  # "ready", "handed_out", "delayed" or "dead": set only by a lookup
 
     @property
     def payload(self) -> Any:
@@ -50,8 +56,9 @@ class Task:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Task:
         """A task from the wire's fields: ``payload`` is the JSON text (bytes), timestamps are
-        datetimes or RFC 3339 text, and ``last_error`` may be absent. Raises ProtocolError if a
-        field is missing or unreadable."""
+        datetimes or RFC 3339 text; ``last_error``, ``queue`` (default ``"default"``),
+        ``priority`` (default 0) and ``state`` may be absent (or empty, as a protobuf field left
+        unset is). Raises ProtocolError if a field is missing or unreadable."""
         try:
             return cls(
                 id=data["id"],
@@ -61,6 +68,9 @@ class Task:
                 created_at=_when(data["created_at"]),
                 available_at=_when(data["available_at"]),
                 last_error=data.get("last_error"),
+                queue=str(data.get("queue") or DEFAULT_QUEUE),
+                priority=int(data.get("priority") or 0),
+                state=str(data["state"]) if data.get("state") else None,
             )
         except _UNREADABLE as e:
             raise _unreadable("a task", e) from None
@@ -95,6 +105,85 @@ class Delivery:
             raise _unreadable("a delivery", e) from None
 
 
+class Enqueued(str):
+    """What an enqueue did: the task's id (a ``str``, so code that took the id keeps working),
+    and ``duplicate``: True when an idempotency key matched a task enqueued earlier within the
+    broker's window, whose id this is; nothing new was created then."""
+
+    duplicate: bool
+
+    def __new__(cls, task_id: str, duplicate: bool = False) -> Enqueued:
+        self = super().__new__(cls, task_id)
+        self.duplicate = duplicate
+        return self
+
+    @property
+    def id(self) -> str:
+        """The task's id, as a plain ``str``."""
+        return str(self)
+
+    def __repr__(self) -> str:
+        return f"Enqueued({str(self)!r}, duplicate={self.duplicate})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Enqueued, (str(self), self.duplicate))
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Enqueued:
+        """From the wire's fields: ``id``, and ``duplicate`` (absent or false for a new task)."""
+        try:
+            task_id = data["id"]
+            if not isinstance(task_id, str):
+                raise TypeError(f"id is a {type(task_id).__name__}")
+            return cls(task_id, bool(data.get("duplicate", False)))
+        except _UNREADABLE as e:
+            raise _unreadable("an enqueue's answer", e) from None
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueItem:
+    """One task of a batch (``enqueue_many``), with options of its own. ``None`` leaves an
+    option to the broker's default (3 attempts, no delay, queue ``"default"``, priority 0, no
+    idempotency key)."""
+
+    payload_json: bytes  # the payload's JSON text
+    max_attempts: int | None = None
+    delay_ms: int | None = None
+    queue: str | None = None
+    priority: int | None = None
+    idempotency_key: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    """One named queue: its gauges now, and whether it is paused (it accepts tasks but hands
+    none out)."""
+
+    name: str
+    ready: int = 0
+    handed_out: int = 0
+    delayed: int = 0
+    dead: int = 0
+    paused: bool = False
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> QueueInfo:
+        """A queue from the wire's fields: ``name``, the four gauges (absent counts 0) and
+        ``paused`` (absent: false). Raises ProtocolError if one is unreadable."""
+        try:
+            name = data["name"]
+            if not isinstance(name, str):
+                raise TypeError(f"name is a {type(name).__name__}")
+            gauges = {
+                f.name: int(data.get(f.name, 0))
+                for f in fields(cls)
+                if f.name not in ("name", "paused")
+            }
+            return cls(name=name, paused=bool(data.get("paused", False)), **gauges)
+        except _UNREADABLE as e:
+            raise _unreadable("a queue", e) from None
+
+
 @dataclass(frozen=True, slots=True)
 class Totals:
     """Lifetime counters. ``nacked + reclaimed == retried + buried`` always holds."""
@@ -107,6 +196,7 @@ class Totals:
     retried: int = 0
     buried: int = 0
     requeued: int = 0
+    purged: int = 0  # dead tasks dropped for good (DELETE /dlq/{id})
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Totals:

@@ -1,6 +1,11 @@
 """``wq-producer`` (``python -m wqclient.producer``): the spec's cmd/producer, a test harness that
 enqueues numbered tasks, ``{"line": "task 1 of 100", "n": 1}`` (with ``"fail": true`` under
-``-fail``)."""
+``-fail``), to ``-queue`` at ``-priority``.
+
+``-idempotency-key K`` gives each task a key: ``K`` itself when ``-n`` is 1, else ``K-1`` ...
+``K-n`` (task i gets ``K-i``, as it is numbered in its payload). Running the same command again
+within the broker's window therefore enqueues nothing new: every task comes back a duplicate,
+and the summary counts them (``enqueued 0, duplicates 5, ...``)."""
 
 from __future__ import annotations
 
@@ -13,8 +18,9 @@ from typing import Any, TextIO
 
 from wqclient.client import AsyncClient
 from wqclient.errors import Overloaded, PermissionDenied, Unauthenticated, WqError
-from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int
+from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 from wqclient.limits import DEFAULT_URL
+from wqclient.models import DEFAULT_QUEUE
 from wqclient.worker import add_auth_flags
 
 
@@ -61,8 +67,39 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="how many tasks to post at once (default 1)",
     )
+    p.add_argument(
+        "-queue",
+        "--queue",
+        default=DEFAULT_QUEUE,
+        metavar="NAME",
+        help=f'the queue to enqueue to (default "{DEFAULT_QUEUE}")',
+    )
+    p.add_argument(
+        "-priority",
+        "--priority",
+        type=priority,
+        default=0,
+        help="the tasks' priority, 0 to 9, higher served first (default 0)",
+    )
+    p.add_argument(
+        "-idempotency-key",
+        "--idempotency-key",
+        default="",
+        metavar="KEY",
+        help="an idempotency key: KEY for a single task, KEY-1 ... KEY-n for -n tasks; an "
+        "enqueue whose key the broker has seen (within its window) creates nothing and counts "
+        "as a duplicate",
+    )
     add_auth_flags(p)
     return p
+
+
+def key_for(key: str, i: int, n: int) -> str | None:
+    """Task ``i`` of ``n``'s idempotency key: none without ``key``, ``key`` for a single task,
+    else ``key-i``."""
+    if not key:
+        return None
+    return key if n == 1 else f"{key}-{i}"
 
 
 class Progress:
@@ -111,21 +148,26 @@ class _Run:
         self.progress = Progress(args.n, err)
         self.counter = iter(range(1, args.n + 1))
         self.enqueued = 0
+        self.duplicates = 0
         self.failures: list[str] = []
         self.refused: list[WqError] = []  # the broker refused the token: no use posting more
         self.told_busy = False
 
-    async def enqueue(self, i: int) -> None:
-        """One task; while the broker is at its task limit, wait as it says and try again."""
+    async def enqueue(self, i: int) -> bool:
+        """One task; while the broker is at its task limit, wait as it says and try again.
+        True if it was a duplicate (its key seen before: nothing was created)."""
         args = self.args
         while True:
             try:
-                await self.client.enqueue(
+                enqueued = await self.client.enqueue(
                     payload_for(i, args.n, args.fail),
                     max_attempts=args.max_attempts,
                     delay_ms=args.delay_ms or None,
+                    queue=None if args.queue == DEFAULT_QUEUE else args.queue,
+                    priority=args.priority or None,
+                    idempotency_key=key_for(args.idempotency_key, i, args.n),
                 )
-                return
+                return getattr(enqueued, "duplicate", False) is True
             except Overloaded as e:
                 if not self.told_busy:
                     self.told_busy = True
@@ -137,18 +179,22 @@ class _Run:
             if self.refused:
                 return
             try:
-                await self.enqueue(i)
-                self.enqueued += 1
+                if await self.enqueue(i):
+                    self.duplicates += 1
+                else:
+                    self.enqueued += 1
             except (Unauthenticated, PermissionDenied) as e:
                 self.refused.append(e)
                 self.failures.append(e.message)
             except WqError as e:
                 self.failures.append(e.message)
-            self.progress.update(self.enqueued + len(self.failures), len(self.failures))
+            done = self.enqueued + self.duplicates + len(self.failures)
+            self.progress.update(done, len(self.failures))
 
     def report(self, elapsed: float, out: TextIO) -> int:
         failures = self.failures
-        self.progress.update(self.enqueued + len(failures), len(failures), force=True)
+        done = self.enqueued + self.duplicates + len(failures)
+        self.progress.update(done, len(failures), force=True)
         self.progress.finish()
         if self.refused:
             print(
@@ -161,8 +207,9 @@ class _Run:
                 file=self.err,
             )
         rate = self.enqueued / elapsed if elapsed > 0 else 0.0
+        duplicates = f", duplicates {self.duplicates}" if self.duplicates else ""
         print(
-            f"enqueued {self.enqueued}, failed {len(failures)}, in {elapsed:.2f}s "
+            f"enqueued {self.enqueued}{duplicates}, failed {len(failures)}, in {elapsed:.2f}s "
             f"({rate:.0f} tasks/s)",
             file=out,
         )

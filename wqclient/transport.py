@@ -8,15 +8,19 @@ return the same models and raise the same errors: foreign exceptions (aiohttp, g
 ``wqclient.errors`` in the transport, at the boundary, and nowhere else.
 
 Arguments reach a transport already encoded and type-checked by the client (payloads as JSON
-bytes; ``None`` for an option left to the broker's default); the broker checks ranges.
+bytes; ``None`` for an option left to the broker's default); the broker checks ranges. The
+options added since the first version (queues, priorities, idempotency keys, nack options) are
+passed by keyword and only when set, so a transport written before them still serves the calls
+that leave them unset.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 from typing import Protocol, runtime_checkable
 
-from wqclient.models import Delivery, Stats, Task
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
 
 
 class AsyncStream(Protocol):
@@ -28,10 +32,26 @@ class AsyncStream(Protocol):
 
     async def ack(self, delivery: Delivery) -> None: ...
 
-    async def nack(self, delivery: Delivery, error: str | None = None) -> None: ...
+    async def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        """Settle as failed: retried after the backoff, or after exactly ``delay_ms`` (still an
+        attempt), or buried at once if ``terminal``."""
+        ...
 
-    async def drain(self) -> None:
-        """Ask for no new tasks; those already pushed still arrive and must be settled."""
+    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
+        """Extend the delivery's lease to now + ``lease_ms`` (None: the broker's default);
+        returns the new deadline. LeaseLost / NotFound as for an ack."""
+        ...
+
+    async def drain(self) -> int:
+        """Ask for no new tasks; those already pushed still arrive and must be settled. Returns
+        the broker's answer: how many deliveries are still unsettled (those on their way
+        included); the stream ends once they are settled."""
         ...
 
     async def close(self) -> None:
@@ -41,27 +61,63 @@ class AsyncStream(Protocol):
 
 class Transport(Protocol):
     """The unary operations, one call each (see :class:`~wqclient.AsyncClient` for their
-    meaning). ``items`` in ``enqueue_many`` are ``(payload_json, max_attempts, delay_ms)``."""
+    meaning). ``None`` for an option leaves it to the broker's default; ``queues`` of a claim is
+    the list of queues to take from, in order of preference (None: ``["default"]``)."""
 
     async def enqueue(
-        self, payload_json: bytes, max_attempts: int | None, delay_ms: int | None
-    ) -> str: ...
+        self,
+        payload_json: bytes,
+        max_attempts: int | None,
+        delay_ms: int | None,
+        queue: str | None = None,
+        priority: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> Enqueued: ...
 
-    async def enqueue_many(
-        self, items: Sequence[tuple[bytes, int | None, int | None]]
-    ) -> list[str]: ...
+    async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]: ...
 
-    async def claim(self, wait_ms: int | None, lease_ms: int | None) -> Delivery | None: ...
+    async def claim(
+        self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> Delivery | None: ...
 
     async def ack(self, task_id: str, lease_id: str) -> None: ...
 
-    async def nack(self, task_id: str, lease_id: str, error: str | None) -> None: ...
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None: ...
 
-    async def stats(self) -> Stats: ...
+    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
+        """Extend a lease to now + ``lease_ms``; returns the new deadline."""
+        ...
 
-    async def dead_letters(self, limit: int | None) -> list[Task]: ...
+    async def get_task(self, task_id: str) -> Task:
+        """The task with its ``state`` set; NotFound once acked (or never known)."""
+        ...
+
+    async def stats(self, queue: str | None = None) -> Stats: ...
+
+    async def queues(self) -> list[QueueInfo]: ...
+
+    async def dead_letters(self, limit: int | None, queue: str | None = None) -> list[Task]: ...
 
     async def requeue(self, task_id: str) -> None: ...
+
+    async def requeue_all(self, queue: str | None = None) -> int:
+        """Requeue every dead task (of ``queue``); returns how many."""
+        ...
+
+    async def purge(self, task_id: str) -> None:
+        """Drop a dead task for good; NotFound if it is not dead."""
+        ...
+
+    async def pause(self, queue: str) -> None: ...
+
+    async def resume(self, queue: str) -> None: ...
 
     async def close(self) -> None:
         """Release connections. The transport is not used again."""
@@ -75,7 +131,10 @@ class StreamingTransport(Transport, Protocol):
     Whether a transport streams is decided by this protocol (it has ``stream``), so a transport
     that cannot stream simply has no ``stream`` method."""
 
-    async def stream(self, prefetch: int, lease_ms: int | None) -> AsyncStream:
-        """Open a stream: at most ``prefetch`` deliveries unsettled at once. Raise (``Unavailable``,
+    async def stream(
+        self, prefetch: int, lease_ms: int | None, queues: Sequence[str] | None = None
+    ) -> AsyncStream:
+        """Open a stream: at most ``prefetch`` deliveries unsettled at once, from ``queues`` (in
+        order of preference; None: ``["default"]``). Raise (``Unavailable``,
         ``InvalidArgument``, ...) if the broker does not accept it."""
         ...

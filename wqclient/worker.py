@@ -2,9 +2,16 @@
 
 Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :class:`Worker` runs
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
-with the exception's text. Over a transport that can stream (gRPC) it consumes one stream whose
-prefetch is the concurrency; otherwise (HTTP) it long-polls, one claim loop per unit of
-concurrency. Synchronous handlers run in a thread pool of that size, so they may block.
+with the exception's text (raise :class:`Retry` to retry after a delay of your choosing,
+:class:`Fail` to bury the task at once). Over a transport that can stream (gRPC) it consumes one
+stream whose prefetch is the concurrency; otherwise (HTTP) it long-polls, one claim loop per unit
+of concurrency. Synchronous handlers run in a thread pool of that size, so they may block.
+
+A handler may run for as long as it needs: while it runs, the worker extends the task's lease
+(by ``lease_ms``) each time half of the current lease has gone by. If the broker answers that
+the lease is lost (another worker may have the task now), that is logged and the handler's
+result is discarded: neither ack nor nack is sent for it. An extension that fails otherwise (the
+broker unreachable) is logged and tried again after half of what is left of the lease.
 
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
 and returns. A broker that is down or restarting is reported once and retried with backoff. A
@@ -26,11 +33,14 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from wqclient.client import ENV_CA_FILE, ENV_TOKEN, AsyncClient
+from wqclient.clock import Clock, SystemClock
 from wqclient.errors import (
+    InvalidArgument,
     LeaseLost,
     NotFound,
     Overloaded,
@@ -40,9 +50,9 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.flags import FlagParser, bool_flag, positive_int
-from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
-from wqclient.models import Delivery, Task
+from wqclient.flags import FlagParser, bool_flag, positive_int, queue_list
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS, MAX_LEASE_MS
+from wqclient.models import DEFAULT_QUEUE, Delivery, Task
 from wqclient.transport import AsyncStream
 
 log = logging.getLogger("wqclient.worker")
@@ -55,17 +65,100 @@ _BACKOFF_MAX = 5.0
 _STOP_GRACE = 0.25
 # The broker refused the token: retrying cannot help.
 _REFUSED = (Unauthenticated, PermissionDenied)
+# The shortest wait before trying a failed lease extension again (or half the lease, if shorter).
+_EXTEND_RETRY_MIN = 1.0
+# What an extension can answer that means the task is no longer this worker's.
+_GONE = (LeaseLost, NotFound, StreamEnded)
 
 
 class TaskFailed(Exception):
     """Raise from a handler to fail a task with a message (any exception does the same)."""
 
 
+class Retry(Exception):
+    """Raise from a handler to nack the task with a retry after exactly ``delay_ms`` instead of
+    the broker's backoff (None: the backoff). It still counts an attempt: a task with none left
+    is buried. ``error`` is recorded as the task's last_error.
+
+    >>> raise Retry(delay_ms=60_000, error="rate limited")
+    """
+
+    def __init__(self, delay_ms: int | None = None, error: str | None = None) -> None:
+        if delay_ms is not None and (
+            isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0
+        ):
+            raise ValueError(f"Retry: delay_ms must be an integer from 0, got {delay_ms!r}")
+        super().__init__(error or "")
+        self.delay_ms = delay_ms
+        self.error = error
+
+
+class Fail(Exception):
+    """Raise from a handler to fail the task for good: a terminal nack buries it in the
+    dead-letter queue now, whatever attempts it has left. ``error`` is its last_error.
+
+    >>> raise Fail("the account no longer exists")
+    """
+
+    def __init__(self, error: str | None = None) -> None:
+        super().__init__(error or "")
+        self.error = error
+
+
 def describe(error: BaseException) -> str:
     text = str(error)
-    if isinstance(error, TaskFailed) and text:
+    if isinstance(error, (TaskFailed, Retry, Fail)) and text:
         return text
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+class _Settler(Protocol):
+    """Where a delivery is settled and its lease extended: the client (claim loops) or the
+    stream it came on."""
+
+    async def ack(self, delivery: Delivery) -> None: ...
+
+    async def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None: ...
+
+    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime: ...
+
+
+class _Unary:
+    """Settling and extending through the client's unary calls."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+
+    async def ack(self, delivery: Delivery) -> None:
+        await self._client.ack(delivery)
+
+    async def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        await self._client.nack(delivery, error=error, delay_ms=delay_ms, terminal=terminal)
+
+    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
+        return await self._client.extend(delivery, lease_ms)
+
+
+@dataclass(slots=True)
+class _Lease:
+    """One delivery's lease while its handler runs."""
+
+    deadline: datetime  # the broker's latest deadline for it
+    lost: bool = False  # the broker said it is no longer ours: discard the result
+    done: bool = False  # the handler has finished: extend no more
+    extending: bool = False  # an extension is on its way
 
 
 class Worker:
@@ -75,7 +168,11 @@ class Worker:
     and CA file from ``$WQ_TOKEN`` and ``$WQ_CA_FILE``) or an :class:`AsyncClient` (yours to
     close; ``AsyncClient(url, token=...)`` to give it a token, ``AsyncClient(transport=...)`` to
     run on a transport of your own). At most ``concurrency`` tasks are in hand at once; each claim
-    long-polls up to ``wait_ms`` and holds its task for ``lease_ms``.
+    long-polls up to ``wait_ms`` and holds its task for ``lease_ms`` at first: while the handler
+    runs, the lease is extended by ``lease_ms`` each time half of it has gone by. ``queues``:
+    the queues to take tasks from, in order of preference (a list, or ``"a,b"``; default the
+    broker's, ``["default"]``). ``clock``: what lease extension measures time with (tests pass a
+    fake; default the system's).
 
     ``run()`` raises :class:`~wqclient.Unauthenticated` or :class:`~wqclient.PermissionDenied`
     if the broker refuses the token (after letting the tasks in hand finish).
@@ -89,6 +186,8 @@ class Worker:
         concurrency: int = 3,
         wait_ms: int = DEFAULT_WAIT_MS,
         lease_ms: int = DEFAULT_LEASE_MS,
+        queues: str | Sequence[str] | None = None,
+        clock: Clock | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -101,6 +200,8 @@ class Worker:
         self.concurrency = concurrency
         self.wait_ms = wait_ms
         self.lease_ms = lease_ms
+        self.queues = queues
+        self._clock: Clock = clock or SystemClock()
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = asyncio.Event()
         self._claims: set[asyncio.Task[Delivery | None]] = set()
@@ -108,6 +209,7 @@ class Worker:
         self._refusal: WqError | None = None
         self.succeeded = 0
         self.failed = 0
+        self.discarded = 0  # results thrown away because the lease was lost
 
     @property
     def client(self) -> AsyncClient:
@@ -187,7 +289,7 @@ class Worker:
         failures = 0
         while not self._stopping.is_set():
             claim = asyncio.ensure_future(
-                self._client.claim(wait_ms=self.wait_ms, lease_ms=self.lease_ms)
+                self._client.claim(wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues)
             )
             self._claims.add(claim)
             try:
@@ -209,13 +311,7 @@ class Worker:
             failures = 0
             self._broker_up()
             if delivery is not None:
-                await self._process(delivery, self._ack, self._nack)
-
-    async def _ack(self, delivery: Delivery) -> None:
-        await self._client.ack(delivery)
-
-    async def _nack(self, delivery: Delivery, error: str | None) -> None:
-        await self._client.nack(delivery, error=error)
+                await self._process(delivery, _Unary(self._client))
 
     # -- gRPC: one stream --------------------------------------------------------------------------
 
@@ -224,7 +320,7 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 stream = await self._client.stream(
-                    prefetch=self.concurrency, lease_ms=self.lease_ms
+                    prefetch=self.concurrency, lease_ms=self.lease_ms, queues=self.queues
                 )
             except Unavailable as e:
                 await self._broker_down(e, failures)
@@ -248,12 +344,9 @@ class Worker:
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
-        async def nack(delivery: Delivery, error: str | None = None) -> None:
-            await stream.nack(delivery, error)
-
         async def receive() -> WqError | None:
             async for delivery in stream:
-                task = asyncio.ensure_future(self._process(delivery, stream.ack, nack))
+                task = asyncio.ensure_future(self._process(delivery, stream))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             return None
@@ -272,7 +365,8 @@ class Worker:
                     raise error
                 return None  # the broker ended the stream (it is shutting down)
             # stop(): no new tasks; finish and settle the ones in hand, then end the stream.
-            await stream.drain()
+            coming = await stream.drain()
+            log.debug("drained: %s deliveries unsettled", coming)
             while in_flight:
                 await asyncio.gather(*list(in_flight), return_exceptions=True)
             return None
@@ -283,13 +377,35 @@ class Worker:
 
     # -- one task --------------------------------------------------------------------------------
 
-    async def _process(
-        self,
-        delivery: Delivery,
-        ack: Callable[[Delivery], Awaitable[None]],
-        nack: Callable[[Delivery, str | None], Awaitable[None]],
-    ) -> None:
-        task = delivery.task
+    async def _process(self, delivery: Delivery, settler: _Settler) -> None:
+        """Run the handler on a delivery, keeping its lease alive, then settle it."""
+        lease = _Lease(delivery.deadline)
+        keeper = asyncio.ensure_future(self._keep(delivery, settler, lease))
+        try:
+            error = await self._handle(delivery.task)
+        finally:
+            lease.done = True
+            if not lease.extending:
+                keeper.cancel()  # it is asleep: an extension on its way is let finish
+            [kept] = await asyncio.gather(keeper, return_exceptions=True)
+            if isinstance(kept, Exception):
+                log.error("task %s: extending its lease failed: %r", delivery.task.id, kept)
+        if lease.lost:
+            self.discarded += 1
+            log.warning(
+                "task %s: its lease was lost while the handler ran; the result is discarded",
+                delivery.task.id,
+            )
+            return
+        if error is None:
+            self.succeeded += 1
+            await self._settle(delivery, lease, lambda: settler.ack(delivery))
+            return
+        self.failed += 1
+        await self._settle_failure(delivery, lease, settler, error)
+
+    async def _handle(self, task: Task) -> Exception | None:
+        """Run the handler; what it raised, or None."""
         try:
             if self._is_async:
                 await self._handler(task)
@@ -297,8 +413,22 @@ class Worker:
                 loop = asyncio.get_running_loop()
                 await loop.run_in_executor(self._executor, self._handler, task)
         except Exception as e:
-            self.failed += 1
-            message = describe(e)
+            return e
+        return None
+
+    async def _settle_failure(
+        self, delivery: Delivery, lease: _Lease, settler: _Settler, error: Exception
+    ) -> None:
+        task = delivery.task
+        message = describe(error)
+        delay_ms = error.delay_ms if isinstance(error, Retry) else None
+        terminal = isinstance(error, Fail)
+        if terminal:
+            log.warning("task %s failed for good: %s", task.id, message)
+        elif isinstance(error, Retry):
+            when = "after the backoff" if delay_ms is None else f"in {delay_ms} ms"
+            log.info("task %s: retry %s asked for: %s", task.id, when, message)
+        else:
             log.warning(
                 "task %s failed (attempt %d of %d): %s",
                 task.id,
@@ -306,12 +436,72 @@ class Worker:
                 task.max_attempts,
                 message,
             )
-            await self._settle(delivery, lambda: nack(delivery, message))
-        else:
-            self.succeeded += 1
-            await self._settle(delivery, lambda: ack(delivery))
+        if delay_ms is None and not terminal:
+            await self._settle(delivery, lease, lambda: settler.nack(delivery, message))
+            return
 
-    async def _settle(self, delivery: Delivery, call: Callable[[], Awaitable[None]]) -> None:
+        async def nack() -> None:
+            try:
+                if terminal:
+                    await settler.nack(delivery, message, terminal=True)
+                else:
+                    await settler.nack(delivery, message, delay_ms=delay_ms)
+            except InvalidArgument as e:
+                log.warning(
+                    "task %s: the broker refused the nack's options (%s); nacking plainly",
+                    task.id,
+                    e.message,
+                )
+                await settler.nack(delivery, message)
+
+        await self._settle(delivery, lease, nack)
+
+    async def _keep(self, delivery: Delivery, settler: _Settler, lease: _Lease) -> None:
+        """While the handler runs, extend the lease each time half of it has gone by."""
+        span = min(self.lease_ms, MAX_LEASE_MS) / 1000  # the broker caps leases
+        expires = self._clock.monotonic() + span
+        wait = span / 2
+        while True:
+            await self._clock.sleep(wait)
+            if lease.done:
+                return
+            lease.extending = True
+            asked = self._clock.monotonic()
+            try:
+                lease.deadline = await settler.extend(delivery, self.lease_ms)
+            except _GONE as e:
+                lease.lost = True
+                log.warning(
+                    "task %s: the lease could not be extended: it is lost (%s); the handler's "
+                    "result will be discarded",
+                    delivery.task.id,
+                    e.message,
+                )
+                return
+            except WqError as e:
+                wait = self._extend_failed(delivery, e, expires - asked, span)
+                continue
+            finally:
+                lease.extending = False
+            expires, wait = asked + span, span / 2
+
+    def _extend_failed(self, delivery: Delivery, error: WqError, left: float, span: float) -> float:
+        """An extension failed (not for a lost lease): say so; how long to wait to try again."""
+        if isinstance(error, _REFUSED):
+            self._refused(error)
+        wait = max(left / 2, min(span / 2, _EXTEND_RETRY_MIN))
+        log.warning(
+            "task %s: could not extend the lease (%s: %s); trying again in %.1fs",
+            delivery.task.id,
+            type(error).__name__,
+            error.message,
+            wait,
+        )
+        return wait
+
+    async def _settle(
+        self, delivery: Delivery, lease: _Lease, call: Callable[[], Awaitable[None]]
+    ) -> None:
         """Ack or nack, retrying while the broker is unreachable and the lease still holds."""
         attempt = 0
         while True:
@@ -336,7 +526,7 @@ class Worker:
                 self._refused(e)
                 return
             except Unavailable as e:
-                if datetime.now(UTC) >= delivery.deadline:
+                if datetime.now(UTC) >= lease.deadline:
                     log.warning(
                         "task %s: could not report to the broker before the lease ran out (%s)",
                         delivery.task.id,
@@ -438,7 +628,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--lease-ms",
         type=positive_int,
         default=DEFAULT_LEASE_MS,
-        help=f"how long to claim each task for (default {DEFAULT_LEASE_MS})",
+        help="how long to claim each task for at first; while its handler runs, the lease is "
+        f"extended by as much each time half of it has gone by (default {DEFAULT_LEASE_MS})",
+    )
+    p.add_argument(
+        "-queue",
+        "--queue",
+        type=queue_list,
+        default=[DEFAULT_QUEUE],
+        metavar="NAMES",
+        help="the queues to take tasks from, comma-separated, in order of preference: the first "
+        f'with a ready task wins (default "{DEFAULT_QUEUE}")',
     )
     add_auth_flags(p)
     p.add_argument(
@@ -471,12 +671,20 @@ async def _main(args: argparse.Namespace) -> int:
         concurrency=args.concurrency,
         wait_ms=args.wait_ms,
         lease_ms=args.lease_ms,
+        queues=None if args.queue == [DEFAULT_QUEUE] else args.queue,  # as the spec's worker
     )
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, worker.stop)
     mode = "streaming" if client.can_stream else "long-polling"
-    log.info("%d workers %s %s, logging to %s", args.concurrency, mode, args.broker, args.log_file)
+    log.info(
+        "%d workers %s %s (queues %s), logging to %s",
+        args.concurrency,
+        mode,
+        args.broker,
+        ",".join(args.queue),
+        args.log_file,
+    )
     try:
         await worker.run()
     except _REFUSED:

@@ -1,4 +1,5 @@
-"""The HTTP/JSON gateway: the spec's API, exactly, over aiohttp."""
+"""The HTTP/JSON gateway: the spec's API, exactly, and the additions of issue 11 (queues,
+priorities, leases, keys, lookups, DLQ bulk operations), over aiohttp."""
 
 from wqbroker.http.app import create_app, make_runner
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT

@@ -45,7 +45,7 @@ from wqbroker.http.transport import (
     json_response,
     read_body,
 )
-from wqbroker.models import Delivery, Stats, Task
+from wqbroker.models import Delivery, Enqueued, QueueStats, Stats, Task, TaskState
 from wqbroker.service import Service
 
 log = logging.getLogger("wqbroker.http")
@@ -67,6 +67,15 @@ SERVICE: Final = web.AppKey("service", Service)
 
 _ENQUEUE_RAW: Final = frozenset({"payload"})
 
+IDEMPOTENCY_KEY: Final = "Idempotency-Key"
+
+# A task id in a path where a fixed word sits at the same place: anything but that word (no task
+# is called so). Else a method the fixed route does not take would fall through to the task's
+# route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
+# DELETE /dlq/requeue to the purge of a task "requeue".
+_JOB_ID: Final = "{id:(?!next$)[^{}/]+}"
+_DEAD_ID: Final = "{id:(?!requeue$)[^{}/]+}"
+
 
 # -- rendering ----------------------------------------------------------------------------------
 
@@ -81,9 +90,34 @@ def render_task(task: Task) -> bytes:
             (
                 f',"attempts":{task.attempts},"max_attempts":{task.max_attempts},'
                 f'"created_at":"{ts(task.created_at)}","available_at":"{ts(task.available_at)}",'
-                f'"last_error":{error}}}'
+                f'"last_error":{error},"queue":"{task.queue}","priority":{task.priority}}}'
             ).encode(),
         )
+    )
+
+
+def render_task_state(found: TaskState) -> bytes:
+    """The task view plus its ``state`` (never a lease id)."""
+    return render_task(found.task)[:-1] + f',"state":"{found.state}"}}'.encode()
+
+
+def render_enqueued(enqueued: Enqueued) -> web.Response:
+    """201 {"id"} for a new task; 200 {"id", "duplicate": true} when a key matched."""
+    if enqueued.duplicate:
+        return json_response(f'{{"id":"{enqueued.id}","duplicate":true}}'.encode(), 200)
+    return json_response(f'{{"id":"{enqueued.id}"}}'.encode(), 201)
+
+
+def render_queue(queue: QueueStats) -> bytes:
+    return codec.dumps(
+        {
+            "name": queue.name,
+            "ready": queue.ready,
+            "handed_out": queue.handed_out,
+            "delayed": queue.delayed,
+            "dead": queue.dead,
+            "paused": queue.paused,
+        }
     )
 
 
@@ -130,15 +164,43 @@ def _query_int(request: web.Request, name: str) -> int | None:
     return codec.parse_int(text)  # never converts more than int64's 19 digits
 
 
+def _lease_id(request: web.Request) -> str:
+    lease_id = _query_str(request, "lease_id")
+    if lease_id is None:
+        raise InvalidArgument("lease_id is required (a query parameter)")
+    return lease_id
+
+
+def _idempotency_key(request: web.Request) -> str | None:
+    """The ``Idempotency-Key`` header as sent (the service checks it), or None."""
+    values = request.headers.getall(IDEMPOTENCY_KEY, [])
+    if len(values) > 1:
+        raise InvalidArgument(f"the {IDEMPOTENCY_KEY} header is given more than once")
+    return values[0] if values else None
+
+
+def _optional_object(body: bytes) -> dict[str, object]:
+    """A body that may be empty (nothing but whitespace) or a JSON object."""
+    if not body.strip(b" \t\r\n"):
+        return {}
+    return codec.parse_object(body)
+
+
 # -- handlers -----------------------------------------------------------------------------------
 
 
 async def enqueue(request: web.Request) -> web.Response:
+    key = _idempotency_key(request)
     fields = codec.parse_object(await read_body(request), _ENQUEUE_RAW)
-    task = await request.app[SERVICE].enqueue(
-        fields.get("payload"), fields.get("max_attempts"), fields.get("delay_ms")
+    enqueued = await request.app[SERVICE].enqueue(
+        fields.get("payload"),
+        fields.get("max_attempts"),
+        fields.get("delay_ms"),
+        queue=fields.get("queue"),
+        priority=fields.get("priority"),
+        key=key,
     )
-    return json_response(f'{{"id":"{task.id}"}}'.encode(), 201)
+    return render_enqueued(enqueued)
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
@@ -156,44 +218,86 @@ async def claim(request: web.Request) -> web.StreamResponse:
         await answer.write_eof()
 
     await request.app[SERVICE].claim(
-        _query_int(request, "wait_ms"), _query_int(request, "lease_ms"), hand_over
+        _query_int(request, "wait_ms"),
+        _query_int(request, "lease_ms"),
+        hand_over,
+        queues=_query_str(request, "queue"),
     )
     return answer if answer is not None else web.Response(status=204)
 
 
 async def ack(request: web.Request) -> web.Response:
     task_id = request.match_info["id"]
-    lease_id = _query_str(request, "lease_id")
-    if lease_id is None:
-        raise InvalidArgument("lease_id is required (a query parameter)")
+    lease_id = _lease_id(request)
     await request.app[SERVICE].ack(task_id, lease_id)
     return web.Response(status=204)
 
 
 async def nack(request: web.Request) -> web.Response:
     task_id = request.match_info["id"]
-    lease_id = _query_str(request, "lease_id")
-    if lease_id is None:
-        raise InvalidArgument("lease_id is required (a query parameter)")
-    body = await read_body(request)
-    error = None
-    if body.strip(b" \t\r\n"):
-        error = codec.parse_object(body).get("error")
-    await request.app[SERVICE].nack(task_id, lease_id, error)
+    lease_id = _lease_id(request)
+    fields = _optional_object(await read_body(request))
+    await request.app[SERVICE].nack(
+        task_id,
+        lease_id,
+        fields.get("error"),
+        delay_ms=fields.get("delay_ms"),
+        terminal=fields.get("terminal"),
+    )
     return web.Response(status=204)
 
 
+async def extend(request: web.Request) -> web.Response:
+    task_id = request.match_info["id"]
+    lease_id = _lease_id(request)
+    deadline = await request.app[SERVICE].extend(task_id, lease_id, _query_int(request, "lease_ms"))
+    return json_response(f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode())
+
+
+async def lookup_task(request: web.Request) -> web.Response:
+    found = await request.app[SERVICE].lookup(request.match_info["id"])
+    return json_response(render_task_state(found))
+
+
 async def stats(request: web.Request) -> web.Response:
-    return json_response(render_stats(await request.app[SERVICE].stats()))
+    found = await request.app[SERVICE].stats(_query_str(request, "queue"))
+    return json_response(render_stats(found))
+
+
+async def queues(request: web.Request) -> web.Response:
+    rows = await request.app[SERVICE].queues()
+    return json_response(b"[" + b",".join(render_queue(q) for q in rows) + b"]")
+
+
+async def pause(request: web.Request) -> web.Response:
+    await request.app[SERVICE].pause(request.match_info["name"])
+    return web.Response(status=204)
+
+
+async def resume(request: web.Request) -> web.Response:
+    await request.app[SERVICE].resume(request.match_info["name"])
+    return web.Response(status=204)
 
 
 async def dlq(request: web.Request) -> web.Response:
-    tasks = await request.app[SERVICE].dead_letters(_query_int(request, "limit"))
+    tasks = await request.app[SERVICE].dead_letters(
+        _query_int(request, "limit"), queue=_query_str(request, "queue")
+    )
     return json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
 
 
 async def requeue(request: web.Request) -> web.Response:
     await request.app[SERVICE].requeue(request.match_info["id"])
+    return web.Response(status=204)
+
+
+async def requeue_all(request: web.Request) -> web.Response:
+    count = await request.app[SERVICE].requeue_all(_query_str(request, "queue"))
+    return json_response(f'{{"requeued":{count}}}'.encode())
+
+
+async def purge(request: web.Request) -> web.Response:
+    await request.app[SERVICE].purge(request.match_info["id"])
     return web.Response(status=204)
 
 
@@ -266,11 +370,18 @@ def create_app(
     expect = expect_continue
     routes.add_post("/jobs", enqueue, expect_handler=expect)
     routes.add_get("/jobs/next", claim, allow_head=False, expect_handler=expect)
+    routes.add_get(f"/jobs/{_JOB_ID}", lookup_task, expect_handler=expect)
     routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)
     routes.add_post("/jobs/{id}/nack", nack, expect_handler=expect)
+    routes.add_post("/jobs/{id}/extend", extend, expect_handler=expect)
     routes.add_get("/stats", stats, expect_handler=expect)
+    routes.add_get("/queues", queues, expect_handler=expect)
+    routes.add_post("/queues/{name}/pause", pause, expect_handler=expect)
+    routes.add_post("/queues/{name}/resume", resume, expect_handler=expect)
     routes.add_get("/dlq", dlq, expect_handler=expect)
+    routes.add_post("/dlq/requeue", requeue_all, expect_handler=expect)
     routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
+    routes.add_delete(f"/dlq/{_DEAD_ID}", purge, expect_handler=expect)
     routes.add_get("/healthz", healthz, expect_handler=expect)
     return app
 

@@ -117,8 +117,7 @@ class Record:
         "deadline",
         "state",
         "seq",
-        "queue",
-        "priority",
+        "lane",
     )
 
     def __init__(
@@ -134,8 +133,7 @@ class Record:
         last_error: str | None = None,
         lease_id: str | None = None,
         deadline: float = 0.0,
-        queue: Queue | None = None,
-        priority: int = 0,
+        lane: Lane | None = None,
     ) -> None:
         self.id = task_id
         self.payload = payload
@@ -148,8 +146,15 @@ class Record:
         self.deadline = deadline
         self.state = state
         self.seq = seq
-        self.queue: Queue = queue if queue is not None else _NOWHERE
-        self.priority = priority
+        self.lane: Lane = lane if lane is not None else _NOWHERE
+
+    @property
+    def queue(self) -> Queue:
+        return self.lane.queue
+
+    @property
+    def priority(self) -> int:
+        return self.lane.priority
 
     @property
     def task_id(self) -> str:
@@ -164,17 +169,20 @@ class Record:
             self.created_at,
             self.available_at,
             self.last_error,
-            self.queue.name,
-            self.priority,
+            self.lane.queue.name,
+            self.lane.priority,
         )
 
 
 class Lane:
-    """One priority of one queue: its ready tasks, oldest first (records, then cold ids)."""
+    """One priority of one queue: its ready tasks, oldest first (records, then cold ids). A
+    record points at its lane, which gives its queue and priority (one slot, not two)."""
 
-    __slots__ = ("hot", "cold")
+    __slots__ = ("queue", "priority", "hot", "cold")
 
-    def __init__(self) -> None:
+    def __init__(self, queue: Queue, priority: int) -> None:
+        self.queue = queue
+        self.priority = priority
         self.hot: deque[Record] = deque()
         self.cold: deque[int] | None = None  # ids of ready tasks behind ``hot``, not in memory
 
@@ -201,7 +209,7 @@ class Queue:
     def lane(self, priority: int) -> Lane:
         lane = self.lanes[priority]
         if lane is None:
-            lane = self.lanes[priority] = Lane()
+            lane = self.lanes[priority] = Lane(self, priority)
         return lane
 
     def stats(self) -> Stats:
@@ -213,7 +221,8 @@ class Queue:
         )
 
 
-_NOWHERE: Final = Queue(DEFAULT_QUEUE)  # (only a record's default, before it is placed)
+# Only a record's default lane, before it is placed.
+_NOWHERE: Final = Lane(Queue(DEFAULT_QUEUE), 0)
 
 
 class Journal(Protocol):
@@ -392,8 +401,7 @@ class Index:
             new.max_attempts,
             now,
             now + new.delay if new.delay > 0 else now,
-            queue=q,
-            priority=new.priority,
+            lane=q.lane(new.priority),
         )
         if new.delay > 0:
             self._delay(record)
@@ -526,13 +534,14 @@ class Index:
         record.state = READY
         record.attempts -= 1
         self.totals.delivered -= 1
-        q = record.queue
+        lane = record.lane
+        q = lane.queue
         q.totals.delivered -= 1
         if self._journal is not None:
             self._head -= 1
             record.seq = self._head
-        q.lane(record.priority).hot.appendleft(record)
-        q.mask |= 1 << record.priority
+        lane.hot.appendleft(record)
+        q.mask |= 1 << lane.priority
         q.ready += 1
         self._ready += 1
         self._hot += 1
@@ -614,13 +623,15 @@ class Index:
             q.ready += 1
             self._ready += 1
 
-    def restore(self, records: Iterable[tuple[Record, str]]) -> None:
-        """Put back handed-out, delayed and dead records (with their queue's name) read from
+    def restore(self, records: Iterable[tuple[Record, str, int]]) -> None:
+        """Put back handed-out, delayed and dead records (with their queue's name and their
+        priority) read from
         storage, in any order (the dead-letter queue is put in the order of ``seq``). Call
         :meth:`restored` at the end."""
         dead: list[Record] = []
-        for record, name in records:
-            record.queue = q = self._restored_queue(name)
+        for record, name, priority in records:
+            q = self._restored_queue(name)
+            record.lane = q.lane(priority)
             self._seq = max(self._seq, record.seq)
             if record.state == DEAD:
                 dead.append(record)
@@ -692,9 +703,9 @@ class Index:
         record.state = READY
         if self._journal is not None:  # (only a journal needs ready tasks numbered)
             record.seq = self._next_seq()
-        q = record.queue
-        lane = q.lane(record.priority)
-        q.mask |= 1 << record.priority
+        lane = record.lane
+        q = lane.queue
+        q.mask |= 1 << lane.priority
         q.ready += 1
         self._ready += 1
         if lane.cold or (self._hot_max is not None and self._hot >= self._hot_max):

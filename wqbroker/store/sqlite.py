@@ -256,8 +256,9 @@ def _key(n: int) -> int:
     return n - _OFFSET
 
 
-def _record(row: Sequence[Any]) -> tuple[Record, str]:
-    """A task's record, and its queue's name, from a row as _LOAD_OTHERS (or _WARM) reads it."""
+def _record(row: Sequence[Any]) -> tuple[Record, str, int]:
+    """A task's record, its queue's name and its priority, from a row as _LOAD_OTHERS (or
+    _WARM) reads it."""
     key, attempts, max_attempts, available_at, state, lease_id, deadline, seq, error = row[:9]
     record = Record(
         key + _OFFSET,
@@ -271,9 +272,8 @@ def _record(row: Sequence[Any]) -> tuple[Record, str]:
         error,
         lease_id,
         deadline or _NO_TIME,
-        priority=row[9],
     )
-    return record, row[10]
+    return record, row[10], row[9]
 
 
 def _schema_version(conn: sqlite3.Connection) -> int | None:
@@ -684,8 +684,8 @@ class SqliteStore:
             records = []
             for n_id in itertools.takewhile(lambda i: i in rows, ids):
                 row = rows[n_id]
-                record, queue = _record(row)
-                record.queue = self._index.queue(queue)
+                record, queue, priority = _record(row)
+                record.lane = self._index.queue(queue).lane(priority)
                 records.append(record)
                 self._journal.cache.put(n_id, row[11], row[12])
             if not records:
