@@ -19,8 +19,8 @@ from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
 from wqbroker.dispatch import Poller, Stream
 from wqbroker.errors import InvalidArgument, NotFound
-from wqbroker.models import Delivery, Stats
-from wqbroker.service import Service
+from wqbroker.models import Delivery, Enqueued, Stats, Task
+from wqbroker.service import Service, Submission
 from wqbroker.store import Store
 
 PAYLOAD = b'{"line": "hello"}'
@@ -28,6 +28,14 @@ PAYLOAD = b'{"line": "hello"}'
 
 def payload(n: int) -> bytes:
     return b'{"n": %d}' % n
+
+
+def task_of(done: Enqueued) -> Task:
+    """The new task of an enqueue (not a duplicate)."""
+    assert not done.duplicate
+    assert done.task is not None
+    assert done.task.id == done.id
+    return done.task
 
 
 async def answer(claim: asyncio.Task[Delivery | None]) -> Delivery | None:
@@ -70,7 +78,7 @@ async def pending_next(stream: Stream) -> asyncio.Task[Delivery | None]:
 
 
 async def test_enqueue_defaults(service: Service, clock: FakeClock) -> None:
-    view = await service.enqueue(PAYLOAD)
+    view = task_of(await service.enqueue(PAYLOAD))
     assert view.max_attempts == 3
     assert view.attempts == 0
     assert view.available_at == clock.now()
@@ -107,7 +115,7 @@ async def test_max_attempts_must_be_a_positive_integer(service: Service, value: 
 
 @pytest.mark.parametrize("value", [1, 7, 2**31 - 1])
 async def test_max_attempts_accepts_positive_integers(service: Service, value: int) -> None:
-    view = await service.enqueue(PAYLOAD, max_attempts=value)
+    view = task_of(await service.enqueue(PAYLOAD, max_attempts=value))
     assert view.max_attempts == value
 
 
@@ -128,7 +136,7 @@ async def test_delay_ms_zero_is_ready_at_once(service: Service) -> None:
 
 
 async def test_delay_ms_holds_the_task_back(service: Service, clock: FakeClock) -> None:
-    view = await service.enqueue(PAYLOAD, delay_ms=1500)
+    view = task_of(await service.enqueue(PAYLOAD, delay_ms=1500))
     assert view.available_at == clock.now() + 1.5
     assert await gauges(service) == (0, 0, 1, 0)
     assert await service.claim(wait_ms=0) is None
@@ -140,17 +148,17 @@ async def test_delay_ms_holds_the_task_back(service: Service, clock: FakeClock) 
 
 
 async def test_enqueue_many_is_all_or_nothing(service: Service) -> None:
-    items: list[tuple[bytes, object | None, object | None]] = [
-        (payload(1), None, None),
-        (payload(2), True, None),
-        (payload(3), 2, None),
+    items = [
+        Submission(payload(1), None, None),
+        Submission(payload(2), True, None),
+        Submission(payload(3), 2, None),
     ]
     with pytest.raises(InvalidArgument) as err:
         await service.enqueue_many(items)
     assert "tasks[1]" in err.value.message
     assert "max_attempts" in err.value.message
     with pytest.raises(InvalidArgument) as err:
-        await service.enqueue_many([(payload(1), None, None), (payload(2), None, -5)])
+        await service.enqueue_many([Submission(payload(1)), Submission(payload(2), None, -5)])
     assert "tasks[1]" in err.value.message
     assert "delay_ms" in err.value.message
     assert (await service.stats()).totals.enqueued == 0
@@ -161,9 +169,10 @@ async def test_enqueue_many_feeds_parked_claims_and_schedules_delayed_tasks(
 ) -> None:
     first = await park(service, wait_ms=20_000)
     second = await park(service, wait_ms=20_000)
-    views = await service.enqueue_many(
-        [(payload(1), None, None), (payload(2), 5, 1500), (payload(3), 1, 0)]
+    done = await service.enqueue_many(
+        [Submission(payload(1)), Submission(payload(2), 5, 1500), Submission(payload(3), 1, 0)]
     )
+    views = [task_of(e) for e in done]
     assert [v.max_attempts for v in views] == [3, 5, 1]
     d1, d2 = await answer(first), await answer(second)
     assert d1 is not None
