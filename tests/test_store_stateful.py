@@ -22,7 +22,7 @@ import asyncio
 import random
 import tempfile
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Collection, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -416,7 +416,8 @@ class StoreMachine(RuleBasedStateMachine):
             )
             for i in chosen[split:]
         ]
-        if self.old_leases and data.draw(st.booleans(), label="stale"):
+        stale = data.draw(st.booleans(), label="stale")
+        if self.old_leases and stale:
             task_id, lease_id = data.draw(st.sampled_from(self.old_leases), label="stale lease")
             acks.append((task_id, lease_id))
         acked, nacked = self.run(self.store.settle_many(acks, nacks, now=self.now))
@@ -548,7 +549,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def lookup(self, data: st.DataObject) -> None:
-        candidates = sorted({*self.tasks, *self.acked, *self.purged}) + ["no-such-task"]
+        candidates = [*sorted({*self.tasks, *self.acked, *self.purged}), "no-such-task"]
         task_id = data.draw(st.sampled_from(candidates), label="looked up")
         found = self.run(self.store.lookup(task_id))
         task = self.tasks.get(task_id)
@@ -642,8 +643,8 @@ class StoreMachine(RuleBasedStateMachine):
         assert not (self.acked | self.purged) & set(self.tasks)
 
     def expect_stats(self, stats: Stats, tasks: list[ModelTask], totals: Totals) -> None:
-        def n(ids: object) -> int:
-            return sum(1 for t in tasks if t.id in ids)  # type: ignore[operator]
+        def n(ids: Collection[str]) -> int:
+            return sum(1 for t in tasks if t.id in ids)
 
         ready = set(self.ready_ids())
         gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead)
