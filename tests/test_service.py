@@ -1329,3 +1329,24 @@ async def test_requeue_all_and_purge(service: Service) -> None:
     assert gauges_sum == stats.totals.enqueued - stats.totals.acked - stats.totals.purged
     assert await service.requeue_all() == 0
     assert (await service.stats("b")).totals.purged == 1
+
+
+async def test_a_shortened_lease_is_reclaimed_at_its_new_deadline(
+    store: Store, clock: FakeClock
+) -> None:
+    # A sweeper that ticks only once a minute as a safety net: the reclaim must come from the
+    # service telling it when the new deadline is, not from a tick.
+    svc = Service(store, clock, sweep_interval=60.0)
+    await svc.start()
+    try:
+        task = await svc.enqueue(PAYLOAD)
+        d = await svc.claim(wait_ms=0, lease_ms=300_000)
+        assert d is not None
+        clock.advance(1.0)
+        await settle()
+        assert await svc.extend(d.task.id, d.lease_id, 2000) == clock.now() + 2.0
+        clock.advance(2.0)
+        await wait_until(svc.stats, reclaimed_more_than(0), what="the reclaim at the new deadline")
+        assert (await svc.lookup(task.id)).state == "delayed"
+    finally:
+        await svc.close()

@@ -320,7 +320,9 @@ class Service:
         (default and cap as for claims)."""
         tid, lid = _ack_item((task_id, lease_id))
         lease = limits.lease_seconds(lease_ms)
-        return await self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+        deadline = await self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+        self._sweeper.wake_by(deadline)  # a shortened lease is reclaimed at its new deadline
+        return deadline
 
     # -- looking, the dead-letter queue, queues, stats, the clock -----------------------------
 
