@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -19,9 +19,10 @@ from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
 from wqbroker.dispatch import Poller, Stream
 from wqbroker.errors import InvalidArgument, LeaseLost, NotFound
-from wqbroker.models import Delivery, Enqueued, Stats, Task
+from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, Stats, Task
 from wqbroker.service import Service, Submission
 from wqbroker.store import Store
+from wqbroker.store.memory import MemoryStore
 
 PAYLOAD = b'{"line": "hello"}'
 
@@ -1348,5 +1349,56 @@ async def test_a_shortened_lease_is_reclaimed_at_its_new_deadline(
         clock.advance(2.0)
         await wait_until(svc.stats, reclaimed_more_than(0), what="the reclaim at the new deadline")
         assert (await svc.lookup(task.id)).state == "delayed"
+    finally:
+        await svc.close()
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose batch claims suspend until the test opens the gate, as a durable
+    store's do while they commit."""
+
+    never_suspends = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: asyncio.Event | None = None
+        self.held_up = 0  # claims waiting at the gate
+
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
+        got = await super().claim_many(leases, now=now, queues=queues)
+        if self.gate is not None:
+            self.held_up += 1
+            await self.gate.wait()
+            self.held_up -= 1
+        return got
+
+
+async def test_a_stream_drained_while_a_claim_for_it_commits_gets_nothing_new(
+    clock: FakeClock,
+) -> None:
+    store = GatedStore()
+    svc = Service(store, clock)
+    await svc.start()
+    try:
+        stream = await svc.open_stream(2, None)
+        store.gate = gate = asyncio.Event()
+        enqueue = asyncio.ensure_future(svc.enqueue(PAYLOAD))
+        await wait_until(lambda: store.held_up == 1, what="the pump's claim to be under way")
+        await stream.drain()
+        gate.set()
+        await enqueue
+        await settle()
+        # the task claimed for it went back to ready, and the stream is out of line for good
+        assert (stream.pending, stream.unsettled) == (0, 0)
+        assert await gauges(svc) == (1, 0, 0, 0)
+        assert svc.waiting == 0
+        store.gate = None
+        await svc.enqueue(PAYLOAD)
+        await settle()
+        assert stream.pending == 0
+        assert await gauges(svc) == (2, 0, 0, 0)
+        await stream.close()
     finally:
         await svc.close()
