@@ -1463,6 +1463,20 @@ async def test_requeue_all_of_one_queue(store: Store) -> None:
     assert await store.requeue_all(queue="a", now=NOW + 2) == (0, [])
 
 
+async def test_requeue_past_the_hot_window(store: Store) -> None:
+    # SQLite keeps 3 ready tasks in memory in tests: a requeued task behind them goes cold.
+    doomed = await enqueue(store, max_attempts=1)
+    await bury(store, doomed, "x")
+    ready = [await enqueue(store, now=NOW + 1 + i) for i in range(5)]
+    assert await store.requeue(doomed, now=NOW + 10) == DEFAULT_QUEUE
+    await bury_from(store, "q", await enqueue(store, queue="q", max_attempts=1))
+    assert await store.requeue_all(now=NOW + 10) == (1, ["q"])
+    assert await claimed_ids(store, 6, [DEFAULT_QUEUE], NOW + 10) == [*ready, doomed]
+    found = await store.lookup(doomed)
+    assert found is not None
+    assert (found.state, found.task.attempts, found.task.last_error) == ("handed_out", 1, None)
+
+
 async def test_purge_drops_a_dead_task_for_good(store: Store) -> None:
     keep = await enqueue(store, max_attempts=1)
     gone = await enqueue(store, max_attempts=1, queue="q")
