@@ -1402,3 +1402,19 @@ async def test_a_stream_drained_while_a_claim_for_it_commits_gets_nothing_new(
         await stream.close()
     finally:
         await svc.close()
+
+
+async def test_the_dedup_window_comes_from_the_constructor(store: Store, clock: FakeClock) -> None:
+    svc = Service(store, clock, dedup_window=2.0)
+    await svc.start()
+    try:
+        first = await svc.enqueue(PAYLOAD, key="k", queue="q")
+        clock.advance(1.75)
+        await settle()
+        assert await svc.enqueue(PAYLOAD, key="k", queue="q") == Enqueued(first.id, True, None)
+        assert not (await svc.enqueue(PAYLOAD, key="k")).duplicate  # another queue
+        clock.advance(0.25)
+        await settle()
+        assert not (await svc.enqueue(PAYLOAD, key="k", queue="q")).duplicate
+    finally:
+        await svc.close()
