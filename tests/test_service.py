@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
 from wqbroker.dispatch import Poller, Stream
-from wqbroker.errors import InvalidArgument, LeaseLost, NotFound
+from wqbroker.errors import InvalidArgument, LeaseLost, NotFound, Overloaded
 from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, Stats, Task
 from wqbroker.service import Service, Submission
 from wqbroker.store import Store
@@ -1418,3 +1418,51 @@ async def test_the_dedup_window_comes_from_the_constructor(store: Store, clock: 
         assert not (await svc.enqueue(PAYLOAD, key="k", queue="q")).duplicate
     finally:
         await svc.close()
+
+
+# -- limits of issue 11: duplicates take no room; the number of queues is bounded ---------------
+
+
+async def test_a_duplicate_at_the_task_limit_is_still_answered_as_a_duplicate(
+    service: Service,
+) -> None:
+    first = await service.enqueue(PAYLOAD, key="k-1")
+    service.max_tasks = 1  # full: the one task above
+    with pytest.raises(Overloaded):
+        await service.enqueue(PAYLOAD, key="k-2")
+    again = await service.enqueue(PAYLOAD, key="k-1")
+    assert again.duplicate
+    assert again.id == first.id
+    done = await service.enqueue_many([Submission(PAYLOAD, key="k-1")] * 3)
+    assert [d.duplicate for d in done] == [True, True, True]
+    assert (await service.stats()).totals.enqueued == 1
+
+
+async def test_a_batch_counts_a_key_repeated_within_it_once(service: Service) -> None:
+    service.max_tasks = 1
+    done = await service.enqueue_many([Submission(PAYLOAD, key="same")] * 2)
+    assert [d.duplicate for d in done] == [False, True]
+    assert done[1].id == done[0].id
+
+
+async def test_new_queues_past_the_limit_are_refused_and_existing_ones_still_work(
+    service: Service,
+) -> None:
+    service.max_queues = 3
+    await service.enqueue(PAYLOAD)  # default
+    await service.enqueue(PAYLOAD, queue="a")
+    await service.pause("b")
+    with pytest.raises(Overloaded, match="at most 3 queues") as e:
+        await service.enqueue(PAYLOAD, queue="c")
+    assert "queue c would be a new one" in e.value.message
+    with pytest.raises(Overloaded):
+        await service.pause("d")
+    with pytest.raises(Overloaded):
+        await service.enqueue_many([Submission(PAYLOAD, queue="a"), Submission(PAYLOAD, queue="e")])
+    assert (await service.stats()).totals.enqueued == 2  # the refused batch left nothing
+    await service.enqueue(PAYLOAD, queue="a")
+    await service.resume("b")
+    assert [q.name for q in await service.queues()] == ["a", "b", "default"]
+    service.max_queues = 0  # no limit
+    await service.enqueue(PAYLOAD, queue="c")
+    assert len(await service.queues()) == 4

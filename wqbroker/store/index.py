@@ -318,6 +318,13 @@ class Index:
             totals=self.totals.copy(),
         )
 
+    @property
+    def queue_count(self) -> int:
+        return len(self._queues)
+
+    def has_queue(self, name: str) -> bool:
+        return name in self._queues
+
     def queue_rows(self) -> list[QueueStats]:
         """Every queue known, by name."""
         return [self._queues[name].row() for name in sorted(self._queues)]

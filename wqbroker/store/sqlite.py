@@ -855,6 +855,15 @@ class SqliteStore:
     def held_hint(self) -> int | None:
         return self._index.held_count
 
+    def queue_hint(self, queue: str) -> bool | None:
+        return self._index.has_queue(queue)
+
+    def queue_count_hint(self) -> int | None:
+        return self._index.queue_count
+
+    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
+        return self._index.key_owner(queue, key, now) is not None
+
     def ready_hint(self) -> int | None:
         return self._index.ready_count
 
