@@ -257,6 +257,7 @@ def test_quick_start_100_lines_and_the_queue_drains(transport: str, tmp_path: Pa
         "retried": 0,
         "buried": 0,
         "requeued": 0,
+        "purged": 0,
     }
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import pytest
@@ -18,16 +18,25 @@ import pytest
 from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
 from wqbroker.dispatch import Poller, Stream
-from wqbroker.errors import InvalidArgument, NotFound
-from wqbroker.models import Delivery, Stats
-from wqbroker.service import Service
+from wqbroker.errors import InvalidArgument, LeaseLost, NotFound, Overloaded
+from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, Stats, Task
+from wqbroker.service import Service, Submission
 from wqbroker.store import Store
+from wqbroker.store.memory import MemoryStore
 
 PAYLOAD = b'{"line": "hello"}'
 
 
 def payload(n: int) -> bytes:
     return b'{"n": %d}' % n
+
+
+def task_of(done: Enqueued) -> Task:
+    """The new task of an enqueue (not a duplicate)."""
+    assert not done.duplicate
+    assert done.task is not None
+    assert done.task.id == done.id
+    return done.task
 
 
 async def answer(claim: asyncio.Task[Delivery | None]) -> Delivery | None:
@@ -70,7 +79,7 @@ async def pending_next(stream: Stream) -> asyncio.Task[Delivery | None]:
 
 
 async def test_enqueue_defaults(service: Service, clock: FakeClock) -> None:
-    view = await service.enqueue(PAYLOAD)
+    view = task_of(await service.enqueue(PAYLOAD))
     assert view.max_attempts == 3
     assert view.attempts == 0
     assert view.available_at == clock.now()
@@ -107,7 +116,7 @@ async def test_max_attempts_must_be_a_positive_integer(service: Service, value: 
 
 @pytest.mark.parametrize("value", [1, 7, 2**31 - 1])
 async def test_max_attempts_accepts_positive_integers(service: Service, value: int) -> None:
-    view = await service.enqueue(PAYLOAD, max_attempts=value)
+    view = task_of(await service.enqueue(PAYLOAD, max_attempts=value))
     assert view.max_attempts == value
 
 
@@ -128,7 +137,7 @@ async def test_delay_ms_zero_is_ready_at_once(service: Service) -> None:
 
 
 async def test_delay_ms_holds_the_task_back(service: Service, clock: FakeClock) -> None:
-    view = await service.enqueue(PAYLOAD, delay_ms=1500)
+    view = task_of(await service.enqueue(PAYLOAD, delay_ms=1500))
     assert view.available_at == clock.now() + 1.5
     assert await gauges(service) == (0, 0, 1, 0)
     assert await service.claim(wait_ms=0) is None
@@ -140,17 +149,17 @@ async def test_delay_ms_holds_the_task_back(service: Service, clock: FakeClock) 
 
 
 async def test_enqueue_many_is_all_or_nothing(service: Service) -> None:
-    items: list[tuple[bytes, object | None, object | None]] = [
-        (payload(1), None, None),
-        (payload(2), True, None),
-        (payload(3), 2, None),
+    items = [
+        Submission(payload(1), None, None),
+        Submission(payload(2), True, None),
+        Submission(payload(3), 2, None),
     ]
     with pytest.raises(InvalidArgument) as err:
         await service.enqueue_many(items)
     assert "tasks[1]" in err.value.message
     assert "max_attempts" in err.value.message
     with pytest.raises(InvalidArgument) as err:
-        await service.enqueue_many([(payload(1), None, None), (payload(2), None, -5)])
+        await service.enqueue_many([Submission(payload(1)), Submission(payload(2), None, -5)])
     assert "tasks[1]" in err.value.message
     assert "delay_ms" in err.value.message
     assert (await service.stats()).totals.enqueued == 0
@@ -161,9 +170,10 @@ async def test_enqueue_many_feeds_parked_claims_and_schedules_delayed_tasks(
 ) -> None:
     first = await park(service, wait_ms=20_000)
     second = await park(service, wait_ms=20_000)
-    views = await service.enqueue_many(
-        [(payload(1), None, None), (payload(2), 5, 1500), (payload(3), 1, 0)]
+    done = await service.enqueue_many(
+        [Submission(payload(1)), Submission(payload(2), 5, 1500), Submission(payload(3), 1, 0)]
     )
+    views = [task_of(e) for e in done]
     assert [v.max_attempts for v in views] == [3, 5, 1]
     d1, d2 = await answer(first), await answer(second)
     assert d1 is not None
@@ -911,3 +921,548 @@ async def test_a_claim_whose_caller_went_away_during_the_hand_out_gives_the_task
         d = claim.result()
         assert d is not None
         assert d.task.id == view.id
+
+
+# == issue 11: queues, priorities, keys, extension, nack options, lookup, bulk DLQ, pauses ====
+
+
+async def test_enqueue_with_a_queue_priority_and_key(service: Service, clock: FakeClock) -> None:
+    done = await service.enqueue(PAYLOAD, queue="emails.v2-x_Y", priority=7, key="order-17")
+    view = task_of(done)
+    assert (view.queue, view.priority) == ("emails.v2-x_Y", 7)
+    plain = task_of(await service.enqueue(PAYLOAD))
+    assert (plain.queue, plain.priority) == ("default", 0)
+    assert [q.name for q in await service.queues()] == ["default", "emails.v2-x_Y"]
+    for name in ("a", "A" * 64, "0", "._-"):
+        assert task_of(await service.enqueue(PAYLOAD, queue=name)).queue == name
+    for priority in range(10):
+        assert task_of(await service.enqueue(PAYLOAD, priority=priority)).priority == priority
+
+
+BAD_QUEUES = ["", "a b", "a/b", "a,b", "é", "a" * 65, "x\n", 3, True, ["a"], {"a": 1}]
+
+
+@pytest.mark.parametrize("value", BAD_QUEUES)
+async def test_a_bad_queue_name_is_refused(service: Service, value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue(PAYLOAD, queue=value)
+    assert err.value.message.startswith("queue ")
+    with pytest.raises(InvalidArgument) as err:
+        await service.stats(value)
+    assert "queue" in err.value.message
+    for call in (service.pause, service.resume, service.requeue_all):
+        with pytest.raises(InvalidArgument):
+            await call(value)
+    with pytest.raises(InvalidArgument):
+        await service.dead_letters(queue=value)
+    assert (await service.stats()).totals.enqueued == 0
+    assert await service.queues() == []
+
+
+@pytest.mark.parametrize("value", [10, -1, 100, True, False, "1", 1.0, [1]])
+async def test_a_bad_priority_is_refused(service: Service, value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue(PAYLOAD, priority=value)
+    assert err.value.message.startswith("priority ")
+    assert (await service.stats()).totals.enqueued == 0
+
+
+@pytest.mark.parametrize("value", ["", "k" * 257, "a\nb", "tab\there", "\x00", "del\x7f", 5, True])
+async def test_a_bad_idempotency_key_is_refused(service: Service, value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue(PAYLOAD, key=value)
+    assert err.value.message.startswith("idempotency key ")
+    assert (await service.stats()).totals.enqueued == 0
+
+
+async def test_keys_of_256_characters_and_any_printable_text_are_taken(service: Service) -> None:
+    for key in ("k" * 256, "x", "clé ünïcode ✓", "a b/c:d"):
+        first = task_of(await service.enqueue(PAYLOAD, key=key))
+        assert await service.enqueue(PAYLOAD, key=key) == Enqueued(first.id, True, None)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("queue", "no spaces", "tasks[2].queue 'no spaces' is not a queue name"),
+        ("priority", 10, "tasks[2].priority must be from 0 to 9, got 10"),
+        ("priority", "1", "tasks[2].priority must be an integer, got a string"),
+        ("key", "", "tasks[2].idempotency key must not be empty"),
+    ],
+)
+async def test_a_bad_item_in_a_batch_is_named_and_nothing_is_enqueued(
+    service: Service, field: str, value: object, message: str
+) -> None:
+    items = [Submission(payload(1)), Submission(payload(2), key="k1")]
+    items.append(Submission(payload(3), **{field: value}))
+    with pytest.raises(InvalidArgument) as err:
+        await service.enqueue_many(items)
+    assert err.value.message.startswith(message), err.value.message
+    assert (await service.stats()).totals.enqueued == 0
+    # nothing was remembered either: the key is new
+    assert not (await service.enqueue(PAYLOAD, key="k1")).duplicate
+
+
+async def test_enqueue_many_reports_duplicates_per_item(service: Service) -> None:
+    first = await service.enqueue(PAYLOAD, key="a")
+    done = await service.enqueue_many(
+        [
+            Submission(payload(1), key="a"),
+            Submission(payload(2), key="b", queue="q", priority=3),
+            Submission(payload(3), key="b", queue="q"),
+            Submission(payload(4), key="b"),
+        ]
+    )
+    assert [e.duplicate for e in done] == [True, False, True, False]
+    assert done[0] == Enqueued(first.id, True, None)
+    assert done[2] == Enqueued(done[1].id, True, None)
+    assert (task_of(done[1]).queue, task_of(done[1]).priority) == ("q", 3)
+    assert (await service.stats()).totals.enqueued == 3
+
+
+async def test_the_dedup_window_is_the_services(service: Service, clock: FakeClock) -> None:
+    assert service.dedup_window == 300.0  # the default, five minutes
+    service.dedup_window = 10.0
+    first = await service.enqueue(PAYLOAD, key="k")
+    clock.advance(9.5)
+    await settle()
+    assert await service.enqueue(PAYLOAD, key="k") == Enqueued(first.id, True, None)
+    clock.advance(0.5)  # the window (from the first enqueue) is over
+    await settle()
+    second = await service.enqueue(PAYLOAD, key="k")
+    assert not second.duplicate
+    assert second.id != first.id
+    clock.advance(9.5)
+    await settle()
+    assert await service.enqueue(PAYLOAD, key="k") == Enqueued(second.id, True, None)
+
+
+async def test_a_duplicate_wakes_nobody_and_is_not_counted(service: Service) -> None:
+    first = await service.enqueue(PAYLOAD, key="k")
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    await service.ack(d.task.id, d.lease_id)
+    parked = await park(service, wait_ms=20_000)
+    assert await service.enqueue(PAYLOAD, key="k") == Enqueued(first.id, True, None)
+    await settle()
+    assert not parked.done()
+    assert (await service.stats()).totals.enqueued == 1
+    parked.cancel()
+
+
+async def test_claim_takes_from_the_listed_queues_in_order(service: Service) -> None:
+    a = await service.enqueue(payload(1), queue="a")
+    b = await service.enqueue(payload(2), queue="b")
+    plain = await service.enqueue(payload(3))
+    got = []
+    for queues in ("b,a", ["a", "b"], None):
+        d = await service.claim(wait_ms=0, queues=queues)
+        assert d is not None
+        got.append(d.task.id)
+    assert got == [b.id, a.id, plain.id]
+    assert await service.claim(wait_ms=0, queues="a,b,default") is None
+
+
+@pytest.mark.parametrize(
+    "queues", ["a,,b", "a, b", ",", "x" * 65, 5, [3], ["a b"], ",".join(["q"] * 65)]
+)
+async def test_a_bad_list_of_queues_is_refused(service: Service, queues: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        await service.claim(wait_ms=0, queues=queues)
+    assert "queue" in err.value.message
+    with pytest.raises(InvalidArgument):
+        await service.next_job(0, None, queues=queues)
+    with pytest.raises(InvalidArgument):
+        await service.open_stream(1, None, queues=queues)
+    assert service.waiting == 0
+
+
+async def test_a_list_of_queues_may_repeat_a_name_and_be_empty(service: Service) -> None:
+    await service.enqueue(payload(1))
+    d = await service.claim(wait_ms=0, queues=[])  # the gRPC repeated field left empty
+    assert d is not None
+    await service.enqueue(payload(2), queue="a")
+    d = await service.claim(wait_ms=0, queues="a,a,a")
+    assert d is not None
+    assert d.task.queue == "a"
+
+
+async def test_priorities_through_the_service(service: Service) -> None:
+    ids = [(await service.enqueue(payload(n), priority=p)).id for n, p in enumerate([1, 9, 1, 5])]
+    got = []
+    for _ in ids:
+        d = await service.claim(wait_ms=0)
+        assert d is not None
+        got.append(d.task.id)
+    assert got == [ids[1], ids[3], ids[0], ids[2]]
+
+
+async def test_a_parked_claim_is_woken_only_by_its_queues(service: Service) -> None:
+    on_b = await park(service, wait_ms=20_000, queues="b")
+    await service.enqueue(payload(1), queue="a")
+    await settle()
+    assert not on_b.done()
+    assert await gauges(service) == (1, 0, 0, 0)
+    b = await service.enqueue(payload(2), queue="b")
+    d = await answer(on_b)
+    assert d is not None
+    assert d.task.id == b.id
+    on_either = await park(service, wait_ms=20_000, queues="c,b")
+    await service.enqueue(payload(3), queue="b")
+    d = await answer(on_either)
+    assert d is not None
+    assert d.task.queue == "b"
+    assert await gauges(service) == (1, 2, 0, 0)  # a's task is still waiting
+
+
+async def test_a_delayed_task_wakes_a_claim_on_its_queue(
+    service: Service, clock: FakeClock
+) -> None:
+    on_a = await park(service, wait_ms=20_000, queues="a")
+    later = await service.enqueue(payload(1), queue="a", delay_ms=2000)
+    clock.advance(2.0)
+    d = await answer(on_a)
+    assert d is not None
+    assert d.task.id == later.id
+
+
+async def test_pause_and_resume(service: Service) -> None:
+    await service.pause("a")
+    task = await service.enqueue(payload(1), queue="a")  # a paused queue takes tasks
+    assert await service.claim(wait_ms=0, queues="a") is None
+    parked = await park(service, wait_ms=20_000, queues="a")
+    assert [(q.name, q.ready, q.paused) for q in await service.queues()] == [("a", 1, True)]
+    await service.pause("a")  # idempotent
+    await settle()
+    assert not parked.done()
+    await service.resume("a")  # wakes the parked claim
+    d = await answer(parked)
+    assert d is not None
+    assert d.task.id == task.id
+    await service.resume("a")
+    await service.resume("new")  # an unknown queue is created
+    assert [(q.name, q.paused) for q in await service.queues()] == [("a", False), ("new", False)]
+
+
+async def test_a_stream_subscribes_to_its_queues(service: Service) -> None:
+    stream = await service.open_stream(5, None, queues=["b", "a"])
+    waiting = await pending_next(stream)
+    await service.enqueue(payload(1))  # default: not for this stream
+    await settle()
+    assert not waiting.done()
+    a = await service.enqueue(payload(2), queue="a")
+    d = await answer(waiting)
+    assert d is not None
+    assert d.task.id == a.id
+    # when both have tasks, the stream's first queue comes first
+    await service.pause("b")
+    b = await service.enqueue(payload(3), queue="b")
+    a2 = await service.enqueue(payload(4), queue="a")
+    d = await stream.next()
+    assert d is not None
+    assert d.task.id == a2.id
+    await service.resume("b")
+    d = await stream.next()
+    assert d is not None
+    assert d.task.id == b.id
+    assert stream.unsettled == 3
+    await stream.close()
+
+
+@pytest.mark.parametrize("delay_ms", [0, 1500, 365 * 24 * 3600 * 1000])
+async def test_nack_with_a_delay(service: Service, clock: FakeClock, delay_ms: int) -> None:
+    task = await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    await service.nack(d.task.id, d.lease_id, "later", delay_ms=delay_ms)
+    found = await service.lookup(task.id)
+    assert found.task.available_at == clock.now() + delay_ms / 1000
+    stats = await service.stats()
+    assert (stats.totals.nacked, stats.totals.retried) == (1, 1)
+    if delay_ms == 1500:
+        parked = await park(service, wait_ms=20_000)
+        clock.advance(1.5)  # the sweeper wakes at exactly the retry time
+        again = await answer(parked)
+        assert again is not None
+        assert (again.task.id, again.task.attempts) == (task.id, 2)
+
+
+async def test_nack_terminal_buries_at_once(service: Service) -> None:
+    task = await service.enqueue(PAYLOAD, max_attempts=5)
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    await service.nack(d.task.id, d.lease_id, "poison", terminal=True)
+    [dead] = await service.dead_letters()
+    assert (dead.id, dead.attempts, dead.last_error) == (task.id, 1, "poison")
+    assert (await service.lookup(task.id)).state == "dead"
+
+
+@pytest.mark.parametrize(
+    ("options", "field"),
+    [
+        ({"delay_ms": 10, "terminal": True}, "terminal"),
+        ({"delay_ms": 0, "terminal": True}, "terminal"),
+        ({"delay_ms": -1}, "delay_ms"),
+        ({"delay_ms": "5"}, "delay_ms"),
+        ({"delay_ms": True}, "delay_ms"),
+        ({"terminal": 1}, "terminal"),
+        ({"terminal": "true"}, "terminal"),
+    ],
+)
+async def test_bad_nack_options_are_refused(
+    service: Service, options: dict[str, Any], field: str
+) -> None:
+    await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0)
+    assert d is not None
+    with pytest.raises(InvalidArgument) as err:
+        await service.nack(d.task.id, d.lease_id, "x", **options)
+    assert field in err.value.message
+    assert await gauges(service) == (0, 1, 0, 0)  # nothing moved
+    await service.nack(d.task.id, d.lease_id, "x", delay_ms=None, terminal=False)
+    assert await gauges(service) == (0, 0, 1, 0)
+
+
+async def test_settle_many_takes_nack_options(service: Service, clock: FakeClock) -> None:
+    ids = [(await service.enqueue(payload(n))).id for n in range(3)]
+    ds = [await service.claim(wait_ms=0) for _ in ids]
+    assert all(d is not None for d in ds)
+    a, b, c = (d for d in ds if d is not None)
+    acked, nacked = await service.settle_many(
+        [],
+        [
+            (a.task.id, a.lease_id, "short", 250, None),
+            (b.task.id, b.lease_id, "fatal", None, True),
+            (c.task.id, c.lease_id, "both", 5, True),
+        ],
+    )
+    assert acked == []
+    assert nacked[:2] == [None, None]
+    assert isinstance(nacked[2], InvalidArgument)
+    assert (await service.lookup(ids[0])).task.available_at == clock.now() + 0.25
+    assert (await service.lookup(ids[1])).state == "dead"
+    assert (await service.lookup(ids[2])).state == "handed_out"
+
+
+async def test_extend_defaults_and_caps(service: Service, clock: FakeClock) -> None:
+    task = await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0, lease_ms=1000)
+    assert d is not None
+    clock.advance(0.5)
+    await settle()
+    assert await service.extend(d.task.id, d.lease_id) == clock.now() + 30.0
+    assert await service.extend(d.task.id, d.lease_id, 45_000) == clock.now() + 45.0
+    assert await service.extend(d.task.id, d.lease_id, 10**12) == clock.now() + 300.0
+    assert await service.extend(d.task.id, d.lease_id, 1) == clock.now() + 0.001
+    for bad in (0, -1, "100", True, 1.5):
+        with pytest.raises(InvalidArgument) as err:
+            await service.extend(d.task.id, d.lease_id, bad)
+        assert "lease_ms" in err.value.message
+    with pytest.raises(LeaseLost):
+        await service.extend(d.task.id, "0" * 16)
+    # the last extension stands
+    deadline = await service.extend(d.task.id, d.lease_id, 2000)
+    clock.advance(1.5)
+    await settle()
+    assert (await service.lookup(task.id)).state == "handed_out"
+    clock.advance(deadline - clock.now())
+    await wait_until(service.stats, reclaimed_more_than(0), what="the reclaim")
+    with pytest.raises(NotFound):
+        await service.extend(d.task.id, d.lease_id)  # reclaimed: nobody holds it
+    with pytest.raises(InvalidArgument):
+        await service.extend(d.task.id, "")
+
+
+async def test_an_extended_lease_outlives_its_first_deadline(
+    service: Service, clock: FakeClock
+) -> None:
+    await service.enqueue(PAYLOAD)
+    d = await service.claim(wait_ms=0, lease_ms=2000)
+    assert d is not None
+    for _ in range(10):  # a handler that runs 10 s on a 2 s lease, extending each second
+        clock.advance(1.0)
+        await settle()
+        await service.extend(d.task.id, d.lease_id, 2000)
+    await service.ack(d.task.id, d.lease_id)
+    stats = await service.stats()
+    assert (stats.totals.reclaimed, stats.totals.acked) == (0, 1)
+
+
+async def test_lookup_through_the_service(service: Service) -> None:
+    task = await service.enqueue(PAYLOAD, queue="q", priority=2)
+    found = await service.lookup(task.id)
+    assert (found.state, found.task.queue, found.task.priority) == ("ready", "q", 2)
+    d = await service.claim(wait_ms=0, queues="q")
+    assert d is not None
+    assert (await service.lookup(task.id)).state == "handed_out"
+    await service.ack(d.task.id, d.lease_id)
+    with pytest.raises(NotFound):
+        await service.lookup(task.id)
+    with pytest.raises(NotFound):
+        await service.lookup("no-such-task")
+    for bad in ("", 5, None):
+        with pytest.raises(InvalidArgument):
+            await service.lookup(bad)
+
+
+async def test_requeue_all_and_purge(service: Service) -> None:
+    ids = []
+    for queue in ("a", "b", "a"):
+        ids.append((await service.enqueue(PAYLOAD, queue=queue, max_attempts=1)).id)
+        d = await service.claim(wait_ms=0, queues=queue)
+        assert d is not None
+        await service.nack(d.task.id, d.lease_id, "x")
+    assert [t.id for t in await service.dead_letters(queue="a")] == [ids[0], ids[2]]
+    on_a = await park(service, wait_ms=20_000, queues="a")
+    assert await service.requeue_all("a") == 2
+    d = await answer(on_a)  # requeued tasks feed waiting claims
+    assert d is not None
+    assert d.task.id == ids[0]
+    assert await service.requeue_all("a") == 0
+    await service.purge(ids[1])
+    with pytest.raises(NotFound):
+        await service.purge(ids[1])
+    with pytest.raises(NotFound):
+        await service.purge(ids[2])  # ready, not dead
+    stats = await service.stats()
+    assert (stats.totals.purged, stats.totals.requeued) == (1, 2)
+    gauges_sum = stats.ready + stats.handed_out + stats.delayed + stats.dead
+    assert gauges_sum == stats.totals.enqueued - stats.totals.acked - stats.totals.purged
+    assert await service.requeue_all() == 0
+    assert (await service.stats("b")).totals.purged == 1
+
+
+async def test_a_shortened_lease_is_reclaimed_at_its_new_deadline(
+    store: Store, clock: FakeClock
+) -> None:
+    # A sweeper that ticks only once a minute as a safety net: the reclaim must come from the
+    # service telling it when the new deadline is, not from a tick.
+    svc = Service(store, clock, sweep_interval=60.0)
+    await svc.start()
+    try:
+        task = await svc.enqueue(PAYLOAD)
+        d = await svc.claim(wait_ms=0, lease_ms=300_000)
+        assert d is not None
+        clock.advance(1.0)
+        await settle()
+        assert await svc.extend(d.task.id, d.lease_id, 2000) == clock.now() + 2.0
+        clock.advance(2.0)
+        await wait_until(svc.stats, reclaimed_more_than(0), what="the reclaim at the new deadline")
+        assert (await svc.lookup(task.id)).state == "delayed"
+    finally:
+        await svc.close()
+
+
+class GatedStore(MemoryStore):
+    """A memory store whose batch claims suspend until the test opens the gate, as a durable
+    store's do while they commit."""
+
+    never_suspends = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate: asyncio.Event | None = None
+        self.held_up = 0  # claims waiting at the gate
+
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
+        got = await super().claim_many(leases, now=now, queues=queues)
+        if self.gate is not None:
+            self.held_up += 1
+            await self.gate.wait()
+            self.held_up -= 1
+        return got
+
+
+async def test_a_stream_drained_while_a_claim_for_it_commits_gets_nothing_new(
+    clock: FakeClock,
+) -> None:
+    store = GatedStore()
+    svc = Service(store, clock)
+    await svc.start()
+    try:
+        stream = await svc.open_stream(2, None)
+        store.gate = gate = asyncio.Event()
+        enqueue = asyncio.ensure_future(svc.enqueue(PAYLOAD))
+        await wait_until(lambda: store.held_up == 1, what="the pump's claim to be under way")
+        await stream.drain()
+        gate.set()
+        await enqueue
+        await settle()
+        # the task claimed for it went back to ready, and the stream is out of line for good
+        assert (stream.pending, stream.unsettled) == (0, 0)
+        assert await gauges(svc) == (1, 0, 0, 0)
+        assert svc.waiting == 0
+        store.gate = None
+        await svc.enqueue(PAYLOAD)
+        await settle()
+        assert stream.pending == 0
+        assert await gauges(svc) == (2, 0, 0, 0)
+        await stream.close()
+    finally:
+        await svc.close()
+
+
+async def test_the_dedup_window_comes_from_the_constructor(store: Store, clock: FakeClock) -> None:
+    svc = Service(store, clock, dedup_window=2.0)
+    await svc.start()
+    try:
+        first = await svc.enqueue(PAYLOAD, key="k", queue="q")
+        clock.advance(1.75)
+        await settle()
+        assert await svc.enqueue(PAYLOAD, key="k", queue="q") == Enqueued(first.id, True, None)
+        assert not (await svc.enqueue(PAYLOAD, key="k")).duplicate  # another queue
+        clock.advance(0.25)
+        await settle()
+        assert not (await svc.enqueue(PAYLOAD, key="k", queue="q")).duplicate
+    finally:
+        await svc.close()
+
+
+# -- limits of issue 11: duplicates take no room; the number of queues is bounded ---------------
+
+
+async def test_a_duplicate_at_the_task_limit_is_still_answered_as_a_duplicate(
+    service: Service,
+) -> None:
+    first = await service.enqueue(PAYLOAD, key="k-1")
+    service.max_tasks = 1  # full: the one task above
+    with pytest.raises(Overloaded):
+        await service.enqueue(PAYLOAD, key="k-2")
+    again = await service.enqueue(PAYLOAD, key="k-1")
+    assert again.duplicate
+    assert again.id == first.id
+    done = await service.enqueue_many([Submission(PAYLOAD, key="k-1")] * 3)
+    assert [d.duplicate for d in done] == [True, True, True]
+    assert (await service.stats()).totals.enqueued == 1
+
+
+async def test_a_batch_counts_a_key_repeated_within_it_once(service: Service) -> None:
+    service.max_tasks = 1
+    done = await service.enqueue_many([Submission(PAYLOAD, key="same")] * 2)
+    assert [d.duplicate for d in done] == [False, True]
+    assert done[1].id == done[0].id
+
+
+async def test_new_queues_past_the_limit_are_refused_and_existing_ones_still_work(
+    service: Service,
+) -> None:
+    service.max_queues = 3
+    await service.enqueue(PAYLOAD)  # default
+    await service.enqueue(PAYLOAD, queue="a")
+    await service.pause("b")
+    with pytest.raises(Overloaded, match="at most 3 queues") as e:
+        await service.enqueue(PAYLOAD, queue="c")
+    assert "queue c would be a new one" in e.value.message
+    with pytest.raises(Overloaded):
+        await service.pause("d")
+    with pytest.raises(Overloaded):
+        await service.enqueue_many([Submission(PAYLOAD, queue="a"), Submission(PAYLOAD, queue="e")])
+    assert (await service.stats()).totals.enqueued == 2  # the refused batch left nothing
+    await service.enqueue(PAYLOAD, queue="a")
+    await service.resume("b")
+    assert [q.name for q in await service.queues()] == ["a", "b", "default"]
+    service.max_queues = 0  # no limit
+    await service.enqueue(PAYLOAD, queue="c")
+    assert len(await service.queues()) == 4

@@ -25,6 +25,7 @@ from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
+from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store.sqlite import SqliteStore
 from wqclient.pb import broker_pb2 as pb
@@ -228,7 +229,7 @@ async def test_a_batch_that_fails_to_commit_leaves_nothing_behind(tmp_path: Path
             "BLOB) BEGIN SELECT RAISE(ABORT, 'injected failure'); END"
         )
     store = await SqliteStore.open(path, _backoff())
-    batch = [(b'"a"', 3, 0.0), (b'"b"', 3, 0.0), (b'"boom"', 3, 0.0), (b'"c"', 3, 0.0)]
+    batch = [NewTask(p, 3, 0.0) for p in (b'"a"', b'"b"', b'"boom"', b'"c"')]
     with pytest.raises(StoreError, match="injected failure"):
         await store.enqueue_many(batch, now=NOW)
     with pytest.raises(StoreError):  # it stopped: memory is ahead of the file
@@ -294,7 +295,7 @@ async def test_a_file_of_schema_1_is_upgraded_keeping_everything(tmp_path: Path)
     finally:
         await store.close()
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
 
 
 async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
@@ -307,7 +308,7 @@ async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
         store = await SqliteStore.open(path, _backoff(), sync="normal")
         base = tracemalloc.get_traced_memory()[0]
         for _ in range(10):
-            await store.enqueue_many([(big, 3, 0.0)] * 50, now=NOW)
+            await store.enqueue_many([NewTask(big, 3, 0.0)] * 50, now=NOW)
         grown = tracemalloc.get_traced_memory()[0] - base
         assert grown < 12 * 2**20, f"{grown / 2**20:.1f} MB kept for 50 MB of payloads"
         await store.close()
@@ -322,3 +323,180 @@ async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
         await store.close()
     finally:
         tracemalloc.stop()
+
+
+async def test_a_file_of_schema_1_goes_to_the_default_queue(tmp_path: Path) -> None:
+    path = str(tmp_path / "old.db")
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(V1_SCHEMA)
+    store = await SqliteStore.open(path, _backoff())
+    try:
+        stats = await store.stats()
+        assert await store.stats(DEFAULT_QUEUE) == stats
+        assert await store.queues() == [QueueStats(DEFAULT_QUEUE, 2, 1, 0, 1, False)]
+        [dead] = await store.dead_letters(queue=DEFAULT_QUEUE)
+        assert (dead.queue, dead.priority) == (DEFAULT_QUEUE, 0)
+    finally:
+        await store.close()
+
+
+# Schema 2 as a broker before issue 11 wrote it (one queue, no priorities, no keys).
+V2_SCHEMA = """
+CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+INSERT INTO meta VALUES ('schema', '2');
+INSERT INTO meta VALUES ('id_key', '12345');
+CREATE TABLE tasks (
+    id INTEGER PRIMARY KEY, attempts INTEGER NOT NULL, max_attempts INTEGER NOT NULL,
+    available_at REAL NOT NULL, state INTEGER NOT NULL, lease_id TEXT, deadline REAL,
+    ord INTEGER NOT NULL, last_error TEXT
+);
+CREATE TABLE bodies (id INTEGER PRIMARY KEY, payload BLOB NOT NULL, created_at REAL NOT NULL);
+CREATE TABLE totals (
+    id INTEGER PRIMARY KEY CHECK (id = 1),
+    enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
+    nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
+    buried INTEGER NOT NULL, requeued INTEGER NOT NULL
+);
+INSERT INTO totals VALUES (1, 7, 5, 1, 2, 1, 2, 1, 1);
+-- ready (second, first in line), delayed, handed out, dead
+INSERT INTO tasks VALUES (10, 0, 3, 100.0, 0, NULL, NULL, 5, NULL);
+INSERT INTO tasks VALUES (11, 1, 3, 101.0, 0, NULL, NULL, -1, 'old error');
+INSERT INTO tasks VALUES (12, 1, 3, 1800000050.0, 2, NULL, NULL, 6, 'retry me');
+INSERT INTO tasks VALUES (13, 1, 3, 102.0, 1, 'bbbbbbbbbbbbbbbb', 1800000030.0, 7, NULL);
+INSERT INTO tasks VALUES (14, 2, 2, 103.0, 3, NULL, NULL, 3, 'gave up');
+INSERT INTO bodies VALUES (10, '{"n":10}', 100.0);
+INSERT INTO bodies VALUES (11, '{"n":11}', 101.0);
+INSERT INTO bodies VALUES (12, '{"n":12}', 99.0);
+INSERT INTO bodies VALUES (13, '{"n":13}', 102.0);
+INSERT INTO bodies VALUES (14, '"dead"', 103.0);
+"""
+
+
+def _v2_id(key: int) -> str:
+    return f"{key + 2**63:016x}"
+
+
+async def test_a_file_of_schema_2_is_upgraded_into_the_default_queue(tmp_path: Path) -> None:
+    path = str(tmp_path / "v2.db")
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(V2_SCHEMA)
+    store = await SqliteStore.open(path, _backoff())
+    try:
+        stats = await store.stats()
+        assert (stats.ready, stats.handed_out, stats.delayed, stats.dead) == (2, 1, 1, 1)
+        assert stats.totals == Totals(7, 5, 1, 2, 1, 2, 1, 1, 0)
+        assert await store.stats(DEFAULT_QUEUE) == stats  # the queue's totals are the broker's
+        assert await store.queues() == [QueueStats(DEFAULT_QUEUE, 2, 1, 1, 1, False)]
+        for key, state in ((10, "ready"), (11, "ready"), (12, "delayed"), (14, "dead")):
+            found = await store.lookup(_v2_id(key))
+            assert found is not None
+            assert found.state == state
+            assert (found.task.queue, found.task.priority) == (DEFAULT_QUEUE, 0)
+        [dead] = await store.dead_letters()
+        assert (dead.id, dead.payload, dead.last_error) == (_v2_id(14), b'"dead"', "gave up")
+        first = await store.claim(lease=30, now=NOW)
+        second = await store.claim(lease=30, now=NOW)
+        assert first is not None
+        assert second is not None
+        assert (first.task.id, first.task.last_error) == (_v2_id(11), "old error")
+        assert (second.task.id, second.task.payload) == (_v2_id(10), b'{"n":10}')
+        await store.ack(_v2_id(13), "b" * 16, now=NOW)  # a lease from before the upgrade
+        # new tasks go on from there, in named queues too
+        new = await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW, queue="q", priority=2)
+        assert new.id not in {_v2_id(k) for k in range(10, 15)}
+        stats = await store.stats()
+        assert stats.totals.enqueued == 8
+        assert stats.totals.acked == 2
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
+    store = await SqliteStore.open(path, _backoff())  # and it opens again as schema 3
+    try:
+        assert [r.name for r in await store.queues()] == [DEFAULT_QUEUE, "q"]
+        assert (await store.stats("q")).totals.enqueued == 1
+        assert (await store.stats(DEFAULT_QUEUE)).totals.enqueued == 7
+    finally:
+        await store.close()
+
+
+async def test_a_restart_keeps_queues_priorities_pauses_and_keys(tmp_path: Path) -> None:
+    path = str(tmp_path / "wq.db")
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    until = NOW + 300.0
+    low = await store.enqueue(b'"low"', max_attempts=3, delay=0, now=NOW, queue="a")
+    high = await store.enqueue(
+        b'"high"', max_attempts=3, delay=0, now=NOW, queue="a", priority=9, key="k", key_until=until
+    )
+    mid = [
+        (await store.enqueue(b"%d" % n, max_attempts=3, delay=0, now=NOW, queue="b", priority=4)).id
+        for n in range(4)
+    ]
+    keyed_b = await store.enqueue(
+        b'"kb"', max_attempts=1, delay=0, now=NOW, queue="b", key="k", key_until=until
+    )
+    held = await store.claim(lease=60, now=NOW, queues=["b"])
+    assert held is not None
+    assert held.task.id == mid[0]
+    await store.extend(mid[0], held.lease_id, lease=120, now=NOW)
+    await store.set_paused("a", True)
+    await store.set_paused("c", True)
+    before_rows = await store.queues()
+    before = {name: await store.stats(name) for name in ("a", "b", "c", DEFAULT_QUEUE)}
+    await store.close()
+
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    try:
+        assert await store.queues() == before_rows
+        assert [r.paused for r in before_rows] == [True, False, True]
+        for name, stats in before.items():
+            assert await store.stats(name) == stats
+        # every ready task is cold after a restart: a lookup reads it back
+        found = await store.lookup(high.id)
+        assert found is not None
+        assert (found.state, found.task.queue, found.task.priority) == ("ready", "a", 9)
+        assert found.task.payload == b'"high"'
+        # keys: still duplicates, per queue
+        again = await store.enqueue(
+            b"x", max_attempts=3, delay=0, now=NOW + 1, queue="a", key="k", key_until=until
+        )
+        assert (again.id, again.duplicate) == (high.id, True)
+        again = await store.enqueue(
+            b"x", max_attempts=3, delay=0, now=NOW + 1, queue="b", key="k", key_until=until
+        )
+        assert (again.id, again.duplicate) == (keyed_b.id, True)
+        # the paused queue hands nothing out; the other one, by priority then age
+        assert await store.claim(lease=30, now=NOW + 1, queues=["a"]) is None
+        got = await store.claim_many([30.0] * 5, now=NOW + 1, queues=["a", "b"])
+        assert [d.task.id for d in got] == [*mid[1:], keyed_b.id]
+        for d in got:
+            await store.ack(d.task.id, d.lease_id, now=NOW + 1)
+        # the extended lease is still good and due at its new deadline
+        result, next_due = await store.sweep(now=NOW + 60)
+        assert (result.reclaimed, next_due) == ([], NOW + 120)
+        await store.ack(mid[0], held.lease_id, now=NOW + 60)
+        await store.set_paused("a", False)
+        got = await store.claim_many([30.0] * 3, now=NOW + 61, queues=["a"])
+        assert [d.task.id for d in got] == [high.id, low.id]
+    finally:
+        await store.close()
+
+
+async def test_keys_past_their_window_are_forgotten_across_a_restart(tmp_path: Path) -> None:
+    path = str(tmp_path / "wq.db")
+    store = await SqliteStore.open(path, _backoff())
+    first = await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW, key="k", key_until=NOW + 5)
+    await store.close()
+    store = await SqliteStore.open(path, _backoff())
+    try:
+        await store.sweep(now=NOW + 5)  # forgets the key (and writes that down)
+        second = await store.enqueue(
+            b"2", max_attempts=3, delay=0, now=NOW + 5, key="k", key_until=NOW + 10
+        )
+        assert not second.duplicate
+        assert second.id != first.id
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT queue, key, until FROM keys").fetchall()
+    assert rows == [(DEFAULT_QUEUE, "k", NOW + 10)]

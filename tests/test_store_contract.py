@@ -18,7 +18,19 @@ from typing import Any
 import pytest
 
 from wqbroker.errors import LeaseLost, NotFound
-from wqbroker.models import Delivery, Failure, Stats, Totals
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueStats,
+    Stats,
+    Task,
+    TaskState,
+    Totals,
+)
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
@@ -27,7 +39,17 @@ NOW = 1_000_000.0
 PAYLOAD = b'{"line": "hello", "n": [1, 2.5, null, "\\u00e9"]}'
 LEASE = 30.0
 
-TOTALS = ("enqueued", "delivered", "acked", "nacked", "reclaimed", "retried", "buried", "requeued")
+TOTALS = (
+    "enqueued",
+    "delivered",
+    "acked",
+    "nacked",
+    "reclaimed",
+    "retried",
+    "buried",
+    "requeued",
+    "purged",
+)
 
 
 async def expect(
@@ -56,6 +78,16 @@ async def enqueue(store: Store, payload: bytes = PAYLOAD, **kw: Any) -> str:
     kw.setdefault("delay", 0.0)
     kw.setdefault("now", NOW)
     return (await store.enqueue(payload, **kw)).id
+
+
+def tasks_of(done: list[Enqueued]) -> list[Task]:
+    """The new tasks of an enqueue_many (none of which may be a duplicate)."""
+    out = []
+    for enqueued in done:
+        assert not enqueued.duplicate
+        assert enqueued.task is not None
+        out.append(enqueued.task)
+    return out
 
 
 async def claim(store: Store, now: float = NOW, lease: float = LEASE) -> Delivery:
@@ -89,7 +121,13 @@ async def bury(store: Store, task_id: str, error: str | None, now: float = NOW) 
 
 async def test_enqueue_puts_the_task_in_ready(store: Store) -> None:
     await expect(store)
-    view = await store.enqueue(PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
+    done = await store.enqueue(PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
+    assert not done.duplicate
+    view = done.task
+    assert view is not None
+    assert view.id == done.id
+    assert view.queue == DEFAULT_QUEUE
+    assert view.priority == 0
     assert view.payload == PAYLOAD
     assert view.attempts == 0
     assert view.max_attempts == 4
@@ -114,7 +152,8 @@ async def test_payload_bytes_come_back_verbatim(store: Store) -> None:
 
 
 async def test_delayed_enqueue_goes_to_delayed(store: Store) -> None:
-    view = await store.enqueue(PAYLOAD, max_attempts=3, delay=5.0, now=NOW)
+    view = (await store.enqueue(PAYLOAD, max_attempts=3, delay=5.0, now=NOW)).task
+    assert view is not None
     assert view.available_at == NOW + 5.0
     assert view.created_at == NOW
     await expect(store, delayed=1, enqueued=1)
@@ -158,9 +197,11 @@ async def test_zero_delay_is_ready_at_once(store: Store) -> None:
 
 async def test_enqueue_many_accepts_tasks_in_order(store: Store) -> None:
     before = await enqueue(store)
-    views = await store.enqueue_many(
-        [(b'{"n": 1}', 3, 0.0), (b'{"n": 2}', 1, 2.0), (b'{"n": 3}', 5, 0.0)], now=NOW + 1
+    done = await store.enqueue_many(
+        [NewTask(b'{"n": 1}', 3, 0.0), NewTask(b'{"n": 2}', 1, 2.0), NewTask(b'{"n": 3}', 5, 0.0)],
+        now=NOW + 1,
     )
+    views = tasks_of(done)
     assert [v.payload for v in views] == [b'{"n": 1}', b'{"n": 2}', b'{"n": 3}']
     assert [v.max_attempts for v in views] == [3, 1, 5]
     assert [v.available_at for v in views] == [NOW + 1, NOW + 3, NOW + 1]
@@ -857,13 +898,13 @@ async def test_each_batch_call_is_one_transaction(store: Store) -> None:
     """A batch enqueue, a batch claim and a batch of settlements each commit once, however many
     tasks they touch (all or none)."""
     before = store.transactions
-    await store.enqueue_many([(PAYLOAD, 1, 0.0)] * 100, now=NOW)
+    await store.enqueue_many([NewTask(PAYLOAD, 1, 0.0)] * 100, now=NOW)
     assert store.transactions == before + 1
     deliveries = await store.claim_many([LEASE] * 100, now=NOW)
     assert len(deliveries) == 100
     assert store.transactions == before + 2
     acks = [(d.task.id, d.lease_id) for d in deliveries[:60]]
-    nacks = [(d.task.id, d.lease_id, "no") for d in deliveries[60:]]
+    nacks = [NackItem(d.task.id, d.lease_id, "no") for d in deliveries[60:]]
     acked, nacked = await store.settle_many(acks, nacks, now=NOW)
     assert acked == [None] * 60
     assert all(isinstance(n, Failure) and n.buried for n in nacked)
@@ -879,6 +920,611 @@ async def test_a_call_that_changes_nothing_commits_nothing(store: Store) -> None
     assert await store.release("0123456789abcdef", "fedcba9876543210") is False
     await store.stats()
     await store.dead_letters()
+    assert store.transactions == before
+
+
+# == issue 11: queues, priorities, extension, nack options, keys, lookup, bulk DLQ, pauses ====
+
+
+async def expect_queue(
+    store: Store,
+    name: str,
+    *,
+    ready: int = 0,
+    handed_out: int = 0,
+    delayed: int = 0,
+    dead: int = 0,
+    **totals: int,
+) -> Stats:
+    """As ``expect``, for one queue's stats."""
+    stats = await store.stats(name)
+    gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead)
+    assert gauges == (ready, handed_out, delayed, dead), (name, stats)
+    assert stats.totals == Totals(**{n: totals.get(n, 0) for n in TOTALS}), (name, stats)
+    t = stats.totals
+    assert t.nacked + t.reclaimed == t.retried + t.buried, stats
+    assert sum(gauges) == t.enqueued - t.acked - t.purged, stats
+    return stats
+
+
+async def claim_from(
+    store: Store, queues: list[str], now: float = NOW, lease: float = LEASE
+) -> Delivery | None:
+    return await store.claim(lease=lease, now=now, queues=queues)
+
+
+async def bury_from(store: Store, queue: str, task_id: str) -> None:
+    """Claim ``task_id`` (a task with max_attempts=1 at the head of ``queue``), nack it to death."""
+    d = await claim_from(store, [queue])
+    assert d is not None
+    assert d.task.id == task_id
+    assert (await store.nack(task_id, d.lease_id, "x", now=NOW)).buried
+
+
+async def claimed_ids(store: Store, n: int, queues: list[str], now: float = NOW) -> list[str]:
+    out = []
+    for _ in range(n):
+        d = await claim_from(store, queues, now)
+        assert d is not None
+        out.append(d.task.id)
+    return out
+
+
+# -- queues -----------------------------------------------------------------------------------
+
+
+async def test_a_task_goes_to_its_queue_and_a_claim_takes_from_the_listed_ones(
+    store: Store,
+) -> None:
+    a = await enqueue(store, queue="a")
+    b = await enqueue(store, queue="b")
+    plain = await enqueue(store)
+    d = await claim(store)  # no queues named: the default queue alone
+    assert (d.task.id, d.task.queue) == (plain, DEFAULT_QUEUE)
+    assert await store.claim(lease=LEASE, now=NOW) is None
+    # the first listed queue with a ready task wins
+    db = await claim_from(store, ["b", "a"])
+    assert db is not None
+    assert (db.task.id, db.task.queue) == (b, "b")
+    da = await claim_from(store, ["never", "b", "a"])
+    assert da is not None
+    assert (da.task.id, da.task.queue) == (a, "a")
+    assert await claim_from(store, ["a", "b", DEFAULT_QUEUE]) is None
+    await expect(store, handed_out=3, enqueued=3, delivered=3)
+
+
+async def test_a_claim_prefers_its_first_queue_while_it_has_tasks(store: Store) -> None:
+    firsts = [await enqueue(store, queue="first", now=NOW + i) for i in range(5)]
+    seconds = [await enqueue(store, queue="second", now=NOW + i) for i in range(5)]
+    got = await store.claim_many([LEASE] * 7, now=NOW + 10, queues=["first", "second"])
+    assert [d.task.id for d in got] == firsts + seconds[:2]
+    assert await claimed_ids(store, 3, ["second", "first"], NOW + 10) == seconds[2:]
+
+
+async def test_stats_per_queue_and_for_the_whole_store(store: Store) -> None:
+    a1 = await enqueue(store, queue="a", max_attempts=1)
+    await enqueue(store, queue="a", delay=5.0)
+    b1 = await enqueue(store, queue="b")
+    await enqueue(store, queue="b")
+    da = await claim_from(store, ["a"])
+    db = await claim_from(store, ["b"])
+    assert da is not None
+    assert db is not None
+    assert (da.task.id, db.task.id) == (a1, b1)
+    await store.nack(a1, da.lease_id, "no", now=NOW)
+    await store.ack(b1, db.lease_id, now=NOW)
+    await expect_queue(store, "a", delayed=1, dead=1, enqueued=2, delivered=1, nacked=1, buried=1)
+    await expect_queue(store, "b", ready=1, enqueued=2, delivered=1, acked=1)
+    await expect(
+        store, ready=1, delayed=1, dead=1, enqueued=4, delivered=2, acked=1, nacked=1, buried=1
+    )
+    assert await store.stats("never") == Stats()
+    assert await store.stats(DEFAULT_QUEUE) == Stats()  # nothing went to it
+
+
+async def test_queue_rows_are_every_queue_known_by_name(store: Store) -> None:
+    assert await store.queues() == []
+    await enqueue(store, queue="zeta")
+    await enqueue(store, queue="alpha", delay=1.0)
+    await enqueue(store)
+    held = await claim(store)
+    await store.set_paused("paused-only", True)  # pausing a queue never seen creates it
+    assert await store.queues() == [
+        QueueStats("alpha", 0, 0, 1, 0, False),
+        QueueStats(DEFAULT_QUEUE, 0, 1, 0, 0, False),
+        QueueStats("paused-only", 0, 0, 0, 0, True),
+        QueueStats("zeta", 1, 0, 0, 0, False),
+    ]
+    await store.ack(held.task.id, held.lease_id, now=NOW)
+    assert [r.name for r in await store.queues()] == ["alpha", DEFAULT_QUEUE, "paused-only", "zeta"]
+
+
+async def test_a_paused_queue_takes_tasks_but_hands_none_out(store: Store) -> None:
+    await store.set_paused("a", True)
+    a = [await enqueue(store, queue="a", now=NOW + i) for i in range(4)]
+    b = await enqueue(store, queue="b")
+    await expect_queue(store, "a", ready=4, enqueued=4)
+    assert await claim_from(store, ["a"]) is None
+    d = await claim_from(store, ["a", "b"])  # skipped, not waited on
+    assert d is not None
+    assert d.task.id == b
+    assert await store.claim_many([LEASE] * 3, now=NOW, queues=["a", "b"]) == []
+    await store.set_paused("a", True)  # twice: no change
+    assert [r.paused for r in await store.queues()] == [True, False]
+    await store.set_paused("a", False)
+    assert [r.paused for r in await store.queues()] == [False, False]
+    assert await claimed_ids(store, 4, ["a"], NOW + 5) == a
+    await expect(store, handed_out=5, enqueued=5, delivered=5)
+
+
+async def test_pausing_leaves_handed_out_and_delayed_tasks_alone(store: Store) -> None:
+    task_id = await enqueue(store, queue="a", max_attempts=2)
+    d = await claim_from(store, ["a"])
+    assert d is not None
+    await store.set_paused("a", True)
+    failure = await store.nack(task_id, d.lease_id, "x", now=NOW)  # settling still works
+    assert failure.retry_at is not None
+    result, _ = await store.sweep(now=failure.retry_at)
+    assert result.promoted == 1  # promoted to ready, not handed out
+    assert await claim_from(store, ["a"], failure.retry_at) is None
+    await expect_queue(store, "a", ready=1, enqueued=1, delivered=1, nacked=1, retried=1)
+
+
+async def test_dead_letters_of_one_queue(store: Store) -> None:
+    a = await enqueue(store, queue="a", max_attempts=1)
+    b = await enqueue(store, queue="b", max_attempts=1)
+    a2 = await enqueue(store, queue="a", max_attempts=1)
+    for task_id, queue in ((a, "a"), (b, "b"), (a2, "a")):
+        d = await claim_from(store, [queue])
+        assert d is not None
+        assert d.task.id == task_id
+        await store.nack(task_id, d.lease_id, "x", now=NOW)
+    assert [v.id for v in await store.dead_letters()] == [a, b, a2]
+    assert [(v.id, v.queue) for v in await store.dead_letters(queue="a")] == [(a, "a"), (a2, "a")]
+    assert [v.id for v in await store.dead_letters(queue="a", limit=1)] == [a]
+    assert [v.id for v in await store.dead_letters(queue="b")] == [b]
+    assert await store.dead_letters(queue="never") == []
+
+
+# -- priorities -------------------------------------------------------------------------------
+
+
+async def test_higher_priority_first_and_oldest_first_within_one(store: Store) -> None:
+    spec = [0, 9, 5, 0, 9, 5, 3, 0]
+    ids = [await enqueue(store, priority=p, now=NOW + i) for i, p in enumerate(spec)]
+    expected = [ids[i] for i in sorted(range(len(spec)), key=lambda i: (-spec[i], i))]
+    got = [(await claim(store, NOW + 10)) for _ in ids]
+    assert [d.task.id for d in got] == expected
+    assert [d.task.priority for d in got] == sorted(spec, reverse=True)
+    await expect(store, handed_out=8, enqueued=8, delivered=8)
+
+
+async def test_priorities_are_per_queue_and_the_listed_order_comes_first(store: Store) -> None:
+    low_a = await enqueue(store, queue="a", priority=0)
+    high_b = await enqueue(store, queue="b", priority=9)
+    # the first listed queue with a ready task wins, even over a higher priority elsewhere
+    assert await claimed_ids(store, 2, ["a", "b"]) == [low_a, high_b]
+
+
+async def test_a_given_back_task_returns_to_the_head_of_its_lane(store: Store) -> None:
+    a, b = await enqueue(store, priority=5), await enqueue(store, priority=5, now=NOW + 1)
+    low = await enqueue(store, priority=0)
+    da = await claim(store, NOW + 2)
+    assert da.task.id == a
+    high = await enqueue(store, priority=9, now=NOW + 2)
+    assert await store.release(a, da.lease_id)
+    assert await claimed_ids(store, 4, [DEFAULT_QUEUE], NOW + 3) == [high, a, b, low]
+
+
+async def test_a_retried_task_goes_to_the_tail_of_its_lane(store: Store) -> None:
+    first = await enqueue(store, priority=2)
+    d = await claim(store)
+    failure = await store.nack(first, d.lease_id, "x", now=NOW, delay=1.0)
+    second = await enqueue(store, priority=2, now=NOW + 0.5)
+    low = await enqueue(store, priority=1, now=NOW + 0.5)
+    assert await claimed_ids(store, 3, [DEFAULT_QUEUE], NOW + 1.0) == [second, first, low]
+    assert failure.retry_at == NOW + 1.0
+
+
+async def test_priority_order_holds_past_the_hot_window(store: Store) -> None:
+    # More ready tasks than SQLite keeps in memory in tests (3): most of them are cold.
+    lows = [await enqueue(store, priority=0, now=NOW + i) for i in range(6)]
+    highs = [await enqueue(store, priority=7, now=NOW + 10 + i) for i in range(6)]
+    mids = [await enqueue(store, queue="q", priority=4, now=NOW + 20 + i) for i in range(4)]
+    got = await store.claim_many([LEASE] * 8, now=NOW + 30, queues=["q", DEFAULT_QUEUE])
+    assert [d.task.id for d in got] == mids + highs[:4]
+    assert [d.task.payload for d in got] == [PAYLOAD] * 8
+    assert await claimed_ids(store, 8, [DEFAULT_QUEUE], NOW + 30) == highs[4:] + lows
+    await expect(store, handed_out=16, enqueued=16, delivered=16)
+
+
+# -- extending a lease ------------------------------------------------------------------------
+
+
+async def test_extend_moves_the_deadline_and_the_reclaim(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=10.0)
+    deadline = await store.extend(task_id, d.lease_id, lease=60.0, now=NOW + 5.0)
+    assert deadline == NOW + 65.0
+    await expect(store, handed_out=1, enqueued=1, delivered=1)  # no counter moves
+    result, next_due = await store.sweep(now=NOW + 10.0)  # the old deadline: nothing due
+    assert result.reclaimed == []
+    assert next_due == NOW + 65.0
+    result, next_due = await store.sweep(now=NOW + 64.5)
+    assert result.reclaimed == []
+    result, _ = await store.sweep(now=NOW + 65.0)
+    assert result.reclaimed == [(task_id, d.lease_id)]
+    await expect(store, delayed=1, enqueued=1, delivered=1, reclaimed=1, retried=1)
+
+
+async def test_extend_can_shorten_a_lease(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=300.0)
+    assert await store.extend(task_id, d.lease_id, lease=2.0, now=NOW + 1.0) == NOW + 3.0
+    result, next_due = await store.sweep(now=NOW + 2.0)
+    assert (result.reclaimed, next_due) == ([], NOW + 3.0)
+    result, _ = await store.sweep(now=NOW + 3.0)
+    assert result.reclaimed == [(task_id, d.lease_id)]
+    result, next_due = await store.sweep(now=NOW + 300.0)  # the first deadline is stale
+    assert result.reclaimed == []
+
+
+async def test_extend_again_and_again_then_ack(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=1.0)
+    now = NOW
+    for _ in range(20):
+        now += 0.5
+        assert await store.extend(task_id, d.lease_id, lease=1.0, now=now) == now + 1.0
+        result, _ = await store.sweep(now=now + 0.75)
+        assert result.reclaimed == []
+    await store.ack(task_id, d.lease_id, now=now)
+    result, next_due = await store.sweep(now=now + 100)
+    assert (result.reclaimed, next_due) == ([], None)
+    await expect(store, enqueued=1, delivered=1, acked=1)
+
+
+async def test_extend_with_a_wrong_lease_is_a_lease_mismatch(store: Store) -> None:
+    task_id = await enqueue(store)
+    d = await claim(store, lease=10.0)
+    with pytest.raises(LeaseLost):
+        await store.extend(task_id, "not-the-lease", lease=60.0, now=NOW)
+    result, _ = await store.sweep(now=NOW + 10.0)  # the deadline did not move
+    assert result.reclaimed == [(task_id, d.lease_id)]
+
+
+@pytest.mark.parametrize("situation", UNHELD)
+async def test_extending_a_task_nobody_holds_is_not_found(store: Store, situation: str) -> None:
+    task_id, lease_id, unchanged = await _unheld(store, situation)
+    with pytest.raises(NotFound):
+        await store.extend(task_id, lease_id, lease=60.0, now=NOW)
+    await expect(store, **unchanged)
+
+
+# -- nack options -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.25, 7.0, 3600.0])
+async def test_nack_with_a_delay_retries_after_exactly_that(store: Store, delay: float) -> None:
+    task_id = await enqueue(store, max_attempts=3)
+    d = await claim(store)
+    failure = await store.nack(task_id, d.lease_id, "later", now=NOW + 1.0, delay=delay)
+    assert failure == Failure(task_id, False, NOW + 1.0 + delay)
+    await expect(store, delayed=1, enqueued=1, delivered=1, nacked=1, retried=1)
+    if delay:
+        assert await store.claim(lease=LEASE, now=NOW + 1.0 + delay - 0.125) is None
+    d = await claim(store, NOW + 1.0 + delay)
+    assert (d.task.id, d.task.attempts, d.task.last_error) == (task_id, 2, "later")
+    assert d.task.available_at == NOW + 1.0 + delay
+
+
+async def test_nack_with_a_delay_still_buries_when_no_attempts_remain(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=2)
+    d = await claim(store)
+    failure = await store.nack(task_id, d.lease_id, "one", now=NOW, delay=0.5)
+    d = await claim(store, NOW + 0.5)
+    failure = await store.nack(task_id, d.lease_id, "two", now=NOW + 0.5, delay=0.5)
+    assert failure == Failure(task_id, True, None)
+    await expect(store, dead=1, enqueued=1, delivered=2, nacked=2, retried=1, buried=1)
+    [view] = await store.dead_letters()
+    assert (view.id, view.attempts, view.last_error) == (task_id, 2, "two")
+
+
+async def test_a_terminal_nack_buries_whatever_attempts_remain(store: Store) -> None:
+    task_id = await enqueue(store, max_attempts=10, queue="q")
+    d = await claim_from(store, ["q"])
+    assert d is not None
+    failure = await store.nack(task_id, d.lease_id, "bad input", now=NOW, terminal=True)
+    assert failure == Failure(task_id, True, None)
+    await expect(store, dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
+    await expect_queue(store, "q", dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
+    [view] = await store.dead_letters()
+    assert (view.id, view.attempts, view.max_attempts, view.last_error) == (
+        task_id,
+        1,
+        10,
+        "bad input",
+    )
+    result, next_due = await store.sweep(now=NOW + 10_000)
+    assert (result.reclaimed, result.promoted, next_due) == ([], 0, None)
+
+
+async def test_settle_many_takes_nack_options(store: Store) -> None:
+    ids = [await enqueue(store, max_attempts=3) for _ in range(4)]
+    ds = await store.claim_many([LEASE] * 4, now=NOW)
+    assert [d.task.id for d in ds] == ids
+    nacks = [
+        NackItem(ids[0], ds[0].lease_id, "plain"),
+        NackItem(ids[1], ds[1].lease_id, "delayed", delay=5.0),
+        NackItem(ids[2], ds[2].lease_id, "terminal", terminal=True),
+        NackItem(ids[3], "wrong-lease", "nope", terminal=True),
+    ]
+    acked, nacked = await store.settle_many([], nacks, now=NOW)
+    assert acked == []
+    assert isinstance(nacked[0], Failure)
+    assert_backoff(nacked[0], 1, NOW)
+    assert nacked[1] == Failure(ids[1], False, NOW + 5.0)
+    assert nacked[2] == Failure(ids[2], True, None)
+    assert isinstance(nacked[3], LeaseLost)
+    await expect(
+        store,
+        handed_out=1,
+        delayed=2,
+        dead=1,
+        enqueued=4,
+        delivered=4,
+        nacked=3,
+        retried=2,
+        buried=1,
+    )
+
+
+# -- idempotency keys -------------------------------------------------------------------------
+
+
+async def test_a_key_seen_within_its_window_is_a_duplicate(store: Store) -> None:
+    first = await store.enqueue(
+        PAYLOAD, max_attempts=3, delay=0.0, now=NOW, key="k", key_until=NOW + 300.0
+    )
+    assert not first.duplicate
+    assert first.task is not None
+    before = store.transactions
+    again = await store.enqueue(
+        b'"other"', max_attempts=1, delay=0.0, now=NOW + 299.5, key="k", key_until=NOW + 599.5
+    )
+    assert again == Enqueued(first.id, True, None)
+    assert store.transactions == before  # a duplicate creates nothing, commits nothing
+    await expect(store, ready=1, enqueued=1)
+    # even once the first task is gone (acked)
+    d = await claim(store, NOW + 299.5)
+    await store.ack(first.id, d.lease_id, now=NOW + 299.5)
+    again = await store.enqueue(
+        PAYLOAD, max_attempts=3, delay=5.0, now=NOW + 299.75, key="k", key_until=NOW + 600.0
+    )
+    assert again == Enqueued(first.id, True, None)
+    await expect(store, enqueued=1, delivered=1, acked=1)
+
+
+async def test_a_key_whose_window_is_over_makes_a_new_task(store: Store) -> None:
+    first = await enqueue(store, key="k", key_until=NOW + 10.0)
+    # at the end of the window (until <= now), with no sweep in between
+    second = await store.enqueue(
+        PAYLOAD, max_attempts=3, delay=0.0, now=NOW + 10.0, key="k", key_until=NOW + 20.0
+    )
+    assert not second.duplicate
+    assert second.id != first
+    # the new window holds, a sweep forgets the old one and not the new
+    await store.sweep(now=NOW + 15.0)
+    third = await store.enqueue(
+        PAYLOAD, max_attempts=3, delay=0.0, now=NOW + 15.0, key="k", key_until=NOW + 25.0
+    )
+    assert third == Enqueued(second.id, True, None)
+    await store.sweep(now=NOW + 20.0)
+    fourth = await enqueue(store, now=NOW + 20.0, key="k", key_until=NOW + 30.0)
+    assert fourth not in (first, second.id)
+    await expect(store, ready=3, enqueued=3)
+
+
+async def test_keys_are_per_queue(store: Store) -> None:
+    a = await enqueue(store, queue="a", key="k", key_until=NOW + 60)
+    b = await enqueue(store, queue="b", key="k", key_until=NOW + 60)
+    plain = await enqueue(store, key="k", key_until=NOW + 60)
+    assert len({a, b, plain}) == 3
+    dup = await store.enqueue(
+        PAYLOAD, max_attempts=3, delay=0.0, now=NOW, queue="b", key="k", key_until=NOW + 60
+    )
+    assert dup == Enqueued(b, True, None)
+    # a key is not a payload: another key, the same payload, is a new task
+    other = await enqueue(store, queue="b", key="K", key_until=NOW + 60)
+    assert other != b
+    await expect_queue(store, "b", ready=2, enqueued=2)
+
+
+async def test_keys_within_one_batch(store: Store) -> None:
+    until = NOW + 60
+    done = await store.enqueue_many(
+        [
+            NewTask(b"1", 3, 0.0, key="x", key_until=until),
+            NewTask(b"2", 3, 0.0, key="y", key_until=until),
+            NewTask(b"3", 3, 0.0, key="x", key_until=until),
+            NewTask(b"4", 3, 0.0),
+            NewTask(b"5", 3, 0.0, queue="other", key="x", key_until=until),
+        ],
+        now=NOW,
+    )
+    assert [e.duplicate for e in done] == [False, False, True, False, False]
+    assert done[2] == Enqueued(done[0].id, True, None)
+    assert len({e.id for e in done}) == 4
+    await expect(store, ready=4, enqueued=4)
+    # a batch of duplicates only commits nothing
+    before = store.transactions
+    again = await store.enqueue_many(
+        [NewTask(b"6", 3, 0.0, key="y", key_until=until)] * 2, now=NOW + 1
+    )
+    assert again == [Enqueued(done[1].id, True, None)] * 2
+    assert store.transactions == before
+
+
+# -- lookup -----------------------------------------------------------------------------------
+
+
+async def test_lookup_in_each_state(store: Store) -> None:
+    ready = await enqueue(store, queue="q", priority=4)
+    delayed = await enqueue(store, delay=30.0)
+    held = await enqueue(store, max_attempts=2)
+    dead = await enqueue(store, max_attempts=1)
+    d_held = await claim(store)
+    d_dead = await claim(store)
+    assert (d_held.task.id, d_dead.task.id) == (held, dead)
+    await store.nack(dead, d_dead.lease_id, "gone wrong", now=NOW)
+
+    found = await store.lookup(ready)
+    assert found == TaskState(Task(ready, PAYLOAD, 0, 3, NOW, NOW, None, "q", 4), "ready")
+    found = await store.lookup(delayed)
+    assert found == TaskState(Task(delayed, PAYLOAD, 0, 3, NOW, NOW + 30.0), "delayed")
+    found = await store.lookup(held)
+    assert found == TaskState(Task(held, PAYLOAD, 1, 2, NOW, NOW), "handed_out")
+    found = await store.lookup(dead)
+    assert found == TaskState(Task(dead, PAYLOAD, 1, 1, NOW, NOW, "gone wrong"), "dead")
+
+    failure = await store.nack(held, d_held.lease_id, "retry me", now=NOW + 1.0, delay=2.0)
+    found = await store.lookup(held)
+    assert found == TaskState(Task(held, PAYLOAD, 1, 2, NOW, NOW + 3.0, "retry me"), "delayed")
+    assert failure.retry_at == NOW + 3.0
+    await store.sweep(now=NOW + 3.0)
+    found = await store.lookup(held)
+    assert found is not None
+    assert (found.state, found.task.last_error) == ("ready", "retry me")
+
+
+async def test_lookup_of_a_cold_ready_task(store: Store) -> None:
+    # past the hot window of the SQLite store in tests (3 ready tasks): ids only in memory
+    ids = [await enqueue(store, priority=n % 3, now=NOW + n) for n in range(8)]
+    for n, task_id in enumerate(ids):
+        found = await store.lookup(task_id)
+        assert found == TaskState(
+            Task(task_id, PAYLOAD, 0, 3, NOW + n, NOW + n, None, DEFAULT_QUEUE, n % 3), "ready"
+        )
+
+
+async def test_lookup_after_ack_purge_or_never(store: Store) -> None:
+    acked = await enqueue(store)
+    d = await claim(store)
+    await store.ack(acked, d.lease_id, now=NOW)
+    assert await store.lookup(acked) is None
+    purged = await enqueue(store, max_attempts=1)
+    await bury(store, purged, "x")
+    await store.purge(purged)
+    assert await store.lookup(purged) is None
+    for unknown in ("no-such-task", "0123456789abcdef", "", "0123456789ABCDEF", "zz" * 8):
+        assert await store.lookup(unknown) is None
+
+
+# -- requeue_all and purge --------------------------------------------------------------------
+
+
+async def test_requeue_all_requeues_every_dead_task(store: Store) -> None:
+    await enqueue(store, queue="b", delay=60.0)  # not dead: stays where it is
+    queues_of = ("a", "b", "a", "c")
+    ids = [await enqueue(store, queue=q, max_attempts=1) for q in queues_of]
+    for task_id, queue in zip(ids, queues_of, strict=True):
+        await bury_from(store, queue, task_id)
+    assert [v.id for v in await store.dead_letters()] == ids
+    count, queues = await store.requeue_all(now=NOW + 1)
+    assert count == 4
+    assert sorted(queues) == ["a", "b", "c"]
+    assert await store.dead_letters() == []
+    await expect(store, ready=4, delayed=1, enqueued=5, delivered=4, nacked=4, buried=4, requeued=4)
+    for task_id in ids:
+        view = await store.lookup(task_id)
+        assert view is not None
+        assert (view.state, view.task.attempts, view.task.last_error) == ("ready", 0, None)
+        assert view.task.available_at == NOW + 1
+    assert await store.requeue_all(now=NOW + 1) == (0, [])
+    # to the tail of ready, in the order they were buried
+    got = await claimed_ids(store, 4, ["c", "b", "a"], NOW + 1)
+    assert got == [ids[3], ids[1], ids[0], ids[2]]
+
+
+async def test_requeue_all_of_one_queue(store: Store) -> None:
+    ids = {q: await enqueue(store, queue=q, max_attempts=1) for q in ("a", "b")}
+    extra = await enqueue(store, queue="a", max_attempts=1, now=NOW + 1)
+    for _ in range(3):
+        d = await claim_from(store, ["a", "b"], NOW + 1)
+        assert d is not None
+        await store.nack(d.task.id, d.lease_id, "x", now=NOW + 1)
+    assert await store.requeue_all(queue="a", now=NOW + 2) == (2, ["a"])
+    assert [v.id for v in await store.dead_letters()] == [ids["b"]]
+    await expect_queue(store, "a", ready=2, enqueued=2, delivered=2, nacked=2, buried=2, requeued=2)
+    await expect_queue(store, "b", dead=1, enqueued=1, delivered=1, nacked=1, buried=1)
+    # to the tail of ready, in the order they were buried
+    assert await claimed_ids(store, 2, ["a"], NOW + 2) == [ids["a"], extra]
+    assert await store.requeue_all(queue="never", now=NOW + 2) == (0, [])
+    assert await store.requeue_all(queue="a", now=NOW + 2) == (0, [])
+
+
+async def test_requeue_past_the_hot_window(store: Store) -> None:
+    # SQLite keeps 3 ready tasks in memory in tests: a requeued task behind them goes cold.
+    doomed = await enqueue(store, max_attempts=1)
+    await bury(store, doomed, "x")
+    ready = [await enqueue(store, now=NOW + 1 + i) for i in range(5)]
+    assert await store.requeue(doomed, now=NOW + 10) == DEFAULT_QUEUE
+    await bury_from(store, "q", await enqueue(store, queue="q", max_attempts=1))
+    assert await store.requeue_all(now=NOW + 10) == (1, ["q"])
+    assert await claimed_ids(store, 6, [DEFAULT_QUEUE], NOW + 10) == [*ready, doomed]
+    found = await store.lookup(doomed)
+    assert found is not None
+    assert (found.state, found.task.attempts, found.task.last_error) == ("handed_out", 1, None)
+
+
+async def test_purge_drops_a_dead_task_for_good(store: Store) -> None:
+    keep = await enqueue(store, max_attempts=1)
+    gone = await enqueue(store, max_attempts=1, queue="q")
+    await bury(store, keep, "k")
+    d = await claim_from(store, ["q"])
+    assert d is not None
+    await store.nack(gone, d.lease_id, "g", now=NOW)
+    await store.purge(gone)
+    stats = await expect(store, dead=1, enqueued=2, delivered=2, nacked=2, buried=2, purged=1)
+    assert stats.ready + stats.handed_out + stats.delayed + stats.dead == 2 - 0 - 1
+    await expect_queue(store, "q", enqueued=1, delivered=1, nacked=1, buried=1, purged=1)
+    assert [v.id for v in await store.dead_letters()] == [keep]
+    with pytest.raises(NotFound):
+        await store.purge(gone)  # twice
+    with pytest.raises(NotFound):
+        await store.requeue(gone, now=NOW)
+    assert await store.requeue_all(now=NOW) == (1, [DEFAULT_QUEUE])
+
+
+@pytest.mark.parametrize("situation", [*UNHELD, "handed out"])
+async def test_purge_of_a_task_that_is_not_dead_is_not_found(store: Store, situation: str) -> None:
+    if situation == "handed out":
+        task_id = await enqueue(store)
+        await claim(store)
+        unchanged = dict(handed_out=1, enqueued=1, delivered=1)
+    elif situation == "dead":
+        task_id, _, _ = await _unheld(store, "dead")
+        await store.requeue(task_id, now=NOW)
+        unchanged = dict(ready=1, enqueued=1, delivered=1, nacked=1, buried=1, requeued=1)
+    else:
+        task_id, _, unchanged = await _unheld(store, situation)
+    with pytest.raises(NotFound):
+        await store.purge(task_id)
+    await expect(store, **unchanged)
+
+
+async def test_issue_11_calls_that_change_nothing_commit_nothing(store: Store) -> None:
+    await store.set_paused("a", True)
+    before = store.transactions
+    await store.set_paused("a", True)
+    assert await store.requeue_all(now=NOW) == (0, [])
+    with pytest.raises(NotFound):
+        await store.purge("0123456789abcdef")
+    with pytest.raises(NotFound):
+        await store.extend("0123456789abcdef", "fedcba9876543210", lease=1.0, now=NOW)
+    await store.lookup("0123456789abcdef")
+    await store.queues()
+    await store.stats("a")
     assert store.transactions == before
 
 

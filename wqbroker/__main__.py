@@ -19,6 +19,7 @@ from wqbroker.http import (
 )
 from wqbroker.limits import (
     DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_MAX_QUEUES,
     DEFAULT_MAX_TASKS,
     DEFAULT_MAX_WAITERS,
     dedup_window_seconds,
@@ -144,6 +145,13 @@ FLAGS: tuple[Flag, ...] = (
         help="parked long-polls and open streams before more get 429; 0: no limit",
     ),
     Flag(
+        "max-queues",
+        default=DEFAULT_MAX_QUEUES,
+        parse=non_negative_int,
+        metavar="N",
+        help="named queues kept before an enqueue (or pause) to a new one gets 429; 0: no limit",
+    ),
+    Flag(
         "dedup-window-ms",
         default=DEFAULT_DEDUP_WINDOW_MS,
         parse=non_negative_int,
@@ -196,6 +204,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         store=args.store,
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,
+        max_queues=args.max_queues,
         max_waiters=args.max_waiters,
         dedup_window=dedup_window_seconds(args.dedup_window_ms),
         token_file=args.token_file or None,

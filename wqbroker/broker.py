@@ -26,6 +26,7 @@ from wqbroker.http import (
 )
 from wqbroker.limits import (
     DEFAULT_DEDUP_WINDOW_MS,
+    DEFAULT_MAX_QUEUES,
     DEFAULT_MAX_TASKS,
     DEFAULT_MAX_WAITERS,
     DEFAULT_SWEEP_INTERVAL,
@@ -93,6 +94,7 @@ class Config:
     store: str = "memory"  # or "sqlite:PATH"
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
+    max_queues: int = DEFAULT_MAX_QUEUES  # 0: no limit
     max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
     # Seconds an idempotency key is remembered (-dedup-window-ms; five minutes, as SQS FIFO's).
     dedup_window: float = DEFAULT_DEDUP_WINDOW_MS / 1000
@@ -187,6 +189,7 @@ class Broker:
             sweep_interval=config.sweep_interval,
             max_payload=config.max_body,
             max_tasks=config.max_tasks,
+            max_queues=config.max_queues,
             max_waiters=config.max_waiters,
             dedup_window=config.dedup_window,
         )

@@ -121,6 +121,11 @@ class Stream(Consumer):
         self._waiter: asyncio.Future[None] | None = None
         self._sent: dict[str, str] = {}  # lease_id -> task_id, taken by next() and unfinished
 
+    def gone(self) -> bool:
+        # A draining stream takes no new task, also one claimed for it before the drain (by a
+        # pump that was waiting for the store): that one is handed back.
+        return self.closed or self.draining
+
     def deliver(self, delivery: Delivery) -> None:
         self._pending.append(delivery)
         self.poke()

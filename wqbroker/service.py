@@ -9,7 +9,7 @@ hand-off of tasks to waiting consumers lives in :mod:`wqbroker.dispatch`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -72,12 +72,14 @@ class Service:
         max_tasks: int = limits.DEFAULT_MAX_TASKS,
         max_waiters: int = limits.DEFAULT_MAX_WAITERS,
         dedup_window: float = limits.DEFAULT_DEDUP_WINDOW_MS / 1000,
+        max_queues: int = limits.DEFAULT_MAX_QUEUES,
     ) -> None:
         self._store = store
         self._clock = clock
         self.dedup_window = dedup_window  # seconds an idempotency key is remembered
         self.max_payload = max_payload
         self.max_tasks = max_tasks  # 0: no limit
+        self.max_queues = max_queues  # 0: no limit
         self._sweeper = Sweeper(clock, sweep_interval, self.sweep)
         self._background = Background()
         self._dispatch = Dispatcher(
@@ -136,7 +138,7 @@ class Service:
         limit, valid JSON). With an idempotency ``key`` seen in the same queue within the
         window, nothing is created and the first task's id comes back as a duplicate."""
         new = self._checked(Submission(payload, max_attempts, delay_ms, queue, priority, key))
-        self._room_for(1)
+        self._room_for((new,))
         now = self._clock.now()
         done = await self._store.enqueue_many((new,), now=now)
         await self._placed(done, now)
@@ -151,7 +153,7 @@ class Service:
         are answered per item."""
         limits.batch_size(what, len(items))
         checked = [self._checked_item(item, f"{what}[{i}]") for i, item in enumerate(items)]
-        self._room_for(len(checked))
+        self._room_for(checked)
         now = self._clock.now()
         done = await self._store.enqueue_many(checked, now=now)
         await self._placed(done, now)
@@ -175,8 +177,37 @@ class Service:
         if ready:
             await self._dispatch.pump(ready)
 
-    def _room_for(self, n: int) -> None:
-        """Refuse ``n`` more tasks (all of them) if they would take the broker past its limit."""
+    def _room_for(self, tasks: Sequence[NewTask]) -> None:
+        """Refuse the tasks (all of them) if they would take the broker past its limits of
+        tasks or of queues. Duplicates (by idempotency key) take no room."""
+        self._room_for_queues(dict.fromkeys(t.queue for t in tasks))
+        store = self._store
+        now = self._clock.now()
+        keys: set[tuple[str, str]] = set()
+        n = 0
+        for t in tasks:
+            if t.key is not None:
+                if (t.queue, t.key) in keys or store.key_hint(t.queue, t.key, now):
+                    continue
+                keys.add((t.queue, t.key))
+            n += 1
+        if n:
+            self._room_for_tasks(n)
+
+    def _room_for_queues(self, names: Iterable[str]) -> None:
+        """Refuse to create queues past the broker's limit."""
+        if not self.max_queues:
+            return
+        count = self._store.queue_count_hint()
+        new = [name for name in names if self._store.queue_hint(name) is False]
+        if count is not None and new and count + len(new) > self.max_queues:
+            raise Overloaded(
+                f"the broker keeps at most {self.max_queues} queues and has {count}: queue "
+                f"{quoted(new[0])} would be a new one; use an existing queue",
+                retry_after=limits.RETRY_AFTER,
+            )
+
+    def _room_for_tasks(self, n: int) -> None:
         held = self._store.held_hint() if self.max_tasks else None
         if held is not None and held + n > self.max_tasks:
             more = "a task" if n == 1 else f"{n} tasks"
@@ -320,7 +351,9 @@ class Service:
         (default and cap as for claims)."""
         tid, lid = _ack_item((task_id, lease_id))
         lease = limits.lease_seconds(lease_ms)
-        return await self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+        deadline = await self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+        self._sweeper.wake_by(deadline)  # a shortened lease is reclaimed at its new deadline
+        return deadline
 
     # -- looking, the dead-letter queue, queues, stats, the clock -----------------------------
 
@@ -369,11 +402,14 @@ class Service:
     @follow_through
     async def pause(self, queue: object) -> None:
         """Hand out no task of the queue (it still takes tasks) until it is resumed."""
-        await self._store.set_paused(limits.queue_value(queue), True)
+        name = limits.queue_value(queue)
+        self._room_for_queues((name,))
+        await self._store.set_paused(name, True)
 
     @follow_through
     async def resume(self, queue: object) -> None:
         name = limits.queue_value(queue)
+        self._room_for_queues((name,))
         await self._store.set_paused(name, False)
         await self._dispatch.pump((name,))
 

@@ -158,6 +158,20 @@ class Store(Protocol):
         without any I/O (else None). Used to enforce the broker's task limit."""
         ...
 
+    def queue_hint(self, queue: str) -> bool | None:
+        """Whether the store knows a queue of this name, if it can tell without any I/O (else
+        None). Used to enforce the broker's queue limit."""
+        ...
+
+    def queue_count_hint(self) -> int | None:
+        """How many queues the store knows, if it can tell without any I/O (else None)."""
+        ...
+
+    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
+        """Whether an idempotency key is in its window in that queue (an enqueue with it would be
+        a duplicate), if the store can tell without any I/O (else None)."""
+        ...
+
     def ready_hint(self) -> int | None:
         """How many tasks are ready, if the store knows without any I/O (else None). Only a hint,
         used to size batches of claims."""

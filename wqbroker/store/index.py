@@ -318,6 +318,13 @@ class Index:
             totals=self.totals.copy(),
         )
 
+    @property
+    def queue_count(self) -> int:
+        return len(self._queues)
+
+    def has_queue(self, name: str) -> bool:
+        return name in self._queues
+
     def queue_rows(self) -> list[QueueStats]:
         """Every queue known, by name."""
         return [self._queues[name].row() for name in sorted(self._queues)]
@@ -566,12 +573,14 @@ class Index:
         self._forget_keys(now)
         return result
 
-    def requeue(self, task_id: str, now: float) -> None:
+    def requeue(self, task_id: str, now: float) -> str:
+        """Requeue a dead task; returns its queue's name (the task may have gone cold)."""
         n = parse_id(task_id)
         record = self._dead.get(n) if n is not None else None
         if record is None:
             raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
         self._revive(record, now)
+        return record.queue.name
 
     def requeue_all(self, queue: str | None, now: float) -> tuple[int, list[str]]:
         """Requeue every dead task (of one queue): how many, and the queues that got them."""

@@ -160,11 +160,9 @@ class MemoryStore:
         return result, self._index.next_due()
 
     async def requeue(self, task_id: str, *, now: float) -> str:
-        self._index.requeue(task_id, now)
+        name = self._index.requeue(task_id, now)
         self.transactions += 1
-        record = self._index.find(task_id)
-        assert record is not None
-        return record.queue.name
+        return name
 
     async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
         done = self._index.requeue_all(queue, now)
@@ -200,6 +198,15 @@ class MemoryStore:
 
     def held_hint(self) -> int | None:
         return self._index.held_count
+
+    def queue_hint(self, queue: str) -> bool | None:
+        return self._index.has_queue(queue)
+
+    def queue_count_hint(self) -> int | None:
+        return self._index.queue_count
+
+    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
+        return self._index.key_owner(queue, key, now) is not None
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count

@@ -674,7 +674,8 @@ class SqliteStore:
             ids = list(itertools.islice(lane.cold or (), n))
             if not ids:
                 return
-            await self._durable()  # every cold task is in the file
+            if self._unwritten(ids):
+                await self._durable()  # every cold task is in the file, as it stands
             loop = asyncio.get_running_loop()
             rows = await loop.run_in_executor(self._writer, self._read_cold, ids)
             self._check()
@@ -691,6 +692,15 @@ class SqliteStore:
                 self._fail_stop(f"ready task {hex_id(ids[0])} is missing from {self.path}")
                 self._check()
             self._index.warm(lane, records)
+
+    def _unwritten(self, ids: list[int]) -> bool:
+        """True if a row of these tasks may not be in the file as the index has it (a commit is
+        under way, or the open batch holds one). Otherwise a warm need not commit the open batch
+        (the claims made so far by the same claim_many): it stays one transaction."""
+        if self._flushing is not None:
+            return True
+        batch = self._journal.batch
+        return batch is not None and any(n in batch.new or n in batch.moved for n in ids)
 
     def _read_cold(self, ids: list[int]) -> dict[int, tuple[Any, ...]]:
         """In the writer thread: the rows of cold ready tasks, by id."""
@@ -764,13 +774,7 @@ class SqliteStore:
         return result, self._index.next_due()
 
     async def requeue(self, task_id: str, *, now: float) -> str:
-        def change() -> str:
-            self._index.requeue(task_id, now)
-            record = self._index.find(task_id)
-            assert record is not None
-            return record.queue.name
-
-        return await self._change(change)
+        return await self._change(lambda: self._index.requeue(task_id, now))
 
     async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
         return await self._change(lambda: self._index.requeue_all(queue, now))
@@ -850,6 +854,15 @@ class SqliteStore:
 
     def held_hint(self) -> int | None:
         return self._index.held_count
+
+    def queue_hint(self, queue: str) -> bool | None:
+        return self._index.has_queue(queue)
+
+    def queue_count_hint(self) -> int | None:
+        return self._index.queue_count
+
+    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
+        return self._index.key_owner(queue, key, now) is not None
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
