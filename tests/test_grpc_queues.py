@@ -727,3 +727,22 @@ async def test_drain_then_half_close_still_ends_ok(stub: pb_grpc.BrokerAsyncStub
     await worker.send(acks=[ack_of(d)], drain=True)
     await worker.finish()
     assert [s.code for s in worker.settled] == [0]
+
+
+async def test_a_queue_past_max_queues_is_resource_exhausted(clock: FakeClock) -> None:
+    async with (
+        running_broker(clock=clock, max_queues=2) as broker,
+        grpc.aio.insecure_channel(broker.grpc_target) as channel,
+    ):
+        stub = pb_grpc.BrokerStub(channel)
+        await enqueue(stub, b"1", queue="one")
+        await enqueue(stub, b"1", queue="two")
+        err = await rpc_error(stub.Enqueue(pb.EnqueueRequest(payload=b"1", queue="three")))
+        assert err.code() == Code.RESOURCE_EXHAUSTED
+        metadata = dict(err.trailing_metadata() or ())
+        assert str(metadata.get("retry-after-ms", "")).isdigit()  # a limit, not a size
+        await enqueue(stub, b"1", queue="two")  # a known queue still takes tasks
+        assert [q.name for q in (await stub.ListQueues(pb.ListQueuesRequest())).queues] == [
+            "one",
+            "two",
+        ]
