@@ -739,8 +739,8 @@ async def test_a_queue_past_max_queues_is_resource_exhausted(clock: FakeClock) -
         await enqueue(stub, b"1", queue="two")
         err = await rpc_error(stub.Enqueue(pb.EnqueueRequest(payload=b"1", queue="three")))
         assert err.code() == Code.RESOURCE_EXHAUSTED
-        metadata = {str(k): str(v) for k, v in err.trailing_metadata() or ()}
-        assert metadata.get("retry-after-ms", "").isdigit()  # a limit, not a size
+        metadata: Any = err.trailing_metadata()  # a grpc.aio.Metadata (the stubs say otherwise)
+        assert str(metadata.get("retry-after-ms", "")).isdigit()  # a limit, not a size
         await enqueue(stub, b"1", queue="two")  # a known queue still takes tasks
         assert [q.name for q in (await stub.ListQueues(pb.ListQueuesRequest())).queues] == [
             "one",
