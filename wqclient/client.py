@@ -15,7 +15,7 @@ import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
 from datetime import datetime
 from types import TracebackType
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from wqclient._grpc import GrpcTransport
@@ -138,21 +138,17 @@ def make_transport(
     if token is not None:
         check_token(token)
     if parts.scheme in ("http", "https"):
-        http = HttpTransport(
+        return HttpTransport(
             f"{parts.scheme}://{parts.netloc}{parts.path}",
             timeout=timeout,
             token=token,
             ssl_context=ssl_context(ca_file) if parts.scheme == "https" else None,
         )
-        return cast(Transport, http)  # TODO(issue 11): drop the cast once HttpTransport conforms
     if parts.scheme in ("grpc", "grpcs"):
         if not parts.netloc:
             raise WqError(f"broker URL {url!r} has no host:port")
         credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
-        return cast(  # TODO(issue 11): drop the cast once GrpcTransport conforms
-            Transport,
-            GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials),
-        )
+        return GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials)
     raise WqError(
         f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
     )
