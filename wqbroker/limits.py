@@ -39,6 +39,7 @@ MAX_QUEUES_PER_CLAIM: Final = 64
 MAX_PRIORITY: Final = 9
 MAX_KEY_CHARS: Final = 256
 DEFAULT_DEDUP_WINDOW_MS: Final = 300_000  # five minutes, as SQS FIFO
+_DEFAULT_QUEUES: Final = (DEFAULT_QUEUE,)
 _QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 
 # Backpressure (flags -max-tasks and -max-waiters; 0 means no limit).
@@ -196,7 +197,7 @@ def _quote(text: str) -> str:
 
 def queue_value(value: object | None, name: str = "queue") -> str:
     """A queue's name: ``default`` when absent."""
-    if value is None:
+    if value is None or value == DEFAULT_QUEUE:
         return DEFAULT_QUEUE
     if not isinstance(value, str):
         raise InvalidArgument(f"{name} must be a string, got {describe(value)}")
@@ -209,8 +210,8 @@ def queues_value(value: object | None) -> tuple[str, ...]:
     """The queues a claim takes from, in order of preference: ``None`` or an empty list for the
     default queue, a comma-separated string (``?queue=a,b``) or a sequence of names. A name
     listed twice counts once."""
-    if value is None:
-        return (DEFAULT_QUEUE,)
+    if value is None or value == DEFAULT_QUEUE:
+        return _DEFAULT_QUEUES
     if isinstance(value, str):
         names: Sequence[object] = value.split(",")
     elif isinstance(value, (list, tuple)):

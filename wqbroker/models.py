@@ -1,7 +1,9 @@
 """The records that cross the store contract and the protocol adapters.
 
 They are plain slotted dataclasses and carry no reference into a store's internals, so a SQL backend
-can build them from rows just as the memory backend builds them from its records.
+can build them from rows just as the memory backend builds them from its records. They are not
+frozen (a frozen dataclass takes four times as long to build, and these are built for every task
+at every step), but nothing changes one once it is built: treat them as values.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ DELAYED: Final = "delayed"
 DEAD: Final = "dead"
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Task:
     """A snapshot of one task, as a client sees it."""
 
@@ -34,7 +36,7 @@ class Task:
     priority: int = 0  # 0-9, higher first
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Enqueued:
     """What an enqueue did: a new task, or (an idempotency key matched) nothing."""
 
@@ -43,7 +45,7 @@ class Enqueued:
     task: Task | None  # the new task (None for a duplicate)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class TaskState:
     """A task and the collection it is in (``ready``, ``handed_out``, ``delayed``, ``dead``)."""
 
@@ -51,7 +53,7 @@ class TaskState:
     state: str
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class NewTask:
     """A checked task to enqueue. ``key``: its idempotency key, remembered until ``key_until``."""
 
@@ -64,7 +66,7 @@ class NewTask:
     key_until: float = 0.0
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Delivery:
     """A task handed out under a lease."""
 
@@ -106,7 +108,7 @@ class Stats:
         return asdict(self)
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class QueueStats:
     """One queue's gauges, and whether it is paused."""
 
@@ -118,7 +120,7 @@ class QueueStats:
     paused: bool
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class NackItem:
     """A checked nack: ``delay`` (seconds) replaces the backoff; ``terminal`` buries at once."""
 
@@ -129,7 +131,7 @@ class NackItem:
     terminal: bool = False
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Failure:
     """What became of a task whose delivery failed (nacked or reclaimed)."""
 

@@ -9,7 +9,7 @@ hand-off of tasks to waiting consumers lives in :mod:`wqbroker.dispatch`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -27,6 +27,7 @@ from wqbroker.errors import (
 )
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import (
+    DEFAULT_QUEUE,
     Delivery,
     Enqueued,
     Failure,
@@ -49,7 +50,7 @@ AckItem = tuple[object, object]  # (task id, lease id), as the client sent them
 NackRequest = tuple[object, object, object | None] | tuple[object, ...]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Submission:
     """One task to enqueue, its fields as the client sent them (None: the default)."""
 
@@ -180,27 +181,25 @@ class Service:
     def _room_for(self, tasks: Sequence[NewTask]) -> None:
         """Refuse the tasks (all of them) if they would take the broker past its limits of
         tasks or of queues. Duplicates (by idempotency key) take no room."""
-        self._room_for_queues(dict.fromkeys(t.queue for t in tasks))
         store = self._store
-        now = self._clock.now()
+        if self.max_queues:
+            new = [t.queue for t in tasks if store.queue_hint(t.queue) is False]
+            if new:
+                self._room_for_queues(list(dict.fromkeys(new)))
+        n = len(tasks)
         keys: set[tuple[str, str]] = set()
-        n = 0
         for t in tasks:
             if t.key is not None:
-                if (t.queue, t.key) in keys or store.key_hint(t.queue, t.key, now):
-                    continue
+                if (t.queue, t.key) in keys or store.key_hint(t.queue, t.key, self._clock.now()):
+                    n -= 1
                 keys.add((t.queue, t.key))
-            n += 1
-        if n:
+        if n and self.max_tasks:
             self._room_for_tasks(n)
 
-    def _room_for_queues(self, names: Iterable[str]) -> None:
-        """Refuse to create queues past the broker's limit."""
-        if not self.max_queues:
-            return
+    def _room_for_queues(self, new: Sequence[str]) -> None:
+        """Refuse to create the ``new`` queues past the broker's limit."""
         count = self._store.queue_count_hint()
-        new = [name for name in names if self._store.queue_hint(name) is False]
-        if count is not None and new and count + len(new) > self.max_queues:
+        if self.max_queues and count is not None and count + len(new) > self.max_queues:
             raise Overloaded(
                 f"the broker keeps at most {self.max_queues} queues and has {count}: queue "
                 f"{quoted(new[0])} would be a new one; use an existing queue",
@@ -218,13 +217,16 @@ class Service:
             )
 
     def _checked(self, item: Submission) -> NewTask:
-        key = limits.key_value(item.key)
+        # (Options left to their defaults skip their checks: this runs for every task.)
+        key = None if item.key is None else limits.key_value(item.key)
         return NewTask(
             limits.payload_value(item.payload, self.max_payload),
-            limits.max_attempts_value(item.max_attempts),
-            limits.delay_seconds(item.delay_ms),
-            limits.queue_value(item.queue),
-            limits.priority_value(item.priority),
+            limits.DEFAULT_MAX_ATTEMPTS
+            if item.max_attempts is None
+            else limits.max_attempts_value(item.max_attempts),
+            0.0 if item.delay_ms is None else limits.delay_seconds(item.delay_ms),
+            DEFAULT_QUEUE if item.queue is None else limits.queue_value(item.queue),
+            0 if item.priority is None else limits.priority_value(item.priority),
             key,
             self._clock.now() + self.dedup_window if key is not None else 0.0,
         )
@@ -403,13 +405,15 @@ class Service:
     async def pause(self, queue: object) -> None:
         """Hand out no task of the queue (it still takes tasks) until it is resumed."""
         name = limits.queue_value(queue)
-        self._room_for_queues((name,))
+        if self._store.queue_hint(name) is False:
+            self._room_for_queues((name,))
         await self._store.set_paused(name, True)
 
     @follow_through
     async def resume(self, queue: object) -> None:
         name = limits.queue_value(queue)
-        self._room_for_queues((name,))
+        if self._store.queue_hint(name) is False:
+            self._room_for_queues((name,))
         await self._store.set_paused(name, False)
         await self._dispatch.pump((name,))
 

@@ -228,13 +228,15 @@ def _terminal(message: pb.NackRequest) -> bool | None:
 
 
 def _submission(item: pb.EnqueueRequest) -> Submission:
+    # (Runs for every task of a batch: the fields are read inline, in Submission's order.)
+    has = item.HasField
     return Submission(
         item.payload,
-        max_attempts=_optional(item, "max_attempts"),
-        delay_ms=_optional(item, "delay_ms"),
-        queue=_text(item.queue),
-        priority=_optional(item, "priority"),
-        key=_text(item.idempotency_key),
+        item.max_attempts if has("max_attempts") else None,
+        item.delay_ms if has("delay_ms") else None,
+        item.queue or None,
+        item.priority if has("priority") else None,
+        item.idempotency_key or None,
     )
 
 

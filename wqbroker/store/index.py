@@ -52,6 +52,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import re
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Protocol
@@ -59,6 +60,7 @@ from typing import Final, Protocol
 from wqbroker.errors import LeaseLost, NotFound, WqError, quoted
 from wqbroker.models import (
     DEFAULT_QUEUE,
+    Enqueued,
     Failure,
     NackItem,
     NewTask,
@@ -79,7 +81,7 @@ PRIORITIES: Final = 10
 # Rebuild the lease heap once it holds this many stale entries and they outnumber live ones.
 _COMPACT_MIN: Final = 4096
 _MASK: Final = 2**64 - 1
-_HEX: Final = frozenset("0123456789abcdef")
+_HEX_ID: Final = re.compile("[0-9a-f]{16}").fullmatch
 
 
 def _mix(x: int) -> int:
@@ -96,7 +98,7 @@ def hex_id(n: int) -> str:
 
 def parse_id(task_id: str) -> int | None:
     """A task id as records hold it; None if it is not one this broker could have issued."""
-    if len(task_id) != 16 or not _HEX.issuperset(task_id):
+    if _HEX_ID(task_id) is None:
         return None
     return int(task_id, 16)
 
@@ -193,14 +195,13 @@ class Lane:
 class Queue:
     """A named queue: its lanes, its gauges, its dead tasks, its totals, whether it is paused."""
 
-    __slots__ = ("name", "lanes", "mask", "paused", "ready", "delayed", "held", "dead", "totals")
+    __slots__ = ("name", "lanes", "mask", "paused", "delayed", "held", "dead", "totals")
 
     def __init__(self, name: str) -> None:
         self.name = name
         self.lanes: list[Lane | None] = [None] * PRIORITIES
         self.mask = 0  # bit p: lane p holds a ready task
         self.paused = False
-        self.ready = 0
         self.delayed = 0
         self.held = 0
         self.dead: dict[int, Record] = {}  # in the order of burial
@@ -214,6 +215,11 @@ class Queue:
 
     def stats(self) -> Stats:
         return Stats(self.ready, self.held, self.delayed, len(self.dead), self.totals.copy())
+
+    @property
+    def ready(self) -> int:
+        """Its ready tasks (counted when asked: claims and enqueues do not keep a count)."""
+        return sum(len(lane) for lane in self.lanes if lane is not None)
 
     def row(self) -> QueueStats:
         return QueueStats(
@@ -401,14 +407,15 @@ class Index:
         return q
 
     def enqueue(self, new: NewTask, now: float) -> Record:
-        q = self.queue(new.queue)
+        q = self._queues.get(new.queue) or self.queue(new.queue)
+        self._issued += 1
         record = Record(
-            self._new_id(),
+            _mix((self._issued + self._id_key) & _MASK),
             new.payload,
             new.max_attempts,
             now,
             now + new.delay if new.delay > 0 else now,
-            lane=q.lane(new.priority),
+            lane=q.lanes[new.priority] or q.lane(new.priority),
         )
         if new.delay > 0:
             self._delay(record)
@@ -422,14 +429,44 @@ class Index:
             self._remember(new.queue, new.key, record.id, new.key_until)
         return record
 
+    def enqueue_many(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
+        """Enqueue tasks in order; one whose idempotency key is in its window is answered as a
+        duplicate of the first task's id, and creates nothing."""
+        out: list[Enqueued] = []
+        for new in items:
+            if new.key is not None:
+                owner = self.key_owner(new.queue, new.key, now)
+                if owner is not None:
+                    out.append(Enqueued(owner, True, None))
+                    continue
+            record = self.enqueue(new, now)
+            task_id = f"{record.id:016x}"
+            task = Task(
+                task_id,
+                new.payload,
+                0,
+                new.max_attempts,
+                now,
+                record.available_at,
+                None,
+                new.queue,
+                new.priority,
+            )
+            out.append(Enqueued(task_id, False, task))
+        return out
+
     def claim(self, queues: Sequence[str], lease: float, now: float) -> Record | None:
         """Hand out the next ready task of the first of ``queues`` (by name) that has one:
         its highest priority, oldest first (promoting due delayed tasks first). None if nothing
         is ready, or if that task is cold (a store with cold tasks warms them first)."""
         if self._delayed and self._delayed[0][0] <= now:
             self._promote(now)
-        q = self._pick(queues)
-        if q is None:
+        known = self._queues
+        for name in queues:  # (_pick, inlined: this runs for every task)
+            q = known.get(name)
+            if q is not None and q.mask and not q.paused:
+                break
+        else:
             return None
         priority = q.mask.bit_length() - 1
         lane = q.lanes[priority]
@@ -439,7 +476,6 @@ class Index:
         record = lane.hot.popleft()
         if not lane.hot and not lane.cold:
             q.mask &= ~(1 << priority)
-        q.ready -= 1
         q.held += 1
         self._ready -= 1
         self._hot -= 1
@@ -449,11 +485,13 @@ class Index:
         lease_id = f"{self._rng.getrandbits(64):016x}"
         record.lease_id = lease_id
         record.deadline = deadline = now + lease
-        record.seq = seq = self._next_seq()
+        self._seq = seq = self._seq + 1
+        record.seq = seq
         heapq.heappush(self._leases, (deadline, seq, lease_id, record))
         self.totals.delivered += 1
         q.totals.delivered += 1
-        self._moved(record)
+        if self._journal is not None:
+            self._journal.moved(record)
         return record
 
     def warm(self, lane: Lane, records: Sequence[Record]) -> None:
@@ -474,7 +512,7 @@ class Index:
         self._drop_lease(record)
         del self._live[record.id]
         self.totals.acked += 1
-        record.queue.totals.acked += 1
+        record.lane.queue.totals.acked += 1
         if self._journal is not None:
             self._journal.deleted(record)
 
@@ -490,13 +528,13 @@ class Index:
     ) -> Failure:
         record = self.held(task_id, lease_id)
         self.totals.nacked += 1
-        record.queue.totals.nacked += 1
+        record.lane.queue.totals.nacked += 1
         return self._fail(record, error, now, delay=delay, terminal=terminal)
 
     def reclaim(self, task_id: str, lease_id: str, error: str, now: float) -> Failure:
         record = self.held(task_id, lease_id)
         self.totals.reclaimed += 1
-        record.queue.totals.reclaimed += 1
+        record.lane.queue.totals.reclaimed += 1
         return self._fail(record, error, now)
 
     def extend(self, task_id: str, lease_id: str, lease: float, now: float) -> float:
@@ -549,7 +587,6 @@ class Index:
             record.seq = self._head
         lane.hot.appendleft(record)
         q.mask |= 1 << lane.priority
-        q.ready += 1
         self._ready += 1
         self._hot += 1
         self._moved(record)
@@ -566,7 +603,7 @@ class Index:
                 continue
             record = entry[3]
             self.totals.reclaimed += 1
-            record.queue.totals.reclaimed += 1
+            record.lane.queue.totals.reclaimed += 1
             result.reclaimed.append((record.task_id, entry[2]))
             self._fail(record, "lease expired", now, lease_in_heap=False)
         result.promoted = self._promote(now, result.ready_queues)
@@ -580,14 +617,14 @@ class Index:
         if record is None:
             raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
         self._revive(record, now)
-        return record.queue.name
+        return record.lane.queue.name
 
     def requeue_all(self, queue: str | None, now: float) -> tuple[int, list[str]]:
         """Requeue every dead task (of one queue): how many, and the queues that got them."""
         records = self.dead(None, queue)
         for record in records:
             self._revive(record, now)
-        return len(records), list(dict.fromkeys(r.queue.name for r in records))
+        return len(records), list(dict.fromkeys(r.lane.queue.name for r in records))
 
     def purge(self, task_id: str) -> None:
         """Drop a dead task for good."""
@@ -595,9 +632,9 @@ class Index:
         record = self._dead.pop(n, None) if n is not None else None
         if record is None:
             raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
-        del record.queue.dead[record.id]
+        del record.lane.queue.dead[record.id]
         self.totals.purged += 1
-        record.queue.totals.purged += 1
+        record.lane.queue.totals.purged += 1
         if self._journal is not None:
             self._journal.deleted(record)
 
@@ -627,7 +664,6 @@ class Index:
                 lane.cold = deque()
             lane.cold.append(task_id)
             q.mask |= 1 << priority
-            q.ready += 1
             self._ready += 1
 
     def restore(self, records: Iterable[tuple[Record, str, int]]) -> None:
@@ -656,7 +692,7 @@ class Index:
         dead.sort(key=lambda r: r.seq)
         for record in dead:
             self._dead[record.id] = record
-            record.queue.dead[record.id] = record
+            record.lane.queue.dead[record.id] = record
 
     def _restored_queue(self, name: str) -> Queue:
         q = self._queues.get(name)
@@ -711,9 +747,7 @@ class Index:
         if self._journal is not None:  # (only a journal needs ready tasks numbered)
             record.seq = self._next_seq()
         lane = record.lane
-        q = lane.queue
-        q.mask |= 1 << lane.priority
-        q.ready += 1
+        lane.queue.mask |= 1 << lane.priority
         self._ready += 1
         if lane.cold or (self._hot_max is not None and self._hot >= self._hot_max):
             if lane.cold is None:
@@ -730,12 +764,12 @@ class Index:
         record.seq = seq = self._next_seq()
         heapq.heappush(self._delayed, (record.available_at, seq, record))
         self._live[record.id] = record
-        record.queue.delayed += 1
+        record.lane.queue.delayed += 1
 
     def _drop_lease(self, record: Record, *, in_heap: bool = True) -> None:
         """The task's lease ends. Its heap entry (unless already popped) is now stale."""
         record.lease_id = None
-        record.queue.held -= 1
+        record.lane.queue.held -= 1
         self._held -= 1
         if not in_heap:
             return
@@ -783,18 +817,18 @@ class Index:
             record.seq = self._next_seq()
         del self._live[record.id]
         self._dead[record.id] = record
-        record.queue.dead[record.id] = record
+        record.lane.queue.dead[record.id] = record
 
     def _revive(self, record: Record, now: float) -> None:
         """A dead task back to the tail of ready, for a fresh set of attempts."""
         del self._dead[record.id]
-        del record.queue.dead[record.id]
+        del record.lane.queue.dead[record.id]
         record.attempts = 0
         record.last_error = None
         record.available_at = now
         self._append(record)
         self.totals.requeued += 1
-        record.queue.totals.requeued += 1
+        record.lane.queue.totals.requeued += 1
         if self._journal is not None:
             self._journal.errored(record)
 
@@ -803,11 +837,11 @@ class Index:
         promoted = 0
         while delayed and delayed[0][0] <= now:
             record = heapq.heappop(delayed)[2]
-            record.queue.delayed -= 1
+            record.lane.queue.delayed -= 1
             self._append(record)
             self._moved(record)
             if queues is not None:
-                queues.add(record.queue.name)
+                queues.add(record.lane.queue.name)
             promoted += 1
         return promoted
 

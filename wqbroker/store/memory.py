@@ -33,32 +33,6 @@ def _delivery(record: Record) -> Delivery:
     return Delivery(record.view(), record.lease_id, record.deadline)
 
 
-def enqueue_into(
-    index: Index, items: Sequence[NewTask], now: float
-) -> list[tuple[Enqueued, Record | None]]:
-    """Enqueue into an index, answering duplicates of idempotency keys (shared by the stores)."""
-    out: list[tuple[Enqueued, Record | None]] = []
-    for new in items:
-        owner = index.key_owner(new.queue, new.key, now) if new.key is not None else None
-        if owner is not None:
-            out.append((Enqueued(owner, True, None), None))
-            continue
-        record = index.enqueue(new, now)
-        task = Task(
-            record.task_id,
-            new.payload,
-            0,
-            new.max_attempts,
-            now,
-            record.available_at,
-            None,
-            new.queue,
-            new.priority,
-        )
-        out.append((Enqueued(task.id, False, task), record))
-    return out
-
-
 class MemoryStore:
     never_suspends = True
 
@@ -84,10 +58,12 @@ class MemoryStore:
         return (await self.enqueue_many((new,), now=now))[0]
 
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
-        done = enqueue_into(self._index, items, now)
-        if any(record is not None for _, record in done):
-            self.transactions += 1
-        return [enqueued for enqueued, _ in done]
+        done = self._index.enqueue_many(items, now)
+        for enqueued in done:
+            if not enqueued.duplicate:
+                self.transactions += 1
+                break
+        return done
 
     async def claim(
         self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)

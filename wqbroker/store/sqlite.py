@@ -71,7 +71,6 @@ from wqbroker.store.index import (
     hex_id,
     parse_id,
 )
-from wqbroker.store.memory import enqueue_into
 
 log = logging.getLogger("wqbroker.store.sqlite")
 
@@ -631,12 +630,10 @@ class SqliteStore:
 
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         self._check()
-        done = enqueue_into(self._index, items, now)
-        if any(record is not None for _, record in done):
+        done = self._index.enqueue_many(items, now)
+        if done:  # (a duplicate too: never answer with a task that is not yet committed)
             await self._durable()
-        elif any(enqueued.duplicate for enqueued, _ in done):
-            await self._durable()  # never answer with a task that is not yet committed
-        return [enqueued for enqueued, _ in done]
+        return done
 
     async def claim(
         self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
