@@ -8,6 +8,7 @@ Durations come back in seconds.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import Final
@@ -195,13 +196,19 @@ def _quote(text: str) -> str:
     return repr(shown)
 
 
+@functools.lru_cache(maxsize=4096)
+def _is_queue_name(text: str) -> bool:
+    """(Cached: the same few names come with every task and every claim.)"""
+    return _QUEUE_NAME.fullmatch(text) is not None
+
+
 def queue_value(value: object | None, name: str = "queue") -> str:
     """A queue's name: ``default`` when absent."""
     if value is None or value == DEFAULT_QUEUE:
         return DEFAULT_QUEUE
     if not isinstance(value, str):
         raise InvalidArgument(f"{name} must be a string, got {describe(value)}")
-    if not _QUEUE_NAME.fullmatch(value):
+    if not _is_queue_name(value):
         raise InvalidArgument(f"{name} {_quote(value)} is not a queue name ({QUEUE_NAME_RULE})")
     return value
 
