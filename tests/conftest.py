@@ -5,11 +5,12 @@ Everything else the tests share (helpers, the in-process broker, waiting) is in 
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests import pg
 from tests.helpers import BACKENDS, make_store
 from wqbroker.clock import FakeClock
 from wqbroker.retry import Backoff
@@ -23,6 +24,13 @@ def _no_client_credentials_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     # the tests start): a shell that has them set must not change what a test sees.
     monkeypatch.delenv("WQ_TOKEN", raising=False)
     monkeypatch.delenv("WQ_CA_FILE", raising=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _postgres_databases_dropped() -> Iterator[None]:
+    # The PostgreSQL tests make their databases on first use (tests/pg.py); dropped at the end.
+    yield
+    pg.drop_all()
 
 
 @pytest.fixture

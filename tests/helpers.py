@@ -25,11 +25,13 @@ from typing import Any, Protocol, TypeVar, overload
 
 import aiohttp
 
+from tests import pg
 from wqbroker.broker import Broker, Config
 from wqbroker.clock import Clock
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
+from wqbroker.store.postgres import PostgresStore
 from wqbroker.store.sqlite import SqliteStore
 
 T = TypeVar("T")
@@ -127,7 +129,7 @@ async def settle(rounds: int = 5) -> None:
 # -- stores and brokers -------------------------------------------------------------------------
 
 # Every store backend; the contract tests and the state machine run against each one.
-BACKENDS = ["memory", "sqlite"]
+BACKENDS = ["memory", "sqlite", "postgres"]
 
 
 SQLITE_HOT = 3
@@ -151,6 +153,11 @@ async def make_store(
         # hot_ready=3: past three ready tasks, the rest go cold (ids only, read back when their
         # turn comes), so every test also runs that path.
         return await SqliteStore.open(path, backoff, rng, sync="normal", hot_ready=SQLITE_HOT)
+    if kind == "postgres":
+        # One database for the run (tests/pg.py), emptied for each store.
+        store = await PostgresStore.open(await pg.database(), backoff, rng, pool_size=4)
+        await store.wipe()
+        return store
     raise ValueError(kind)
 
 

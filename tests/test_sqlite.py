@@ -111,7 +111,7 @@ def test_an_unwritable_place_is_refused(tmp_path: Path) -> None:
 
 
 def test_an_unknown_store_is_refused() -> None:
-    line = one_line_error(start_fails("-store", "postgres://nowhere"))
+    line = one_line_error(start_fails("-store", "mysql://nowhere"))
     assert "unknown store" in line
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -24,6 +25,7 @@ from wqbroker.limits import (
     DEFAULT_MAX_WAITERS,
     dedup_window_seconds,
 )
+from wqbroker.store.postgres import redact
 from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
 
 log = logging.getLogger("wqbroker")
@@ -107,9 +109,10 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag(
         "store",
-        default="memory",
+        default="",
         metavar="STORE",
-        help="memory (lost on restart) or sqlite:PATH (durable)",
+        help="memory (lost on restart), sqlite:PATH (durable) or postgres://USER@HOST:PORT/DB "
+        "(durable, shared by brokers); unset: $WQ_STORE, else memory",
     ),
     Flag(
         "sqlite-sync",
@@ -189,6 +192,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return build_parser().parse_args(argv)
 
 
+def store_spec(flag: str) -> str:
+    """The store to use: the -store flag, else ``$WQ_STORE``, else memory."""
+    return flag or os.environ.get("WQ_STORE", "").strip() or "memory"
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
     return Config(
         addr=args.addr,
@@ -201,7 +209,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         read_body_timeout=args.read_body_timeout_ms / 1000.0,
         idle_timeout=args.idle_timeout_ms / 1000.0,
         access_log=args.access_log,
-        store=args.store,
+        store=store_spec(args.store),
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,
         max_queues=args.max_queues,
@@ -221,7 +229,7 @@ async def serve(config: Config) -> None:
         log.info("HTTP API listening on %s://%s", scheme, address)
     for address in broker.grpc_addresses:
         log.info("gRPC API listening on %s%s", address, tls)
-    log.info("store: %s", config.store)
+    log.info("store: %s", redact(config.store))
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     if broker.tokens is not None:

@@ -35,6 +35,7 @@ from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
+from wqbroker.store.postgres import PostgresStore
 from wqbroker.store.sqlite import SqliteStore
 from wqbroker.tls import ServerTLS, TLSError, load_server_tls
 
@@ -91,7 +92,7 @@ class Config:
     read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     access_log: bool = False
-    store: str = "memory"  # or "sqlite:PATH"
+    store: str = "memory"  # or "sqlite:PATH", or "postgres://USER@HOST:PORT/DB"
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
     max_queues: int = DEFAULT_MAX_QUEUES  # 0: no limit
@@ -104,7 +105,8 @@ class Config:
 
 
 async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> Store:
-    """The store ``config.store`` names: ``memory`` or ``sqlite:PATH``."""
+    """The store ``config.store`` names: ``memory``, ``sqlite:PATH`` or a PostgreSQL URL
+    (``postgres://USER@HOST:PORT/DB``, or ``postgresql://``)."""
     spec = config.store.strip()
     if spec == "memory":
         return MemoryStore(backoff, rng)
@@ -115,7 +117,14 @@ async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> St
             )
         except (StoreError, ValueError) as e:
             raise StartupError(str(e)) from None
-    raise StartupError(f"unknown store {config.store!r}: use memory or sqlite:PATH")
+    if spec.startswith(("postgres://", "postgresql://")):
+        try:
+            return await PostgresStore.open(spec, backoff, rng)
+        except (StoreError, ValueError) as e:
+            raise StartupError(str(e)) from None
+    raise StartupError(
+        f"unknown store {config.store!r}: use memory, sqlite:PATH or postgres://USER@HOST:PORT/DB"
+    )
 
 
 class Broker:

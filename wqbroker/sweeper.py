@@ -84,6 +84,7 @@ class Sweeper:
                 await self._waiter
                 self._waiter = None
             self._due_now = False
+            started = self._clock.now()
             next_due: float | None = None
             try:
                 next_due = await self._tick()
@@ -98,9 +99,18 @@ class Sweeper:
                     log.info("sweeper ticks again")
                 self._failing = False
             self.ticks += 1
-            now = self._clock.now()
-            when = now + self._interval
-            if next_due is not None:
-                when = min(when, max(next_due, now + _MIN_GAP))
-            if when < self._wake_at:
-                self._schedule(when)
+            self._after_tick(started, next_due)
+
+    def _after_tick(self, started: float, next_due: float | None) -> None:
+        """Schedule the next tick: in an interval at the latest, or when the store says."""
+        now = self._clock.now()
+        if next_due is not None and started < next_due <= now:
+            # It came due while the tick waited for the store (a store whose calls suspend):
+            # tick again at once, as a timer set for it would have.
+            self._due_now = True
+            return
+        when = now + self._interval
+        if next_due is not None:
+            when = min(when, max(next_due, now + _MIN_GAP))
+        if when < self._wake_at:
+            self._schedule(when)

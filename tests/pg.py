@@ -1,0 +1,88 @@
+"""A PostgreSQL database for this test run: created on first use, dropped at the end.
+
+The server is the one at ``$WQ_TEST_POSTGRES`` (a DSN of its maintenance database; by default
+``postgres://postgres@127.0.0.1:5432/postgres``). When it cannot be reached, the tests that need it
+skip with a one-line reason -- or fail, when ``$CI`` is set (CI must not pass without them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import urllib.parse
+from typing import NoReturn
+
+import asyncpg
+import pytest
+
+MAINTENANCE = os.environ.get("WQ_TEST_POSTGRES", "postgres://postgres@127.0.0.1:5432/postgres")
+
+_created: list[str] = []  # the name of the database made for this run, once made
+_failed: list[str] = []  # why the server could not be used, once known
+
+
+def dsn_of(name: str) -> str:
+    """The DSN of database ``name`` on the test server."""
+    parts = urllib.parse.urlsplit(MAINTENANCE)
+    return urllib.parse.urlunsplit(parts._replace(path="/" + name))
+
+
+def unavailable(reason: str) -> NoReturn:
+    message = f"PostgreSQL unavailable at {MAINTENANCE}: {reason}"
+    if os.environ.get("CI"):
+        pytest.fail(f"{message} (CI is set: PostgreSQL tests must run)", pytrace=False)
+    pytest.skip(message)
+
+
+async def maintenance() -> asyncpg.Connection:
+    try:
+        return await asyncpg.connect(MAINTENANCE, timeout=5)
+    except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as e:
+        text = str(e).strip().splitlines()
+        _failed.append(text[0] if text else type(e).__name__)
+        unavailable(_failed[0])
+
+
+async def database() -> str:
+    """The DSN of this run's database (created by the first call)."""
+    if _failed:
+        unavailable(_failed[0])
+    if not _created:
+        conn = await maintenance()
+        try:
+            name = f"wq_test_{secrets.token_hex(4)}"
+            await conn.execute(f'CREATE DATABASE "{name}"')
+            _created.append(name)
+        finally:
+            await conn.close()
+    return dsn_of(_created[0])
+
+
+async def create_database(prefix: str) -> str:
+    """A further database of this run (dropped at the end with the rest); its DSN."""
+    await database()
+    conn = await maintenance()
+    try:
+        name = f"{_created[0]}_{prefix}_{secrets.token_hex(3)}"
+        await conn.execute(f'CREATE DATABASE "{name}"')
+        _created.append(name)
+    finally:
+        await conn.close()
+    return dsn_of(name)
+
+
+async def _drop_all() -> None:
+    conn = await asyncpg.connect(MAINTENANCE, timeout=5)
+    try:
+        for name in _created:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    finally:
+        await conn.close()
+
+
+def drop_all() -> None:
+    """Drop every database this run created (at the end of the session)."""
+    if _created:
+        asyncio.run(_drop_all())
+        _created.clear()

@@ -1,0 +1,1053 @@
+"""The PostgreSQL store: durable and shared, through asyncpg.
+
+Design: the database is the truth and the store keeps no index of its own, so any number of brokers
+on one database are one store. Every operation is one round trip: a call of a PL/pgSQL function
+created with the schema (or one plain statement), run in its own transaction on a connection of a
+small pool. Claims take rows with ``FOR UPDATE SKIP LOCKED``, so concurrent claims (from this
+broker or another) never wait for each other nor hand out the same task; acks, nacks, extensions
+and reclaims are fenced by the lease id, and tell "not held" (NotFound) from "held under another
+lease" (LeaseLost) after the guarded change failed, under the same row lock order.
+
+Tables (in the schema ``wq``):
+
+- ``tasks``: one row per task not acked nor purged, in its state (0 ready, 1 handed out,
+  2 delayed, 3 dead) with its payload (``bytea``: exact bytes). ``ord`` is where it stands: place
+  in line (ready), tie-break among equal due times (delayed, handed out), burial order (dead). Each
+  call takes one number from the sequence ``wq.ord`` and numbers the rows it changes
+  ``number * 2**20 + i``, so order within a call is exact; a release takes the negated number, and
+  so goes to the head of its lane. Acked tasks are deleted. Partial indexes by state keep dead
+  tasks and leases out of the claim path.
+- ``counters``: totals and gauges as deltas, one row per (connection slot, queue), changed in the
+  same transaction as the tasks. The slot is the backend's pid: two live connections never share
+  one, so concurrent transactions never wait on a counter row (no single hot row). ``stats`` sums
+  them in one statement: one snapshot, so gauges and totals agree and ``nacked + reclaimed ==
+  retried + buried`` in every answer. Totals count since the database was created.
+- ``queues`` (every queue known, and whether it is paused), ``keys`` (idempotency keys in their
+  window), ``meta`` (schema version, the key that scatters task ids).
+
+Ids: each broker reserves blocks of 1024 numbers from the sequence ``wq.id_blocks`` and scatters
+them with the same bijection as the index (so they are unique across brokers and never repeat).
+
+Time: the contract hands ``now`` to every call, and the store honours it (the tests use a fake
+clock). Every function takes ``now`` as a parameter and uses ``coalesce(now, <database clock>)``:
+the constructor flag ``db_clock=True`` passes NULL, so that brokers with skewed clocks agree on
+the database's clock. That mode is a seam for the next step (the service still schedules its
+sweeps on its own clock).
+
+Retry backoff: the store draws the random part of each delay from its Backoff (as the other
+stores do); the function computes the delay exactly as :func:`wqbroker.retry.backoff_delay`.
+
+Schema: created at open inside a transaction holding ``pg_advisory_xact_lock``, so brokers starting
+together create it once. A database holding other tables and no wq schema, or a wq schema of a
+newer version, is refused with a one-line StoreError.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import urllib.parse
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Final
+
+import asyncpg
+
+from wqbroker.errors import LeaseLost, NotFound, StoreError, WqError, quoted
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueStats,
+    Stats,
+    SweepResult,
+    Task,
+    TaskState,
+    Totals,
+)
+from wqbroker.retry import Backoff
+from wqbroker.store.index import _MASK, STATE_NAMES, _mix, hex_id, parse_id
+
+log = logging.getLogger("wqbroker.store.postgres")
+
+if TYPE_CHECKING:
+    from asyncpg.pool import PoolConnectionProxy
+
+    _Conn = asyncpg.Connection | PoolConnectionProxy[Any]
+
+SCHEMA_VERSION: Final = 1
+# Any constant: the key of the advisory lock taken while the schema is checked or created.
+_LOCK_KEY: Final = 0x7771_0000_0001
+_OFFSET: Final = 2**63
+_ID_BLOCK: Final = 1024
+POOL_SIZE: Final = 8
+
+_TOTALS: Final = (
+    "enqueued",
+    "delivered",
+    "acked",
+    "nacked",
+    "reclaimed",
+    "retried",
+    "buried",
+    "requeued",
+    "purged",
+)
+_GAUGES: Final = ("ready", "handed_out", "delayed", "dead")
+_COUNTS: Final = _TOTALS + _GAUGES
+_UPSERT: Final = "ON CONFLICT (slot, queue) DO UPDATE SET " + ", ".join(
+    f"{c} = k.{c} + excluded.{c}" for c in _COUNTS
+)
+
+
+def _d(**deltas: int | str) -> str:
+    """A counters delta array for wq.bump, in SQL (a value may be an SQL expression)."""
+    unknown = set(deltas) - set(_COUNTS)
+    assert not unknown, unknown
+    return "ARRAY[" + ", ".join(str(deltas.get(c, 0)) for c in _COUNTS) + "]::bigint[]"
+
+
+# A failed delivery (nk: 1 for a nack, rc: 1 for a reclaim), retried or buried.
+_RETRIED: Final = _d(nacked="nk", reclaimed="rc", retried=1, handed_out=-1, delayed=1)
+_BURIED: Final = _d(nacked="nk", reclaimed="rc", buried=1, handed_out=-1, dead=1)
+_NOW: Final = "coalesce(p_now, extract(epoch FROM clock_timestamp())::float8)"
+
+_TABLES: Final = f"""
+CREATE SCHEMA IF NOT EXISTS wq;
+CREATE TABLE wq.meta (key text PRIMARY KEY, value text NOT NULL);
+CREATE SEQUENCE wq.ord;
+CREATE SEQUENCE wq.id_blocks;
+CREATE TABLE wq.tasks (
+    id bigint PRIMARY KEY,              -- the task id (16 hex digits) minus 2**63
+    queue text NOT NULL,
+    state smallint NOT NULL,            -- 0 ready, 1 handed out, 2 delayed, 3 dead
+    priority smallint NOT NULL,
+    ord bigint NOT NULL,                -- where it stands (see the module's docstring)
+    payload bytea NOT NULL,             -- the JSON text as received
+    attempts int NOT NULL,
+    max_attempts int NOT NULL,
+    created_at float8 NOT NULL,         -- epoch seconds
+    available_at float8 NOT NULL,
+    lease_id text,
+    deadline float8,
+    last_error bytea                    -- UTF-8 (bytea: an error may hold NUL characters)
+) WITH (fillfactor = 90, autovacuum_vacuum_scale_factor = 0.0,
+        autovacuum_vacuum_threshold = 1000, autovacuum_vacuum_cost_delay = 0);
+CREATE INDEX tasks_ready ON wq.tasks (queue, priority DESC, ord) WHERE state = 0;
+CREATE INDEX tasks_leased ON wq.tasks (deadline, ord) WHERE state = 1;
+CREATE INDEX tasks_delayed ON wq.tasks (available_at, ord) WHERE state = 2;
+CREATE INDEX tasks_dead ON wq.tasks (queue, ord) WHERE state = 3;
+CREATE INDEX tasks_burials ON wq.tasks (ord) WHERE state = 3;
+CREATE TABLE wq.queues (name text PRIMARY KEY, paused boolean NOT NULL DEFAULT false);
+CREATE TABLE wq.counters (
+    slot int NOT NULL,                  -- the backend pid of the connection that wrote it
+    queue text NOT NULL,
+    {", ".join(f"{c} bigint NOT NULL DEFAULT 0" for c in _COUNTS)},
+    PRIMARY KEY (slot, queue)
+) WITH (fillfactor = 50);
+CREATE TABLE wq.keys (
+    queue text NOT NULL,
+    key text NOT NULL,
+    task_id bigint NOT NULL,            -- as tasks.id (the task may be gone)
+    until float8 NOT NULL,
+    PRIMARY KEY (queue, key)
+);
+"""
+
+_FUNCTIONS: Final = f"""
+CREATE FUNCTION wq.bump(p_queue text, d bigint[]) RETURNS void LANGUAGE sql AS $$
+INSERT INTO wq.counters AS k (slot, queue, {", ".join(_COUNTS)})
+VALUES (pg_backend_pid(), p_queue, {", ".join(f"d[{i + 1}]" for i in range(len(_COUNTS)))})
+{_UPSERT}
+$$;
+
+CREATE FUNCTION wq.backoff(p_attempts int, p_base float8, p_cap float8, p_u float8)
+RETURNS float8 LANGUAGE sql IMMUTABLE AS $$
+SELECT h + h * p_u FROM (
+    SELECT least(p_cap, p_base * power(2::float8, greatest(0, least(p_attempts - 1, 64))))
+           / 2::float8 AS h) s
+$$;
+
+-- Why a guarded change failed: 2 (LeaseLost) if the task is held, else 1 (NotFound).
+CREATE FUNCTION wq.miss(p_id bigint) RETURNS int LANGUAGE sql AS $$
+SELECT CASE WHEN (SELECT state FROM wq.tasks WHERE id = p_id) = 1 THEN 2 ELSE 1 END
+$$;
+
+CREATE FUNCTION wq.enqueue(p_now float8, p_ids bigint[], p_queues text[], p_prios int[],
+    p_payloads bytea[], p_max int[], p_delays float8[], p_keys text[], p_untils float8[])
+RETURNS TABLE (o_i int, o_id bigint, o_dup boolean, o_at float8, o_available float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ float8 := {_NOW};
+    base bigint := nextval('wq.ord') * 1048576;
+    q text;
+    owner bigint;
+    avail float8;
+BEGIN
+    FOR j IN 1..coalesce(array_length(p_ids, 1), 0) LOOP
+        q := p_queues[j];
+        IF p_keys[j] IS NOT NULL THEN
+            INSERT INTO wq.keys AS k (queue, key, task_id, until)
+                VALUES (q, p_keys[j], p_ids[j], p_untils[j])
+                ON CONFLICT (queue, key) DO UPDATE
+                SET task_id = excluded.task_id, until = excluded.until WHERE k.until <= now_
+                RETURNING k.task_id INTO owner;
+            IF NOT FOUND THEN
+                SELECT k.task_id INTO owner FROM wq.keys k
+                    WHERE k.queue = q AND k.key = p_keys[j];
+                o_i := j; o_id := owner; o_dup := true; o_at := now_; o_available := NULL;
+                RETURN NEXT;
+                CONTINUE;
+            END IF;
+        END IF;
+        INSERT INTO wq.queues (name) VALUES (q) ON CONFLICT DO NOTHING;
+        IF p_delays[j] > 0 THEN
+            avail := now_ + p_delays[j];
+            PERFORM wq.bump(q, {_d(enqueued=1, delayed=1)});
+        ELSE
+            avail := now_;
+            PERFORM wq.bump(q, {_d(enqueued=1, ready=1)});
+        END IF;
+        INSERT INTO wq.tasks (id, queue, state, priority, ord, payload, attempts, max_attempts,
+                              created_at, available_at)
+            VALUES (p_ids[j], q, CASE WHEN p_delays[j] > 0 THEN 2 ELSE 0 END, p_prios[j],
+                    base + j, p_payloads[j], 0, p_max[j], now_, avail);
+        o_i := j; o_id := p_ids[j]; o_dup := false; o_at := now_; o_available := avail;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+-- Delayed tasks due by now, to the tail of ready (in order of due time): per queue, how many.
+CREATE FUNCTION wq.promote(now_ float8) RETURNS TABLE (o_queue text, o_n bigint)
+LANGUAGE plpgsql AS $$
+DECLARE
+    base bigint;
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM wq.tasks t WHERE t.state = 2 AND t.available_at <= now_) THEN
+        RETURN;
+    END IF;
+    base := nextval('wq.ord') * 1048576;
+    RETURN QUERY
+    WITH due AS (
+        SELECT s.id, row_number() OVER (ORDER BY s.available_at, s.ord) AS rn FROM (
+            SELECT t.id, t.available_at, t.ord FROM wq.tasks t
+            WHERE t.state = 2 AND t.available_at <= now_ FOR UPDATE SKIP LOCKED) s),
+    upd AS (
+        UPDATE wq.tasks t SET state = 0, ord = base + d.rn FROM due d WHERE t.id = d.id
+        RETURNING t.queue),
+    g AS (SELECT u.queue, count(*) AS n FROM upd u GROUP BY u.queue),
+    bump AS (
+        INSERT INTO wq.counters AS k (slot, queue, ready, delayed)
+        SELECT pg_backend_pid(), g.queue, g.n, -g.n FROM g
+        {_UPSERT})
+    SELECT g.queue, g.n FROM g;
+END $$;
+
+CREATE FUNCTION wq.claim(p_now float8, p_leases float8[], p_lease_ids text[], p_queues text[])
+RETURNS TABLE (o_rn bigint, o_id bigint, o_payload bytea, o_attempts int, o_max int,
+    o_created float8, o_available float8, o_error bytea, o_queue text, o_priority smallint,
+    o_deadline float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ float8 := {_NOW};
+    base bigint;
+    want int := coalesce(array_length(p_leases, 1), 0);
+    got bigint := 0;
+    n bigint;
+    q text;
+BEGIN
+    PERFORM wq.promote(now_);
+    base := nextval('wq.ord') * 1048576;
+    FOREACH q IN ARRAY p_queues LOOP
+        EXIT WHEN got >= want;
+        CONTINUE WHEN EXISTS (SELECT 1 FROM wq.queues p WHERE p.name = q AND p.paused);
+        RETURN QUERY
+        WITH cand AS (
+            SELECT s.id, got + row_number() OVER (ORDER BY s.priority DESC, s.ord) AS rn FROM (
+                SELECT t.id, t.priority, t.ord FROM wq.tasks t
+                WHERE t.state = 0 AND t.queue = q
+                ORDER BY t.priority DESC, t.ord LIMIT want - got
+                FOR UPDATE SKIP LOCKED) s),
+        upd AS (
+            UPDATE wq.tasks t SET state = 1, attempts = t.attempts + 1,
+                lease_id = p_lease_ids[c.rn], deadline = now_ + p_leases[c.rn], ord = base + c.rn
+            FROM cand c WHERE t.id = c.id
+            RETURNING c.rn, t.id, t.payload, t.attempts, t.max_attempts, t.created_at,
+                t.available_at, t.last_error, t.queue, t.priority, t.deadline),
+        bump AS (
+            INSERT INTO wq.counters AS k (slot, queue, delivered, ready, handed_out)
+            SELECT pg_backend_pid(), q, count(*), -count(*), count(*) FROM upd HAVING count(*) > 0
+            {_UPSERT})
+        SELECT * FROM upd ORDER BY 1;
+        GET DIAGNOSTICS n = ROW_COUNT;
+        got := got + n;
+    END LOOP;
+END $$;
+
+-- A handed-out task (locked by the caller) whose delivery failed: delayed for a retry or
+-- buried. Its retry time, or NULL if buried.
+CREATE FUNCTION wq.fail(p_id bigint, p_queue text, p_attempts int, p_max int, now_ float8,
+    p_error bytea, p_delay float8, p_terminal boolean, p_u float8, p_reclaim boolean,
+    p_base float8, p_cap float8, p_ord bigint)
+RETURNS float8 LANGUAGE plpgsql AS $$
+DECLARE
+    avail float8;
+    nk int := CASE WHEN p_reclaim THEN 0 ELSE 1 END;
+    rc int := CASE WHEN p_reclaim THEN 1 ELSE 0 END;
+BEGIN
+    IF NOT coalesce(p_terminal, false) AND p_attempts < p_max THEN
+        avail := now_ + coalesce(p_delay, wq.backoff(p_attempts, p_base, p_cap, p_u));
+        UPDATE wq.tasks SET state = 2, available_at = avail, lease_id = NULL, deadline = NULL,
+            last_error = p_error, ord = p_ord WHERE id = p_id;
+        PERFORM wq.bump(p_queue, {_RETRIED});
+        RETURN avail;
+    END IF;
+    UPDATE wq.tasks SET state = 3, lease_id = NULL, deadline = NULL, last_error = p_error,
+        ord = p_ord WHERE id = p_id;
+    PERFORM wq.bump(p_queue, {_BURIED});
+    RETURN NULL;
+END $$;
+
+-- Acks, then nacks (or reclaims), in order. o_kind 0: an ack, 1: a nack; o_outcome 0: done,
+-- 1: NotFound, 2: LeaseLost; o_retry_at: when a nacked task is retried (NULL: buried).
+CREATE FUNCTION wq.settle(p_now float8, p_ack_ids bigint[], p_ack_leases text[],
+    p_ids bigint[], p_leases text[], p_errors bytea[], p_delays float8[], p_terminal boolean[],
+    p_us float8[], p_reclaim boolean, p_base float8, p_cap float8)
+RETURNS TABLE (o_kind int, o_i int, o_outcome int, o_retry_at float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ float8 := {_NOW};
+    base bigint := nextval('wq.ord') * 1048576;
+    q text;
+    a int;
+    m int;
+BEGIN
+    FOR j IN 1..coalesce(array_length(p_ack_ids, 1), 0) LOOP
+        DELETE FROM wq.tasks t
+            WHERE t.id = p_ack_ids[j] AND t.state = 1 AND t.lease_id = p_ack_leases[j]
+            RETURNING t.queue INTO q;
+        o_kind := 0; o_i := j; o_retry_at := NULL;
+        IF FOUND THEN
+            PERFORM wq.bump(q, {_d(acked=1, handed_out=-1)});
+            o_outcome := 0;
+        ELSE
+            o_outcome := wq.miss(p_ack_ids[j]);
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+    FOR j IN 1..coalesce(array_length(p_ids, 1), 0) LOOP
+        SELECT t.attempts, t.max_attempts, t.queue INTO a, m, q FROM wq.tasks t
+            WHERE t.id = p_ids[j] AND t.state = 1 AND t.lease_id = p_leases[j] FOR UPDATE;
+        o_kind := 1; o_i := j; o_retry_at := NULL;
+        IF FOUND THEN
+            o_outcome := 0;
+            o_retry_at := wq.fail(p_ids[j], q, a, m, now_, p_errors[j], p_delays[j],
+                p_terminal[j], p_us[j], p_reclaim, p_base, p_cap, base + j);
+        ELSE
+            o_outcome := wq.miss(p_ids[j]);
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+
+CREATE FUNCTION wq.extend(p_now float8, p_id bigint, p_lease_id text, p_lease float8)
+RETURNS TABLE (o_outcome int, o_deadline float8) LANGUAGE plpgsql AS $$
+DECLARE
+    now_ float8 := {_NOW};
+BEGIN
+    UPDATE wq.tasks t SET deadline = now_ + p_lease, ord = nextval('wq.ord') * 1048576
+        WHERE t.id = p_id AND t.state = 1 AND t.lease_id = p_lease_id
+        RETURNING t.deadline INTO o_deadline;
+    o_outcome := CASE WHEN FOUND THEN 0 ELSE wq.miss(p_id) END;
+    RETURN NEXT;
+END $$;
+
+CREATE FUNCTION wq.release(p_id bigint, p_lease_id text) RETURNS boolean
+LANGUAGE plpgsql AS $$
+DECLARE
+    q text;
+BEGIN
+    UPDATE wq.tasks t SET state = 0, attempts = t.attempts - 1, lease_id = NULL,
+        deadline = NULL, ord = -nextval('wq.ord') * 1048576
+        WHERE t.id = p_id AND t.state = 1 AND t.lease_id = p_lease_id
+        RETURNING t.queue INTO q;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM wq.bump(q, {_d(delivered=-1, handed_out=-1, ready=1)});
+    RETURN true;
+END $$;
+
+-- Reclaim up to array_length(p_us) expired leases (oldest deadline first), promote what is due,
+-- forget expired keys. o_kind 0: a reclaimed task (o_id, o_lease); 1: promoted (o_queue, o_n);
+-- 2: when the next thing is due (o_due, NULL if nothing is scheduled); then, for the broker's
+-- hints: 3: each queue known (o_queue); 4: how many tasks are held (o_n).
+CREATE FUNCTION wq.sweep(p_now float8, p_us float8[], p_base float8, p_cap float8)
+RETURNS TABLE (o_kind int, o_id bigint, o_lease text, o_queue text, o_n bigint, o_due float8)
+LANGUAGE plpgsql AS $$
+DECLARE
+    now_ float8 := {_NOW};
+    base bigint := nextval('wq.ord') * 1048576;
+    j int := 0;
+    r record;
+BEGIN
+    FOR r IN SELECT t.id, t.lease_id, t.queue, t.attempts, t.max_attempts FROM wq.tasks t
+             WHERE t.state = 1 AND t.deadline <= now_ ORDER BY t.deadline, t.ord
+             LIMIT coalesce(array_length(p_us, 1), 0) FOR UPDATE SKIP LOCKED LOOP
+        j := j + 1;
+        PERFORM wq.fail(r.id, r.queue, r.attempts, r.max_attempts, now_,
+            convert_to('lease expired', 'UTF8'), NULL, false, p_us[j], true, p_base, p_cap,
+            base + j);
+        o_kind := 0; o_id := r.id; o_lease := r.lease_id; o_queue := r.queue; o_n := NULL;
+        o_due := NULL;
+        RETURN NEXT;
+    END LOOP;
+    RETURN QUERY SELECT 1, NULL::bigint, NULL::text, p.o_queue, p.o_n, NULL::float8
+        FROM wq.promote(now_) p;
+    DELETE FROM wq.keys k WHERE k.until <= now_;
+    RETURN QUERY SELECT 2, NULL::bigint, NULL::text, NULL::text, NULL::bigint, least(
+        (SELECT min(t.available_at) FROM wq.tasks t WHERE t.state = 2),
+        (SELECT min(t.deadline) FROM wq.tasks t WHERE t.state = 1));
+    RETURN QUERY SELECT 3, NULL::bigint, NULL::text, q.name, NULL::bigint, NULL::float8
+        FROM wq.queues q;
+    RETURN QUERY SELECT 4, NULL::bigint, NULL::text, NULL::text,
+        coalesce(sum(k.ready + k.handed_out + k.delayed), 0)::bigint, NULL::float8
+        FROM wq.counters k;
+END $$;
+
+-- Dead tasks (one, or all, or all of a queue) to the tail of ready, in burial order: per
+-- queue, how many and the place of its first (so the caller can list queues in order).
+CREATE FUNCTION wq.requeue(p_now float8, p_id bigint, p_queue text)
+RETURNS TABLE (o_queue text, o_first bigint, o_n bigint) LANGUAGE plpgsql AS $$
+DECLARE
+    now_ float8 := {_NOW};
+    base bigint := nextval('wq.ord') * 1048576;
+BEGIN
+    RETURN QUERY
+    WITH d AS (
+        SELECT s.id, row_number() OVER (ORDER BY s.ord) AS rn FROM (
+            SELECT t.id, t.ord FROM wq.tasks t WHERE t.state = 3
+            AND (p_id IS NULL OR t.id = p_id) AND (p_queue IS NULL OR t.queue = p_queue)
+            FOR UPDATE) s),
+    upd AS (
+        UPDATE wq.tasks t SET state = 0, attempts = 0, last_error = NULL, available_at = now_,
+            ord = base + d.rn FROM d WHERE t.id = d.id RETURNING t.queue, d.rn),
+    g AS (SELECT u.queue, min(u.rn) AS first, count(*) AS n FROM upd u GROUP BY u.queue),
+    bump AS (
+        INSERT INTO wq.counters AS k (slot, queue, requeued, dead, ready)
+        SELECT pg_backend_pid(), g.queue, g.n, -g.n, g.n FROM g
+        {_UPSERT})
+    SELECT g.queue, g.first, g.n FROM g ORDER BY g.first;
+END $$;
+
+CREATE FUNCTION wq.purge(p_id bigint) RETURNS boolean LANGUAGE plpgsql AS $$
+DECLARE
+    q text;
+BEGIN
+    DELETE FROM wq.tasks t WHERE t.id = p_id AND t.state = 3 RETURNING t.queue INTO q;
+    IF NOT FOUND THEN
+        RETURN false;
+    END IF;
+    PERFORM wq.bump(q, {_d(purged=1, dead=-1)});
+    RETURN true;
+END $$;
+"""
+
+_SUMS: Final = ", ".join(f"coalesce(sum({c}), 0)::bigint" for c in _GAUGES + _TOTALS)
+_STATS: Final = f"SELECT {_SUMS} FROM wq.counters"
+_QUEUE_STATS: Final = f"SELECT {_SUMS} FROM wq.counters WHERE queue = $1"
+_QUEUES: Final = (
+    "SELECT q.name, q.paused, "
+    + ", ".join(f"coalesce(sum(c.{g}), 0)::bigint" for g in _GAUGES)
+    + " FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused"
+)
+_VIEW: Final = (
+    "id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority"
+)
+_LOOKUP: Final = f"SELECT {_VIEW}, state FROM wq.tasks WHERE id = $1"
+_DEAD: Final = (
+    f"SELECT {_VIEW} FROM wq.tasks WHERE state = 3 AND ($1::text IS NULL OR queue = $1) "
+    "ORDER BY ord LIMIT $2"
+)
+_PAUSE: Final = (
+    "INSERT INTO wq.queues AS q (name, paused) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE "
+    "SET paused = excluded.paused WHERE q.paused <> excluded.paused"
+)
+_HELD: Final = "SELECT coalesce(sum(ready + handed_out + delayed), 0)::bigint FROM wq.counters"
+_EXPIRED: Final = "SELECT count(*) FROM wq.tasks WHERE state = 1 AND deadline <= $1"
+_WIPE: Final = (
+    "DELETE FROM wq.tasks; DELETE FROM wq.counters; DELETE FROM wq.queues; DELETE FROM wq.keys; "
+    "ALTER SEQUENCE wq.ord RESTART; ALTER SEQUENCE wq.id_blocks RESTART"
+)
+# Gauges that disagree with the tasks (for the tests): one row per (queue, gauge, kept, counted).
+_CHECK: Final = """
+SELECT c.queue, c.ready, c.handed_out, c.delayed, c.dead,
+       coalesce(t.ready, 0), coalesce(t.handed_out, 0), coalesce(t.delayed, 0), coalesce(t.dead, 0)
+FROM (SELECT queue, sum(ready) ready, sum(handed_out) handed_out, sum(delayed) delayed,
+             sum(dead) dead FROM wq.counters GROUP BY queue) c
+FULL JOIN (SELECT queue, count(*) FILTER (WHERE state = 0) ready,
+                  count(*) FILTER (WHERE state = 1) handed_out,
+                  count(*) FILTER (WHERE state = 2) delayed,
+                  count(*) FILTER (WHERE state = 3) dead FROM wq.tasks GROUP BY queue) t
+USING (queue)
+"""
+
+_UNREACHABLE: Final = (
+    OSError,
+    TimeoutError,
+    asyncpg.PostgresConnectionError,
+    asyncpg.InterfaceError,
+    asyncpg.CannotConnectNowError,
+)
+
+
+def _key(n: int) -> int:
+    """A task id (64 bits, unsigned) as the table's key (bigint)."""
+    return n - _OFFSET
+
+
+def _hex(key: int) -> str:
+    return hex_id(key + _OFFSET)
+
+
+def _task(row: Any) -> Task:
+    """A view from a row as _VIEW lists the columns."""
+    error = row[6]
+    if error is not None:
+        error = bytes(error).decode("utf-8", "surrogatepass")
+    return Task(_hex(row[0]), row[1], row[2], row[3], row[4], row[5], error, row[7], row[8])
+
+
+def _encode(error: str | None) -> bytes | None:
+    return None if error is None else error.encode("utf-8", "surrogatepass")
+
+
+def redact(dsn: str) -> str:
+    """The DSN without its password, for messages."""
+    parts = urllib.parse.urlsplit(dsn)
+    if parts.password is None:
+        return dsn
+    host = parts.hostname or ""
+    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+class PostgresStore:
+    """Open with :meth:`open` (it creates or checks the schema); close with :meth:`close`."""
+
+    never_suspends = False  # every call waits for the database
+
+    def __init__(
+        self,
+        dsn: str,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+        *,
+        pool_size: int = POOL_SIZE,
+        db_clock: bool = False,
+    ) -> None:
+        rng = rng if rng is not None else random.Random()
+        self.dsn = dsn
+        self.db_clock = db_clock
+        self._backoff = backoff if backoff is not None else Backoff(rng=rng)
+        self._rng = rng
+        self._pool_size = pool_size
+        self._pool: asyncpg.Pool | None = None
+        self._id_key = 0
+        self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
+        self._failed: str | None = None
+        self._closed = False
+        # The hints: what this broker knows without I/O, as of its last sweep (every broker sweeps
+        # a few times a second) and its own changes since.
+        self._queue_names: set[str] = set()
+        self._held = 0
+        self._keys: dict[tuple[str, str], float] = {}  # keys this broker recorded -> until
+        self.transactions = 0
+
+    # -- opening -----------------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+        *,
+        pool_size: int = POOL_SIZE,
+        db_clock: bool = False,
+    ) -> PostgresStore:
+        store = cls(dsn, backoff, rng, pool_size=pool_size, db_clock=db_clock)
+        where = redact(dsn)
+        try:
+            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=pool_size, timeout=10)
+        except (*_UNREACHABLE, asyncpg.PostgresError, ValueError) as e:
+            raise StoreError(f"cannot connect to {where}: {_one_line(e)}") from None
+        store._pool = pool
+        try:
+            async with pool.acquire() as conn:
+                await store._prepare(conn)
+        except ValueError as e:
+            await pool.close()
+            raise StoreError(f"{where} is refused: {e}") from None
+        except (*_UNREACHABLE, asyncpg.PostgresError) as e:
+            await pool.close()
+            raise StoreError(f"cannot use {where}: {_one_line(e)}") from None
+        log.info("opened %s (wq schema version %d)", where, SCHEMA_VERSION)
+        return store
+
+    async def _prepare(self, conn: _Conn) -> None:
+        """Create the schema or check its version, under an advisory lock (brokers starting
+        together wait for each other); read the id key."""
+        async with conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY)
+            version = await _schema_version(conn)
+            if version is None:
+                await conn.execute(_TABLES)
+                await conn.execute(_FUNCTIONS)
+                await conn.execute(
+                    "INSERT INTO wq.meta VALUES ('schema', $1), ('id_key', $2)",
+                    str(SCHEMA_VERSION),
+                    str(self._rng.getrandbits(64)),
+                )
+                log.info("created the wq schema (version %d)", SCHEMA_VERSION)
+            elif version != SCHEMA_VERSION:
+                raise ValueError(
+                    f"schema version {version} is not one this broker knows (it knows up to "
+                    f"{SCHEMA_VERSION}): was it written by a newer wq?"
+                )
+            id_key = await conn.fetchval("SELECT value FROM wq.meta WHERE key = 'id_key'")
+        self._id_key = int(id_key)
+        self._queue_names = {name for (name,) in await conn.fetch("SELECT name FROM wq.queues")}
+        self._held = int(await conn.fetchval(_HELD))
+
+    # -- the contract ------------------------------------------------------------------------
+
+    async def enqueue(
+        self,
+        payload: bytes,
+        *,
+        max_attempts: int,
+        delay: float,
+        now: float,
+        queue: str = DEFAULT_QUEUE,
+        priority: int = 0,
+        key: str | None = None,
+        key_until: float = 0.0,
+    ) -> Enqueued:
+        new = NewTask(payload, max_attempts, delay, queue, priority, key, key_until)
+        return (await self.enqueue_many((new,), now=now))[0]
+
+    async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
+        if not items:
+            return []
+        ids = await self._new_ids(len(items))
+        rows = await self._fetch(
+            "SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            self._now(now),
+            [_key(n) for n in ids],
+            [t.queue for t in items],
+            [t.priority for t in items],
+            [t.payload for t in items],
+            [t.max_attempts for t in items],
+            [t.delay for t in items],
+            [t.key for t in items],
+            [t.key_until for t in items],
+        )
+        out: list[Enqueued] = []
+        for i, key, duplicate, at, available in rows:
+            task_id = _hex(key)
+            if duplicate:
+                out.append(Enqueued(task_id, True, None))
+                continue
+            t = items[i - 1]
+            self._queue_names.add(t.queue)
+            self._held += 1
+            if t.key is not None:
+                self._keys[(t.queue, t.key)] = t.key_until
+            task = Task(
+                task_id, t.payload, 0, t.max_attempts, at, available, None, t.queue, t.priority
+            )
+            out.append(Enqueued(task_id, False, task))
+        if any(not e.duplicate for e in out):
+            self.transactions += 1
+        return out
+
+    async def _new_ids(self, n: int) -> list[int]:
+        """``n`` fresh task ids (reserving blocks of numbers from the database as needed)."""
+        if len(self._ids) < n:
+            blocks = (n - len(self._ids) + _ID_BLOCK - 1) // _ID_BLOCK
+            rows = await self._fetch(
+                "SELECT nextval('wq.id_blocks') FROM generate_series(1, $1)", blocks
+            )
+            fresh = [b * _ID_BLOCK + j for (b,) in rows for j in range(_ID_BLOCK)]
+            self._ids[:0] = reversed(fresh)
+        taken = [self._ids.pop() for _ in range(n)]
+        return [_mix((x + self._id_key) & _MASK) for x in taken]
+
+    async def claim(
+        self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> Delivery | None:
+        deliveries = await self.claim_many((lease,), now=now, queues=queues)
+        return deliveries[0] if deliveries else None
+
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
+        if not leases:
+            return []
+        lease_ids = [f"{self._rng.getrandbits(64):016x}" for _ in leases]
+        rows = await self._fetch(
+            "SELECT * FROM wq.claim($1, $2, $3, $4)",
+            self._now(now),
+            list(leases),
+            lease_ids,
+            list(queues),
+        )
+        if rows:
+            self.transactions += 1
+        return [Delivery(_task(row[1:10]), lease_ids[row[0] - 1], row[10]) for row in rows]
+
+    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
+        acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now)
+        if acked[0] is not None:
+            raise acked[0]
+
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        *,
+        now: float,
+        delay: float | None = None,
+        terminal: bool = False,
+    ) -> Failure:
+        item = NackItem(task_id, lease_id, error, delay, terminal)
+        _, nacked = await self.settle_many((), (item,), now=now)
+        return _raise_or(nacked[0])
+
+    async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
+        item = NackItem(task_id, lease_id, error)
+        _, nacked = await self._settle((), (item,), now, reclaim=True)
+        return _raise_or(nacked[0])
+
+    async def settle_many(
+        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        return await self._settle(acks, nacks, now, reclaim=False)
+
+    async def _settle(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        now: float,
+        *,
+        reclaim: bool,
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        acked: list[WqError | None] = [_not_held(t) for t, _ in acks]
+        nacked: list[Failure | WqError] = [_not_held(n.task_id) for n in nacks]
+        ack_at = [i for i, (t, _) in enumerate(acks) if parse_id(t) is not None]
+        nack_at = [i for i, n in enumerate(nacks) if parse_id(n.task_id) is not None]
+        if not ack_at and not nack_at:
+            return acked, nacked
+        sent = [nacks[i] for i in nack_at]
+        # The random part of each backoff that may be needed (as the Backoff would draw it).
+        us = [self._draw() if n.delay is None and not n.terminal else 0.0 for n in sent]
+        rows = await self._fetch(
+            "SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+            self._now(now),
+            [_key(int(acks[i][0], 16)) for i in ack_at],
+            [acks[i][1] for i in ack_at],
+            [_key(int(n.task_id, 16)) for n in sent],
+            [n.lease_id for n in sent],
+            [_encode(n.error) for n in sent],
+            [n.delay for n in sent],
+            [n.terminal for n in sent],
+            us,
+            reclaim,
+            self._backoff.base,
+            self._backoff.cap,
+        )
+        changed = False
+        for kind, i, outcome, retry_at in rows:
+            if kind == 0:
+                task_id = acks[ack_at[i - 1]][0]
+                acked[ack_at[i - 1]] = _outcome_error(outcome, task_id)
+            else:
+                task_id = sent[i - 1].task_id
+                error = _outcome_error(outcome, task_id)
+                nacked[nack_at[i - 1]] = (
+                    error if error is not None else Failure(task_id, retry_at is None, retry_at)
+                )
+            if outcome == 0:
+                changed = True
+                if kind == 0 or retry_at is None:
+                    self._held -= 1  # acked or buried
+        if changed:
+            self.transactions += 1
+        return acked, nacked
+
+    def _draw(self) -> float:
+        rng = self._backoff.rng
+        assert rng is not None
+        return rng.random()
+
+    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
+        n = parse_id(task_id)
+        if n is None:
+            raise _not_held(task_id)
+        row = await self._fetchrow(
+            "SELECT * FROM wq.extend($1, $2, $3, $4)", self._now(now), _key(n), lease_id, lease
+        )
+        assert row is not None
+        error = _outcome_error(row[0], task_id)
+        if error is not None:
+            raise error
+        self.transactions += 1
+        return float(row[1])
+
+    async def release(self, task_id: str, lease_id: str) -> bool:
+        n = parse_id(task_id)
+        if n is None:
+            return False
+        done = bool(await self._fetchval("SELECT wq.release($1, $2)", _key(n), lease_id))
+        if done:
+            self.transactions += 1
+        return done
+
+    async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
+        when = self._now(now)
+        expired = int(await self._fetchval(_EXPIRED, when if when is not None else now) or 0)
+        us = [self._draw() for _ in range(expired)]
+        rows = await self._fetch(
+            "SELECT * FROM wq.sweep($1, $2, $3, $4)",
+            when,
+            us,
+            self._backoff.base,
+            self._backoff.cap,
+        )
+        result = SweepResult()
+        due: float | None = None
+        names: set[str] = set()
+        for kind, key, lease_id, queue, n, next_due in rows:
+            if kind == 0:
+                result.reclaimed.append((_hex(key), lease_id))
+            elif kind == 1:
+                result.promoted += n
+                result.ready_queues.add(queue)
+            elif kind == 2:
+                due = next_due
+            elif kind == 3:
+                names.add(queue)
+            else:
+                self._held = n
+        self._queue_names = names
+        self._keys = {k: until for k, until in self._keys.items() if until > now}
+        if result.reclaimed or result.promoted:
+            self.transactions += 1
+        return result, due
+
+    async def requeue(self, task_id: str, *, now: float) -> str:
+        n = parse_id(task_id)
+        rows = []
+        if n is not None:
+            rows = await self._fetch(
+                "SELECT * FROM wq.requeue($1, $2, NULL)", self._now(now), _key(n)
+            )
+        if not rows:
+            raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
+        self.transactions += 1
+        self._held += 1
+        return str(rows[0][0])
+
+    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
+        rows = await self._fetch("SELECT * FROM wq.requeue($1, NULL, $2)", self._now(now), queue)
+        count = sum(int(r[2]) for r in rows)
+        if rows:
+            self.transactions += 1
+            self._held += count
+        return count, [str(r[0]) for r in rows]
+
+    async def purge(self, task_id: str) -> None:
+        n = parse_id(task_id)
+        if n is None or not await self._fetchval("SELECT wq.purge($1)", _key(n)):
+            raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
+        self.transactions += 1
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        status = await self._execute(_PAUSE, queue, paused)
+        self._queue_names.add(queue)
+        if not status.endswith(" 0"):
+            self.transactions += 1
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        if queue is None:
+            row = await self._fetchrow(_STATS)
+        else:
+            row = await self._fetchrow(_QUEUE_STATS, queue)
+        assert row is not None
+        ready, handed_out, delayed, dead, *totals = row
+        if queue is None:
+            self._held = ready + handed_out + delayed
+        return Stats(ready, handed_out, delayed, dead, Totals(*totals))
+
+    async def queues(self) -> list[QueueStats]:
+        rows = await self._fetch(_QUEUES)
+        out = [QueueStats(r[0], r[2], r[3], r[4], r[5], r[1]) for r in rows]
+        out.sort(key=lambda q: q.name)
+        self._queue_names = {q.name for q in out}
+        return out
+
+    async def lookup(self, task_id: str) -> TaskState | None:
+        n = parse_id(task_id)
+        if n is None:
+            return None
+        row = await self._fetchrow(_LOOKUP, _key(n))
+        if row is None:
+            return None
+        return TaskState(_task(row), STATE_NAMES[row[9]])
+
+    async def dead_letters(
+        self, *, limit: int | None = None, queue: str | None = None
+    ) -> list[Task]:
+        rows = await self._fetch(_DEAD, queue, limit)
+        return [_task(row) for row in rows]
+
+    def problem(self) -> str | None:
+        if self._failed is not None:
+            return f"the store is unavailable: {self._failed}"
+        return None
+
+    # Hints (for the service's -max-tasks and -max-queues): the database is shared with other
+    # brokers, so they are this broker's view as of its last sweep (a fraction of a second old)
+    # plus its own changes since. The limits hold across brokers only that closely.
+
+    def held_hint(self) -> int | None:
+        return max(self._held, 0)
+
+    def queue_hint(self, queue: str) -> bool | None:
+        return queue in self._queue_names
+
+    def queue_count_hint(self) -> int | None:
+        return len(self._queue_names)
+
+    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
+        until = self._keys.get((queue, key))
+        if until is not None and until > now:
+            return True
+        return None  # not recorded here: another broker may have (the enqueue will tell)
+
+    def ready_hint(self) -> int | None:
+        return None
+
+    async def close(self) -> None:
+        self._closed = True
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            await pool.close()
+
+    # -- for the tests -----------------------------------------------------------------------
+
+    async def wipe(self) -> None:
+        """Drop every task, queue, key and counter, and start ids over (the tests start each
+        store empty, and give the same ids to the same steps)."""
+        await self._execute(_WIPE)
+        self._ids.clear()
+        self._queue_names.clear()
+        self._held = 0
+        self._keys.clear()
+
+    async def check_invariants(self) -> None:
+        """Assert the gauges kept in the counters agree with the tasks, queue by queue."""
+        for row in await self._fetch(_CHECK):
+            kept, counted = tuple(row[1:5]), tuple(row[5:9])
+            assert kept == counted, f"queue {row[0]}: gauges {kept} but tasks {counted}"
+
+    # -- talking to the database -------------------------------------------------------------
+
+    def _now(self, now: float) -> float | None:
+        return None if self.db_clock else now
+
+    def _ready_pool(self) -> asyncpg.Pool:
+        if self._closed or self._pool is None:
+            raise StoreError("the store is closed")
+        return self._pool
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        pool = self._ready_pool()
+        try:
+            rows = await pool.fetch(sql, *args)
+        except _UNREACHABLE as e:
+            raise self._unreachable(e) from None
+        except asyncpg.PostgresError as e:
+            raise StoreError(f"the database failed: {_one_line(e)}") from None
+        self._failed = None
+        return rows
+
+    async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        rows = await self._fetch(sql, *args)
+        return rows[0] if rows else None
+
+    async def _fetchval(self, sql: str, *args: Any) -> Any:
+        row = await self._fetchrow(sql, *args)
+        return row[0] if row is not None else None
+
+    async def _execute(self, sql: str, *args: Any) -> str:
+        pool = self._ready_pool()
+        try:
+            status = await pool.execute(sql, *args)
+        except _UNREACHABLE as e:
+            raise self._unreachable(e) from None
+        except asyncpg.PostgresError as e:
+            raise StoreError(f"the database failed: {_one_line(e)}") from None
+        self._failed = None
+        return status
+
+    def _unreachable(self, error: BaseException) -> StoreError:
+        self._failed = f"the database is unreachable: {_one_line(error)}"
+        log.warning("%s", self._failed)
+        return StoreError(self._failed)
+
+
+async def _schema_version(conn: _Conn) -> int | None:
+    """The database's wq schema version; None for a database without tables. ValueError if it
+    holds other tables and no wq schema."""
+    if await conn.fetchval("SELECT to_regclass('wq.meta')") is not None:
+        found = await conn.fetchval("SELECT value FROM wq.meta WHERE key = 'schema'")
+        if found is None or not str(found).isdigit():
+            raise ValueError("not a wq database: its wq.meta table has no schema version")
+        return int(found)
+    others = await conn.fetchval(
+        "SELECT count(*) FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n "
+        "ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f') "
+        "AND n.nspname NOT IN ('pg_catalog', 'information_schema') "
+        "AND n.nspname NOT LIKE 'pg\\_%'"
+    )
+    if others:
+        raise ValueError("not a wq database: it holds other tables and no wq schema version")
+    return None
+
+
+def _one_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return text[0] if text else type(error).__name__
+
+
+def _not_held(task_id: str) -> NotFound:
+    return NotFound(f"task {quoted(task_id)} is not held by anyone")
+
+
+def _outcome_error(outcome: int, task_id: str) -> WqError | None:
+    if outcome == 0:
+        return None
+    if outcome == 2:
+        return LeaseLost(f"task {quoted(task_id)} is held under a different lease")
+    return _not_held(task_id)
+
+
+def _raise_or(result: Failure | WqError) -> Failure:
+    if isinstance(result, WqError):
+        raise result
+    return result
