@@ -278,16 +278,22 @@ class Worker:
         except TimeoutError:
             pass
 
-    def _broker_up(self) -> None:
-        if self._down_since is not None:
-            log.info("broker reachable again after %.1fs", time.monotonic() - self._down_since)
-            self._down_since = None
+    def _broker_up(self, asked_at: float | None = None) -> None:
+        """The broker answered a call made at ``asked_at`` (monotonic; None: just now). An
+        answer to a call made before the outage was reported proves nothing (a broker shutting
+        down answers its parked long-polls on its way out): only a later call ends the outage."""
+        down_since = self._down_since
+        if down_since is None or (asked_at is not None and asked_at <= down_since):
+            return
+        log.info("broker reachable again after %.1fs", time.monotonic() - down_since)
+        self._down_since = None
 
     # -- HTTP / unary: claim loops ----------------------------------------------------------------
 
     async def _poll_loop(self) -> None:
         failures = 0
         while not self._stopping.is_set():
+            asked_at = time.monotonic()
             claim = asyncio.ensure_future(
                 self._client.claim(wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues)
             )
@@ -309,7 +315,7 @@ class Worker:
             finally:
                 self._claims.discard(claim)
             failures = 0
-            self._broker_up()
+            self._broker_up(asked_at)
             if delivery is not None:
                 await self._process(delivery, _Unary(self._client))
 

@@ -220,6 +220,8 @@ BEGIN
 END $$;
 
 -- Delayed tasks due by now, to the tail of ready (in order of due time): per queue, how many.
+-- Rows another call is promoting are waited for, not skipped (locked in id order, so promoters
+-- never deadlock): a claim that promotes first then sees them ready instead of missing them.
 CREATE FUNCTION wq.promote(now_ float8) RETURNS TABLE (o_queue text, o_n bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -233,7 +235,7 @@ BEGIN
     WITH due AS (
         SELECT s.id, row_number() OVER (ORDER BY s.available_at, s.ord) AS rn FROM (
             SELECT t.id, t.available_at, t.ord FROM wq.tasks t
-            WHERE t.state = 2 AND t.available_at <= now_ FOR UPDATE SKIP LOCKED) s),
+            WHERE t.state = 2 AND t.available_at <= now_ ORDER BY t.id FOR UPDATE) s),
     upd AS (
         UPDATE wq.tasks t SET state = 0, ord = base + d.rn FROM due d WHERE t.id = d.id
         RETURNING t.queue),
