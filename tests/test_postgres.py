@@ -18,6 +18,7 @@ from wqbroker.broker import Config, StartupError, open_store
 from wqbroker.errors import LeaseLost, NotFound, StoreError
 from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
+from wqbroker.store import enqueue_one
 from wqbroker.store.postgres import SCHEMA_VERSION, PostgresStore
 
 NOW = 1_700_000_000.0
@@ -44,7 +45,7 @@ async def two(dsn: str) -> AsyncIterator[tuple[PostgresStore, PostgresStore]]:
 
 async def test_schema_creation_is_idempotent(dsn: str) -> None:
     first = await PostgresStore.open(dsn, backoff(), random.Random(1))
-    await first.enqueue(b'{"n":1}', max_attempts=3, delay=0.0, now=NOW)
+    await enqueue_one(first, b'{"n":1}', max_attempts=3, delay=0.0, now=NOW)
     await first.close()
     again = await PostgresStore.open(dsn, backoff(), random.Random(2))
     try:
@@ -64,7 +65,7 @@ async def test_brokers_starting_at_once_create_the_schema_once(dsn: str) -> None
         *(PostgresStore.open(dsn, backoff(i), random.Random(i)) for i in range(4))
     )
     try:
-        done = await stores[0].enqueue(b"1", max_attempts=1, delay=0.0, now=NOW)
+        done = await enqueue_one(stores[0], b"1", max_attempts=1, delay=0.0, now=NOW)
         for s in stores:
             looked = await s.lookup(done.id)
             assert looked is not None
@@ -141,8 +142,8 @@ async def test_two_stores_on_one_database_are_one_store(
     two: tuple[PostgresStore, PostgresStore],
 ) -> None:
     a, b = two
-    first = await a.enqueue(b"1", max_attempts=2, delay=0.0, now=NOW, queue="q", priority=5)
-    await a.enqueue(b"2", max_attempts=2, delay=0.0, now=NOW, queue="q")
+    first = await enqueue_one(a, b"1", max_attempts=2, delay=0.0, now=NOW, queue="q", priority=5)
+    await enqueue_one(a, b"2", max_attempts=2, delay=0.0, now=NOW, queue="q")
     d = await b.claim(lease=LEASE, now=NOW, queues=("q",))
     assert d is not None
     assert d.task.id == first.id
@@ -170,8 +171,12 @@ async def test_two_stores_on_one_database_are_one_store(
     assert await b.claim(lease=LEASE, now=failure.retry_at, queues=("q",)) is None
     assert [q.paused for q in await b.queues()] == [True]
     # idempotency keys are shared too
-    keyed = await a.enqueue(b"k", max_attempts=1, delay=0.0, now=NOW, key="k", key_until=NOW + 9)
-    again = await b.enqueue(b"k", max_attempts=1, delay=0.0, now=NOW, key="k", key_until=NOW + 9)
+    keyed = await enqueue_one(
+        a, b"k", max_attempts=1, delay=0.0, now=NOW, key="k", key_until=NOW + 9
+    )
+    again = await enqueue_one(
+        b, b"k", max_attempts=1, delay=0.0, now=NOW, key="k", key_until=NOW + 9
+    )
     assert again.duplicate
     assert again.id == keyed.id
     await a.check_invariants()

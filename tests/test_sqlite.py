@@ -27,6 +27,7 @@ from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
 from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Totals
 from wqbroker.retry import Backoff
+from wqbroker.store import enqueue_one
 from wqbroker.store.sqlite import SqliteStore
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
@@ -158,7 +159,7 @@ async def test_concurrent_requests_share_commits(tmp_path: Path) -> None:
     store = await SqliteStore.open(str(tmp_path / "wq.db"), Backoff(1, 30, random.Random(1)))
     try:
         await asyncio.gather(
-            *(store.enqueue(b"1", max_attempts=3, delay=0, now=NOW) for _ in range(500))
+            *(enqueue_one(store, b"1", max_attempts=3, delay=0, now=NOW) for _ in range(500))
         )
         assert (await store.stats()).ready == 500
         assert store.transactions < 50, f"500 concurrent enqueues took {store.transactions} commits"
@@ -202,7 +203,7 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
                 await stub.Enqueue(pb.EnqueueRequest(payload=b"1"))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE
             with pytest.raises(StoreError):
-                await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW)
+                await enqueue_one(store, b"1", max_attempts=3, delay=0, now=NOW)
             # The sweeper keeps ticking against the failed store, and says so once.
             ticks = broker.service.sweeper.ticks
             for _ in range(5):
@@ -220,7 +221,7 @@ def _backoff() -> Backoff:
 async def test_a_batch_that_fails_to_commit_leaves_nothing_behind(tmp_path: Path) -> None:
     path = str(tmp_path / "wq.db")
     store = await SqliteStore.open(path, _backoff())
-    kept = await store.enqueue(b'"kept"', max_attempts=3, delay=0, now=NOW)
+    kept = await enqueue_one(store, b'"kept"', max_attempts=3, delay=0, now=NOW)
     await store.close()
     # A real failure half-way through the batch's transaction: rows before it were written.
     with closing(sqlite3.connect(path)) as conn:
@@ -402,7 +403,9 @@ async def test_a_file_of_schema_2_is_upgraded_into_the_default_queue(tmp_path: P
         assert (second.task.id, second.task.payload) == (_v2_id(10), b'{"n":10}')
         await store.ack(_v2_id(13), "b" * 16, now=NOW)  # a lease from before the upgrade
         # new tasks go on from there, in named queues too
-        new = await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW, queue="q", priority=2)
+        new = await enqueue_one(
+            store, b"1", max_attempts=3, delay=0, now=NOW, queue="q", priority=2
+        )
         assert new.id not in {_v2_id(k) for k in range(10, 15)}
         stats = await store.stats()
         assert stats.totals.enqueued == 8
@@ -424,16 +427,28 @@ async def test_a_restart_keeps_queues_priorities_pauses_and_keys(tmp_path: Path)
     path = str(tmp_path / "wq.db")
     store = await SqliteStore.open(path, _backoff(), hot_ready=2)
     until = NOW + 300.0
-    low = await store.enqueue(b'"low"', max_attempts=3, delay=0, now=NOW, queue="a")
-    high = await store.enqueue(
-        b'"high"', max_attempts=3, delay=0, now=NOW, queue="a", priority=9, key="k", key_until=until
+    low = await enqueue_one(store, b'"low"', max_attempts=3, delay=0, now=NOW, queue="a")
+    high = await enqueue_one(
+        store,
+        b'"high"',
+        max_attempts=3,
+        delay=0,
+        now=NOW,
+        queue="a",
+        priority=9,
+        key="k",
+        key_until=until,
     )
     mid = [
-        (await store.enqueue(b"%d" % n, max_attempts=3, delay=0, now=NOW, queue="b", priority=4)).id
+        (
+            await enqueue_one(
+                store, b"%d" % n, max_attempts=3, delay=0, now=NOW, queue="b", priority=4
+            )
+        ).id
         for n in range(4)
     ]
-    keyed_b = await store.enqueue(
-        b'"kb"', max_attempts=1, delay=0, now=NOW, queue="b", key="k", key_until=until
+    keyed_b = await enqueue_one(
+        store, b'"kb"', max_attempts=1, delay=0, now=NOW, queue="b", key="k", key_until=until
     )
     held = await store.claim(lease=60, now=NOW, queues=["b"])
     assert held is not None
@@ -457,12 +472,12 @@ async def test_a_restart_keeps_queues_priorities_pauses_and_keys(tmp_path: Path)
         assert (found.state, found.task.queue, found.task.priority) == ("ready", "a", 9)
         assert found.task.payload == b'"high"'
         # keys: still duplicates, per queue
-        again = await store.enqueue(
-            b"x", max_attempts=3, delay=0, now=NOW + 1, queue="a", key="k", key_until=until
+        again = await enqueue_one(
+            store, b"x", max_attempts=3, delay=0, now=NOW + 1, queue="a", key="k", key_until=until
         )
         assert (again.id, again.duplicate) == (high.id, True)
-        again = await store.enqueue(
-            b"x", max_attempts=3, delay=0, now=NOW + 1, queue="b", key="k", key_until=until
+        again = await enqueue_one(
+            store, b"x", max_attempts=3, delay=0, now=NOW + 1, queue="b", key="k", key_until=until
         )
         assert (again.id, again.duplicate) == (keyed_b.id, True)
         # the paused queue hands nothing out; the other one, by priority then age
@@ -485,13 +500,15 @@ async def test_a_restart_keeps_queues_priorities_pauses_and_keys(tmp_path: Path)
 async def test_keys_past_their_window_are_forgotten_across_a_restart(tmp_path: Path) -> None:
     path = str(tmp_path / "wq.db")
     store = await SqliteStore.open(path, _backoff())
-    first = await store.enqueue(b"1", max_attempts=3, delay=0, now=NOW, key="k", key_until=NOW + 5)
+    first = await enqueue_one(
+        store, b"1", max_attempts=3, delay=0, now=NOW, key="k", key_until=NOW + 5
+    )
     await store.close()
     store = await SqliteStore.open(path, _backoff())
     try:
         await store.sweep(now=NOW + 5)  # forgets the key (and writes that down)
-        second = await store.enqueue(
-            b"2", max_attempts=3, delay=0, now=NOW + 5, key="k", key_until=NOW + 10
+        second = await enqueue_one(
+            store, b"2", max_attempts=3, delay=0, now=NOW + 5, key="k", key_until=NOW + 10
         )
         assert not second.duplicate
         assert second.id != first.id

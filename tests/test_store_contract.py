@@ -32,7 +32,7 @@ from wqbroker.models import (
     Totals,
 )
 from wqbroker.retry import Backoff
-from wqbroker.store import Store
+from wqbroker.store import Store, enqueue_one
 from wqbroker.store.memory import MemoryStore
 
 NOW = 1_000_000.0
@@ -77,7 +77,7 @@ async def enqueue(store: Store, payload: bytes = PAYLOAD, **kw: Any) -> str:
     kw.setdefault("max_attempts", 3)
     kw.setdefault("delay", 0.0)
     kw.setdefault("now", NOW)
-    return (await store.enqueue(payload, **kw)).id
+    return (await enqueue_one(store, payload, **kw)).id
 
 
 def tasks_of(done: list[Enqueued]) -> list[Task]:
@@ -121,7 +121,7 @@ async def bury(store: Store, task_id: str, error: str | None, now: float = NOW) 
 
 async def test_enqueue_puts_the_task_in_ready(store: Store) -> None:
     await expect(store)
-    done = await store.enqueue(PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
+    done = await enqueue_one(store, PAYLOAD, max_attempts=4, delay=0.0, now=NOW)
     assert not done.duplicate
     view = done.task
     assert view is not None
@@ -152,7 +152,7 @@ async def test_payload_bytes_come_back_verbatim(store: Store) -> None:
 
 
 async def test_delayed_enqueue_goes_to_delayed(store: Store) -> None:
-    view = (await store.enqueue(PAYLOAD, max_attempts=3, delay=5.0, now=NOW)).task
+    view = (await enqueue_one(store, PAYLOAD, max_attempts=3, delay=5.0, now=NOW)).task
     assert view is not None
     assert view.available_at == NOW + 5.0
     assert view.created_at == NOW
@@ -1283,14 +1283,20 @@ async def test_settle_many_takes_nack_options(store: Store) -> None:
 
 
 async def test_a_key_seen_within_its_window_is_a_duplicate(store: Store) -> None:
-    first = await store.enqueue(
-        PAYLOAD, max_attempts=3, delay=0.0, now=NOW, key="k", key_until=NOW + 300.0
+    first = await enqueue_one(
+        store, PAYLOAD, max_attempts=3, delay=0.0, now=NOW, key="k", key_until=NOW + 300.0
     )
     assert not first.duplicate
     assert first.task is not None
     before = store.transactions
-    again = await store.enqueue(
-        b'"other"', max_attempts=1, delay=0.0, now=NOW + 299.5, key="k", key_until=NOW + 599.5
+    again = await enqueue_one(
+        store,
+        b'"other"',
+        max_attempts=1,
+        delay=0.0,
+        now=NOW + 299.5,
+        key="k",
+        key_until=NOW + 599.5,
     )
     assert again == Enqueued(first.id, True, None)
     assert store.transactions == before  # a duplicate creates nothing, commits nothing
@@ -1298,8 +1304,8 @@ async def test_a_key_seen_within_its_window_is_a_duplicate(store: Store) -> None
     # even once the first task is gone (acked)
     d = await claim(store, NOW + 299.5)
     await store.ack(first.id, d.lease_id, now=NOW + 299.5)
-    again = await store.enqueue(
-        PAYLOAD, max_attempts=3, delay=5.0, now=NOW + 299.75, key="k", key_until=NOW + 600.0
+    again = await enqueue_one(
+        store, PAYLOAD, max_attempts=3, delay=5.0, now=NOW + 299.75, key="k", key_until=NOW + 600.0
     )
     assert again == Enqueued(first.id, True, None)
     await expect(store, enqueued=1, delivered=1, acked=1)
@@ -1308,15 +1314,15 @@ async def test_a_key_seen_within_its_window_is_a_duplicate(store: Store) -> None
 async def test_a_key_whose_window_is_over_makes_a_new_task(store: Store) -> None:
     first = await enqueue(store, key="k", key_until=NOW + 10.0)
     # at the end of the window (until <= now), with no sweep in between
-    second = await store.enqueue(
-        PAYLOAD, max_attempts=3, delay=0.0, now=NOW + 10.0, key="k", key_until=NOW + 20.0
+    second = await enqueue_one(
+        store, PAYLOAD, max_attempts=3, delay=0.0, now=NOW + 10.0, key="k", key_until=NOW + 20.0
     )
     assert not second.duplicate
     assert second.id != first
     # the new window holds, a sweep forgets the old one and not the new
     await store.sweep(now=NOW + 15.0)
-    third = await store.enqueue(
-        PAYLOAD, max_attempts=3, delay=0.0, now=NOW + 15.0, key="k", key_until=NOW + 25.0
+    third = await enqueue_one(
+        store, PAYLOAD, max_attempts=3, delay=0.0, now=NOW + 15.0, key="k", key_until=NOW + 25.0
     )
     assert third == Enqueued(second.id, True, None)
     await store.sweep(now=NOW + 20.0)
@@ -1330,8 +1336,8 @@ async def test_keys_are_per_queue(store: Store) -> None:
     b = await enqueue(store, queue="b", key="k", key_until=NOW + 60)
     plain = await enqueue(store, key="k", key_until=NOW + 60)
     assert len({a, b, plain}) == 3
-    dup = await store.enqueue(
-        PAYLOAD, max_attempts=3, delay=0.0, now=NOW, queue="b", key="k", key_until=NOW + 60
+    dup = await enqueue_one(
+        store, PAYLOAD, max_attempts=3, delay=0.0, now=NOW, queue="b", key="k", key_until=NOW + 60
     )
     assert dup == Enqueued(b, True, None)
     # a key is not a payload: another key, the same payload, is a new task

@@ -42,7 +42,7 @@ from tests.helpers import BACKENDS, SQLITE_HOT, invariant_holds, make_store
 from wqbroker.errors import LeaseLost, NotFound
 from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, NackItem, NewTask, Stats, Totals
 from wqbroker.retry import Backoff
-from wqbroker.store import Store
+from wqbroker.store import Store, enqueue_one
 from wqbroker.store.memory import MemoryStore
 from wqbroker.store.postgres import PostgresStore
 from wqbroker.store.sqlite import SqliteStore
@@ -301,7 +301,8 @@ class StoreMachine(RuleBasedStateMachine):
     def enqueue(self, submission: tuple[float, int, str, int, str | None, float]) -> None:
         new = self.new_task(submission)
         done = self.run(
-            self.store.enqueue(
+            enqueue_one(
+                self.store,
                 new.payload,
                 max_attempts=new.max_attempts,
                 delay=new.delay,

@@ -55,7 +55,7 @@ from wqbroker.models import (
     TaskState,
 )
 
-__all__ = ["Store"]
+__all__ = ["Store", "enqueue_one"]
 
 
 class Store(Protocol):
@@ -67,21 +67,6 @@ class Store(Protocol):
     #: Transactions committed so far: each changing call is one (a store that commits groups
     #: concurrent calls together may count fewer), never more than one per call.
     transactions: int
-
-    async def enqueue(
-        self,
-        payload: bytes,
-        *,
-        max_attempts: int,
-        delay: float,
-        now: float,
-        queue: str = DEFAULT_QUEUE,
-        priority: int = 0,
-        key: str | None = None,
-        key_until: float = 0.0,
-    ) -> Enqueued:
-        """Accept one task (as ``enqueue_many`` with one :class:`NewTask`)."""
-        ...
 
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         """Accept tasks at once, in order (one transaction)."""
@@ -196,3 +181,20 @@ class Store(Protocol):
     async def set_paused(self, queue: str, paused: bool) -> None: ...
 
     async def close(self) -> None: ...
+
+
+async def enqueue_one(
+    store: Store,
+    payload: bytes,
+    *,
+    max_attempts: int,
+    delay: float,
+    now: float,
+    queue: str = DEFAULT_QUEUE,
+    priority: int = 0,
+    key: str | None = None,
+    key_until: float = 0.0,
+) -> Enqueued:
+    """One task, through ``enqueue_many`` (for tests and tools: the service always batches)."""
+    new = NewTask(payload, max_attempts, delay, queue, priority, key, key_until)
+    return (await store.enqueue_many((new,), now=now))[0]

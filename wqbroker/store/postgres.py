@@ -626,21 +626,6 @@ class PostgresStore:
 
     # -- the contract ------------------------------------------------------------------------
 
-    async def enqueue(
-        self,
-        payload: bytes,
-        *,
-        max_attempts: int,
-        delay: float,
-        now: float,
-        queue: str = DEFAULT_QUEUE,
-        priority: int = 0,
-        key: str | None = None,
-        key_until: float = 0.0,
-    ) -> Enqueued:
-        new = NewTask(payload, max_attempts, delay, queue, priority, key, key_until)
-        return (await self.enqueue_many((new,), now=now))[0]
-
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         if not items:
             return []
