@@ -66,6 +66,15 @@ FLAGS: tuple[Flag, ...] = (
         help="how often the sweeper ticks at the latest",
     ),
     Flag(
+        "poll-ms",
+        default=1000,
+        parse=positive_int,
+        metavar="MS",
+        help="with a store shared by several brokers (PostgreSQL), how often a broker with "
+        "waiting consumers looks for ready tasks it was not told about (a lost wake-up costs "
+        "at most this)",
+    ),
+    Flag(
         "backoff-base-ms",
         default=1000,
         parse=non_negative_int,
@@ -202,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         addr=args.addr,
         grpc_addr=args.grpc_addr,
         sweep_interval=args.sweep_interval_ms / 1000.0,
+        poll_interval=args.poll_ms / 1000.0,
         backoff_base=args.backoff_base_ms / 1000.0,
         backoff_cap=args.backoff_cap_ms / 1000.0,
         max_body=args.max_body_bytes,

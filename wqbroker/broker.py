@@ -29,6 +29,7 @@ from wqbroker.limits import (
     DEFAULT_MAX_QUEUES,
     DEFAULT_MAX_TASKS,
     DEFAULT_MAX_WAITERS,
+    DEFAULT_POLL_INTERVAL,
     DEFAULT_SWEEP_INTERVAL,
 )
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
@@ -83,6 +84,9 @@ class Config:
     addr: str | None = ":8080"
     grpc_addr: str | None = ":50051"
     sweep_interval: float = DEFAULT_SWEEP_INTERVAL
+    # With a shared store (PostgreSQL): how often a broker with waiting consumers polls for ready
+    # tasks it was not told about (wake-ups between brokers come by LISTEN/NOTIFY).
+    poll_interval: float = DEFAULT_POLL_INTERVAL
     backoff_base: float = DEFAULT_BASE
     backoff_cap: float = DEFAULT_CAP
     max_body: int = DEFAULT_MAX_BODY
@@ -104,9 +108,12 @@ class Config:
     tls_key: str | None = None
 
 
-async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> Store:
+async def open_store(
+    config: Config, backoff: Backoff, rng: random.Random, clock: Clock | None = None
+) -> Store:
     """The store ``config.store`` names: ``memory``, ``sqlite:PATH`` or a PostgreSQL URL
-    (``postgres://USER@HOST:PORT/DB``, or ``postgresql://``)."""
+    (``postgres://USER@HOST:PORT/DB``, or ``postgresql://``). On PostgreSQL, times are the
+    database's (``clock`` is the broker's, to compare)."""
     spec = config.store.strip()
     if spec == "memory":
         return MemoryStore(backoff, rng)
@@ -119,7 +126,7 @@ async def open_store(config: Config, backoff: Backoff, rng: random.Random) -> St
             raise StartupError(str(e)) from None
     if spec.startswith(("postgres://", "postgresql://")):
         try:
-            return await PostgresStore.open(spec, backoff, rng)
+            return await PostgresStore.open(spec, backoff, rng, db_clock=True, clock=clock)
         except (StoreError, ValueError) as e:
             raise StartupError(str(e)) from None
     raise StartupError(
@@ -191,11 +198,12 @@ class Broker:
             raise StartupError(str(e)) from None
         if self._store is None:
             backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
-            self._store = await open_store(config, backoff, self._rng)
+            self._store = await open_store(config, backoff, self._rng, self.clock)
         self._service = Service(
             self._store,
             self.clock,
             sweep_interval=config.sweep_interval,
+            poll_interval=config.poll_interval,
             max_payload=config.max_body,
             max_tasks=config.max_tasks,
             max_queues=config.max_queues,

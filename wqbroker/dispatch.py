@@ -477,6 +477,15 @@ class Dispatcher:
 
     # -- the pump ----------------------------------------------------------------------------
 
+    def wants(self, queues: Iterable[str] | None) -> bool:
+        """Whether a consumer waits for tasks of any of ``queues`` (None: of any queue)."""
+        if not self._lines:
+            return False
+        if queues is None:
+            return True
+        listening = self._listening
+        return any(name in listening for name in queues)
+
     async def pump(self, queues: Iterable[str] | None = None) -> None:
         """Hand ready tasks of ``queues`` (None: of any queue) to the consumers waiting for
         them, first come first served in each line, until they run out."""
@@ -511,6 +520,12 @@ class Dispatcher:
                 key = to_pump.pop()
                 if key in self._lines:
                     await self._pump_line(key)
+        except WqError as e:
+            # The store failed (its database is away): the caller's own work is done, and is not
+            # to be reported as failed. The consumers wait on; the pump runs again when the store
+            # is back (a shared store says so) or at the next change or sweep.
+            log.info("could not hand out ready tasks: %s", e.message)
+            self._to_pump.clear()
         finally:
             self._pumping = False
 

@@ -24,6 +24,8 @@ MAX_WAIT_MS: Final = 30_000
 DEFAULT_LEASE_MS: Final = 30_000
 MAX_LEASE_MS: Final = 300_000
 DEFAULT_SWEEP_INTERVAL: Final = 0.25
+# Seconds between polls for ready tasks by a broker on a shared store (a lost wake-up's cost).
+DEFAULT_POLL_INTERVAL: Final = 1.0
 DEFAULT_MAX_PAYLOAD: Final = 1024 * 1024
 
 # Our own limits on values the spec leaves open (documented in the README and the .proto).

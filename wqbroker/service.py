@@ -9,7 +9,7 @@ hand-off of tasks to waiting consumers lives in :mod:`wqbroker.dispatch`.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -69,6 +69,7 @@ class Service:
         clock: Clock,
         *,
         sweep_interval: float = limits.DEFAULT_SWEEP_INTERVAL,
+        poll_interval: float = limits.DEFAULT_POLL_INTERVAL,
         max_payload: int = limits.DEFAULT_MAX_PAYLOAD,
         max_tasks: int = limits.DEFAULT_MAX_TASKS,
         max_waiters: int = limits.DEFAULT_MAX_WAITERS,
@@ -87,6 +88,11 @@ class Service:
             store, clock, self._sweeper.wake_by, self._background, max_waiters=max_waiters
         )
         self._closing = False
+        # A shared store: other brokers make tasks ready too. They say so (on_ready); a poll now
+        # and then (in the sweeper's ticks) covers a wake-up that got lost.
+        self.poll_interval = poll_interval
+        self._next_poll = 0.0
+        store.on_ready(self._ready_elsewhere)
 
     @property
     def store(self) -> Store:
@@ -417,10 +423,22 @@ class Service:
         await self._store.set_paused(name, False)
         await self._dispatch.pump((name,))
 
+    def _ready_elsewhere(self, queues: Iterable[str] | None) -> None:
+        """Tasks became ready in ``queues`` (None: any) without this broker's doing: feed the
+        consumers waiting for them, if any."""
+        if not self._closing and self._dispatch.wants(queues):
+            self._background.spawn(self._dispatch.pump(queues))
+
     async def sweep(self) -> float | None:
-        """One sweep: reclaim expired leases, promote due delayed tasks, feed waiting consumers.
-        Returns when the next thing is due. The sweeper calls this; tests may call it directly."""
-        result, next_due = await self._store.sweep(now=self._clock.now())
+        """One sweep: reclaim expired leases, promote due delayed tasks, feed waiting consumers
+        (on a shared store, also look for ready tasks now and then). Returns when the next thing
+        is due. The sweeper calls this; tests may call it directly."""
+        now = self._clock.now()
+        if self._store.shared and now >= self._next_poll:
+            self._next_poll = now + self.poll_interval
+            if self._dispatch.wants(None):
+                self._background.spawn(self._dispatch.pump(None))
+        result, next_due = await self._store.sweep(now=now)
         if result.reclaimed:
             await self._dispatch.finished(lease_id for _, lease_id in result.reclaimed)
         if result.ready_queues:

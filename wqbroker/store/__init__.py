@@ -37,7 +37,7 @@ Rules every backend follows (the contract test suite checks them against each on
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
 from wqbroker.errors import WqError
@@ -63,6 +63,10 @@ class Store(Protocol):
     #: with the memory store; False if calls wait for I/O, and so may be cut short by a caller's
     #: cancellation at that point.
     never_suspends: bool
+
+    #: True if other brokers share the store (PostgreSQL): tasks may become ready without this
+    #: broker's doing, and it learns of it through :meth:`on_ready` and by polling.
+    shared: bool
 
     #: Transactions committed so far: each changing call is one (a store that commits groups
     #: concurrent calls together may count fewer), never more than one per call.
@@ -179,6 +183,11 @@ class Store(Protocol):
     async def purge(self, task_id: str) -> None: ...
 
     async def set_paused(self, queue: str, paused: bool) -> None: ...
+
+    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
+        """Have ``callback(queues)`` called when tasks become ready in ``queues`` (None: in any
+        queue) by no call of this broker's (only a shared store ever calls it)."""
+        ...
 
     async def close(self) -> None: ...
 

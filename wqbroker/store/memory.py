@@ -8,7 +8,7 @@ counts as one transaction.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from wqbroker.errors import WqError
 from wqbroker.models import (
@@ -35,6 +35,7 @@ def _delivery(record: Record) -> Delivery:
 
 class MemoryStore:
     never_suspends = True
+    shared = False  # this broker alone changes it
 
     def __init__(self, backoff: Backoff | None = None, rng: random.Random | None = None) -> None:
         rng = rng if rng is not None else random.Random()
@@ -171,6 +172,9 @@ class MemoryStore:
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
+
+    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
+        pass  # only this broker makes tasks ready
 
     async def close(self) -> None:
         return None

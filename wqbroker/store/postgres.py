@@ -44,14 +44,18 @@ newer version, is refused with a one-line StoreError.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import random
+import time
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final
 
 import asyncpg
 
+from wqbroker.clock import Clock
 from wqbroker.errors import LeaseLost, NotFound, StoreError, WqError, quoted
 from wqbroker.models import (
     DEFAULT_QUEUE,
@@ -77,7 +81,15 @@ if TYPE_CHECKING:
 
     _Conn = asyncpg.Connection | PoolConnectionProxy[Any]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2  # 2: set-based enqueue and acks, promotions reported by claims, fold
+# The channel on which brokers tell each other which queues have tasks ready.
+CHANNEL: Final = "wq_ready"
+# A broker that lost its database (or its listening connection) tries again after this long,
+# doubling up to the cap.
+RETRY_FIRST: Final = 0.05
+RETRY_CAP: Final = 2.0
+# Every this many sweeps, a sweep also refreshes the queue names and folds counter rows.
+_SWEEPS_PER_REFRESH: Final = 20
 # Any constant: the key of the advisory lock taken while the schema is checked or created.
 _LOCK_KEY: Final = 0x7771_0000_0001
 _OFFSET: Final = 2**63
@@ -186,6 +198,29 @@ DECLARE
     owner bigint;
     avail float8;
 BEGIN
+    IF NOT EXISTS (SELECT 1 FROM unnest(p_keys) k WHERE k IS NOT NULL) THEN
+        -- No idempotency keys (the common case): the batch as a set.
+        INSERT INTO wq.queues (name) SELECT DISTINCT u FROM unnest(p_queues) u
+            ON CONFLICT DO NOTHING;
+        RETURN QUERY
+        WITH n AS (
+            SELECT * FROM unnest(p_ids, p_queues, p_prios, p_payloads, p_max, p_delays)
+                WITH ORDINALITY AS n(id, queue, prio, payload, max, delay, i)),
+        ins AS (
+            INSERT INTO wq.tasks (id, queue, state, priority, ord, payload, attempts,
+                                  max_attempts, created_at, available_at)
+            SELECT n.id, n.queue, CASE WHEN n.delay > 0 THEN 2 ELSE 0 END, n.prio, base + n.i,
+                n.payload, 0, n.max, now_, now_ + greatest(n.delay, 0) FROM n
+            RETURNING queue, state),
+        g AS (SELECT ins.queue, count(*) AS n, count(*) FILTER (WHERE ins.state = 0) AS r
+              FROM ins GROUP BY ins.queue),
+        bump AS (
+            INSERT INTO wq.counters AS k (slot, queue, enqueued, ready, delayed)
+            SELECT pg_backend_pid(), g.queue, g.n, g.r, g.n - g.r FROM g
+            {_UPSERT})
+        SELECT n.i::int, n.id, false, now_, now_ + greatest(n.delay, 0) FROM n ORDER BY n.i;
+        RETURN;
+    END IF;
     FOR j IN 1..coalesce(array_length(p_ids, 1), 0) LOOP
         q := p_queues[j];
         IF p_keys[j] IS NOT NULL THEN
@@ -260,7 +295,11 @@ DECLARE
     n bigint;
     q text;
 BEGIN
-    PERFORM wq.promote(now_);
+    -- First the queues in which delayed tasks were promoted (o_rn NULL): other consumers may
+    -- want them.
+    RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::bytea, NULL::int, NULL::int,
+        NULL::float8, NULL::float8, NULL::bytea, p.o_queue, NULL::smallint, NULL::float8
+        FROM wq.promote(now_) p;
     base := nextval('wq.ord') * 1048576;
     FOREACH q IN ARRAY p_queues LOOP
         EXIT WHEN got >= want;
@@ -325,7 +364,26 @@ DECLARE
     q text;
     a int;
     m int;
+    done int[];
 BEGIN
+    IF (SELECT count(DISTINCT x) FROM unnest(p_ack_ids) x) = array_length(p_ack_ids, 1) THEN
+        -- Acks of distinct tasks (the usual batch): deleted as a set, counted once per queue.
+        WITH a AS (
+            SELECT * FROM unnest(p_ack_ids, p_ack_leases) WITH ORDINALITY AS a(id, lease, i)),
+        d AS (
+            DELETE FROM wq.tasks t USING a
+            WHERE t.id = a.id AND t.state = 1 AND t.lease_id = a.lease RETURNING a.i, t.queue),
+        g AS (SELECT d.queue, count(*) AS n FROM d GROUP BY d.queue),
+        bump AS (
+            INSERT INTO wq.counters AS k (slot, queue, acked, handed_out)
+            SELECT pg_backend_pid(), g.queue, g.n, -g.n FROM g
+            {_UPSERT})
+        SELECT array_agg(d.i) INTO done FROM d;
+        RETURN QUERY SELECT 0, a.i::int,
+            CASE WHEN a.i = ANY(done) THEN 0 ELSE wq.miss(a.id) END, NULL::float8
+            FROM unnest(p_ack_ids) WITH ORDINALITY AS a(id, i) ORDER BY a.i;
+        p_ack_ids := '{{}}';
+    END IF;
     FOR j IN 1..coalesce(array_length(p_ack_ids, 1), 0) LOOP
         DELETE FROM wq.tasks t
             WHERE t.id = p_ack_ids[j] AND t.state = 1 AND t.lease_id = p_ack_leases[j]
@@ -366,7 +424,8 @@ BEGIN
     RETURN NEXT;
 END $$;
 
-CREATE FUNCTION wq.release(p_id bigint, p_lease_id text) RETURNS boolean
+-- Its queue, or NULL if the lease is not current.
+CREATE FUNCTION wq.release(p_id bigint, p_lease_id text) RETURNS text
 LANGUAGE plpgsql AS $$
 DECLARE
     q text;
@@ -376,17 +435,19 @@ BEGIN
         WHERE t.id = p_id AND t.state = 1 AND t.lease_id = p_lease_id
         RETURNING t.queue INTO q;
     IF NOT FOUND THEN
-        RETURN false;
+        RETURN NULL;
     END IF;
     PERFORM wq.bump(q, {_d(delivered=-1, handed_out=-1, ready=1)});
-    RETURN true;
+    RETURN q;
 END $$;
 
 -- Reclaim up to array_length(p_us) expired leases (oldest deadline first), promote what is due,
 -- forget expired keys. o_kind 0: a reclaimed task (o_id, o_lease); 1: promoted (o_queue, o_n);
 -- 2: when the next thing is due (o_due, NULL if nothing is scheduled); then, for the broker's
--- hints: 3: each queue known (o_queue); 4: how many tasks are held (o_n).
-CREATE FUNCTION wq.sweep(p_now float8, p_us float8[], p_base float8, p_cap float8)
+-- hints: 3: each queue known (o_queue; only if p_names); 4: how many tasks are held (o_n);
+-- 5: the database's clock (o_due).
+CREATE FUNCTION wq.sweep(p_now float8, p_us float8[], p_base float8, p_cap float8,
+    p_names boolean)
 RETURNS TABLE (o_kind int, o_id bigint, o_lease text, o_queue text, o_n bigint, o_due float8)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -412,12 +473,28 @@ BEGIN
     RETURN QUERY SELECT 2, NULL::bigint, NULL::text, NULL::text, NULL::bigint, least(
         (SELECT min(t.available_at) FROM wq.tasks t WHERE t.state = 2),
         (SELECT min(t.deadline) FROM wq.tasks t WHERE t.state = 1));
-    RETURN QUERY SELECT 3, NULL::bigint, NULL::text, q.name, NULL::bigint, NULL::float8
-        FROM wq.queues q;
+    IF p_names THEN
+        RETURN QUERY SELECT 3, NULL::bigint, NULL::text, q.name, NULL::bigint, NULL::float8
+            FROM wq.queues q;
+    END IF;
     RETURN QUERY SELECT 4, NULL::bigint, NULL::text, NULL::text,
         coalesce(sum(k.ready + k.handed_out + k.delayed), 0)::bigint, NULL::float8
         FROM wq.counters k;
+    RETURN QUERY SELECT 5, NULL::bigint, NULL::text, NULL::text, NULL::bigint,
+        extract(epoch FROM clock_timestamp())::float8;
 END $$;
+
+-- Counter rows of connections that are gone, added into slot 0 (so the rows to sum stay about
+-- as many as live connections times queues). One statement: a sum never sees a row twice.
+CREATE FUNCTION wq.fold() RETURNS void LANGUAGE sql AS $$
+WITH gone AS (
+    DELETE FROM wq.counters k WHERE k.slot <> 0
+        AND NOT EXISTS (SELECT 1 FROM pg_stat_activity a WHERE a.pid = k.slot)
+    RETURNING k.*)
+INSERT INTO wq.counters AS k (slot, queue, {", ".join(_COUNTS)})
+SELECT 0, g.queue, {", ".join(f"sum(g.{c})" for c in _COUNTS)} FROM gone g GROUP BY g.queue
+{_UPSERT}
+$$;
 
 -- Dead tasks (one, or all, or all of a queue) to the tail of ready, in burial order: per
 -- queue, how many and the place of its first (so the caller can list queues in order).
@@ -478,7 +555,16 @@ _PAUSE: Final = (
     "SET paused = excluded.paused WHERE q.paused <> excluded.paused"
 )
 _HELD: Final = "SELECT coalesce(sum(ready + handed_out + delayed), 0)::bigint FROM wq.counters"
-_EXPIRED: Final = "SELECT count(*) FROM wq.tasks WHERE state = 1 AND deadline <= $1"
+_EXPIRED: Final = (
+    "SELECT count(*) FROM wq.tasks WHERE state = 1 "
+    "AND deadline <= coalesce($1, extract(epoch FROM clock_timestamp())::float8)"
+)
+_DB_NOW: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
+# Every function of the schema, to drop before an upgrade recreates them.
+_OUR_FUNCTIONS: Final = (
+    "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p "
+    "JOIN pg_catalog.pg_namespace n ON n.oid = p.pronamespace WHERE n.nspname = 'wq'"
+)
 _WIPE: Final = (
     "DELETE FROM wq.tasks; DELETE FROM wq.counters; DELETE FROM wq.queues; DELETE FROM wq.keys; "
     "ALTER SEQUENCE wq.ord RESTART; ALTER SEQUENCE wq.id_blocks RESTART"
@@ -514,12 +600,23 @@ def _hex(key: int) -> str:
     return hex_id(key + _OFFSET)
 
 
-def _task(row: Any) -> Task:
-    """A view from a row as _VIEW lists the columns."""
+def _task(row: Any, skew: float) -> Task:
+    """A view from a row as _VIEW lists the columns (times in the broker's clock: minus
+    ``skew``, how far the database's clock is ahead)."""
     error = row[6]
     if error is not None:
         error = bytes(error).decode("utf-8", "surrogatepass")
-    return Task(_hex(row[0]), row[1], row[2], row[3], row[4], row[5], error, row[7], row[8])
+    return Task(
+        _hex(row[0]),
+        row[1],
+        row[2],
+        row[3],
+        row[4] - skew,
+        row[5] - skew,
+        error,
+        row[7],
+        row[8],
+    )
 
 
 def _encode(error: str | None) -> bytes | None:
@@ -540,6 +637,7 @@ class PostgresStore:
     """Open with :meth:`open` (it creates or checks the schema); close with :meth:`close`."""
 
     never_suspends = False  # every call waits for the database
+    shared = True  # other brokers change the same tasks
 
     def __init__(
         self,
@@ -561,12 +659,28 @@ class PostgresStore:
         self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
         self._failed: str | None = None
         self._closed = False
+        # How far the database's clock is ahead of the broker's (db_clock only): times from the
+        # database are handed to the broker minus this, times from the broker plus this.
+        self.skew = 0.0
         # The hints: what this broker knows without I/O, as of its last sweep (every broker sweeps
         # a few times a second) and its own changes since.
         self._queue_names: set[str] = set()
         self._held = 0
         self._keys: dict[tuple[str, str], float] = {}  # keys this broker recorded -> until
+        self._sweeps = 0
         self.transactions = 0
+        # Wake-ups between brokers: queues with tasks made ready here, to announce (one NOTIFY in
+        # flight at a time, carrying every queue gathered meanwhile); who to tell when another
+        # broker announces some.
+        self._me = f"{rng.getrandbits(64):016x}"  # tells our own announcements apart
+        self._to_announce: set[str] = set()
+        self._announcer: asyncio.Task[None] | None = None
+        self._ready_elsewhere: Callable[[Iterable[str] | None], None] | None = None
+        self._listener: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()
+        self._recovery: asyncio.Task[None] | None = None
+        self._listens = 0  # LISTENs made (the first at open, then one per reconnection)
+        self.announcements = 0  # NOTIFYs sent (for the tests)
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -579,29 +693,46 @@ class PostgresStore:
         *,
         pool_size: int = POOL_SIZE,
         db_clock: bool = False,
+        clock: Clock | None = None,
     ) -> PostgresStore:
+        """Connect, create or check the schema, start listening to other brokers. With
+        ``db_clock``, every time is the database's (``clock``, the broker's, is compared with it
+        to translate)."""
         store = cls(dsn, backoff, rng, pool_size=pool_size, db_clock=db_clock)
         where = redact(dsn)
         try:
-            pool = await asyncpg.create_pool(dsn, min_size=1, max_size=pool_size, timeout=10)
+            pool = await asyncpg.create_pool(
+                dsn, min_size=1, max_size=pool_size, timeout=10, command_timeout=60
+            )
         except (*_UNREACHABLE, asyncpg.PostgresError, ValueError) as e:
             raise StoreError(f"cannot connect to {where}: {_one_line(e)}") from None
         store._pool = pool
         try:
             async with pool.acquire() as conn:
                 await store._prepare(conn)
+                if db_clock and clock is not None:
+                    before = clock.now()
+                    db_now = float(await conn.fetchval(_DB_NOW))
+                    store.skew = db_now - (before + clock.now()) / 2
         except ValueError as e:
             await pool.close()
             raise StoreError(f"{where} is refused: {e}") from None
         except (*_UNREACHABLE, asyncpg.PostgresError) as e:
             await pool.close()
             raise StoreError(f"cannot use {where}: {_one_line(e)}") from None
+        store._listener = asyncio.get_running_loop().create_task(
+            store._listen(), name="wq-postgres-listener"
+        )
+        # Wait (briefly) for the first LISTEN, so that a broker that answers has heard everything
+        # announced since; if it fails, the listener keeps trying and polling covers the gap.
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(store._listening.wait(), 10)
         log.info("opened %s (wq schema version %d)", where, SCHEMA_VERSION)
         return store
 
     async def _prepare(self, conn: _Conn) -> None:
-        """Create the schema or check its version, under an advisory lock (brokers starting
-        together wait for each other); read the id key."""
+        """Create the schema, upgrade it or check its version, under an advisory lock (brokers
+        starting together wait for each other); read the id key."""
         async with conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", _LOCK_KEY)
             version = await _schema_version(conn)
@@ -614,15 +745,130 @@ class PostgresStore:
                     str(self._rng.getrandbits(64)),
                 )
                 log.info("created the wq schema (version %d)", SCHEMA_VERSION)
-            elif version != SCHEMA_VERSION:
+            elif version > SCHEMA_VERSION:
                 raise ValueError(
                     f"schema version {version} is not one this broker knows (it knows up to "
                     f"{SCHEMA_VERSION}): was it written by a newer wq?"
                 )
+            elif version < SCHEMA_VERSION:
+                await _upgrade(conn, version)
             id_key = await conn.fetchval("SELECT value FROM wq.meta WHERE key = 'id_key'")
         self._id_key = int(id_key)
         self._queue_names = {name for (name,) in await conn.fetch("SELECT name FROM wq.queues")}
         self._held = int(await conn.fetchval(_HELD))
+
+    # -- between brokers ---------------------------------------------------------------------
+
+    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
+        """Call ``callback(queues)`` when tasks became ready in ``queues`` without this broker
+        making them so: another broker announced them, or a claim promoted delayed tasks. None
+        means any queue: after the database or the listening connection came back, when
+        announcements may have been missed."""
+        self._ready_elsewhere = callback
+
+    def _tell(self, queues: Iterable[str] | None) -> None:
+        if self._ready_elsewhere is not None and not self._closed:
+            self._ready_elsewhere(queues)
+
+    def _announce(self, queues: Iterable[str]) -> None:
+        """Tell the other brokers these queues have tasks ready (NOTIFY, after the commit: a
+        NOTIFY inside the changing transaction would serialize every commit on the database's
+        notification lock)."""
+        self._to_announce.update(queues)
+        if self._to_announce and self._announcer is None and not self._closed:
+            self._announcer = asyncio.get_running_loop().create_task(self._send_announcements())
+
+    async def _send_announcements(self) -> None:
+        try:
+            while self._to_announce and not self._closed and self._pool is not None:
+                queues, self._to_announce = self._to_announce, set()
+                payload = self._me + "\n" + "\n".join(sorted(queues))
+                if len(payload) > 7000:  # NOTIFY payloads stop at 8000 bytes: say "any queue"
+                    payload = self._me + "\n*"
+                try:
+                    await self._pool.execute("SELECT pg_notify($1, $2)", CHANNEL, payload)
+                    self.announcements += 1
+                except (*_UNREACHABLE, asyncpg.PostgresError) as e:
+                    # The others poll (and re-check everything when they reconnect).
+                    log.debug("could not announce ready queues: %s", _one_line(e))
+                    return
+        finally:
+            self._announcer = None
+
+    def _heard(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        sender, _, body = str(payload).partition("\n")
+        if sender == self._me:
+            return
+        self._tell(None if body == "*" else body.split("\n"))
+
+    async def _listen(self) -> None:
+        """Keep a connection LISTENing for other brokers' announcements: reconnect with backoff
+        when it is lost, and then re-check every queue (announcements may have been missed)."""
+        delay = RETRY_FIRST
+        while not self._closed:
+            try:
+                conn = await asyncpg.connect(self.dsn, timeout=5)
+            except (*_UNREACHABLE, asyncpg.PostgresError) as e:
+                log.debug("listener: cannot connect (%s); again in %.2f s", _one_line(e), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_CAP)
+                continue
+            delay = RETRY_FIRST
+            try:
+                await self._hear_on(conn)
+            finally:
+                self._listening.clear()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close(), 1)
+
+    async def _hear_on(self, conn: asyncpg.Connection) -> None:
+        lost = asyncio.Event()
+        conn.add_termination_listener(lambda _c: lost.set())
+        try:
+            await conn.add_listener(CHANNEL, self._heard)
+        except (*_UNREACHABLE, asyncpg.PostgresError):
+            return
+        self._listens += 1
+        self._listening.set()
+        if self._failed is not None:
+            await self._recovered()
+        elif self._listens > 1:
+            self._tell(None)
+        while not lost.is_set() and not self._closed:
+            # A connection that died quietly (a network cut) is found by a ping now and then.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lost.wait(), 5)
+                return
+            try:
+                await conn.fetchval("SELECT 1", timeout=5)
+            except (*_UNREACHABLE, asyncpg.PostgresError):
+                return
+
+    async def _recovered(self) -> None:
+        """The database answers again: forget the failure, drop connections made before it,
+        and re-check for ready work (announcements may have been missed)."""
+        if self._failed is None:
+            return
+        log.warning("the database is reachable again")
+        self._failed = None
+        if self._pool is not None:
+            await self._pool.expire_connections()
+        self._tell(None)
+
+    async def _recover(self) -> None:
+        """While the database is unreachable, try it with backoff until it answers."""
+        delay = RETRY_FIRST
+        try:
+            while self._failed is not None and not self._closed and self._pool is not None:
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_CAP)
+                try:
+                    await self._pool.fetchval("SELECT 1", timeout=5)
+                except (*_UNREACHABLE, asyncpg.PostgresError):
+                    continue
+                await self._recovered()
+        finally:
+            self._recovery = None
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -640,9 +886,11 @@ class PostgresStore:
             [t.max_attempts for t in items],
             [t.delay for t in items],
             [t.key for t in items],
-            [t.key_until for t in items],
+            [t.key_until + self.skew for t in items],
         )
         out: list[Enqueued] = []
+        skew = self.skew
+        ready: set[str] = set()
         for i, key, duplicate, at, available in rows:
             task_id = _hex(key)
             if duplicate:
@@ -653,12 +901,24 @@ class PostgresStore:
             self._held += 1
             if t.key is not None:
                 self._keys[(t.queue, t.key)] = t.key_until
+            if t.delay <= 0:
+                ready.add(t.queue)
             task = Task(
-                task_id, t.payload, 0, t.max_attempts, at, available, None, t.queue, t.priority
+                task_id,
+                t.payload,
+                0,
+                t.max_attempts,
+                at - skew,
+                available - skew,
+                None,
+                t.queue,
+                t.priority,
             )
             out.append(Enqueued(task_id, False, task))
         if any(not e.duplicate for e in out):
             self.transactions += 1
+        if ready:
+            self._announce(ready)
         return out
 
     async def _new_ids(self, n: int) -> list[int]:
@@ -692,9 +952,20 @@ class PostgresStore:
             lease_ids,
             list(queues),
         )
-        if rows:
+        skew = self.skew
+        out: list[Delivery] = []
+        promoted: list[str] = []
+        for row in rows:
+            if row[0] is None:
+                promoted.append(row[9])
+            else:
+                out.append(Delivery(_task(row[1:10], skew), lease_ids[row[0] - 1], row[10] - skew))
+        if out or promoted:
             self.transactions += 1
-        return [Delivery(_task(row[1:10]), lease_ids[row[0] - 1], row[10]) for row in rows]
+        if promoted:  # for the others, and for this broker's consumers of other queues
+            self._announce(promoted)
+            self._tell(promoted)
+        return out
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
         acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now)
@@ -765,6 +1036,8 @@ class PostgresStore:
             else:
                 task_id = sent[i - 1].task_id
                 error = _outcome_error(outcome, task_id)
+                if retry_at is not None:
+                    retry_at -= self.skew
                 nacked[nack_at[i - 1]] = (
                     error if error is not None else Failure(task_id, retry_at is None, retry_at)
                 )
@@ -793,48 +1066,74 @@ class PostgresStore:
         if error is not None:
             raise error
         self.transactions += 1
-        return float(row[1])
+        return float(row[1]) - self.skew
 
     async def release(self, task_id: str, lease_id: str) -> bool:
         n = parse_id(task_id)
         if n is None:
             return False
-        done = bool(await self._fetchval("SELECT wq.release($1, $2)", _key(n), lease_id))
-        if done:
-            self.transactions += 1
-        return done
+        queue = await self._fetchval("SELECT wq.release($1, $2)", _key(n), lease_id)
+        if queue is None:
+            return False
+        self.transactions += 1
+        self._announce((queue,))
+        return True
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
+        entered = time.monotonic()
         when = self._now(now)
-        expired = int(await self._fetchval(_EXPIRED, when if when is not None else now) or 0)
+        expired = int(await self._fetchval(_EXPIRED, when) or 0)
         us = [self._draw() for _ in range(expired)]
+        refresh = self._sweeps % _SWEEPS_PER_REFRESH == 0
+        self._sweeps += 1
+        started = time.monotonic()
         rows = await self._fetch(
-            "SELECT * FROM wq.sweep($1, $2, $3, $4)",
+            "SELECT * FROM wq.sweep($1, $2, $3, $4, $5)",
             when,
             us,
             self._backoff.base,
             self._backoff.cap,
+            refresh,
         )
+        took = time.monotonic() - started
         result = SweepResult()
+        due, db_now = self._swept(rows, result, refresh)
+        if self.db_clock and took < 0.1:
+            self.skew = db_now - (now + (started - entered) + took / 2)
+        self._keys = {k: until for k, until in self._keys.items() if until > now}
+        if result.reclaimed or result.promoted:
+            self.transactions += 1
+        if result.ready_queues:
+            self._announce(result.ready_queues)
+        if refresh:
+            await self._execute("SELECT wq.fold()")
+        return result, None if due is None else due - self.skew
+
+    def _swept(
+        self, rows: list[asyncpg.Record], result: SweepResult, refresh: bool
+    ) -> tuple[float | None, float]:
+        """Read a sweep's rows into ``result`` and the hints; when the next thing is due and
+        the database's time (its clock)."""
         due: float | None = None
+        db_now = 0.0
         names: set[str] = set()
-        for kind, key, lease_id, queue, n, next_due in rows:
+        for kind, key, lease_id, queue, n, at in rows:
             if kind == 0:
                 result.reclaimed.append((_hex(key), lease_id))
             elif kind == 1:
                 result.promoted += n
                 result.ready_queues.add(queue)
             elif kind == 2:
-                due = next_due
+                due = at
             elif kind == 3:
                 names.add(queue)
-            else:
+            elif kind == 4:
                 self._held = n
-        self._queue_names = names
-        self._keys = {k: until for k, until in self._keys.items() if until > now}
-        if result.reclaimed or result.promoted:
-            self.transactions += 1
-        return result, due
+            else:
+                db_now = at
+        if refresh:
+            self._queue_names = names
+        return due, db_now
 
     async def requeue(self, task_id: str, *, now: float) -> str:
         n = parse_id(task_id)
@@ -847,15 +1146,18 @@ class PostgresStore:
             raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
         self.transactions += 1
         self._held += 1
+        self._announce((rows[0][0],))
         return str(rows[0][0])
 
     async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
         rows = await self._fetch("SELECT * FROM wq.requeue($1, NULL, $2)", self._now(now), queue)
         count = sum(int(r[2]) for r in rows)
+        names = [str(r[0]) for r in rows]
         if rows:
             self.transactions += 1
             self._held += count
-        return count, [str(r[0]) for r in rows]
+            self._announce(names)
+        return count, names
 
     async def purge(self, task_id: str) -> None:
         n = parse_id(task_id)
@@ -868,6 +1170,8 @@ class PostgresStore:
         self._queue_names.add(queue)
         if not status.endswith(" 0"):
             self.transactions += 1
+            if not paused:
+                self._announce((queue,))
 
     async def stats(self, queue: str | None = None) -> Stats:
         if queue is None:
@@ -894,13 +1198,14 @@ class PostgresStore:
         row = await self._fetchrow(_LOOKUP, _key(n))
         if row is None:
             return None
-        return TaskState(_task(row), STATE_NAMES[row[9]])
+        return TaskState(_task(row, self.skew), STATE_NAMES[row[9]])
 
     async def dead_letters(
         self, *, limit: int | None = None, queue: str | None = None
     ) -> list[Task]:
         rows = await self._fetch(_DEAD, queue, limit)
-        return [_task(row) for row in rows]
+        skew = self.skew
+        return [_task(row, skew) for row in rows]
 
     def problem(self) -> str | None:
         if self._failed is not None:
@@ -931,6 +1236,14 @@ class PostgresStore:
 
     async def close(self) -> None:
         self._closed = True
+        for task in (self._listener, self._recovery):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        if self._announcer is not None:  # the last announcement goes out
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._announcer), 1)
         pool, self._pool = self._pool, None
         if pool is not None:
             await pool.close()
@@ -960,18 +1273,20 @@ class PostgresStore:
     def _ready_pool(self) -> asyncpg.Pool:
         if self._closed or self._pool is None:
             raise StoreError("the store is closed")
+        if self._failed is not None:
+            # Fail fast while the database is away (the recovery task tries it with backoff):
+            # clients get their 503 at once instead of waiting for a connection to time out.
+            raise StoreError(self._failed)
         return self._pool
 
     async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         pool = self._ready_pool()
         try:
-            rows = await pool.fetch(sql, *args)
+            return await pool.fetch(sql, *args)
         except _UNREACHABLE as e:
             raise self._unreachable(e) from None
         except asyncpg.PostgresError as e:
-            raise StoreError(f"the database failed: {_one_line(e)}") from None
-        self._failed = None
-        return rows
+            raise _failed(e) from None
 
     async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
         rows = await self._fetch(sql, *args)
@@ -984,18 +1299,34 @@ class PostgresStore:
     async def _execute(self, sql: str, *args: Any) -> str:
         pool = self._ready_pool()
         try:
-            status = await pool.execute(sql, *args)
+            return await pool.execute(sql, *args)
         except _UNREACHABLE as e:
             raise self._unreachable(e) from None
         except asyncpg.PostgresError as e:
-            raise StoreError(f"the database failed: {_one_line(e)}") from None
-        self._failed = None
-        return status
+            raise _failed(e) from None
 
     def _unreachable(self, error: BaseException) -> StoreError:
-        self._failed = f"the database is unreachable: {_one_line(error)}"
-        log.warning("%s", self._failed)
+        if self._failed is None:
+            self._failed = f"the database is unreachable: {_one_line(error)}"
+            log.warning("%s (retrying with backoff)", self._failed)
+            if self._recovery is None and not self._closed:
+                self._recovery = asyncio.get_running_loop().create_task(self._recover())
         return StoreError(self._failed)
+
+
+def _failed(error: asyncpg.PostgresError) -> StoreError:
+    """The database refused a call (it is shutting down, out of space, was terminated...)."""
+    return StoreError(f"the database failed: {_one_line(error)}")
+
+
+async def _upgrade(conn: _Conn, version: int) -> None:
+    """Bring a schema of an older version up to this one (inside the caller's transaction).
+    Versions 1 and 2 have the same tables; every function is recreated."""
+    for (name,) in await conn.fetch(_OUR_FUNCTIONS):
+        await conn.execute(f"DROP FUNCTION {name}")
+    await conn.execute(_FUNCTIONS)
+    await conn.execute("UPDATE wq.meta SET value = $1 WHERE key = 'schema'", str(SCHEMA_VERSION))
+    log.info("upgraded the wq schema from version %d to %d", version, SCHEMA_VERSION)
 
 
 async def _schema_version(conn: _Conn) -> int | None:

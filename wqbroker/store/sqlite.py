@@ -472,6 +472,7 @@ class SqliteStore:
     """Open with :meth:`open` (it loads the index from the file); close with :meth:`close`."""
 
     never_suspends = False  # every change waits for its commit
+    shared = False  # this broker alone changes it
 
     def __init__(
         self,
@@ -848,6 +849,9 @@ class SqliteStore:
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
+
+    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
+        pass  # only this broker makes tasks ready
 
     async def close(self) -> None:
         if self._conn is None:
