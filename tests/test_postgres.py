@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
+import time
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import asyncpg
 import pytest
 
 from tests import pg
 from wqbroker.broker import Config, StartupError, open_store
+from wqbroker.clock import SystemClock
 from wqbroker.errors import LeaseLost, NotFound, StoreError
 from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
@@ -208,3 +211,326 @@ async def test_concurrent_claims_never_hand_out_a_task_twice(
     assert (stats.ready, stats.handed_out) == (0, 0)
     assert (stats.totals.delivered, stats.totals.acked) == (n, n)
     await a.check_invariants()
+
+
+# -- between brokers: wake-ups ------------------------------------------------------------------
+
+
+class Heard:
+    """What a store's on_ready callback was told."""
+
+    def __init__(self, store: PostgresStore) -> None:
+        self.calls: list[set[str] | None] = []
+        self.event = asyncio.Event()
+        store.on_ready(self._heard)
+
+    def _heard(self, queues: Iterable[str] | None) -> None:
+        self.calls.append(None if queues is None else set(queues))
+        self.event.set()
+
+    async def next(self, timeout: float = 5.0) -> set[str] | None:
+        await asyncio.wait_for(self.event.wait(), timeout)
+        self.event.clear()
+        return self.calls.pop(0)
+
+    @property
+    def queues(self) -> set[str]:
+        return {q for call in self.calls if call is not None for q in call}
+
+
+async def test_a_store_hears_what_another_made_ready_and_not_its_own(
+    two: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = two
+    heard_a, heard_b = Heard(a), Heard(b)
+    await enqueue_one(a, b"1", max_attempts=1, delay=0.0, now=NOW, queue="alpha")
+    assert await heard_b.next() == {"alpha"}
+    # A delayed task is not ready: nothing to say; a requeue, a release and a resume are.
+    await enqueue_one(a, b"2", max_attempts=1, delay=60.0, now=NOW, queue="later")
+    d = await a.claim(lease=LEASE, now=NOW, queues=("alpha",))
+    assert d is not None
+    assert await a.release(d.task.id, d.lease_id)
+    assert await heard_b.next() == {"alpha"}
+    d = await a.claim(lease=LEASE, now=NOW, queues=("alpha",))
+    assert d is not None
+    await a.nack(d.task.id, d.lease_id, "no", now=NOW, terminal=True)
+    await a.requeue(d.task.id, now=NOW)
+    assert await heard_b.next() == {"alpha"}
+    await a.set_paused("beta", True)
+    await a.set_paused("beta", False)
+    assert await heard_b.next() == {"beta"}
+    await asyncio.sleep(0.1)  # anything else would have arrived by now
+    assert heard_b.queues == set()
+    assert "later" not in heard_b.queues
+    assert heard_a.calls == []  # a store never hears its own announcements
+
+
+async def test_promotions_by_a_claim_are_told_here_and_announced(
+    two: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = two
+    heard_a, heard_b = Heard(a), Heard(b)
+    await enqueue_one(a, b"x", max_attempts=1, delay=5.0, now=NOW, queue="other")
+    # A claim on the default queue, after the delay, promotes the task of "other": both this
+    # broker (its consumers of "other") and the rest hear of it.
+    assert await a.claim(lease=LEASE, now=NOW + 6) is None
+    assert await heard_a.next() == {"other"}
+    assert await heard_b.next() == {"other"}
+
+
+async def test_announcements_in_a_burst_are_coalesced(
+    two: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = two
+    heard = Heard(b)
+    n = 200
+    await asyncio.gather(
+        *(
+            enqueue_one(a, b"1", max_attempts=1, delay=0.0, now=NOW, queue=f"q{i % 4}")
+            for i in range(n)
+        )
+    )
+    await wait_for(lambda: heard.queues == {"q0", "q1", "q2", "q3"})
+    # one NOTIFY in flight at a time, carrying every queue gathered meanwhile
+    assert 1 <= a.announcements < n
+
+
+async def test_a_lost_listening_connection_is_made_again_and_everything_rechecked(
+    dsn: str, two: tuple[PostgresStore, PostgresStore]
+) -> None:
+    a, b = two
+    heard = Heard(b)
+    await terminate_listeners(dsn)
+    # b listens again by itself and, as announcements may have been missed, re-checks every queue
+    assert await heard.next() is None
+    await enqueue_one(a, b"1", max_attempts=1, delay=0.0, now=NOW, queue="after")
+    assert await heard.next() == {"after"}
+
+
+# -- the database goes away ---------------------------------------------------------------------
+
+
+async def test_while_the_database_is_away_calls_fail_fast_and_it_recovers_alone(
+    dsn: str,
+) -> None:
+    proxy = await Proxy.start(urllib.parse.urlsplit(dsn).port or 5432)
+    store = await PostgresStore.open(proxy.dsn(dsn), backoff(), random.Random(1))
+    heard = Heard(store)
+    try:
+        kept = await enqueue_one(store, b"kept", max_attempts=1, delay=0.0, now=NOW)
+        await proxy.cut()
+        with pytest.raises(StoreError, match="unreachable"):
+            await store.stats()
+        assert store.problem() is not None
+        # and now without trying the network: at once, with the same reason
+        with pytest.raises(StoreError, match="unreachable"):
+            await enqueue_one(store, b"x", max_attempts=1, delay=0.0, now=NOW)
+        await proxy.restore()
+        await wait_for(lambda: store.problem() is None, timeout=10)
+        assert None in heard.calls  # told to re-check every queue
+        d = await store.claim(lease=LEASE, now=NOW)
+        assert d is not None
+        assert d.task.id == kept.id
+    finally:
+        await store.close()
+        await proxy.close()
+
+
+async def test_killed_connections_are_replaced(dsn: str) -> None:
+    store = await PostgresStore.open(dsn, backoff(), random.Random(1), pool_size=2)
+    try:
+        await enqueue_one(store, b"1", max_attempts=1, delay=0.0, now=NOW)
+        await terminate_listeners(dsn, everything=True)
+        ok = 0
+        for _ in range(50):  # a call may fail (its connection was killed); then they work
+            try:
+                stats = await store.stats()
+            except StoreError:
+                await asyncio.sleep(0.05)
+                continue
+            ok += 1
+            assert stats.ready == 1
+        assert ok >= 45
+        await wait_for(lambda: store.problem() is None)
+    finally:
+        await store.close()
+
+
+# -- time, counters, schema ---------------------------------------------------------------------
+
+
+class SkewedClock(SystemClock):
+    def __init__(self, skew: float) -> None:
+        self.skew = skew
+
+    def now(self) -> float:
+        return time.time() + self.skew
+
+
+@pytest.mark.parametrize("skew", [3600.0, -3600.0])
+async def test_with_the_database_clock_skewed_brokers_agree(dsn: str, skew: float) -> None:
+    clock = SkewedClock(skew)
+    skewed = await PostgresStore.open(dsn, backoff(), db_clock=True, clock=clock)
+    right = await PostgresStore.open(dsn, backoff(), db_clock=True, clock=SystemClock())
+    try:
+        assert abs(skewed.skew + skew) < 1  # the database is 'skew' behind this broker
+        # times handed to the skewed broker are in its own clock
+        now = clock.now()
+        done = await enqueue_one(skewed, b"1", max_attempts=1, delay=0.3, now=now)
+        assert done.task is not None
+        assert abs(done.task.available_at - (now + 0.3)) < 0.5
+        # the other broker sees the task due 0.3 s from now, not an hour early or late
+        assert await right.claim(lease=LEASE, now=time.time()) is None
+        await asyncio.sleep(0.4)
+        d = await right.claim(lease=1.0, now=time.time())
+        assert d is not None
+        assert abs(d.deadline - (time.time() + 1.0)) < 0.5
+        # a lease taken through the other is reclaimed by the skewed one at its deadline
+        result, _ = await skewed.sweep(now=clock.now())
+        assert result.reclaimed == []
+        await asyncio.sleep(1.1)
+        result, _ = await skewed.sweep(now=clock.now())
+        assert result.reclaimed == [(d.task.id, d.lease_id)]
+    finally:
+        await skewed.close()
+        await right.close()
+
+
+async def test_counters_of_gone_connections_are_folded_and_stats_stay_exact(dsn: str) -> None:
+    for i in range(3):  # three brokers come and go, each with its own connections
+        s = await PostgresStore.open(dsn, backoff(i), random.Random(i))
+        await enqueue_one(s, b"1", max_attempts=1, delay=0.0, now=NOW, queue="q")
+        d = await s.claim(lease=LEASE, now=NOW, queues=("q",))
+        assert d is not None
+        await s.ack(d.task.id, d.lease_id, now=NOW)
+        await enqueue_one(s, b"2", max_attempts=1, delay=0.0, now=NOW, queue="q")
+        await s.close()
+    store = await PostgresStore.open(dsn, backoff(), random.Random(9))
+    try:
+        before = await store.stats()
+        conn = await asyncpg.connect(dsn)
+        try:
+            rows_before = await conn.fetchval("SELECT count(*) FROM wq.counters")
+            await store.sweep(now=NOW)  # the first sweep folds
+            rows_after = await conn.fetchval("SELECT count(*) FROM wq.counters")
+            slots = await conn.fetch("SELECT DISTINCT slot FROM wq.counters")
+        finally:
+            await conn.close()
+        assert rows_after < rows_before
+        assert [r[0] for r in slots] == [0]
+        assert await store.stats() == before
+        assert (before.ready, before.totals.enqueued, before.totals.acked) == (3, 6, 3)
+        await store.check_invariants()
+    finally:
+        await store.close()
+
+
+async def test_an_older_schema_is_upgraded_in_place(dsn: str) -> None:
+    store = await PostgresStore.open(dsn, backoff())
+    kept = await enqueue_one(store, b"kept", max_attempts=1, delay=0.0, now=NOW)
+    await store.close()
+    conn = await asyncpg.connect(dsn)
+    try:  # as version 1 left it: no fold function, and its version
+        await conn.execute(
+            "DROP FUNCTION wq.fold(); UPDATE wq.meta SET value = '1' WHERE key = 'schema'"
+        )
+    finally:
+        await conn.close()
+    again = await PostgresStore.open(dsn, backoff())
+    try:
+        await again.sweep(now=NOW)  # it folds: the function is back
+        d = await again.claim(lease=LEASE, now=NOW)
+        assert d is not None
+        assert d.task.id == kept.id
+    finally:
+        await again.close()
+    conn = await asyncpg.connect(dsn)
+    try:
+        assert await conn.fetchval("SELECT value FROM wq.meta WHERE key = 'schema'") == str(
+            SCHEMA_VERSION
+        )
+    finally:
+        await conn.close()
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+async def wait_for(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        await asyncio.sleep(0.01)
+
+
+async def terminate_listeners(dsn: str, *, everything: bool = False) -> None:
+    """Kill the LISTENing connections to the database (or all of them but ours)."""
+    name = urllib.parse.urlsplit(dsn).path.lstrip("/")
+    conn = await asyncpg.connect(dsn)
+    try:
+        which = "" if everything else "AND query LIKE 'LISTEN%'"
+        killed = await conn.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            f"WHERE datname = $1 AND pid <> pg_backend_pid() {which}",
+            name,
+        )
+        assert killed >= 1
+    finally:
+        await conn.close()
+
+
+class Proxy:
+    """A TCP proxy to the PostgreSQL server that can be cut (every connection dropped, new ones
+    refused) and restored, as a network or a restarting server would."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @classmethod
+    async def start(cls, target: int) -> Proxy:
+        proxy = cls(target)
+        await proxy.restore()
+        return proxy
+
+    def dsn(self, dsn: str) -> str:
+        parts = urllib.parse.urlsplit(dsn)
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"postgres@127.0.0.1:{self.port}"))
+
+    async def restore(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+            self._server = None
+        for w in list(self._writers):
+            w.close()
+        self._writers.clear()
+
+    async def close(self) -> None:
+        await self.cut()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        await asyncio.gather(
+            _pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True
+        )
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()

@@ -588,6 +588,9 @@ _UNREACHABLE: Final = (
     asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
     asyncpg.CannotConnectNowError,
+    # A pooled connection whose server side was killed can be left in a state where asyncpg
+    # refuses to use it ("cannot switch to state ..."): it is replaced like a lost one.
+    asyncpg.InternalClientError,
 )
 
 
@@ -957,7 +960,7 @@ class PostgresStore:
         promoted: list[str] = []
         for row in rows:
             if row[0] is None:
-                promoted.append(row[9])
+                promoted.append(row[8])
             else:
                 out.append(Delivery(_task(row[1:10], skew), lease_ids[row[0] - 1], row[10] - skew))
         if out or promoted:
