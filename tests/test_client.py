@@ -45,6 +45,7 @@ from wqclient import (
     Unavailable,
     WqError,
 )
+from wqclient.client import grpc_target
 from wqclient.worker import LogFileHandler, TaskFailed, Worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -550,6 +551,16 @@ async def test_a_url_with_another_scheme_or_no_address_is_refused() -> None:
         assert not c.can_stream
     async with AsyncClient("grpc://localhost:1") as c:
         assert c.can_stream
+
+
+def test_several_brokers_in_a_grpc_url_are_one_balanced_target() -> None:
+    assert grpc_target("127.0.0.1:50051") == "127.0.0.1:50051"
+    assert grpc_target("10.0.0.1:1,10.0.0.2:2") == "ipv4:10.0.0.1:1,10.0.0.2:2"
+    assert grpc_target("[::1]:1,[::2]:2") == "ipv6:[::1]:1,[::2]:2"
+    with pytest.raises(WqError, match="IP addresses"):
+        grpc_target("a.example:1,b.example:1")
+    with pytest.raises(WqError, match="IP addresses"):
+        grpc_target("10.0.0.1:1,10.0.0.2")
 
 
 # -- the blocking Client ------------------------------------------------------------------------

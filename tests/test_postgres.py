@@ -16,13 +16,14 @@ import asyncpg
 import pytest
 
 from tests import pg
-from wqbroker.broker import Config, StartupError, open_store
+from wqbroker.broker import Broker, Config, StartupError, open_store
 from wqbroker.clock import SystemClock
 from wqbroker.errors import LeaseLost, NotFound, StoreError
 from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
 from wqbroker.store.postgres import SCHEMA_VERSION, PostgresStore
+from wqclient import AsyncClient
 
 NOW = 1_700_000_000.0
 LEASE = 30.0
@@ -451,6 +452,30 @@ async def test_an_older_schema_is_upgraded_in_place(dsn: str) -> None:
         )
     finally:
         await conn.close()
+
+
+async def test_a_client_given_two_brokers_balances_and_outlives_one(dsn: str) -> None:
+    brokers = [Broker(Config(addr="off", grpc_addr="127.0.0.1:0", store=dsn)) for _ in range(2)]
+    for b in brokers:
+        await b.start()
+    try:
+        url = "grpc://" + ",".join(b.grpc_target for b in brokers)
+        async with AsyncClient(url) as client:
+            ids = [await client.enqueue({"n": i}) for i in range(20)]
+            calls = [b.store.transactions for b in brokers]
+            assert all(n >= 3 for n in calls), calls  # both served (round robin)
+            await brokers[0].stop()
+            more = [await client.enqueue({"n": i}) for i in range(5)]  # the other serves
+            got = []
+            for _ in ids + more:
+                d = await client.claim(wait_ms=1000)
+                assert d is not None
+                await client.ack(d)
+                got.append(d.task.id)
+            assert sorted(got) == sorted(ids + more)
+    finally:
+        for b in brokers:
+            await b.stop()
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -361,6 +361,9 @@ _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 5_000),
     ("grpc.use_local_subchannel_pool", 1),
+    # Several brokers behind one target (``ipv4:a:p,b:p``, or a DNS name with several addresses):
+    # calls and streams are spread over them, and go to the others while one is down.
+    ("grpc.lb_policy_name", "round_robin"),
 ]
 
 

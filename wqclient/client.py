@@ -10,6 +10,7 @@ TLS broker whose certificate the system does not trust, ``ca_file=`` (or ``$WQ_C
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import threading
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
@@ -148,10 +149,39 @@ def make_transport(
         if not parts.netloc:
             raise WqError(f"broker URL {url!r} has no host:port")
         credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
-        return GrpcTransport(parts.netloc, timeout=timeout, token=token, credentials=credentials)
+        rest = url.split("://", 1)[1]
+        target = rest if rest.startswith("dns:") else grpc_target(parts.netloc)
+        return GrpcTransport(target, timeout=timeout, token=token, credentials=credentials)
     raise WqError(
         f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
     )
+
+
+def grpc_target(netloc: str) -> str:
+    """The gRPC target for a URL's ``host:port``, or for several brokers, ``a:port,b:port`` (IP
+    addresses: calls are balanced over them, round robin). For brokers behind one DNS name
+    with several addresses, a URL of ``grpc://dns:///name:port`` is passed on as it is (by
+    :func:`make_transport`)."""
+    if "," not in netloc:
+        return netloc
+    addresses = [a.strip() for a in netloc.split(",")]
+    if all(a.startswith("[") for a in addresses):
+        return "ipv6:" + ",".join(addresses)
+    if any(not _ipv4_address(a) for a in addresses):
+        raise WqError(
+            f"brokers {netloc!r}: several brokers must be given as IP addresses with ports "
+            "(a:port,b:port); for a DNS name with several addresses, use grpc://dns:///name:port"
+        )
+    return "ipv4:" + ",".join(addresses)
+
+
+def _ipv4_address(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return port.isdigit()
 
 
 def _ids(task: Delivery | str, lease_id: str | None) -> tuple[str, str]:
