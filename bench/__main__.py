@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench import pg
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 
@@ -459,6 +461,212 @@ def rabbitmq(q: bool) -> None:
         )
 
 
+# -- PostgreSQL ----------------------------------------------------------------------------------
+
+
+def last_json(proc: subprocess.Popen[str], what: str) -> dict[str, Any]:
+    out, _ = proc.communicate(timeout=600)
+    if proc.returncode != 0 or not out.strip():
+        raise RuntimeError(f"{what} failed (exit status {proc.returncode})")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [PY, "-m", *args], cwd=ROOT, env=env(), stdout=subprocess.PIPE, text=True
+    )
+
+
+def shared_end_to_end(urls: list[str], n: int, concurrency: int) -> float:
+    """Tasks/s with a producer and a consumer process on each of ``urls`` (brokers on one
+    database; the same URL twice: both pairs on one broker), each producer enqueueing its share;
+    each consumer takes whatever it gets until ``n`` are acked in all."""
+    share = n // len(urls)
+    consumers = [
+        spawn("bench.pg", "consume", u, str(share * len(urls)), str(concurrency)) for u in urls
+    ]
+    time.sleep(1.0)  # let the consumers read the totals and park
+    producers = [
+        spawn("bench.load", "produce", u, "http", str(share), str(concurrency)) for u in urls
+    ]
+    produced = [last_json(p, "a producer") for p in producers]
+    consumed = [last_json(c, "a consumer") for c in consumers]
+    first: float = min(p["first"] for p in produced)
+    last: float = max(r["last"] for r in (*produced, *consumed))
+    return share * len(urls) / (last - first)
+
+
+def with_cpu(pids: list[int], fn: Callable[..., float], *args: Any) -> tuple[float, dict[str, Any]]:
+    before = pg.cpu_reading(pids)
+    rate = fn(*args)
+    return rate, pg.cpu_use(before, pids)
+
+
+def cpu_text(cpu: dict[str, Any]) -> str:
+    brokers = " + ".join(f"{c:.2f}" for c in cpu["brokers"])
+    return (
+        f"broker {brokers}, postgres {cpu['postgres']:.2f}, "
+        f"machine {cpu['machine']:.2f} of {cpu['cores']} cores"
+    )
+
+
+def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
+    """HTTP against the memory store, back to back; the stream."""
+    runs = 1 if q else 3
+    n_http, n_stream = (6_000, 30_000) if q else (20_000, 100_000)
+    mems: list[float] = []
+    pgs: list[float] = []
+    with broker() as m, broker("-store", dsn) as p:
+        for _ in range(runs):
+            mems.append(end_to_end(m.http, "http", n_http, 32))
+            rate, http_cpu = with_cpu([p.proc.pid], end_to_end, p.http, "http", n_http, 32)
+            pgs.append(rate)
+        mem_stream = end_to_end(m.grpc, "stream", n_stream, 256)
+        stream, stream_cpu = with_cpu([p.proc.pid], end_to_end, p.grpc, "stream", n_stream, 256)
+    mem, http = statistics.median(mems), statistics.median(pgs)
+    figures["one_broker"] = {
+        "memory_http": mems,
+        "postgres_http": pgs,
+        "postgres_http_cpu": http_cpu,
+        "memory_stream": mem_stream,
+        "postgres_stream": stream,
+        "postgres_stream_cpu": stream_cpu,
+    }
+    add("postgres", f"memory: HTTP end to end (median of {runs})", f"{mem:,.0f}/s")
+    add(
+        "postgres",
+        "postgres, one broker: HTTP end to end",
+        f"{http:,.0f}/s = {http / mem:.0%} of memory",
+        ">= 50% of memory",
+        http / mem >= 0.5,
+    )
+    add("postgres", "  CPU during it (cores)", cpu_text(http_cpu))
+    add("postgres", "memory: stream end to end", f"{mem_stream:,.0f}/s")
+    add(
+        "postgres",
+        "postgres, one broker: stream end to end",
+        f"{stream:,.0f}/s = {stream / mem_stream:.0%} of memory",
+        ">= 5,000",
+        stream >= 5000,
+    )
+    add("postgres", "  CPU during it (cores)", cpu_text(stream_cpu))
+
+
+def pg_two_brokers(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> None:
+    """Two producer and two consumer processes, all on broker A, then split over A and B."""
+    runs = 1 if q else 2
+    n = 6_000 if q else 20_000
+    pids = [a.proc.pid, b.proc.pid]
+    ones: list[float] = []
+    twos: list[float] = []
+    for _ in range(runs):
+        rate, one_cpu = with_cpu(pids, shared_end_to_end, [a.http, a.http], n, 16)
+        ones.append(rate)
+        rate, two_cpu = with_cpu(pids, shared_end_to_end, [a.http, b.http], n, 16)
+        twos.append(rate)
+    one, two = statistics.median(ones), statistics.median(twos)
+    figures["two_brokers"] = {"one": ones, "one_cpu": one_cpu, "two": twos, "two_cpu": two_cpu}
+    add("postgres", "one broker, 2 producers + 2 consumers (HTTP)", f"{one:,.0f}/s")
+    add("postgres", "  CPU during it (cores)", cpu_text(one_cpu))
+    add(
+        "postgres",
+        "two brokers, one database, the same load split",
+        f"{two:,.0f}/s = {two / one:.2f}x one broker",
+        ">= 1.0x one broker",
+        two / one >= 1.0,
+    )
+    add("postgres", "  CPU during it (cores)", cpu_text(two_cpu))
+
+
+def pg_wake(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> None:
+    """A task enqueued on A, a worker parked on A (same broker) or on B (across brokers)."""
+    n = "50" if q else "200"
+    budget = "15" if q else "45"
+    found: dict[str, dict[str, Any]] = {}
+    for label, mode, enqueue, claim in (
+        ("same broker, HTTP", "wake", a.http, a.http),
+        ("across brokers, HTTP", "wake", a.http, b.http),
+        ("same broker, stream", "wake-stream", a.grpc, a.grpc),
+        ("across brokers, stream", "wake-stream", a.grpc, b.grpc),
+    ):
+        r = found[label] = run_json("bench.pg", mode, enqueue, claim, n, budget)
+        if not r["n"]:
+            add("postgres", f"wake-up {label}", "no sample within the budget")
+            continue
+        cut = f" (budget: {r['n']} samples)" if r["budget_hit"] else ""
+        figure = f"{r['p50_ms']:.2f} / {r['p99_ms']:.2f} ms{cut}"
+        across = label.startswith("across")
+        ok = r["p50_ms"] <= 5 and r["p99_ms"] <= 25
+        add(
+            "postgres",
+            f"wake-up {label}: p50 / p99",
+            figure,
+            "<= 5 / <= 25 ms" if across else "",
+            ok if across else None,
+        )
+    figures["wake"] = found
+
+
+def pg_churn(q: bool, dsn: str, figures: dict[str, Any]) -> None:
+    n = 200_000 if q else 1_000_000
+    r = figures["churn"] = run_json(
+        "bench.pg", "churn", dsn, str(n), "10000", "1000" if q else "2000", timeout=1800
+    )
+    before, after, vacuumed = (
+        r["before_ms"]["mean"],
+        r["after_ms"]["mean"],
+        r["vacuumed_ms"]["mean"],
+    )
+    add("postgres", "claim+ack (two calls), fresh table, 10k ready", f"{before:.2f} ms mean")
+    add(
+        "postgres",
+        f"claim+ack after {n:,} tasks processed",
+        f"{after:.2f} ms = {r['ratio']:.2f}x",
+        "<= 1.5x",
+        r["ratio"] <= 1.5,
+    )
+    add(
+        "postgres",
+        "claim+ack after a VACUUM of wq.tasks",
+        f"{vacuumed:.2f} ms = {vacuumed / before:.2f}x",
+    )
+    add(
+        "postgres",
+        f"{n:,} tasks pushed (enqueue, claim, ack: batches of 1,000)",
+        f"{r['push_rate']:,.0f} tasks/s ({r['push_s']:.0f} s)",
+    )
+    end = r["table_end"]
+    add(
+        "postgres",
+        "wq.tasks at the end (before the VACUUM)",
+        f"{end['bytes'] / 2**20:.0f} MiB, {end['rows']:,} rows, {end['n_dead_tup']:,} dead tuples, "
+        f"{end['autovacuums']} autovacuums (server autovacuum={r['autovacuum']})",
+    )
+
+
+def postgres(q: bool) -> None:
+    print(
+        f"PostgreSQL store at {pg.MAINTENANCE} (scratch databases, dropped at the end)", flush=True
+    )
+    why = pg.unreachable()
+    if why is not None:
+        add("postgres", "PostgreSQL", f"unreachable ({why}): skipped")
+        return
+    figures: dict[str, Any] = {}
+    RESULTS["postgres"] = figures
+    started = time.monotonic()
+    with pg.scratch() as make:
+        pg_one_broker(q, make("one"), figures)
+        shared = make("shared")
+        with broker("-store", shared) as a, broker("-store", shared) as b:
+            pg_two_brokers(q, a, b, figures)
+            pg_wake(q, a, b, figures)
+        pg_churn(q, make("churn"), figures)
+    figures["seconds"] = time.monotonic() - started
+    add("postgres", "the section took", f"{figures['seconds']:.0f} s")
+
+
 SECTIONS = {
     "throughput": throughput,
     "stores": durable,
@@ -470,6 +678,7 @@ SECTIONS = {
     "queues": queues,
     "pollers": pollers,
     "rabbitmq": rabbitmq,
+    "postgres": postgres,
 }
 
 
