@@ -431,9 +431,10 @@ async def test_an_older_schema_is_upgraded_in_place(dsn: str) -> None:
     kept = await enqueue_one(store, b"kept", max_attempts=1, delay=0.0, now=NOW)
     await store.close()
     conn = await asyncpg.connect(dsn)
-    try:  # as version 1 left it: no fold function, and its version
+    try:  # as version 1 left it: no fold function, no index of key expiries, and its version
         await conn.execute(
-            "DROP FUNCTION wq.fold(); UPDATE wq.meta SET value = '1' WHERE key = 'schema'"
+            "DROP FUNCTION wq.fold(); DROP INDEX wq.keys_until; "
+            "UPDATE wq.meta SET value = '1' WHERE key = 'schema'"
         )
     finally:
         await conn.close()
@@ -450,6 +451,7 @@ async def test_an_older_schema_is_upgraded_in_place(dsn: str) -> None:
         assert await conn.fetchval("SELECT value FROM wq.meta WHERE key = 'schema'") == str(
             SCHEMA_VERSION
         )
+        assert await conn.fetchval("SELECT to_regclass('wq.keys_until')") is not None
     finally:
         await conn.close()
 

@@ -81,7 +81,8 @@ if TYPE_CHECKING:
 
     _Conn = asyncpg.Connection | PoolConnectionProxy[Any]
 
-SCHEMA_VERSION: Final = 2  # 2: set-based enqueue and acks, promotions reported by claims, fold
+# 2: set-based enqueue and acks, promotions reported by claims, fold, an index of key expiries
+SCHEMA_VERSION: Final = 2
 # The channel on which brokers tell each other which queues have tasks ready.
 CHANNEL: Final = "wq_ready"
 # A broker that lost its database (or its listening connection) tries again after this long,
@@ -166,6 +167,7 @@ CREATE TABLE wq.keys (
     until float8 NOT NULL,
     PRIMARY KEY (queue, key)
 );
+CREATE INDEX keys_until ON wq.keys (until);  -- every sweep forgets the expired ones
 """
 
 _FUNCTIONS: Final = f"""
@@ -1324,7 +1326,9 @@ def _failed(error: asyncpg.PostgresError) -> StoreError:
 
 async def _upgrade(conn: _Conn, version: int) -> None:
     """Bring a schema of an older version up to this one (inside the caller's transaction).
-    Versions 1 and 2 have the same tables; every function is recreated."""
+    Every function is recreated."""
+    if version < 2:
+        await conn.execute("CREATE INDEX IF NOT EXISTS keys_until ON wq.keys (until)")
     for (name,) in await conn.fetch(_OUR_FUNCTIONS):
         await conn.execute(f"DROP FUNCTION {name}")
     await conn.execute(_FUNCTIONS)
