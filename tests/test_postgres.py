@@ -456,6 +456,30 @@ async def test_an_older_schema_is_upgraded_in_place(dsn: str) -> None:
         await conn.close()
 
 
+async def test_an_enqueue_wakes_a_parked_claim_whatever_the_clocks_say(dsn: str) -> None:
+    # The broker translates the database's times into its own clock only to within its estimate
+    # of the skew; whether a new task is ready must not hang on that estimate.
+    config = Config(
+        addr="127.0.0.1:0", grpc_addr="off", store=dsn, poll_interval=60, sweep_interval=60
+    )
+    broker = Broker(config)
+    await broker.start()
+    try:
+        store = broker.store
+        assert isinstance(store, PostgresStore)
+        await broker.service.sweep()  # (its first poll: the next is a minute away)
+        for error in (0.05, -0.05):
+            store.skew -= error  # an estimate 50 ms off, either way
+            claim = asyncio.ensure_future(broker.service.claim(wait_ms=10_000))
+            await asyncio.sleep(0.05)
+            await broker.service.enqueue(b'{"n":1}')
+            d = await asyncio.wait_for(claim, 5)  # not at the next poll, a minute away
+            assert d is not None
+            await broker.service.ack(d.task.id, d.lease_id)
+    finally:
+        await broker.stop()
+
+
 async def test_a_client_given_two_brokers_balances_and_outlives_one(dsn: str) -> None:
     brokers = [Broker(Config(addr="off", grpc_addr="127.0.0.1:0", store=dsn)) for _ in range(2)]
     for b in brokers:

@@ -148,7 +148,7 @@ class Service:
         self._room_for((new,))
         now = self._clock.now()
         done = await self._store.enqueue_many((new,), now=now)
-        await self._placed(done, now)
+        await self._placed(done, (new,))
         return done[0]
 
     @follow_through
@@ -163,18 +163,20 @@ class Service:
         self._room_for(checked)
         now = self._clock.now()
         done = await self._store.enqueue_many(checked, now=now)
-        await self._placed(done, now)
+        await self._placed(done, checked)
         return done
 
-    async def _placed(self, done: Sequence[Enqueued], now: float) -> None:
-        """New tasks are in the store: wake the sweeper for the delayed, feed consumers."""
+    async def _placed(self, done: Sequence[Enqueued], items: Sequence[NewTask]) -> None:
+        """New tasks are in the store: wake the sweeper for the delayed, feed consumers. (Which
+        are delayed is what was asked, not a comparison of times: a store on the database's
+        clock translates its times into the broker's only to within a millisecond or so.)"""
         earliest = None
         ready: set[str] = set()
-        for enqueued in done:
+        for enqueued, item in zip(done, items, strict=True):
             task = enqueued.task
             if task is None:
                 continue
-            if task.available_at > now:
+            if item.delay > 0:
                 if earliest is None or task.available_at < earliest:
                     earliest = task.available_at
             else:

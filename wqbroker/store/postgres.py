@@ -523,6 +523,16 @@ BEGIN
     SELECT g.queue, g.first, g.n FROM g ORDER BY g.first;
 END $$;
 
+-- Tell the other brokers which queues have tasks ready. Its transaction commits without waiting
+-- for the disk (a NOTIFY takes a transaction id, so its commit would otherwise wait for a flush of
+-- the log: a lost announcement costs at most a poll, and this one is sent after the durable
+-- commit of what it announces).
+CREATE FUNCTION wq.announce(p_payload text) RETURNS void LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM set_config('synchronous_commit', 'off', true);
+    PERFORM pg_notify('{CHANNEL}', p_payload);
+END $$;
+
 CREATE FUNCTION wq.purge(p_id bigint) RETURNS boolean LANGUAGE plpgsql AS $$
 DECLARE
     q text;
@@ -791,7 +801,7 @@ class PostgresStore:
                 if len(payload) > 7000:  # NOTIFY payloads stop at 8000 bytes: say "any queue"
                     payload = self._me + "\n*"
                 try:
-                    await self._pool.execute("SELECT pg_notify($1, $2)", CHANNEL, payload)
+                    await self._pool.execute("SELECT wq.announce($1)", payload)
                     self.announcements += 1
                 except (*_UNREACHABLE, asyncpg.PostgresError) as e:
                     # The others poll (and re-check everything when they reconnect).
