@@ -91,6 +91,9 @@ RETRY_FIRST: Final = 0.05
 RETRY_CAP: Final = 2.0
 # Every this many sweeps, a sweep also refreshes the queue names and folds counter rows.
 _SWEEPS_PER_REFRESH: Final = 20
+# The skew between the broker's clock and the database's is measured from sweeps whose round trip
+# took less than this (so the estimate is off by half of it at most).
+_SKEW_RTT: Final = 0.01
 # Any constant: the key of the advisory lock taken while the schema is checked or created.
 _LOCK_KEY: Final = 0x7771_0000_0001
 _OFFSET: Final = 2**63
@@ -1113,7 +1116,7 @@ class PostgresStore:
         took = time.monotonic() - started
         result = SweepResult()
         due, db_now = self._swept(rows, result, refresh)
-        if self.db_clock and took < 0.1:
+        if self.db_clock and took < _SKEW_RTT:
             self.skew = db_now - (now + (started - entered) + took / 2)
         self._keys = {k: until for k, until in self._keys.items() if until > now}
         if result.reclaimed or result.promoted:
