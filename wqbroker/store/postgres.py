@@ -21,18 +21,31 @@ Tables (in the schema ``wq``):
   same transaction as the tasks. The slot is the backend's pid: two live connections never share
   one, so concurrent transactions never wait on a counter row (no single hot row). ``stats`` sums
   them in one statement: one snapshot, so gauges and totals agree and ``nacked + reclaimed ==
-  retried + buried`` in every answer. Totals count since the database was created.
+  retried + buried`` in every answer. Totals count since the database was created. Rows of
+  connections that are gone are folded into slot 0 every few seconds (``wq.fold``).
 - ``queues`` (every queue known, and whether it is paused), ``keys`` (idempotency keys in their
   window), ``meta`` (schema version, the key that scatters task ids).
 
 Ids: each broker reserves blocks of 1024 numbers from the sequence ``wq.id_blocks`` and scatters
 them with the same bijection as the index (so they are unique across brokers and never repeat).
 
-Time: the contract hands ``now`` to every call, and the store honours it (the tests use a fake
-clock). Every function takes ``now`` as a parameter and uses ``coalesce(now, <database clock>)``:
-the constructor flag ``db_clock=True`` passes NULL, so that brokers with skewed clocks agree on
-the database's clock. That mode is a seam for the next step (the service still schedules its
-sweeps on its own clock).
+Time: the contract hands ``now`` to every call. With ``db_clock=True`` (what the broker uses) the
+store passes NULL instead and every function uses the database's clock (``clock_timestamp()``),
+so brokers with skewed clocks agree on what is due; the store measures the skew at each sweep and
+hands the broker every time in the broker's own clock (and adds it to the key windows it sends).
+Without it (the tests, on a fake clock) the functions use the ``now`` they are given.
+
+Between brokers: whatever makes tasks ready here (an enqueue, a promotion, a requeue, a release,
+a resume) is announced after its commit with a NOTIFY on ``wq_ready`` carrying the queue names
+(one in flight at a time, gathering the rest); a connection of its own LISTENs for the others'
+announcements and tells the service (:meth:`PostgresStore.on_ready`), which pumps the consumers
+waiting for those queues. That connection is made again when lost, and then every queue is
+re-checked (announcements may have been missed); the service also polls now and then.
+
+The database away: a call that cannot reach it fails with StoreError (503 / UNAVAILABLE) and marks
+the store failed (:meth:`problem`, for the health checks); until a probe (with backoff) or the
+listener reaches the database again, calls fail at once without trying the network. Then the old
+connections are replaced and every queue is re-checked.
 
 Retry backoff: the store draws the random part of each delay from its Backoff (as the other
 stores do); the function computes the delay exactly as :func:`wqbroker.retry.backoff_delay`.
