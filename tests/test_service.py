@@ -315,6 +315,7 @@ async def test_parked_claims_are_served_first_come_first_served(service: Service
     ids = []
     for n in range(3):
         ids.append((await service.enqueue(payload(n))).id)
+        await wait_until(lambda: sum(c.done() for c in claims) > n, what="a claim served")
         await settle()
         done = [c.done() for c in claims]
         assert done == [True] * (n + 1) + [False] * (3 - n)
@@ -328,12 +329,11 @@ async def test_a_new_claim_queues_behind_parked_ones(service: Service) -> None:
     first = await park(service, wait_ms=20_000)
     second = await park(service, wait_ms=20_000)
     await service.enqueue(payload(1))
+    await wait_until(first.done, what="the first claim served")
     await settle()
-    assert first.done()
     assert not second.done()
     await service.enqueue(payload(2))
-    await settle()
-    assert second.done()
+    await wait_until(second.done, what="the second claim served")
 
 
 async def test_a_cancelled_parked_claim_is_never_handed_a_task(service: Service) -> None:
@@ -800,7 +800,7 @@ async def test_two_streams_take_turns(service: Service) -> None:
     s1 = await service.open_stream(10, None)
     s2 = await service.open_stream(10, None)
     ids = [(await service.enqueue(payload(n))).id for n in range(6)]
-    await settle()
+    await wait_until(lambda: s1.pending + s2.pending, lambda n: n == 6, what="six pushed")
     got1 = [d.task.id for d in s1.take_ready()]
     got2 = [d.task.id for d in s2.take_ready()]
     assert got1 == ids[0::2]

@@ -454,9 +454,10 @@ class Dispatcher:
                     handed_back.add(delivery.task.queue)
         return handed_back
 
-    async def finished(self, lease_ids: Iterable[str]) -> None:
+    async def finished(self, lease_ids: Iterable[str], *, later: bool = False) -> None:
         """Leases ended (ack, nack, reclaim): free the slots of the streams that held them, then
-        hand out what is ready (once, for all of them)."""
+        hand out what is ready (once, for all of them; ``later``: in the background, so that the
+        caller need not wait for the store)."""
         wanted: set[Queues] = set()
         for lease_id in lease_ids:
             stream = self._stream_leases.pop(lease_id, None)
@@ -465,7 +466,10 @@ class Dispatcher:
                 if self._freed(stream):
                     wanted.add(stream.queues)
         if wanted:
-            await self._pump_lines(wanted)
+            if later:
+                self._background.spawn(self._pump_lines(wanted))
+            else:
+                await self._pump_lines(wanted)
 
     def _freed(self, stream: Stream) -> bool:
         """One of the stream's slots is free. True if it went back in line for tasks."""
@@ -555,6 +559,7 @@ class Dispatcher:
                 await self.give_back(delivery, pump=False)
                 continue
             consumer.room -= 1
+            served.pop(consumer, None)  # in the order of their last delivery: round robin goes on
             served[consumer] = None
             if isinstance(consumer, Stream):
                 self._stream_leases[delivery.lease_id] = consumer

@@ -93,6 +93,9 @@ class Service:
         self.poll_interval = poll_interval
         self._next_poll = 0.0
         store.on_ready(self._ready_elsewhere)
+        # Feed waiting consumers after an enqueue or an ack in the background rather than before
+        # answering (a shared store: each hand-out is a round trip to the database).
+        self._later = store.shared
 
     @property
     def store(self) -> Store:
@@ -184,7 +187,12 @@ class Service:
         if earliest is not None:
             self._sweeper.wake_by(earliest)
         if ready:
-            await self._dispatch.pump(ready)
+            if self._later:
+                # (The answer need not wait for the hand-out: on a shared store that is a
+                # round trip to the database.)
+                self._background.spawn(self._dispatch.pump(ready))
+            else:
+                await self._dispatch.pump(ready)
 
     def _room_for(self, tasks: Sequence[NewTask]) -> None:
         """Refuse the tasks (all of them) if they would take the broker past its limits of
@@ -306,7 +314,7 @@ class Service:
     async def ack(self, task_id: object, lease_id: object) -> None:
         tid, lid = _ack_item((task_id, lease_id))
         await self._store.ack(tid, lid, now=self._clock.now())
-        await self._dispatch.finished((lid,))
+        await self._dispatch.finished((lid,), later=self._later)
 
     @follow_through
     async def nack(
@@ -331,7 +339,7 @@ class Service:
         )
         if failure.retry_at is not None:
             self._sweeper.wake_by(failure.retry_at)
-        await self._dispatch.finished((item.lease_id,))
+        await self._dispatch.finished((item.lease_id,), later=self._later)
 
     @follow_through
     async def settle_many(
@@ -349,7 +357,7 @@ class Service:
                 finished.append(item.lease_id)
                 if result.retry_at is not None:
                     self._sweeper.wake_by(result.retry_at)
-        await self._dispatch.finished(finished)
+        await self._dispatch.finished(finished, later=self._later)
         nack_outcomes = [r if isinstance(r, WqError) else None for r in nacked]
         return _fill(ack_errors, acked), _fill(nack_errors, nack_outcomes)
 

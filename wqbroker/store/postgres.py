@@ -109,6 +109,15 @@ _SWEEPS_PER_REFRESH: Final = 20
 _SKEW_RTT: Final = 0.01
 # Any constant: the key of the advisory lock taken while the schema is checked or created.
 _LOCK_KEY: Final = 0x7771_0000_0001
+# ... and the one a broker holds while it vacuums (one broker at a time does).
+_VACUUM_KEY: Final = 0x7771_0000_0002
+# The application_name of the connections that LISTEN (so brokers can count each other).
+LISTENER_NAME: Final = "wq listener"
+# A table is vacuumed by the brokers once it has this many dead rows, plus this share of its live
+# ones (as autovacuum's threshold and scale factor would; autovacuum may be off, or too slow for
+# a queue: its launcher visits a database once a minute by default).
+VACUUM_THRESHOLD: Final = 2000
+VACUUM_SCALE: Final = 0.1
 _OFFSET: Final = 2**63
 _ID_BLOCK: Final = 1024
 POOL_SIZE: Final = 8
@@ -500,6 +509,15 @@ BEGIN
         FROM wq.counters k;
     RETURN QUERY SELECT 5, NULL::bigint, NULL::text, NULL::text, NULL::bigint,
         extract(epoch FROM clock_timestamp())::float8;
+    -- 6: the brokers listening for announcements (o_n); 7: per table, its dead rows (o_n) and
+    -- live rows (o_due), for the vacuum.
+    RETURN QUERY SELECT 6, NULL::bigint, NULL::text, NULL::text, count(*), NULL::float8
+        FROM pg_stat_activity a
+        WHERE a.datname = current_database() AND a.application_name = '{LISTENER_NAME}';
+    RETURN QUERY SELECT 7, NULL::bigint, NULL::text, c.relname::text,
+        pg_stat_get_dead_tuples(c.oid), pg_stat_get_live_tuples(c.oid)::float8
+        FROM pg_class c WHERE c.oid IN ('wq.tasks'::regclass, 'wq.counters'::regclass,
+                                        'wq.keys'::regclass);
 END $$;
 
 -- Counter rows of connections that are gone, added into slot 0 (so the rows to sum stay about
@@ -711,6 +729,11 @@ class PostgresStore:
         self._listening = asyncio.Event()
         self._recovery: asyncio.Task[None] | None = None
         self._listens = 0  # LISTENs made (the first at open, then one per reconnection)
+        # Brokers listening, this one included, as of the last sweep (None: not known yet). With
+        # no other, there is nobody to announce anything to.
+        self._listeners: int | None = None
+        self._vacuum: asyncio.Task[None] | None = None
+        self.vacuums = 0  # tables vacuumed by this broker (for the tests)
         self.announcements = 0  # NOTIFYs sent (for the tests)
 
     # -- opening -----------------------------------------------------------------------------
@@ -805,6 +828,8 @@ class PostgresStore:
         """Tell the other brokers these queues have tasks ready (NOTIFY, after the commit: a
         NOTIFY inside the changing transaction would serialize every commit on the database's
         notification lock)."""
+        if self._listeners is not None and self._listeners <= self._listening.is_set():
+            return  # no other broker listens
         self._to_announce.update(queues)
         if self._to_announce and self._announcer is None and not self._closed:
             self._announcer = asyncio.get_running_loop().create_task(self._send_announcements())
@@ -838,7 +863,9 @@ class PostgresStore:
         delay = RETRY_FIRST
         while not self._closed:
             try:
-                conn = await asyncpg.connect(self.dsn, timeout=5)
+                conn = await asyncpg.connect(
+                    self.dsn, timeout=5, server_settings={"application_name": LISTENER_NAME}
+                )
             except (*_UNREACHABLE, asyncpg.PostgresError) as e:
                 log.debug("listener: cannot connect (%s); again in %.2f s", _one_line(e), delay)
                 await asyncio.sleep(delay)
@@ -1144,10 +1171,11 @@ class PostgresStore:
         self, rows: list[asyncpg.Record], result: SweepResult, refresh: bool
     ) -> tuple[float | None, float]:
         """Read a sweep's rows into ``result`` and the hints; when the next thing is due and
-        the database's time (its clock)."""
+        the database's time (its clock). Starts a vacuum of the tables that need one."""
         due: float | None = None
         db_now = 0.0
         names: set[str] = set()
+        dirty: list[str] = []
         for kind, key, lease_id, queue, n, at in rows:
             if kind == 0:
                 result.reclaimed.append((_hex(key), lease_id))
@@ -1156,15 +1184,49 @@ class PostgresStore:
                 result.ready_queues.add(queue)
             elif kind == 2:
                 due = at
-            elif kind == 3:
-                names.add(queue)
-            elif kind == 4:
-                self._held = n
-            else:
+            elif kind == 5:
                 db_now = at
+            else:
+                self._hint(kind, queue, n, at, names, dirty)
         if refresh:
             self._queue_names = names
+        if dirty and self._vacuum is None and not self._closed:
+            self._vacuum = asyncio.get_running_loop().create_task(self._vacuum_tables(dirty))
         return due, db_now
+
+    def _hint(
+        self, kind: int, name: str, n: int, x: float, names: set[str], dirty: list[str]
+    ) -> None:
+        if kind == 3:
+            names.add(name)
+        elif kind == 4:
+            self._held = n
+        elif kind == 6:
+            self._listeners = n
+        elif kind == 7 and n > VACUUM_THRESHOLD + VACUUM_SCALE * x:
+            dirty.append(name)
+
+    async def _vacuum_tables(self, tables: list[str]) -> None:
+        """VACUUM tables full of dead rows (acked tasks, old counter values), on a connection of
+        its own: claims must not wade through dead index entries, whether or not the server's
+        autovacuum is on. One broker at a time (an advisory lock); the others skip it."""
+        try:
+            conn = await asyncpg.connect(self.dsn, timeout=5)
+        except (*_UNREACHABLE, asyncpg.PostgresError):
+            self._vacuum = None
+            return
+        try:
+            if await conn.fetchval("SELECT pg_try_advisory_lock($1)", _VACUUM_KEY):
+                for table in tables:
+                    await conn.execute(f"VACUUM wq.{table}")
+                    self.vacuums += 1
+                await conn.execute("SELECT pg_advisory_unlock($1)", _VACUUM_KEY)
+        except (*_UNREACHABLE, asyncpg.PostgresError) as e:
+            log.info("could not vacuum %s: %s", ", ".join(tables), _one_line(e))
+        finally:
+            self._vacuum = None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 1)
 
     async def requeue(self, task_id: str, *, now: float) -> str:
         n = parse_id(task_id)
@@ -1267,7 +1329,7 @@ class PostgresStore:
 
     async def close(self) -> None:
         self._closed = True
-        for task in (self._listener, self._recovery):
+        for task in (self._listener, self._recovery, self._vacuum):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
