@@ -315,7 +315,11 @@ async def test_parked_claims_are_served_first_come_first_served(service: Service
     ids = []
     for n in range(3):
         ids.append((await service.enqueue(payload(n))).id)
-        await wait_until(lambda: sum(c.done() for c in claims) > n, what="a claim served")
+        served = n + 1
+        await wait_until(
+            lambda: sum(c.done() for c in claims) >= served,  # noqa: B023 (awaited here)
+            what="a claim served",
+        )
         await settle()
         done = [c.done() for c in claims]
         assert done == [True] * (n + 1) + [False] * (3 - n)
