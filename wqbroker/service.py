@@ -187,12 +187,12 @@ class Service:
         if earliest is not None:
             self._sweeper.wake_by(earliest)
         if ready:
-            if self._later:
+            if not self._later:
+                await self._dispatch.pump(ready)
+            elif self._dispatch.wants(ready):
                 # (The answer need not wait for the hand-out: on a shared store that is a
                 # round trip to the database.)
                 self._background.spawn(self._dispatch.pump(ready))
-            else:
-                await self._dispatch.pump(ready)
 
     def _room_for(self, tasks: Sequence[NewTask]) -> None:
         """Refuse the tasks (all of them) if they would take the broker past its limits of
