@@ -503,18 +503,22 @@ def with_cpu(pids: list[int], fn: Callable[..., float], *args: Any) -> tuple[flo
     return rate, pg.cpu_use(before, pids)
 
 
-def cpu_text(cpu: dict[str, Any]) -> str:
+def cpu_text(cpu: dict[str, Any], rate: float) -> str:
+    """Cores used (and CPU milliseconds per task) by the brokers and PostgreSQL; the machine's
+    figure also counts the load generators, and anything else running."""
     brokers = " + ".join(f"{c:.2f}" for c in cpu["brokers"])
+    per_task = (sum(cpu["brokers"]), cpu["postgres"])
+    ms = [f"{c / rate * 1000:.2f}" for c in per_task]
     return (
-        f"broker {brokers}, postgres {cpu['postgres']:.2f}, "
-        f"machine {cpu['machine']:.2f} of {cpu['cores']} cores"
+        f"broker {brokers}, postgres {cpu['postgres']:.2f}, machine {cpu['machine']:.2f} of "
+        f"{cpu['cores']}; per task: broker {ms[0]} ms, postgres {ms[1]} ms"
     )
 
 
 def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
     """HTTP against the memory store, back to back; the stream."""
     runs = 1 if q else 3
-    n_http, n_stream = (6_000, 30_000) if q else (20_000, 100_000)
+    n_http, n_stream = (4_000, 30_000) if q else (10_000, 100_000)
     mems: list[float] = []
     pgs: list[float] = []
     with broker() as m, broker("-store", dsn) as p:
@@ -541,7 +545,7 @@ def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
         ">= 50% of memory",
         http / mem >= 0.5,
     )
-    add("postgres", "  CPU during it (cores)", cpu_text(http_cpu))
+    add("postgres", "  CPU during it (cores)", cpu_text(http_cpu, pgs[-1]))
     add("postgres", "memory: stream end to end", f"{mem_stream:,.0f}/s")
     add(
         "postgres",
@@ -550,13 +554,13 @@ def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
         ">= 5,000",
         stream >= 5000,
     )
-    add("postgres", "  CPU during it (cores)", cpu_text(stream_cpu))
+    add("postgres", "  CPU during it (cores)", cpu_text(stream_cpu, stream))
 
 
 def pg_two_brokers(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> None:
     """Two producer and two consumer processes, all on broker A, then split over A and B."""
     runs = 1 if q else 2
-    n = 6_000 if q else 20_000
+    n = 4_000 if q else 10_000
     pids = [a.proc.pid, b.proc.pid]
     ones: list[float] = []
     twos: list[float] = []
@@ -568,7 +572,7 @@ def pg_two_brokers(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> No
     one, two = statistics.median(ones), statistics.median(twos)
     figures["two_brokers"] = {"one": ones, "one_cpu": one_cpu, "two": twos, "two_cpu": two_cpu}
     add("postgres", "one broker, 2 producers + 2 consumers (HTTP)", f"{one:,.0f}/s")
-    add("postgres", "  CPU during it (cores)", cpu_text(one_cpu))
+    add("postgres", "  CPU during it (cores)", cpu_text(one_cpu, ones[-1]))
     add(
         "postgres",
         "two brokers, one database, the same load split",
@@ -576,7 +580,7 @@ def pg_two_brokers(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> No
         ">= 1.0x one broker",
         two / one >= 1.0,
     )
-    add("postgres", "  CPU during it (cores)", cpu_text(two_cpu))
+    add("postgres", "  CPU during it (cores)", cpu_text(two_cpu, twos[-1]))
 
 
 def pg_wake(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> None:
@@ -641,7 +645,8 @@ def pg_churn(q: bool, dsn: str, figures: dict[str, Any]) -> None:
         "postgres",
         "wq.tasks at the end (before the VACUUM)",
         f"{end['bytes'] / 2**20:.0f} MiB, {end['rows']:,} rows, {end['n_dead_tup']:,} dead tuples, "
-        f"{end['autovacuums']} autovacuums (server autovacuum={r['autovacuum']})",
+        f"{end['autovacuums']} autovacuums (server: autovacuum={r['autovacuum']}, "
+        f"naptime {r['autovacuum_naptime']})",
     )
 
 

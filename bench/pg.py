@@ -405,6 +405,7 @@ async def churn(dsn: str, n: int, ready: int, cycles: int) -> dict[str, Any]:
         await _vacuum(dsn)
         vacuumed = await cycle_cost(store, cycles)
         autovacuum = await _setting(dsn, "autovacuum")
+        naptime = await _setting(dsn, "autovacuum_naptime")
     finally:
         await store.close()
     return {
@@ -421,6 +422,7 @@ async def churn(dsn: str, n: int, ready: int, cycles: int) -> dict[str, Any]:
         "table_pushed": pushed,
         "table_end": end,
         "autovacuum": autovacuum,
+        "autovacuum_naptime": naptime,
     }
 
 
