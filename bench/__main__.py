@@ -523,7 +523,8 @@ def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
     pgs: list[float] = []
     with broker() as m, broker("-store", dsn) as p:
         for _ in range(runs):
-            mems.append(end_to_end(m.http, "http", n_http, 32))
+            rate, mem_cpu = with_cpu([m.proc.pid], end_to_end, m.http, "http", n_http, 32)
+            mems.append(rate)
             rate, http_cpu = with_cpu([p.proc.pid], end_to_end, p.http, "http", n_http, 32)
             pgs.append(rate)
         mem_stream = end_to_end(m.grpc, "stream", n_stream, 256)
@@ -531,6 +532,7 @@ def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
     mem, http = statistics.median(mems), statistics.median(pgs)
     figures["one_broker"] = {
         "memory_http": mems,
+        "memory_http_cpu": mem_cpu,
         "postgres_http": pgs,
         "postgres_http_cpu": http_cpu,
         "memory_stream": mem_stream,
@@ -538,6 +540,7 @@ def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
         "postgres_stream_cpu": stream_cpu,
     }
     add("postgres", f"memory: HTTP end to end (median of {runs})", f"{mem:,.0f}/s")
+    add("postgres", "  CPU during it (cores)", cpu_text(mem_cpu, mems[-1]))
     add(
         "postgres",
         "postgres, one broker: HTTP end to end",
@@ -622,7 +625,11 @@ def pg_churn(q: bool, dsn: str, figures: dict[str, Any]) -> None:
         r["after_ms"]["mean"],
         r["vacuumed_ms"]["mean"],
     )
-    add("postgres", "claim+ack (two calls), fresh table, 10k ready", f"{before:.2f} ms mean")
+    add(
+        "postgres",
+        "claim+ack (two calls), fresh table, 10k ready, swept as by a broker",
+        f"{before:.2f} ms mean",
+    )
     add(
         "postgres",
         f"claim+ack after {n:,} tasks processed",
@@ -646,7 +653,7 @@ def pg_churn(q: bool, dsn: str, figures: dict[str, Any]) -> None:
         "wq.tasks at the end (before the VACUUM)",
         f"{end['bytes'] / 2**20:.0f} MiB, {end['rows']:,} rows, {end['n_dead_tup']:,} dead tuples, "
         f"{end['autovacuums']} autovacuums (server: autovacuum={r['autovacuum']}, "
-        f"naptime {r['autovacuum_naptime']})",
+        f"naptime {r['autovacuum_naptime']}), {r['store_vacuums']} VACUUMs by the store",
     )
 
 

@@ -34,6 +34,7 @@ import aiohttp
 import asyncpg
 
 from bench.load import PAYLOAD, _loop_policy
+from wqbroker.limits import DEFAULT_SWEEP_INTERVAL
 from wqbroker.models import NewTask
 from wqbroker.store.postgres import PostgresStore
 
@@ -387,12 +388,20 @@ async def _setting(dsn: str, name: str) -> str:
         await conn.close()
 
 
+async def _sweeper(store: PostgresStore) -> None:
+    """Sweep as a broker's sweeper does (the store does its housekeeping in sweeps)."""
+    while True:
+        await asyncio.sleep(DEFAULT_SWEEP_INTERVAL)
+        await store.sweep(now=time.time())
+
+
 async def churn(dsn: str, n: int, ready: int, cycles: int) -> dict[str, Any]:
     """On a fresh database: ``ready`` tasks left ready throughout; the claim+ack cycle timed;
     ``n`` tasks pushed through in batches of 1,000 (each acked, so deleted: dead tuples for
-    autovacuum); the cycle timed again; the table's size and dead tuples; the cycle timed once more
-    after a plain VACUUM of the table (what autovacuum would have given, were it keeping up)."""
+    vacuum); the cycle timed again; the table's size and dead tuples; the cycle timed once more
+    after a plain VACUUM of the table. Swept all along, as a broker would."""
     store = await PostgresStore.open(dsn)
+    sweeper = asyncio.ensure_future(_sweeper(store))
     try:
         await _fill(store, ready)
         await cycle_cost(store, 200)  # warm up: connections, plans
@@ -407,6 +416,8 @@ async def churn(dsn: str, n: int, ready: int, cycles: int) -> dict[str, Any]:
         autovacuum = await _setting(dsn, "autovacuum")
         naptime = await _setting(dsn, "autovacuum_naptime")
     finally:
+        sweeper.cancel()
+        await asyncio.gather(sweeper, return_exceptions=True)
         await store.close()
     return {
         "n": n,
@@ -423,6 +434,7 @@ async def churn(dsn: str, n: int, ready: int, cycles: int) -> dict[str, Any]:
         "table_end": end,
         "autovacuum": autovacuum,
         "autovacuum_naptime": naptime,
+        "store_vacuums": getattr(store, "vacuums", None),  # VACUUMs the store ran in its sweeps
     }
 
 
