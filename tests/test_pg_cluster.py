@@ -1146,19 +1146,19 @@ async def test_brokers_an_hour_apart_agree_on_what_is_due(cluster: Cluster, skew
 async def test_delayed_tasks_wake_long_polls_on_time_while_several_brokers_sweep(
     cluster: Cluster,
 ) -> None:
-    # Two brokers sweep (each wakes exactly when the next delayed task is due, so they promote at
-    # the same moment); the long-polls wait on a third that neither sweeps nor polls. Each task
-    # has a queue (and a long-poll) of its own, so no later promotion hands out an earlier task.
-    a, b = await cluster.add(), await cluster.add()
-    c = await cluster.add(sweep_interval=QUIET)
+    # Every broker sweeps, and each wakes exactly when the next delayed task is due, so they all
+    # try to promote it at the same moment. Each task has a queue of its own, a long-poll parked
+    # on one broker and an enqueue through another; no later promotion can hand it out instead.
+    brokers = [await cluster.add() for _ in range(4)]
     n, step_ms = 8, 250
     loop = asyncio.get_running_loop()
-    polls = {f"d{i}": await c.park(f"&queue=d{i}", wait_ms=5_000) for i in range(n)}
+    polls = {f"d{i}": await brokers[i % 4].park(f"&queue=d{i}", wait_ms=4_500) for i in range(n)}
     sent = loop.time()
     due = {}
     for i in range(n):
-        task_id = await (a, b)[i % 2].enqueue({"i": i}, queue=f"d{i}", delay_ms=300 + step_ms * i)
-        due[f"d{i}"] = (task_id, sent + 0.3 + step_ms * i / 1000)
+        queue, delay_ms = f"d{i}", 300 + step_ms * i
+        task_id = await brokers[(i + 1) % 4].enqueue({"i": i}, queue=queue, delay_ms=delay_ms)
+        due[queue] = (task_id, sent + delay_ms / 1000)
 
     async def came(queue: str) -> str:
         status, body = await polls[queue]
