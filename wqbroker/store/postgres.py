@@ -111,6 +111,8 @@ _SKEW_RTT: Final = 0.01
 _LOCK_KEY: Final = 0x7771_0000_0001
 # ... and the one a broker holds while it vacuums (one broker at a time does).
 _VACUUM_KEY: Final = 0x7771_0000_0002
+# What a broker announces when it starts listening (so that the others announce to it).
+_HELLO: Final = "+"
 # The application_name of the connections that LISTEN (so brokers can count each other).
 LISTENER_NAME: Final = "wq listener"
 # A table is vacuumed by the brokers once it has this many dead rows, plus this share of its live
@@ -151,6 +153,7 @@ def _d(**deltas: int | str) -> str:
 _RETRIED: Final = _d(nacked="nk", reclaimed="rc", retried=1, handed_out=-1, delayed=1)
 _BURIED: Final = _d(nacked="nk", reclaimed="rc", buried=1, handed_out=-1, dead=1)
 _NOW: Final = "coalesce(p_now, extract(epoch FROM clock_timestamp())::float8)"
+
 
 _TABLES: Final = f"""
 CREATE SCHEMA IF NOT EXISTS wq;
@@ -282,8 +285,11 @@ BEGIN
 END $$;
 
 -- Delayed tasks due by now, to the tail of ready (in order of due time): per queue, how many.
--- Rows another call is promoting are waited for, not skipped (locked in id order, so promoters
--- never deadlock): a claim that promotes first then sees them ready instead of missing them.
+-- Rows another call is promoting are skipped, not waited for: that call announces them once it
+-- commits. (Waiting would be worse: a row that was waited for and found promoted by the other
+-- call stays locked -- PostgreSQL keeps the lock of a row that fails the recheck -- until this
+-- transaction ends, hiding the task from the claims made for waiting consumers, which skip
+-- locked rows, after its announcement.)
 CREATE FUNCTION wq.promote(now_ float8) RETURNS TABLE (o_queue text, o_n bigint)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -297,7 +303,7 @@ BEGIN
     WITH due AS (
         SELECT s.id, row_number() OVER (ORDER BY s.available_at, s.ord) AS rn FROM (
             SELECT t.id, t.available_at, t.ord FROM wq.tasks t
-            WHERE t.state = 2 AND t.available_at <= now_ ORDER BY t.id FOR UPDATE) s),
+            WHERE t.state = 2 AND t.available_at <= now_ FOR UPDATE SKIP LOCKED) s),
     upd AS (
         UPDATE wq.tasks t SET state = 0, ord = base + d.rn FROM due d WHERE t.id = d.id
         RETURNING t.queue),
@@ -732,6 +738,7 @@ class PostgresStore:
         # Brokers listening, this one included, as of the last sweep (None: not known yet). With
         # no other, there is nobody to announce anything to.
         self._listeners: int | None = None
+        self._hello_at = 0.0  # when another broker last said it started listening (monotonic)
         self._vacuum: asyncio.Task[None] | None = None
         self.vacuums = 0  # tables vacuumed by this broker (for the tests)
         self.announcements = 0  # NOTIFYs sent (for the tests)
@@ -855,6 +862,12 @@ class PostgresStore:
         sender, _, body = str(payload).partition("\n")
         if sender == self._me:
             return
+        if body == _HELLO:
+            # Another broker listens now: announce again (a count from a sweep that began
+            # before this is out of date).
+            self._listeners = None
+            self._hello_at = time.monotonic()
+            return
         self._tell(None if body == "*" else body.split("\n"))
 
     async def _listen(self) -> None:
@@ -888,6 +901,8 @@ class PostgresStore:
             return
         self._listens += 1
         self._listening.set()
+        with contextlib.suppress(*_UNREACHABLE, asyncpg.PostgresError):
+            await conn.execute("SELECT wq.announce($1)", f"{self._me}\n{_HELLO}")
         if self._failed is not None:
             await self._recovered()
         elif self._listens > 1:
@@ -1155,7 +1170,7 @@ class PostgresStore:
         )
         took = time.monotonic() - started
         result = SweepResult()
-        due, db_now = self._swept(rows, result, refresh)
+        due, db_now = self._swept(rows, result, refresh, started)
         if self.db_clock and took < _SKEW_RTT:
             self.skew = db_now - (now + (started - entered) + took / 2)
         self._keys = {k: until for k, until in self._keys.items() if until > now}
@@ -1168,7 +1183,7 @@ class PostgresStore:
         return result, None if due is None else due - self.skew
 
     def _swept(
-        self, rows: list[asyncpg.Record], result: SweepResult, refresh: bool
+        self, rows: list[asyncpg.Record], result: SweepResult, refresh: bool, started: float
     ) -> tuple[float | None, float]:
         """Read a sweep's rows into ``result`` and the hints; when the next thing is due and
         the database's time (its clock). Starts a vacuum of the tables that need one."""
@@ -1186,7 +1201,7 @@ class PostgresStore:
                 due = at
             elif kind == 5:
                 db_now = at
-            else:
+            elif kind != 6 or started > self._hello_at:
                 self._hint(kind, queue, n, at, names, dirty)
         if refresh:
             self._queue_names = names
