@@ -191,8 +191,8 @@ async def same_stats(nodes: Sequence[Node], query: str = "") -> Any:
 
 
 async def claim_soon(node: Node, query: str = "", timeout: float = 5.0) -> Any:
-    """A task claimed through ``node``, asking every 20 ms (a long-poll would also depend on
-    being woken: see the wake-up tests)."""
+    """A task claimed through ``node``, asking every 20 ms: when it became claimable, whether
+    or not a long-poll would have been woken (the wake-up tests tell that)."""
     return await wait_until(
         lambda: node.claim(query),
         lambda d: d is not None,
@@ -240,7 +240,8 @@ async def test_a_nack_on_the_other_broker_retries_the_task(pair: tuple[Node, Nod
     for node in pair:
         view = await node.task(task_id)
         assert (view["state"], view["attempts"], view["last_error"]) == ("delayed", 1, "first")
-    d = await claim_soon(b)  # promoted by whichever broker sweeps first
+    d = await b.claim(wait_ms=5000)  # promoted by whichever broker sweeps first
+    assert d is not None
     task = d["task"]
     assert (task["id"], task["attempts"], task["last_error"]) == (task_id, 2, "first")
     # nack with delay_ms=0 through the other: ready again at once
@@ -248,7 +249,8 @@ async def test_a_nack_on_the_other_broker_retries_the_task(pair: tuple[Node, Nod
         f"/jobs/{task_id}/nack?lease_id={d['lease_id']}", {"error": "second", "delay_ms": 0}
     )
     assert status == 204
-    d = await claim_soon(b)
+    d = await b.claim(wait_ms=2000)
+    assert d is not None
     assert (d["task"]["attempts"], d["task"]["last_error"]) == (3, "second")
     # the last attempt fails: buried, seen as dead from both
     assert await a.http.nack(task_id, d["lease_id"], "third") == 204
@@ -566,12 +568,6 @@ async def test_one_task_for_many_long_polls_on_two_brokers_goes_to_exactly_one(
     assert (stats["totals"]["delivered"], stats["handed_out"], stats["ready"]) == (1, 1, 0)
 
 
-@pytest.mark.xfail(
-    reason="broker bug: PostgresStore._announce skips the NOTIFY while its last sweep counted no "
-    "other listener (self._listeners), so a broker that started (or LISTENed again) since that "
-    "sweep misses the wake-up; its long-poll waits for its next poll",
-    strict=True,
-)
 async def test_a_broker_that_just_started_is_woken_by_one_that_was_alone(cluster: Cluster) -> None:
     # The first broker sweeps while it is the only one listening; a second one starts after that
     # sweep and parks a long-poll. An enqueue on the first must still reach it: "nobody else
@@ -1024,10 +1020,8 @@ async def test_a_broker_cut_off_from_the_database_says_503_and_recovers_by_itsel
         await proxy.restore()
         await recovered(a)
         after = await a.enqueue({"n": "after"})  # no restart needed
-        # It LISTENs again: a long-poll parked on it is woken by a task enqueued on b. (b sweeps
-        # four times a second, counting the brokers that listen; give it time to count a again.)
+        # It LISTENs again: a long-poll parked on it is woken by a task enqueued on b.
         await wait_until(lambda: listeners(dsn), lambda n: n == 2, what="a to listen again")
-        await asyncio.sleep(0.75)
         await wakes(a, b, "wake")
         await wakes(b, a, "wake")
         # nothing accepted before (or during) the outage was lost
@@ -1064,7 +1058,6 @@ async def test_brokers_whose_connections_are_all_killed_recover_by_themselves(
     check_books(t.books, dead, stats)
     # both LISTEN again: each wakes the other's long-polls
     await wait_until(lambda: listeners(dsn), lambda n: n == 2, what="both to listen again")
-    await asyncio.sleep(0.75)  # (each counts the other listening again at its next sweep)
     await wakes(a, b, "wake")
     await wakes(b, a, "wake")
 
@@ -1136,13 +1129,6 @@ async def test_brokers_an_hour_apart_agree_on_what_is_due(cluster: Cluster, skew
     await reclaimed_on_time(skewed, await cluster.add())
 
 
-@pytest.mark.xfail(
-    reason="broker bug: brokers sweep together at a task's due time; wq.promote takes the due "
-    "rows FOR UPDATE (waiting), and the sweep that loses keeps its lock on a row it did not "
-    "promote until its transaction ends, so the claim made for the parked consumers "
-    "(FOR UPDATE SKIP LOCKED) skips it and nothing claims again until the next poll",
-    strict=True,
-)
 async def test_delayed_tasks_wake_long_polls_on_time_while_several_brokers_sweep(
     cluster: Cluster,
 ) -> None:
