@@ -22,7 +22,7 @@ from wqbroker.errors import LeaseLost, NotFound, StoreError
 from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
-from wqbroker.store.postgres import SCHEMA_VERSION, PostgresStore
+from wqbroker.store.postgres import LISTENER_NAME, SCHEMA_VERSION, PostgresStore
 from wqclient import AsyncClient
 
 NOW = 1_700_000_000.0
@@ -519,7 +519,7 @@ async def terminate_listeners(dsn: str, *, everything: bool = False) -> None:
     name = urllib.parse.urlsplit(dsn).path.lstrip("/")
     conn = await asyncpg.connect(dsn)
     try:
-        which = "" if everything else "AND query LIKE 'LISTEN%'"
+        which = "" if everything else f"AND application_name = '{LISTENER_NAME}'"
         killed = await conn.fetchval(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
             f"WHERE datname = $1 AND pid <> pg_backend_pid() {which}",
