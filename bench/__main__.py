@@ -562,7 +562,7 @@ def pg_one_broker(q: bool, dsn: str, figures: dict[str, Any]) -> None:
 
 def pg_two_brokers(q: bool, a: Server, b: Server, figures: dict[str, Any]) -> None:
     """Two producer and two consumer processes, all on broker A, then split over A and B."""
-    runs = 1 if q else 2
+    runs = 1 if q else 3
     n = 4_000 if q else 10_000
     pids = [a.proc.pid, b.proc.pid]
     ones: list[float] = []
