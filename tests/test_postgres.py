@@ -504,6 +504,51 @@ async def test_a_client_given_two_brokers_balances_and_outlives_one(dsn: str) ->
             await b.stop()
 
 
+async def test_concurrent_calls_are_grouped_and_each_gets_its_own_answer(
+    two: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = two
+    n = 60
+    before = a.transactions
+    done = await asyncio.gather(
+        *(
+            enqueue_one(
+                a,
+                str(i).encode(),
+                max_attempts=1,
+                delay=0.0,
+                now=NOW,
+                key=f"k{i % 40}",
+                key_until=NOW + 60,
+            )
+            for i in range(n)
+        )
+    )
+    grouped = a.transactions - before
+    assert grouped < n // 2  # far fewer commits than calls
+    # every caller got its own answer: a new task, or (same key) a duplicate of the first one's
+    new = [e for e in done if not e.duplicate]
+    assert len(new) == len({e.id for e in new}) == 40
+    firsts = {i % 40: done[i].id for i in range(40)}
+    assert all(done[i].duplicate and done[i].id == firsts[i % 40] for i in range(40, n))
+    ds = await b.claim_many([LEASE] * 40, now=NOW)
+    assert {d.task.payload for d in ds} == {str(i).encode() for i in range(40)}
+    # acks: the right lease, a wrong one, an unknown task -- each caller gets its own outcome
+    before = a.transactions
+    outcomes = await asyncio.gather(
+        *(a.settle_many([(d.task.id, d.lease_id)], (), now=NOW) for d in ds[:30]),
+        a.settle_many([(ds[30].task.id, "0" * 16)], (), now=NOW),
+        a.settle_many([("f" * 16, "0" * 16)], (), now=NOW),
+    )
+    assert [o[0] for o in outcomes[:30]] == [[None]] * 30
+    assert isinstance(outcomes[30][0][0], LeaseLost)
+    assert isinstance(outcomes[31][0][0], NotFound)
+    assert a.transactions - before < 15
+    stats = await b.stats()
+    assert (stats.ready, stats.handed_out, stats.totals.acked) == (0, 10, 30)
+    await a.check_invariants()
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 
