@@ -111,6 +111,8 @@ _SKEW_RTT: Final = 0.01
 _LOCK_KEY: Final = 0x7771_0000_0001
 # ... and the one a broker holds while it vacuums (one broker at a time does).
 _VACUUM_KEY: Final = 0x7771_0000_0002
+# An enqueue carries its own announcement (NOTIFY in its transaction) at most this often.
+_INLINE_GAP: Final = 0.005
 # What a broker announces when it starts listening (so that the others announce to it).
 _HELLO: Final = "+"
 # The application_name of the connections that LISTEN (so brokers can count each other).
@@ -217,8 +219,11 @@ CREATE FUNCTION wq.miss(p_id bigint) RETURNS int LANGUAGE sql AS $$
 SELECT CASE WHEN (SELECT state FROM wq.tasks WHERE id = p_id) = 1 THEN 2 ELSE 1 END
 $$;
 
+-- p_notify: an announcement to send with the commit (when the broker sends none of its own at
+-- the moment, so that commits rarely contend for the notification lock), or NULL.
 CREATE FUNCTION wq.enqueue(p_now float8, p_ids bigint[], p_queues text[], p_prios int[],
-    p_payloads bytea[], p_max int[], p_delays float8[], p_keys text[], p_untils float8[])
+    p_payloads bytea[], p_max int[], p_delays float8[], p_keys text[], p_untils float8[],
+    p_notify text)
 RETURNS TABLE (o_i int, o_id bigint, o_dup boolean, o_at float8, o_available float8)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -249,6 +254,9 @@ BEGIN
             SELECT pg_backend_pid(), g.queue, g.n, g.r, g.n - g.r FROM g
             {_UPSERT})
         SELECT n.i::int, n.id, false, now_, now_ + greatest(n.delay, 0) FROM n ORDER BY n.i;
+        IF p_notify IS NOT NULL THEN
+            PERFORM pg_notify('{CHANNEL}', p_notify);
+        END IF;
         RETURN;
     END IF;
     FOR j IN 1..coalesce(array_length(p_ids, 1), 0) LOOP
@@ -282,6 +290,9 @@ BEGIN
         o_i := j; o_id := p_ids[j]; o_dup := false; o_at := now_; o_available := avail;
         RETURN NEXT;
     END LOOP;
+    IF p_notify IS NOT NULL THEN
+        PERFORM pg_notify('{CHANNEL}', p_notify);
+    END IF;
 END $$;
 
 -- Delayed tasks due by now, to the tail of ready (in order of due time): per queue, how many.
@@ -744,6 +755,7 @@ class PostgresStore:
         # no other, there is nobody to announce anything to.
         self._listeners: int | None = None
         self._hello_at = 0.0  # when another broker last said it started listening (monotonic)
+        self._inline_after = 0.0  # when an enqueue may next carry its announcement (monotonic)
         self._vacuum: asyncio.Task[None] | None = None
         self.vacuums = 0  # tables vacuumed by this broker (for the tests)
         self.announcements = 0  # NOTIFYs sent (for the tests)
@@ -843,21 +855,29 @@ class PostgresStore:
 
     def _announce(self, queues: Iterable[str]) -> None:
         """Tell the other brokers these queues have tasks ready (NOTIFY, after the commit: a
-        NOTIFY inside the changing transaction would serialize every commit on the database's
+        NOTIFY inside every changing transaction would serialize the commits on the database's
         notification lock)."""
-        if self._listeners is not None and self._listeners <= self._listening.is_set():
-            return  # no other broker listens
+        if not self._others_listen():
+            return
         self._to_announce.update(queues)
         if self._to_announce and self._announcer is None and not self._closed:
             self._announcer = asyncio.get_running_loop().create_task(self._send_announcements())
+
+    def _others_listen(self) -> bool:
+        """Whether another broker may be listening (as of the last sweep, or a hello since)."""
+        return self._listeners is None or self._listeners > self._listening.is_set()
+
+    def _payload(self, queues: Iterable[str]) -> str:
+        payload = self._me + "\n" + "\n".join(sorted(queues))
+        if len(payload) > 7000:  # NOTIFY payloads stop at 8000 bytes: say "any queue"
+            payload = self._me + "\n*"
+        return payload
 
     async def _send_announcements(self) -> None:
         try:
             while self._to_announce and not self._closed and self._pool is not None:
                 queues, self._to_announce = self._to_announce, set()
-                payload = self._me + "\n" + "\n".join(sorted(queues))
-                if len(payload) > 7000:  # NOTIFY payloads stop at 8000 bytes: say "any queue"
-                    payload = self._me + "\n*"
+                payload = self._payload(queues)
                 try:
                     await self._pool.execute("SELECT wq.announce($1)", payload)
                     self.announcements += 1
@@ -970,8 +990,19 @@ class PostgresStore:
 
     async def _enqueue(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
         ids = await self._new_ids(len(items))
+        # Now and then (an idle broker: every time) the announcement of these tasks goes with
+        # their commit, and the other brokers hear of them a round trip sooner. Not more often:
+        # a transaction that notifies holds the database's notification lock through its
+        # commit's flush to disk, and busy brokers would queue on it.
+        notify = None
+        started = time.monotonic()
+        if started >= self._inline_after and self._announcer is None and self._others_listen():
+            queues = {t.queue for t in items if t.delay <= 0}
+            if queues:
+                notify = self._payload(queues)
+                self._inline_after = started + _INLINE_GAP
         rows = await self._fetch(
-            "SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+            "SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
             self._now(now),
             [_key(n) for n in ids],
             [t.queue for t in items],
@@ -981,6 +1012,7 @@ class PostgresStore:
             [t.delay for t in items],
             [t.key for t in items],
             [t.key_until + self.skew for t in items],
+            notify,
         )
         out: list[Enqueued] = []
         skew = self.skew
@@ -1011,7 +1043,9 @@ class PostgresStore:
             out.append(Enqueued(task_id, False, task))
         if any(not e.duplicate for e in out):
             self.transactions += 1
-        if ready:
+        if notify is not None:
+            self.announcements += 1
+        elif ready:
             self._announce(ready)
         return out
 
