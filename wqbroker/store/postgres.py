@@ -917,6 +917,9 @@ class PostgresStore:
             delay = RETRY_FIRST
             try:
                 await self._hear_on(conn)
+            except Exception:  # whatever it was, listen again (the polls cover the gap)
+                log.exception("the listening connection failed; listening again")
+                await asyncio.sleep(RETRY_CAP)
             finally:
                 self._listening.clear()
                 with contextlib.suppress(Exception):
