@@ -3,6 +3,8 @@
 The server is the one at ``$WQ_TEST_POSTGRES`` (a DSN of its maintenance database; by default
 ``postgres://postgres@127.0.0.1:5432/postgres``). When it cannot be reached, the tests that need it
 skip with a one-line reason -- or fail, when ``$CI`` is set (CI must not pass without them).
+
+Also :class:`Proxy`, a TCP proxy to that server which a test can cut and restore.
 """
 
 from __future__ import annotations
@@ -86,3 +88,58 @@ def drop_all() -> None:
     if _created:
         asyncio.run(_drop_all())
         _created.clear()
+
+
+class Proxy:
+    """A TCP proxy to the PostgreSQL server that can be cut (its listening socket and every
+    connection closed) and restored on the same port, as a network or a restarting server would."""
+
+    def __init__(self, target: int) -> None:
+        self.target = target
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+
+    @classmethod
+    async def start(cls, dsn: str) -> Proxy:
+        proxy = cls(urllib.parse.urlsplit(dsn).port or 5432)
+        await proxy.restore()
+        return proxy
+
+    def dsn(self, dsn: str) -> str:
+        """``dsn``, through the proxy."""
+        parts = urllib.parse.urlsplit(dsn)
+        user = parts.netloc.rpartition("@")[0]
+        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{self.port}"))
+
+    async def restore(self) -> None:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def cut(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for w in list(self._writers):
+            w.close()
+        self._writers.clear()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
+        except OSError:
+            writer.close()
+            return
+        self._writers.update((writer, up_writer))
+        await asyncio.gather(
+            _pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True
+        )
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+    finally:
+        writer.close()

@@ -886,61 +886,6 @@ async def test_broker_processes_killed_under_load_lose_nothing(dsn: str) -> None
 # -- 4. the database goes away --------------------------------------------------------------------
 
 
-class Proxy:
-    """A TCP proxy to the PostgreSQL server that can be cut (its listening socket and every
-    connection closed) and restored on the same port, as a network or a restarting server would."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    @classmethod
-    async def start(cls, dsn: str) -> Proxy:
-        proxy = cls(urllib.parse.urlsplit(dsn).port or 5432)
-        await proxy.restore()
-        return proxy
-
-    def dsn(self, dsn: str) -> str:
-        """``dsn``, through the proxy."""
-        parts = urllib.parse.urlsplit(dsn)
-        user = parts.netloc.rpartition("@")[0]
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{self.port}"))
-
-    async def restore(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-        for w in list(self._writers):
-            w.close()
-        self._writers.clear()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.close()
-            return
-        self._writers.update((writer, up_writer))
-        await asyncio.gather(
-            _pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True
-        )
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
-
-
 async def health(node: Node) -> tuple[int, str]:
     """/healthz's status, and the gRPC health service's answer."""
     status, _ = await node.get("/healthz")
@@ -985,7 +930,7 @@ async def claim_all(node: Node, n: int) -> set[str]:
     return got
 
 
-async def cut_off(a: Node, b: Node, proxy: Proxy) -> str:
+async def cut_off(a: Node, b: Node, proxy: pg.Proxy) -> str:
     """Cut ``a`` off: its calls fail at once with 503, its health says so; ``b`` serves on. The
     id of a task enqueued through ``b`` meanwhile."""
     await proxy.cut()
@@ -1009,7 +954,7 @@ async def recovered(node: Node, timeout: float = 6) -> None:
 async def test_a_broker_cut_off_from_the_database_says_503_and_recovers_by_itself(
     cluster: Cluster, dsn: str
 ) -> None:
-    proxy = await Proxy.start(dsn)
+    proxy = await pg.Proxy.start(dsn)
     a = await cluster.add(dsn=proxy.dsn(dsn))
     try:
         b = await cluster.add()

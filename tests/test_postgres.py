@@ -314,7 +314,7 @@ async def test_a_lost_listening_connection_is_made_again_and_everything_rechecke
 async def test_while_the_database_is_away_calls_fail_fast_and_it_recovers_alone(
     dsn: str,
 ) -> None:
-    proxy = await Proxy.start(urllib.parse.urlsplit(dsn).port or 5432)
+    proxy = await pg.Proxy.start(dsn)
     store = await PostgresStore.open(proxy.dsn(dsn), backoff(), random.Random(1))
     heard = Heard(store)
     try:
@@ -334,7 +334,7 @@ async def test_while_the_database_is_away_calls_fail_fast_and_it_recovers_alone(
         assert d.task.id == kept.id
     finally:
         await store.close()
-        await proxy.close()
+        await proxy.cut()
 
 
 async def test_killed_connections_are_replaced(dsn: str) -> None:
@@ -573,60 +573,3 @@ async def terminate_listeners(dsn: str, *, everything: bool = False) -> None:
         assert killed >= 1
     finally:
         await conn.close()
-
-
-class Proxy:
-    """A TCP proxy to the PostgreSQL server that can be cut (every connection dropped, new ones
-    refused) and restored, as a network or a restarting server would."""
-
-    def __init__(self, target: int) -> None:
-        self.target = target
-        self.port = 0
-        self._server: asyncio.Server | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-
-    @classmethod
-    async def start(cls, target: int) -> Proxy:
-        proxy = cls(target)
-        await proxy.restore()
-        return proxy
-
-    def dsn(self, dsn: str) -> str:
-        parts = urllib.parse.urlsplit(dsn)
-        return urllib.parse.urlunsplit(parts._replace(netloc=f"postgres@127.0.0.1:{self.port}"))
-
-    async def restore(self) -> None:
-        self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def cut(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            await self._server.wait_closed()
-            self._server = None
-        for w in list(self._writers):
-            w.close()
-        self._writers.clear()
-
-    async def close(self) -> None:
-        await self.cut()
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
-        except OSError:
-            writer.close()
-            return
-        self._writers.update((writer, up_writer))
-        await asyncio.gather(
-            _pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True
-        )
-
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
