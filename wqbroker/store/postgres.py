@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import random
 import time
@@ -126,17 +127,7 @@ _OFFSET: Final = 2**63
 _ID_BLOCK: Final = 1024
 POOL_SIZE: Final = 8
 
-_TOTALS: Final = (
-    "enqueued",
-    "delivered",
-    "acked",
-    "nacked",
-    "reclaimed",
-    "retried",
-    "buried",
-    "requeued",
-    "purged",
-)
+_TOTALS: Final = tuple(f.name for f in dataclasses.fields(Totals))  # a column each
 _GAUGES: Final = ("ready", "handed_out", "delayed", "dead")
 _COUNTS: Final = _TOTALS + _GAUGES
 _UPSERT: Final = "ON CONFLICT (slot, queue) DO UPDATE SET " + ", ".join(
