@@ -549,6 +549,79 @@ async def test_concurrent_calls_are_grouped_and_each_gets_its_own_answer(
     await a.check_invariants()
 
 
+async def test_on_the_database_clock_calls_group_whatever_now_each_passes(dsn: str) -> None:
+    """A broker passes its own clock's reading with every call (each a little later than the
+    last); on the database's clock those readings are not used, and must not keep concurrent
+    calls apart. Claims for the same queues group too, the first callers served first."""
+    store = await PostgresStore.open(dsn, backoff(), db_clock=True, clock=SystemClock())
+    try:
+        n = 40
+        before = store.transactions
+        done = await asyncio.gather(
+            *(
+                enqueue_one(store, str(i).encode(), max_attempts=1, delay=0.0, now=time.time())
+                for i in range(n)
+            )
+        )
+        assert store.transactions - before < n // 4
+        assert len({e.id for e in done}) == n
+        # claims for one queue: more claimers than tasks; for another queue: apart from them
+        await enqueue_one(store, b"other", max_attempts=1, delay=0.0, now=time.time(), queue="b")
+        before = store.transactions
+        claims = await asyncio.gather(
+            *(store.claim(lease=LEASE, now=time.time()) for _ in range(n + 10)),
+            store.claim(lease=LEASE, now=time.time(), queues=("b",)),
+        )
+        assert store.transactions - before < n // 4
+        got = [d for d in claims[:-1] if d is not None]
+        assert sorted(d.task.payload for d in got) == sorted(str(i).encode() for i in range(n))
+        assert len({d.lease_id for d in got}) == n
+        assert claims[-1] is not None and claims[-1].task.payload == b"other"
+        before = store.transactions
+        outcomes = await asyncio.gather(
+            *(store.ack(d.task.id, d.lease_id, now=time.time()) for d in got),
+            return_exceptions=True,
+        )
+        assert outcomes == [None] * n
+        assert store.transactions - before < n // 4
+        stats = await store.stats()
+        assert (stats.ready, stats.handed_out, stats.totals.acked) == (0, 1, n)
+        await store.check_invariants()
+    finally:
+        await store.close()
+
+
+async def test_a_claim_cancelled_while_waiting_for_its_group_hands_its_task_back(
+    two: tuple[PostgresStore, PostgresStore],
+) -> None:
+    a, b = two
+    for i in range(2):
+        await enqueue_one(a, str(i).encode(), max_attempts=1, delay=0.0, now=NOW)
+    told: list[object] = []
+    a.on_ready(told.append)
+    first = asyncio.ensure_future(a.claim(lease=LEASE, now=NOW))
+    await asyncio.sleep(0)  # in flight
+    second = asyncio.ensure_future(a.claim(lease=LEASE, now=NOW))
+    await asyncio.sleep(0)  # waiting for the first
+    second.cancel()
+    d = await first
+    assert d is not None and d.task.payload == b"0"
+    with pytest.raises(asyncio.CancelledError):
+        await second
+
+    async def back() -> bool:
+        s = await b.stats()
+        return (s.ready, s.handed_out) == (1, 1)
+
+    deadline = time.monotonic() + 5
+    while not (await back() and told):
+        assert time.monotonic() < deadline, "the orphaned claim was not handed back"
+        await asyncio.sleep(0.02)
+    assert [list(q) for q in told if q is not None] == [["default"]]  # local consumers told
+    again = await b.claim(lease=LEASE, now=NOW)
+    assert again is not None and again.task.payload == b"1" and again.task.attempts == 1
+
+
 # -- helpers ------------------------------------------------------------------------------------
 
 

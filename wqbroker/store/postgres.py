@@ -731,6 +731,8 @@ class PostgresStore:
         # trips and commits).
         self._enqueues = _Grouped(self._enqueue_group)
         self._settles = _Grouped(self._settle_group)
+        self._claims = _Grouped(self._claim_group, self._unclaim)
+        self._unclaiming: set[asyncio.Task[None]] = set()
         # Wake-ups between brokers: queues with tasks made ready here, to announce (one NOTIFY in
         # flight at a time, carrying every queue gathered meanwhile); who to tell when another
         # broker announces some.
@@ -972,7 +974,7 @@ class PostgresStore:
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         if not items:
             return []
-        return await self._enqueues.call(items, now)
+        return await self._enqueues.call(items, self._group_key(now))
 
     async def _enqueue_group(
         self, calls: list[Sequence[NewTask]], now: float
@@ -1066,28 +1068,53 @@ class PostgresStore:
     ) -> list[Delivery]:
         if not leases:
             return []
+        return await self._claims.call(leases, (tuple(queues), self._group_key(now)))
+
+    async def _claim_group(
+        self, calls: list[Sequence[float]], key: tuple[tuple[str, ...], float]
+    ) -> list[list[Delivery]]:
+        """The claims of several calls (for the same queues) in one transaction; the first
+        calls are served first."""
+        queues, now = key
+        leases = [lease for call in calls for lease in call]
         lease_ids = [f"{self._rng.getrandbits(64):016x}" for _ in leases]
         rows = await self._fetch(
-            "SELECT * FROM wq.claim($1, $2, $3, $4)",
-            self._now(now),
-            list(leases),
-            lease_ids,
-            list(queues),
+            "SELECT * FROM wq.claim($1, $2, $3, $4)", self._now(now), leases, lease_ids, queues
         )
         skew = self.skew
-        out: list[Delivery] = []
+        got: dict[int, Delivery] = {}
         promoted: list[str] = []
         for row in rows:
             if row[0] is None:
                 promoted.append(row[8])
             else:
-                out.append(Delivery(_task(row[1:10], skew), lease_ids[row[0] - 1], row[10] - skew))
-        if out or promoted:
+                i = row[0] - 1
+                got[i] = Delivery(_task(row[1:10], skew), lease_ids[i], row[10] - skew)
+        if got or promoted:
             self.transactions += 1
         if promoted:  # for the others, and for this broker's consumers of other queues
             self._announce(promoted)
             self._tell(promoted)
+        out: list[list[Delivery]] = []
+        at = 0
+        for call in calls:
+            out.append([got[i] for i in range(at, at + len(call)) if i in got])
+            at += len(call)
         return out
+
+    def _unclaim(self, deliveries: list[Delivery]) -> None:
+        """Hand back what was claimed for a caller that went away before it got it."""
+
+        async def release() -> None:
+            for d in deliveries:
+                with contextlib.suppress(StoreError):
+                    await self.release(d.task.id, d.lease_id)
+            self._tell({d.task.queue for d in deliveries})  # this broker's consumers, too
+
+        if deliveries:
+            task = asyncio.get_running_loop().create_task(release())
+            self._unclaiming.add(task)
+            task.add_done_callback(self._unclaiming.discard)
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
         acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now)
@@ -1116,7 +1143,7 @@ class PostgresStore:
     async def settle_many(
         self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        return await self._settles.call((acks, nacks), now)
+        return await self._settles.call((acks, nacks), self._group_key(now))
 
     async def _settle_group(self, calls: list[_Settle], now: float) -> list[_Settled]:
         """The acks and nacks of several calls in one transaction; each call's outcomes."""
@@ -1442,6 +1469,11 @@ class PostgresStore:
     def _now(self, now: float) -> float | None:
         return None if self.db_clock else now
 
+    def _group_key(self, now: float) -> float:
+        """What calls must share to go in one transaction: their ``now``, unless the database's
+        clock is used (then any calls go together)."""
+        return 0.0 if self.db_clock else now
+
     def _ready_pool(self) -> asyncpg.Pool:
         if self._closed or self._pool is None:
             raise StoreError("the store is closed")
@@ -1489,30 +1521,37 @@ class PostgresStore:
 _Settle = tuple[Sequence[tuple[str, str]], Sequence[NackItem]]
 _Settled = tuple[list[WqError | None], list[Failure | WqError]]
 X = TypeVar("X")
+K = TypeVar("K")
 Y = TypeVar("Y")
 
 
-class _Grouped(Generic[X, Y]):
+class _Grouped(Generic[X, K, Y]):
     """Calls of one kind, grouped: a call made while another is in flight waits and goes with
-    every other that came meanwhile, in one call of ``run`` (calls with the same ``now``; the
-    database's clock passes None for all). One in flight at a time."""
+    every other that came meanwhile with the same key, in one call of ``run``. One in flight at a
+    time. A waiting call cancelled before its group ran still runs; ``orphaned`` gets what it
+    would have returned (to undo it)."""
 
-    def __init__(self, run: Callable[[list[X], float], Awaitable[list[Y]]]) -> None:
+    def __init__(
+        self,
+        run: Callable[[list[X], K], Awaitable[list[Y]]],
+        orphaned: Callable[[Y], None] | None = None,
+    ) -> None:
         self._run = run
-        self._waiting: list[tuple[X, float, asyncio.Future[Y]]] = []
+        self._orphaned = orphaned
+        self._waiting: list[tuple[X, K, asyncio.Future[Y]]] = []
         self._busy = False
 
-    async def call(self, arg: X, now: float) -> Y:
+    async def call(self, arg: X, key: K) -> Y:
         if not self._busy:
             self._busy = True
             try:
-                (out,) = await self._run([arg], now)
+                (out,) = await self._run([arg], key)
             finally:
                 self._busy = False
                 self._next()
             return out
         waiter: asyncio.Future[Y] = asyncio.get_running_loop().create_future()
-        self._waiting.append((arg, now, waiter))
+        self._waiting.append((arg, key, waiter))
         return await waiter
 
     def _next(self) -> None:
@@ -1522,11 +1561,11 @@ class _Grouped(Generic[X, Y]):
 
     async def _run_waiting(self) -> None:
         try:
-            now = self._waiting[0][1]
-            group = [w for w in self._waiting if w[1] == now]
-            self._waiting = [w for w in self._waiting if w[1] != now]
+            key = self._waiting[0][1]
+            group = [w for w in self._waiting if w[1] == key]
+            self._waiting = [w for w in self._waiting if w[1] != key]
             try:
-                outs = await self._run([arg for arg, _, _ in group], now)
+                outs = await self._run([arg for arg, _, _ in group], key)
             except BaseException as e:
                 error = e if isinstance(e, Exception) else StoreError("the store is closed")
                 for _, _, waiter in group:
@@ -1538,6 +1577,8 @@ class _Grouped(Generic[X, Y]):
             for (_, _, waiter), out in zip(group, outs, strict=True):
                 if not waiter.done():
                     waiter.set_result(out)
+                elif self._orphaned is not None:
+                    self._orphaned(out)
         finally:
             self._busy = False
             self._next()
