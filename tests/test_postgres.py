@@ -576,7 +576,8 @@ async def test_on_the_database_clock_calls_group_whatever_now_each_passes(dsn: s
         got = [d for d in claims[:-1] if d is not None]
         assert sorted(d.task.payload for d in got) == sorted(str(i).encode() for i in range(n))
         assert len({d.lease_id for d in got}) == n
-        assert claims[-1] is not None and claims[-1].task.payload == b"other"
+        assert claims[-1] is not None
+        assert claims[-1].task.payload == b"other"
         before = store.transactions
         outcomes = await asyncio.gather(
             *(store.ack(d.task.id, d.lease_id, now=time.time()) for d in got),
@@ -597,7 +598,7 @@ async def test_a_claim_cancelled_while_waiting_for_its_group_hands_its_task_back
     a, b = two
     for i in range(2):
         await enqueue_one(a, str(i).encode(), max_attempts=1, delay=0.0, now=NOW)
-    told: list[object] = []
+    told: list[Iterable[str] | None] = []
     a.on_ready(told.append)
     first = asyncio.ensure_future(a.claim(lease=LEASE, now=NOW))
     await asyncio.sleep(0)  # in flight
@@ -605,7 +606,8 @@ async def test_a_claim_cancelled_while_waiting_for_its_group_hands_its_task_back
     await asyncio.sleep(0)  # waiting for the first
     second.cancel()
     d = await first
-    assert d is not None and d.task.payload == b"0"
+    assert d is not None
+    assert d.task.payload == b"0"
     with pytest.raises(asyncio.CancelledError):
         await second
 
@@ -619,7 +621,9 @@ async def test_a_claim_cancelled_while_waiting_for_its_group_hands_its_task_back
         await asyncio.sleep(0.02)
     assert [list(q) for q in told if q is not None] == [["default"]]  # local consumers told
     again = await b.claim(lease=LEASE, now=NOW)
-    assert again is not None and again.task.payload == b"1" and again.task.attempts == 1
+    assert again is not None
+    assert again.task.payload == b"1"
+    assert again.task.attempts == 1
 
 
 # -- helpers ------------------------------------------------------------------------------------
