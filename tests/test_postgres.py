@@ -11,6 +11,7 @@ import random
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterable
+from typing import cast
 
 import asyncpg
 import pytest
@@ -624,6 +625,45 @@ async def test_a_claim_cancelled_while_waiting_for_its_group_hands_its_task_back
     assert again is not None
     assert again.task.payload == b"1"
     assert again.task.attempts == 1
+
+
+async def test_claims_for_different_queues_do_not_wait_for_each_other(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Group commit keeps one claim in flight per list of queues, not one in all: consumers of
+    different queues are not served one after the other."""
+    store = await PostgresStore.open(dsn, backoff(), db_clock=True, clock=SystemClock())
+    try:
+        names = [f"q{i}" for i in range(5)]
+        for name in names:
+            await enqueue_one(store, b"1", max_attempts=1, delay=0.0, now=time.time(), queue=name)
+        in_flight: list[tuple[str, ...]] = []
+        most: dict[str, int] = {"any": 0, "q0": 0}
+        fetch = store._fetch
+
+        async def slow_fetch(sql: str, *args: object) -> list[asyncpg.Record]:
+            if "wq.claim" not in sql:
+                return await fetch(sql, *args)
+            queues = tuple(cast(list[str], args[3]))
+            in_flight.append(queues)
+            most["any"] = max(most["any"], len(in_flight))
+            most["q0"] = max(most["q0"], in_flight.count(("q0",)))
+            try:
+                await asyncio.sleep(0.05)  # long enough for every claim below to be made
+                return await fetch(sql, *args)
+            finally:
+                in_flight.remove(queues)
+
+        monkeypatch.setattr(store, "_fetch", slow_fetch)
+        got = await asyncio.gather(
+            *(store.claim(lease=LEASE, now=time.time(), queues=(name,)) for name in names),
+            *(store.claim(lease=LEASE, now=time.time(), queues=("q0",)) for _ in range(4)),
+        )
+        assert most == {"any": 5, "q0": 1}  # five lists of queues at once; q0's one at a time
+        assert [d is not None and d.task.queue for d in got[:5]] == names
+        assert got[5:] == [None] * 4  # q0 had one task, and the first claim took it
+    finally:
+        await store.close()
 
 
 # -- helpers ------------------------------------------------------------------------------------

@@ -1526,10 +1526,11 @@ Y = TypeVar("Y")
 
 
 class _Grouped(Generic[X, K, Y]):
-    """Calls of one kind, grouped: a call made while another is in flight waits and goes with
-    every other that came meanwhile with the same key, in one call of ``run``. One in flight at a
-    time. A waiting call cancelled before its group ran still runs; ``orphaned`` gets what it
-    would have returned (to undo it)."""
+    """Calls of one kind, grouped by key: a call made while another with its key is in flight
+    waits, and goes with every other that came meanwhile with that key, in one call of ``run``.
+    One in flight per key (calls with different keys, such as claims for different queues, do
+    not wait for each other). A waiting call cancelled before its group ran still runs;
+    ``orphaned`` gets what it would have returned (to undo it)."""
 
     def __init__(
         self,
@@ -1538,50 +1539,51 @@ class _Grouped(Generic[X, K, Y]):
     ) -> None:
         self._run = run
         self._orphaned = orphaned
-        self._waiting: list[tuple[X, K, asyncio.Future[Y]]] = []
-        self._busy = False
+        self._waiting: dict[K, list[tuple[X, asyncio.Future[Y]]]] = {}
+        self._busy: set[K] = set()
+        self._running: set[asyncio.Task[None]] = set()  # (the loop keeps only weak references)
 
     async def call(self, arg: X, key: K) -> Y:
-        if not self._busy:
-            self._busy = True
+        if key not in self._busy:
+            self._busy.add(key)
             try:
                 (out,) = await self._run([arg], key)
             finally:
-                self._busy = False
-                self._next()
+                self._busy.discard(key)
+                self._next(key)
             return out
         waiter: asyncio.Future[Y] = asyncio.get_running_loop().create_future()
-        self._waiting.append((arg, key, waiter))
+        self._waiting.setdefault(key, []).append((arg, waiter))
         return await waiter
 
-    def _next(self) -> None:
-        if self._waiting and not self._busy:
-            self._busy = True
-            asyncio.get_running_loop().create_task(self._run_waiting())
+    def _next(self, key: K) -> None:
+        if key in self._waiting and key not in self._busy:
+            self._busy.add(key)
+            task = asyncio.get_running_loop().create_task(self._run_waiting(key))
+            self._running.add(task)
+            task.add_done_callback(self._running.discard)
 
-    async def _run_waiting(self) -> None:
+    async def _run_waiting(self, key: K) -> None:
         try:
-            key = self._waiting[0][1]
-            group = [w for w in self._waiting if w[1] == key]
-            self._waiting = [w for w in self._waiting if w[1] != key]
+            group = self._waiting.pop(key)
             try:
-                outs = await self._run([arg for arg, _, _ in group], key)
+                outs = await self._run([arg for arg, _ in group], key)
             except BaseException as e:
                 error = e if isinstance(e, Exception) else StoreError("the store is closed")
-                for _, _, waiter in group:
+                for _, waiter in group:
                     if not waiter.done():
                         waiter.set_exception(error)
                 if error is not e:
                     raise
                 return
-            for (_, _, waiter), out in zip(group, outs, strict=True):
+            for (_, waiter), out in zip(group, outs, strict=True):
                 if not waiter.done():
                     waiter.set_result(out)
                 elif self._orphaned is not None:
                     self._orphaned(out)
         finally:
-            self._busy = False
-            self._next()
+            self._busy.discard(key)
+            self._next(key)
 
 
 def _split(values: list[Y], sizes: list[int]) -> list[list[Y]]:
