@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 
-.PHONY: install run worker producer test lint format bench clean proto proto-check node-deps
+.PHONY: install run worker producer test lint format bench beanstalkd clean proto proto-check node-deps
 
 install: $(STAMP)
 
@@ -48,8 +48,12 @@ $(NODE_STAMP): tests/node/package.json tests/node/package-lock.json
 	touch $(NODE_STAMP)
 
 # Start brokers, drive them from processes of their own, print one table of figures (a few minutes).
-bench: install
+bench: install beanstalkd
 	$(PY) -m bench $(ARGS)
+
+# beanstalkd, a peer the bench compares wq with (Debian's package; skipped when it cannot be had).
+beanstalkd:
+	@command -v beanstalkd >/dev/null || (test "$$(id -u)" = 0 && apt-get install -y -q beanstalkd >/dev/null) || echo "beanstalkd not installed: the bench skips it"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules

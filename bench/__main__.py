@@ -13,6 +13,8 @@ import contextlib
 import json
 import os
 import resource
+import secrets
+import shutil
 import socket
 import statistics
 import subprocess
@@ -669,7 +671,197 @@ def postgres(q: bool) -> None:
     add("postgres", "the section took", f"{figures['seconds']:.0f} s")
 
 
+# -- the library as users write it ----------------------------------------------------------------
+
+
+def _pids_named(name: str) -> list[int]:
+    """Processes whose command name is ``name`` (a peer broker's server)."""
+    return [
+        int(entry)
+        for entry in os.listdir("/proc")
+        if entry.isdigit() and pg._ticks(entry)[0] == name
+    ]
+
+
+def _pair(consumer: list[str], producer: list[str], pids: list[int]) -> tuple[float, float | None]:
+    """Tasks/s from the producer's first enqueue to the consumer's last settle, and the CPU
+    seconds per task of ``pids`` (the broker's processes; None if there are none)."""
+    before = sum(pg._ticks(pid)[1] for pid in pids)
+    consume = spawn("bench.users", *consumer)
+    time.sleep(0.7)  # let the consumer connect and wait first
+    produced = last_json(spawn("bench.users", *producer), "a producer")
+    consumed = last_json(consume, "a consumer")
+    n = int(produced["n"])
+    if int(consumed["n"]) < n:
+        raise RuntimeError(f"the consumer got {consumed['n']} of {n} tasks")
+    rate = n / (max(consumed["last"], produced["last"]) - produced["first"])
+    ticks = sum(pg._ticks(pid)[1] for pid in pids) - before
+    return rate, (ticks / pg.TICK / n if pids else None)
+
+
+@contextlib.contextmanager
+def beanstalkd() -> Iterator[tuple[str, int] | None]:
+    """A beanstalkd of our own (no binlog: kept in memory), if Debian's package is installed."""
+    exe = shutil.which("beanstalkd")
+    if exe is None:
+        yield None
+        return
+    port = free_port()
+    proc = subprocess.Popen([exe, "-l", "127.0.0.1", "-p", str(port)])
+    try:
+        wait_port(port)
+        yield f"beanstalk://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+Pair = tuple[str, list[str], list[str], list[int]]  # name, consumer args, producer args, pids
+
+
+def _user_rows(n: int, b: Server) -> list[Pair]:
+    grpc_url, http_url, pids = f"grpc://{b.grpc}", b.http, [b.proc.pid]
+    return [
+        (
+            "gRPC: enqueue, 32 in flight; Worker(concurrency=64)",
+            ["consume", grpc_url, "worker", str(n), "64"],
+            ["produce", grpc_url, "one", str(n), "32"],
+            pids,
+        ),
+        (
+            "gRPC: enqueue, 32 in flight; async for d in stream: await stream.ack(d)",
+            ["consume", grpc_url, "stream", str(n), "64"],
+            ["produce", grpc_url, "one", str(n), "32"],
+            pids,
+        ),
+        (
+            "gRPC: enqueue_many(100 tasks), 4 in flight; Worker(concurrency=64)",
+            ["consume", grpc_url, "worker", str(n), "64"],
+            ["produce", grpc_url, "many", str(n), "4"],
+            pids,
+        ),
+        (
+            "HTTP: enqueue, 32 in flight; Worker(concurrency=64)",
+            ["consume", http_url, "worker", str(n), "64"],
+            ["produce", http_url, "one", str(n), "32"],
+            pids,
+        ),
+    ]
+
+
+def _peer_rows(n: int, bean: tuple[str, int] | None) -> list[Pair]:
+    """The peers running on this machine (RabbitMQ and NATS as services; our own beanstalkd)."""
+    amqp = os.environ.get("WQ_BENCH_AMQP", "amqp://guest:guest@127.0.0.1:5672/")
+    nats_url = os.environ.get("WQ_BENCH_NATS", "nats://127.0.0.1:4222")
+    peers: list[Pair] = []
+    rabbit_pids = _pids_named("beam.smp")
+    if rabbit_pids:
+        peers.append(
+            (
+                "RabbitMQ (aio-pika): confirmed publish, 32 in flight; ack each, prefetch 64",
+                ["rabbit-consume", amqp, "-", str(n), "64"],
+                ["rabbit-produce", amqp, "-", str(n), "32"],
+                rabbit_pids,
+            )
+        )
+    nats_pids = _pids_named("nats-server")
+    if nats_pids:
+        peers.append(
+            (
+                "NATS JetStream (nats-py): publish + PubAck, 32 in flight; pull 64, ack each",
+                ["nats-consume", nats_url, "-", str(n), "64"],
+                ["nats-produce", nats_url, "-", str(n), "32"],
+                nats_pids,
+            )
+        )
+    if bean is not None:
+        bean_url, bean_pid = bean
+        peers.append(
+            (
+                "beanstalkd (greenstalk): put, 32 threads; reserve + delete, 32 threads",
+                ["beanstalk-consume", bean_url, "-", str(n), "32"],
+                ["beanstalk-produce", bean_url, "-", str(n), "32"],
+                [bean_pid],
+            )
+        )
+    return peers
+
+
+RAW_HTTP = "HTTP: the spec's API from a plain aiohttp client"
+
+
+def users(q: bool) -> None:
+    """Rows of what users write (wqclient's public API, producer and consumer in processes of
+    their own), the raw load generator, and the peers; every row once per round, rounds in
+    turn, each row's median reported."""
+    print("The library as users write it (tasks/s; broker CPU per task)", flush=True)
+    n = 3_000 if q else 10_000
+    found: dict[str, list[tuple[float, float | None]]] = {}
+    with broker() as b, beanstalkd() as bean:
+        rows, peers = _user_rows(n, b), _peer_rows(n, bean)
+        for _ in range(1 if q else 3):
+            for name, consumer, producer, pids in rows + peers:
+                # A peer's queue (stream, tube) of its own for each run.
+                extra = [] if consumer[0] == "consume" else [f"wqbench{secrets.token_hex(4)}"]
+                found.setdefault(name, []).append(
+                    _pair([*consumer, *extra], [*producer, *extra], pids)
+                )
+            found.setdefault(RAW_HTTP, []).append((end_to_end(b.http, "http", n, 32), None))
+    RESULTS["users"] = found
+    medians: dict[str, tuple[float, float | None]] = {}
+    for name, runs in found.items():
+        cpus = [c for _, c in runs if c is not None]
+        medians[name] = (
+            statistics.median(r for r, _ in runs),
+            statistics.median(cpus) if cpus else None,
+        )
+    _report_users(medians, [r[0] for r in rows], [p[0] for p in peers])
+
+
+def _report_users(
+    medians: dict[str, tuple[float, float | None]], rows: list[str], peers: list[str]
+) -> None:
+    one, stream_loop, batched, http_one = (medians[name] for name in rows)
+    best_peer = max((medians[p][0] for p in peers), default=None)
+    checks: dict[str, tuple[str, str, bool]] = {
+        rows[0]: (
+            f" = {one[0] / batched[0]:.0%} of enqueue_many",
+            ">= 80% of enqueue_many",
+            one[0] >= 0.8 * batched[0],
+        ),
+        rows[1]: (
+            f" = {stream_loop[0] / one[0]:.0%} of Worker",
+            ">= 50% of Worker",
+            stream_loop[0] >= 0.5 * one[0],
+        ),
+    }
+    for name, (rate, cpu) in medians.items():
+        figure = f"{rate:,.0f}/s" + ("" if cpu is None else f"; {cpu * 1000:.2f} ms CPU/task")
+        more, target, ok = checks.get(name, ("", "", None))
+        add("users", name, figure + more, target, ok)
+    if one[1] is not None and http_one[1] is not None:
+        ratio = one[1] / http_one[1]
+        add(
+            "users",
+            "broker CPU per task, one per call: gRPC / HTTP",
+            f"{ratio:.2f}x",
+            "<= 0.5x",
+            ratio <= 0.5,
+        )
+    if best_peer:
+        for label, (rate, _) in (("one per call", one), ("enqueue_many", batched)):
+            ratio = rate / best_peer
+            add(
+                "users",
+                f"gRPC {label} vs the best peer ({best_peer:,.0f}/s)",
+                f"{ratio:.2f}x",
+                ">= 1.0x",
+                ratio >= 1,
+            )
+
+
 SECTIONS = {
+    "users": users,
     "throughput": throughput,
     "stores": durable,
     "latency": latency,
