@@ -500,12 +500,16 @@ class FakeStream:
         has_room = len(self.unsettled) < self.prefetch and not self.draining
         return has_room and self.broker.next_ready(self.queues) is not None
 
-    async def ack(self, delivery: Delivery) -> None:
+    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+        # (Every settlement here is applied before the call returns: confirmed or not.)
         self._check_open()
         try:
             await self.broker.ack(delivery.task.id, delivery.lease_id)
         finally:
             self._settled(delivery)
+
+    async def flush(self) -> list[tuple[Delivery, WqError]]:
+        return []
 
     async def nack(
         self,
@@ -513,6 +517,8 @@ class FakeStream:
         error: str | None = None,
         delay_ms: int | None = None,
         terminal: bool = False,
+        *,
+        confirm: bool = False,
     ) -> None:
         self._check_open()
         try:

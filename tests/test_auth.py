@@ -738,7 +738,7 @@ async def test_the_client_sends_its_token_on_every_call(broker: Broker, transpor
         if wq.can_stream:
             stream = await wq.stream(prefetch=1)
             delivery = await asyncio.wait_for(anext(stream), 5)
-            await stream.ack(delivery)
+            await stream.ack(delivery, confirm=True)
             await stream.close()
         assert len(ids) == 3
 

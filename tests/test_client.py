@@ -654,9 +654,9 @@ async def test_blocking_client_streams_over_grpc(broker: Broker) -> None:
             for delivery in stream:
                 seen.append(delivery.id)
                 if delivery.payload == "b":
-                    stream.nack(delivery, "bad b")
+                    stream.nack(delivery, "bad b", confirm=True)
                 else:
-                    stream.ack(delivery)
+                    stream.ack(delivery, confirm=True)
                 if len(seen) == 3:
                     break
             stream.drain()
@@ -690,10 +690,10 @@ async def test_stream_pushes_at_most_prefetch_unsettled_tasks(grpc_client: Async
         stats = await grpc_client.stats()
         assert (stats.handed_out, stats.ready) == (2, 3)
         for delivery in got:
-            await stream.ack(delivery)
+            await stream.ack(delivery, confirm=True)
         async for delivery in stream:
             got.append(delivery)
-            await stream.ack(delivery)
+            await stream.ack(delivery, confirm=True)
             if len(got) == 5:
                 break
         assert [d.id for d in got] == ids  # oldest first
@@ -711,7 +711,7 @@ async def test_stream_nack_records_the_error(grpc_client: AsyncClient) -> None:
     stream = await grpc_client.stream()
     try:
         delivery = await next_delivery(stream)
-        await stream.nack(delivery, "handler exploded")
+        await stream.nack(delivery, "handler exploded", confirm=True)
     finally:
         await stream.close()
     dead = await grpc_client.dead_letters()
@@ -734,7 +734,7 @@ async def test_stream_ack_of_a_stale_lease_raises(grpc_client: AsyncClient) -> N
         # Drained, with its last delivery taken back, the stream has ended.
         assert [d async for d in stream] == []
         with pytest.raises(StreamEnded):
-            await stream.ack(stale)
+            await stream.ack(stale, confirm=True)
         await grpc_client.ack(fresh)
         with pytest.raises(NotFound):
             await grpc_client.nack(stale, error="too late")
@@ -750,8 +750,8 @@ async def test_stream_drain_stops_new_deliveries(grpc_client: AsyncClient) -> No
     try:
         first, second = await next_delivery(stream), await next_delivery(stream)
         assert await stream.drain() == 2  # both still to settle
-        await stream.ack(first)
-        await stream.ack(second)
+        await stream.ack(first, confirm=True)
+        await stream.ack(second, confirm=True)
         stats = await grpc_client.stats()
         assert (stats.handed_out, stats.ready, stats.totals.acked) == (0, 3, 2)
         # The last one settled, the broker ends the stream.
@@ -775,7 +775,7 @@ async def test_stream_close_returns_unsettled_tasks_at_once(grpc_client: AsyncCl
     )
     assert stats.totals.reclaimed == 2
     with pytest.raises(Unavailable):
-        await stream.ack(held[0])
+        await stream.ack(held[0], confirm=True)
     # Back for somebody else, without waiting for the lease to run out.
     again = [await grpc_client.claim(wait_ms=5_000) for _ in ids]
     assert sorted(d.id for d in again if d is not None) == sorted(ids)
@@ -1299,8 +1299,8 @@ async def test_blocking_client_on_an_injected_transport() -> None:
             c.enqueue_many(["a", "b"])
             stream = c.stream(prefetch=2)
             first, second = next(stream), next(stream)
-            stream.ack(first)
-            stream.nack(second, "bad b")
+            stream.ack(first, confirm=True)
+            stream.nack(second, "bad b", confirm=True)
             stream.close()
         with Client(transport=FakeTransport()) as c, pytest.raises(WqError) as e:
             c.stream()

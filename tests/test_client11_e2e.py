@@ -265,9 +265,9 @@ async def test_a_stream_subscribes_to_queues_extends_nacks_with_options_and_drai
         assert {first.id, second.id} == {a, b}
         deadline = await stream.extend(first, 20_000)
         assert deadline > first.deadline
-        await stream.nack(first, "later", delay_ms=30_000)
+        await stream.nack(first, "later", delay_ms=30_000, confirm=True)
         assert await stream.drain() == 1  # the second is still unsettled
-        await stream.nack(second, "never", terminal=True)
+        await stream.nack(second, "never", terminal=True, confirm=True)
         with pytest.raises(StopAsyncIteration):
             await asyncio.wait_for(anext(stream), 5)  # the stream ends: nothing left unsettled
         await stream.close()

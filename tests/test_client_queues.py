@@ -218,7 +218,7 @@ async def test_a_stream_takes_from_its_queues(fake: FakeTransport) -> None:
         stream = await c.stream(prefetch=2, queues="jobs")
         delivery = await asyncio.wait_for(anext(stream), 5)
         assert delivery.id == wanted
-        await stream.ack(delivery)
+        await stream.ack(delivery, confirm=True)
         assert await stream.drain() == 0
         await stream.close()
     assert streaming.claim_queues == [["jobs"]]
@@ -443,9 +443,9 @@ async def test_the_blocking_stream_extends_nacks_with_options_and_drains() -> No
             stream = c.stream(prefetch=2)
             first, second = next(stream), next(stream)
             assert stream.extend(first, 60_000) > datetime.now(UTC)
-            stream.nack(first, "later", delay_ms=1_000)
+            stream.nack(first, "later", delay_ms=1_000, confirm=True)
             assert stream.drain() == 1  # the second is still unsettled
-            stream.nack(second, "never", terminal=True)
+            stream.nack(second, "never", terminal=True, confirm=True)
             stream.close()
 
     await asyncio.to_thread(scenario)

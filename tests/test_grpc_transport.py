@@ -201,12 +201,12 @@ async def test_stream_queues_extend_and_nack_options(
     assert near(deadline, at(clock, 60))
     with pytest.raises(InvalidArgument):
         await stream.extend(d, -1)
-    await stream.nack(d, "later", delay_ms=3000)
+    await stream.nack(d, "later", delay_ms=3000, confirm=True)
     assert (await transport.get_task(b)).state == "delayed"
     clock.advance(3.0)
     again = await anext(stream)
     assert (again.task.id, again.task.attempts) == (b, 2)
-    await stream.nack(again, "fatal", terminal=True)
+    await stream.nack(again, "fatal", terminal=True, confirm=True)
     assert (await transport.get_task(b)).state == "dead"
     with pytest.raises(NotFound):
         await stream.extend(again, None)  # dead: nobody holds it
@@ -225,11 +225,11 @@ async def test_stream_drain_counts_what_is_held_and_ends_once_settled(
     first, second = await anext(stream), await anext(stream)
     assert await stream.drain() == 2
     assert await stream.drain() == 2  # the same answer: one drain
-    await stream.ack(first)
-    await stream.ack(second)
+    await stream.ack(first, confirm=True)
+    await stream.ack(second, confirm=True)
     assert [x async for x in stream] == []
     with pytest.raises(StreamEnded):
-        await stream.ack(first)
+        await stream.ack(first, confirm=True)
     await stream.close()
     stats = await transport.stats()
     assert (stats.ready, stats.totals.acked) == (1, 2)
@@ -245,9 +245,9 @@ async def test_extends_acks_and_nacks_together_resolve_in_order(
     # Issued together: the client keeps them in the order the broker answers them (a request's
     # extends, then its acks, then its nacks), so each gets its own outcome.
     results = await asyncio.gather(
-        stream.ack(a),
+        stream.ack(a, confirm=True),
         stream.extend(b, 20_000),
-        stream.nack(c, "x"),
+        stream.nack(c, "x", confirm=True),
         stream.extend(a, 1000),
         return_exceptions=True,
     )
@@ -256,7 +256,7 @@ async def test_extends_acks_and_nacks_together_resolve_in_order(
     assert near(results[1], at(clock, 20))
     assert results[2] is None
     assert isinstance(results[3], NotFound)  # a was acked before it
-    await stream.ack(b)
+    await stream.ack(b, confirm=True)
     assert await stream.drain() == 0
     await stream.close()
     await wait_until(lambda: broker.service.waiting == 0, what="the stream gone")
@@ -272,7 +272,7 @@ async def test_a_drained_stream_ends_when_its_last_lease_runs_out(
     clock.advance(1.5)  # the lease runs out: reclaimed, and the broker ends the stream
     assert [x async for x in stream] == []
     with pytest.raises(StreamEnded):
-        await stream.ack(d)
+        await stream.ack(d, confirm=True)
     with pytest.raises(NotFound):
         await transport.ack(d.task.id, d.lease_id)  # the unary call says why: nobody holds it
     assert (await transport.get_task(d.task.id)).state == "delayed"  # retried after a backoff

@@ -511,7 +511,7 @@ async def test_an_enqueue_on_one_broker_is_pushed_to_a_stream_on_the_other(
                 task_id = await a.enqueue({"n": n})
                 d = await asyncio.wait_for(stream.__anext__(), PROMPT)
                 assert (d.task.id, d.payload) == (task_id, {"n": n})
-                await stream.ack(d)
+                await stream.ack(d, confirm=True)
         finally:
             await stream.close()
     stats = await same_stats([a, b])

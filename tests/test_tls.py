@@ -74,7 +74,7 @@ async def test_https_and_grpcs_with_a_ca_file(
         if wq.can_stream:
             stream = await wq.stream(prefetch=2)
             for _ in range(2):
-                await stream.ack(await asyncio.wait_for(anext(stream), 5))
+                await stream.ack(await asyncio.wait_for(anext(stream), 5), confirm=True)
             await stream.close()
             assert (await wq.stats()).totals.acked == 3
         else:

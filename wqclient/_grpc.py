@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import (
     AsyncIterator,
@@ -52,6 +53,8 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
+
+log = logging.getLogger("wqclient")
 
 _MAX_MESSAGE = 64 * 1024 * 1024
 
@@ -170,6 +173,8 @@ class GrpcStream:
         self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
         self._opened = asyncio.Event()
         self._drained: asyncio.Future[int] | None = None  # the answer to our drain, once sent
+        # Unconfirmed acks and nacks the broker refused, until flush() hands them over.
+        self._refused: list[tuple[Delivery, WqError]] = []
         self._call = stub.StreamJobs(self._requests(), metadata=metadata)
         self._reader = asyncio.get_running_loop().create_task(self._read())
 
@@ -305,13 +310,13 @@ class GrpcStream:
         deadline: datetime = await self._settle()
         return deadline
 
-    async def ack(self, delivery: Delivery) -> None:
+    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
         self._check_open()
         # The broker settles a request's acks before its nacks: keep the futures in that order.
         if self._nacks:
             self._flush()
         self._acks.append(pb.AckRequest(id=delivery.task.id, lease_id=delivery.lease_id))
-        await self._settle()
+        await self._outcome(delivery, "ack", self._settle(), confirm)
 
     async def nack(
         self,
@@ -319,12 +324,46 @@ class GrpcStream:
         error: str | None = None,
         delay_ms: int | None = None,
         terminal: bool = False,
+        *,
+        confirm: bool = False,
     ) -> None:
         self._check_open()
         self._nacks.append(
             _nack_request(delivery.task.id, delivery.lease_id, error, delay_ms, terminal)
         )
-        await self._settle()
+        await self._outcome(delivery, "nack", self._settle(), confirm)
+
+    async def _outcome(
+        self, delivery: Delivery, what: str, future: asyncio.Future[Any], confirm: bool
+    ) -> None:
+        """Wait for a settlement's outcome (``confirm``), or let it come later: a refusal is
+        then logged and kept for :meth:`flush`."""
+        if confirm:
+            await future
+            return
+
+        def landed(done: asyncio.Future[Any]) -> None:
+            error = None if done.cancelled() else done.exception()
+            if error is None:
+                return
+            wq_error = error if isinstance(error, WqError) else WqError(str(error))
+            log.warning("task %s: the %s was refused: %s", delivery.task.id, what, wq_error)
+            self._refused.append((delivery, wq_error))
+
+        future.add_done_callback(landed)
+
+    async def flush(self) -> list[tuple[Delivery, WqError]]:
+        """Wait until the broker has answered every ack, nack and extend sent on this stream so
+        far; return the acks and nacks it refused that were not confirmed, since the last
+        flush (each with its error: LeaseLost, NotFound, or StreamEnded if the stream ended
+        before the answer came, when the settlement may or may not have been applied)."""
+        self._flush()
+        self._wake.set()
+        waiting = list(self._settling)
+        if waiting:
+            await asyncio.gather(*waiting, return_exceptions=True)
+        refused, self._refused = self._refused, []
+        return refused
 
     def _send_drain(self) -> asyncio.Future[int]:
         if self._drained is None:

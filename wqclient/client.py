@@ -419,6 +419,14 @@ class AsyncClient:
         >>> stream = await wq.stream(prefetch=8)
         >>> async for delivery in stream:
         ...     await stream.ack(delivery)
+
+        ``await stream.ack(d)`` returns at once: the ack is queued and goes out with the
+        others made meanwhile, in one message, before anything sent later on the stream. A
+        refusal (the lease was lost) is logged and returned by ``await stream.flush()``, which
+        waits for the broker's answer to everything sent. ``ack(d, confirm=True)`` waits for
+        that one ack to be applied and raises its refusal. If the stream breaks, an ack not yet
+        answered may or may not have been applied: a task whose ack was lost is handed out
+        again (at least once, as with any lost ack).
         """
         transport = self._transport
         if not isinstance(transport, StreamingTransport):
@@ -472,9 +480,10 @@ class Stream:
     async def _next(self) -> Delivery:
         return await self._stream.__anext__()
 
-    def ack(self, delivery: Delivery) -> None:
-        """Settle a delivery as done."""
-        self._runner.run(self._stream.ack(delivery))
+    def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+        """Settle a delivery as done: queued on the stream (``confirm``: applied by the broker,
+        raising its refusal), as :meth:`AsyncStream.ack <wqclient.AsyncStream.ack>`."""
+        self._runner.run(self._stream.ack(delivery, confirm=confirm))
 
     def nack(
         self,
@@ -483,9 +492,10 @@ class Stream:
         *,
         delay_ms: int | None = None,
         terminal: bool = False,
+        confirm: bool = False,
     ) -> None:
         """Settle a delivery as failed, with ``error`` (``delay_ms``, ``terminal``: as for
-        AsyncClient.nack)."""
+        AsyncClient.nack; ``confirm``: as for :meth:`ack`)."""
         self._runner.run(
             self._stream.nack(
                 delivery,
@@ -493,8 +503,14 @@ class Stream:
                 **_given(
                     delay_ms=_option("delay_ms", delay_ms), terminal=_flag("terminal", terminal)
                 ),
+                confirm=confirm,
             )
         )
+
+    def flush(self) -> list[tuple[Delivery, WqError]]:
+        """Wait for the broker's answer to every settlement sent; the unconfirmed acks and
+        nacks it refused since the last flush, each with its error."""
+        return self._runner.run(self._stream.flush())
 
     def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
         """Extend a delivery's lease to now + ``lease_ms``; returns the new deadline."""

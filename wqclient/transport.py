@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
+from wqclient.errors import WqError
 from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
 
 
@@ -30,7 +31,12 @@ class AsyncStream(Protocol):
 
     async def __anext__(self) -> Delivery: ...
 
-    async def ack(self, delivery: Delivery) -> None: ...
+    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+        """Settle as done. The ack goes out with the others made meanwhile, in one message;
+        without ``confirm`` this returns once it is queued on the stream (no round trip), and a
+        refusal (LeaseLost, NotFound) is logged and kept for :meth:`flush`; with ``confirm`` it
+        returns once the broker has applied it, and raises its refusal."""
+        ...
 
     async def nack(
         self,
@@ -38,9 +44,16 @@ class AsyncStream(Protocol):
         error: str | None = None,
         delay_ms: int | None = None,
         terminal: bool = False,
+        *,
+        confirm: bool = False,
     ) -> None:
         """Settle as failed: retried after the backoff, or after exactly ``delay_ms`` (still an
-        attempt), or buried at once if ``terminal``."""
+        attempt), or buried at once if ``terminal``. ``confirm``: as for :meth:`ack`."""
+        ...
+
+    async def flush(self) -> list[tuple[Delivery, WqError]]:
+        """Wait for the broker's answer to every settlement sent so far; return the unconfirmed
+        acks and nacks it refused since the last flush, each with its error."""
         ...
 
     async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:

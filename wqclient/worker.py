@@ -151,6 +151,28 @@ class _Unary:
         return await self._client.extend(delivery, lease_ms)
 
 
+class _Confirmed:
+    """Settling on a stream, each ack and nack confirmed (its refusal is logged per task)."""
+
+    def __init__(self, stream: AsyncStream) -> None:
+        self._stream = stream
+
+    async def ack(self, delivery: Delivery) -> None:
+        await self._stream.ack(delivery, confirm=True)
+
+    async def nack(
+        self,
+        delivery: Delivery,
+        error: str | None = None,
+        delay_ms: int | None = None,
+        terminal: bool = False,
+    ) -> None:
+        await self._stream.nack(delivery, error, delay_ms, terminal, confirm=True)
+
+    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
+        return await self._stream.extend(delivery, lease_ms)
+
+
 @dataclass(slots=True)
 class _Lease:
     """One delivery's lease while its handler runs."""
@@ -350,9 +372,11 @@ class Worker:
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
+        settler = _Confirmed(stream)
+
         async def receive() -> WqError | None:
             async for delivery in stream:
-                task = asyncio.ensure_future(self._process(delivery, stream))
+                task = asyncio.ensure_future(self._process(delivery, settler))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             return None

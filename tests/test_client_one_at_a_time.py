@@ -1,6 +1,8 @@
-"""Concurrent one-task enqueues over gRPC go to the broker together (wqclient's coalescer), each
-caller keeping the answer its own call would have had. Real brokers, real clients; the calls the
-client makes are counted on its stub."""
+"""The library used one task at a time, over gRPC: concurrent one-task enqueues go to the broker
+together (wqclient's coalescer), each caller keeping the answer its own call would have had; a
+sequential stream loop's acks go out together, without a round trip each, and a caller who must
+know an ack landed still can. Real brokers, real clients; the calls the client makes are counted
+on its stub."""
 
 from __future__ import annotations
 
@@ -11,10 +13,20 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import running_broker
+from tests.helpers import running_broker, wait_until
 from wqbroker.broker import Broker
-from wqclient import AsyncClient, InvalidArgument, Overloaded, PayloadTooLarge, Unavailable
-from wqclient._grpc import GrpcTransport
+from wqclient import (
+    AsyncClient,
+    Client,
+    Delivery,
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    Overloaded,
+    PayloadTooLarge,
+    Unavailable,
+)
+from wqclient._grpc import GrpcStream, GrpcTransport
 
 
 @pytest.fixture
@@ -130,3 +142,98 @@ async def test_an_unreachable_broker_fails_every_caller() -> None:
             *(wq.enqueue({"i": i}) for i in range(10)), return_exceptions=True
         )
         assert all(isinstance(r, Unavailable) for r in results), results
+
+
+# -- acks on a stream ------------------------------------------------------------------------------
+
+
+def ack_requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Counts the stream requests that carry acks, and the acks in them."""
+    sent: Counter[str] = Counter()
+    flush = GrpcStream._flush
+
+    def counting(self: GrpcStream) -> None:
+        if self._acks:
+            sent["requests"] += 1
+            sent["acks"] += len(self._acks)
+        flush(self)
+
+    monkeypatch.setattr(GrpcStream, "_flush", counting)
+    return sent
+
+
+async def test_a_sequential_stream_loop_sends_its_acks_together(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sent = ack_requests(monkeypatch)
+    async with AsyncClient("grpc://" + broker.grpc_target) as wq:
+        await wq.enqueue_many([{"i": i} for i in range(300)])
+        stream = await wq.stream(prefetch=50)
+        seen = []
+        async for d in stream:
+            await stream.ack(d)
+            seen.append(d.task.payload["i"])
+            if len(seen) == 300:
+                break
+        assert await stream.flush() == []  # every ack answered, none refused
+        stats = await wq.stats()
+        assert (stats.totals.acked, stats.handed_out, stats.ready) == (300, 0, 0)
+        await stream.close()
+    assert sorted(seen) == list(range(300))
+    assert sent["acks"] == 300
+    assert sent["requests"] <= 300 // 10  # not one message per ack
+
+
+async def lost_lease(wq: AsyncClient) -> tuple[GrpcStream, Delivery]:
+    """A stream holding a delivery whose lease the broker has reclaimed."""
+    await wq.enqueue("slow")
+    stream = await wq.stream(prefetch=2, lease_ms=100)
+    assert isinstance(stream, GrpcStream)
+    stale = await anext(stream)
+    await wait_until(wq.stats, lambda s: s.totals.reclaimed >= 1, what="the lease to be reclaimed")
+    return stream, stale
+
+
+async def test_an_unconfirmed_ack_that_is_refused_is_logged_and_flushed(
+    broker: Broker, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with AsyncClient("grpc://" + broker.grpc_target) as wq:
+        stream, stale = await lost_lease(wq)
+        await stream.ack(stale)  # queued: no error here
+        refused = await stream.flush()
+        assert [(d.task.id, type(e)) for d, e in refused] in (
+            [(stale.task.id, LeaseLost)],
+            [(stale.task.id, NotFound)],
+        )
+        assert await stream.flush() == []  # handed over once
+        assert any(
+            stale.task.id in r.getMessage() and "refused" in r.getMessage() for r in caplog.records
+        )
+        await stream.close()
+
+
+async def test_a_confirmed_ack_raises_its_refusal(broker: Broker) -> None:
+    async with AsyncClient("grpc://" + broker.grpc_target) as wq:
+        stream, stale = await lost_lease(wq)
+        with pytest.raises((LeaseLost, NotFound)):
+            await stream.ack(stale, confirm=True)
+        with pytest.raises((LeaseLost, NotFound)):
+            await stream.nack(stale, "late", confirm=True)
+        assert await stream.flush() == []  # confirmed refusals were raised, not kept
+        await stream.close()
+
+
+async def test_the_blocking_stream_acks_without_a_round_trip_and_flushes(broker: Broker) -> None:
+    def scenario() -> None:
+        with Client("grpc://" + broker.grpc_target) as wq:
+            wq.enqueue_many([{"i": i} for i in range(20)])
+            stream = wq.stream(prefetch=20)
+            for n, d in enumerate(stream, 1):
+                stream.ack(d)
+                if n == 20:
+                    break
+            assert stream.flush() == []
+            assert wq.stats().totals.acked == 20
+            stream.close()
+
+    await asyncio.to_thread(scenario)
