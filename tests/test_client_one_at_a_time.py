@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.helpers import running_broker, wait_until
 from wqbroker.broker import Broker
@@ -24,9 +27,11 @@ from wqclient import (
     NotFound,
     Overloaded,
     PayloadTooLarge,
+    ProtocolError,
     Unavailable,
 )
-from wqclient._grpc import GrpcStream, GrpcTransport
+from wqclient._grpc import GrpcStream, GrpcTransport, _delivery, _Fields
+from wqclient.pb import broker_pb2 as pb
 
 
 @pytest.fixture
@@ -237,3 +242,55 @@ async def test_the_blocking_stream_acks_without_a_round_trip_and_flushes(broker:
             stream.close()
 
     await asyncio.to_thread(scenario)
+
+
+# -- reading deliveries ---------------------------------------------------------------------------
+
+
+@given(
+    last_error=st.none() | st.text(max_size=20),
+    queue=st.sampled_from(["", "default", "emails"]),
+    priority=st.integers(0, 9),
+    attempts=st.integers(0, 10**6),
+    seconds=st.integers(0, 4 * 10**9),
+    nanos=st.integers(0, 999_999_999),
+)
+def test_a_delivery_read_directly_is_the_one_the_generic_reader_makes(
+    last_error: str | None, queue: str, priority: int, attempts: int, seconds: int, nanos: int
+) -> None:
+    when = Timestamp(seconds=seconds, nanos=nanos)
+    task = pb.Task(
+        id="00ab",
+        payload=b'{"a": 1}',
+        attempts=attempts,
+        max_attempts=attempts + 1,
+        created_at=when,
+        available_at=when,
+        queue=queue,
+        priority=priority,
+    )
+    if last_error is not None:
+        task.last_error = last_error
+    d = pb.Delivery(task=task, lease_id="l1", deadline=when)
+    assert _delivery(d) == Delivery.from_mapping(_Fields(d))
+
+
+def test_a_delivery_missing_a_field_is_a_protocol_error() -> None:
+    when = Timestamp(seconds=1)
+    whole = pb.Delivery(
+        task=pb.Task(id="1", payload=b"1", created_at=when, available_at=when),
+        lease_id="l",
+        deadline=when,
+    )
+    cuts: list[Callable[[pb.Delivery], None]] = [
+        lambda d: d.ClearField("task"),
+        lambda d: d.ClearField("deadline"),
+        lambda d: d.task.ClearField("created_at"),
+        lambda d: d.task.ClearField("available_at"),
+    ]
+    for cut in cuts:
+        d = pb.Delivery()
+        d.CopyFrom(whole)
+        cut(d)
+        with pytest.raises(ProtocolError):
+            _delivery(d)

@@ -36,7 +36,15 @@ from wqclient.errors import (
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
-from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
+from wqclient.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    EnqueueItem,
+    QueueInfo,
+    Stats,
+    Task,
+)
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -113,7 +121,27 @@ class _Fields(Mapping[str, Any]):
 
 
 def _delivery(d: pb.Delivery) -> Delivery:
-    return Delivery.from_mapping(_Fields(d))
+    t = d.task
+    if not (
+        d.HasField("task")
+        and d.HasField("deadline")
+        and t.HasField("created_at")
+        and t.HasField("available_at")
+    ):
+        return Delivery.from_mapping(_Fields(d))  # (raises ProtocolError, naming what is missing)
+    # The fields read directly: a worker reads one of these per task.
+    task = Task(
+        t.id,
+        t.payload,
+        t.attempts,
+        t.max_attempts,
+        _ts(t.created_at),
+        _ts(t.available_at),
+        t.last_error if t.HasField("last_error") else None,
+        t.queue or DEFAULT_QUEUE,
+        t.priority,
+    )
+    return Delivery(task, d.lease_id, _ts(d.deadline))
 
 
 def _enqueue_request(item: EnqueueItem) -> pb.EnqueueRequest:
