@@ -1029,6 +1029,9 @@ class Session:
         self.received: list[pb.Delivery] = []
         self.settled: list[pb.Settled] = []
         self.sent = 0  # acks and nacks sent on the stream
+        # After a drain, the broker ends the call (OK) as soon as nothing it sent is unsettled,
+        # which may be before the requests that follow reach it.
+        self.drained = False
         self.reader = asyncio.create_task(self._read())
 
     async def _read(self) -> tuple[Code, str]:
@@ -1056,6 +1059,7 @@ class Session:
             await self.stub.Enqueue(pb.EnqueueRequest(payload=b'"more"'))
         elif name == "drain":
             await self.call.write(pb.StreamJobsRequest(drain=True))
+            self.drained = True
         elif name == "ack_unknown":
             await self.send(acks=[pb.AckRequest(id=a, lease_id=b)])
         elif name in ("ack", "nack", "ack_twice"):
@@ -1116,13 +1120,17 @@ async def test_random_stream_sessions(
     bad_open = (prefetch is not None and prefetch < 1) or (lease_ms is not None and lease_ms < 1)
     expected = Code.INVALID_ARGUMENT if bad_open else await session.run(actions, end)
     code, details = await asyncio.wait_for(session.reader, CALL_TIMEOUT)
+    if session.drained and expected == Code.INVALID_ARGUMENT and code == Code.OK:
+        expected = Code.OK  # drained and done before the second open came
     assert code == expected, (code, details)
     event(f"ended {code.name}, {len(session.received)} received, {session.sent} sent")
     if code == Code.INVALID_ARGUMENT:
         assert_refusal(code, details)
         assert "open" in details or "prefetch" in details or "lease_ms" in details
-    if code == Code.OK:
+    if code == Code.OK and not session.drained:
         assert len(session.settled) == session.sent
+    if code == Code.OK:  # (drained: what came after the end was not read)
+        assert len(session.settled) <= session.sent
     await wait_until(
         lambda: stub.Stats(pb.StatsRequest()),
         lambda s: s.handed_out == 0,
