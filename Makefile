@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 
-.PHONY: install run worker producer test lint format bench beanstalkd clean proto proto-check node-deps
+.PHONY: install run worker producer test lint format bench beanstalkd clean proto proto-check node-deps browser screenshot
 
 install: $(STAMP)
 
@@ -54,6 +54,18 @@ bench: install beanstalkd
 # beanstalkd, a peer the bench compares wq with (Debian's package; skipped when it cannot be had).
 beanstalkd:
 	@command -v beanstalkd >/dev/null || (test "$$(id -u)" = 0 && apt-get install -y -q beanstalkd >/dev/null) || echo "beanstalkd not installed: the bench skips it"
+
+# Chromium from Debian's packages, for the dashboard's browser tests (tests/test_ui.py, driven by
+# Playwright; without it they skip, or fail when CI is set). Installed as root; else says how.
+CHROMIUM := /usr/bin/chromium
+browser:
+	@test -x $(CHROMIUM) || test "$$(id -u)" != 0 || \
+		(apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null)
+	@test -x $(CHROMIUM) || (echo "no $(CHROMIUM): run 'sudo apt-get install chromium' (the dashboard's browser tests skip without it)"; exit 1)
+
+# Redraw docs/dashboard.png (the README's screenshot) with the overview test, in Chromium.
+screenshot: install browser
+	WQ_DOCS_SCREENSHOT=1 $(PY) -m pytest -q tests/test_ui.py -k overview
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules

@@ -275,7 +275,7 @@ def test_every_grpc_method_has_a_rule() -> None:
 
 def test_a_route_no_rule_names_is_for_admins_only() -> None:
     assert UNLISTED == "admin"
-    assert http_rule("GET", "/metrics") == "admin"
+    assert http_rule("GET", "/something-new") == "admin"
     assert grpc_rule("/wq.v1.Broker/SomethingNew") == "admin"
 
 
@@ -334,7 +334,8 @@ class HttpCall:
         if "{name}" in self.route:
             return self.route.replace("{name}", "mail")
         if "{id}" not in self.route:
-            return {"/jobs/next": "/jobs/next?wait_ms=0"}.get(self.route, self.route)
+            concrete = {"/jobs/next": "/jobs/next?wait_ms=0", "/ui/{file}": "/ui/app.js"}
+            return concrete.get(self.route, self.route)
         if self.route.startswith("/dlq/"):
             return self.route.replace("{id}", await _dead(root))
         task_id, lease_id = await _held(root)
@@ -357,6 +358,11 @@ HTTP_CALLS = [
     HttpCall("POST", "/queues/{name}/pause", 204),
     HttpCall("POST", "/queues/{name}/resume", 204),
     HttpCall("GET", "/healthz", 200),
+    HttpCall("GET", "/metrics", 200),
+    HttpCall("GET", "/ui", 200),
+    HttpCall("GET", "/ui/", 200),
+    HttpCall("GET", "/ui/{file}", 200),
+    HttpCall("GET", "/openapi.json", 200),
 ]
 
 

@@ -112,11 +112,12 @@ async def test_bad_queue_and_priority_are_the_brokers_invalid_argument(
 
 
 async def test_pause_resume_and_the_queue_list(client: AsyncClient) -> None:
-    await client.enqueue("a", queue="jobs")
+    task_id = await client.enqueue("a", queue="jobs")
     await client.pause("jobs")
     assert await client.claim(wait_ms=0, queues="jobs") is None
     rows = {q.name: q for q in await client.queues()}
-    assert rows["jobs"] == QueueInfo("jobs", ready=1, paused=True)
+    ready_at = (await client.get_task(task_id)).available_at
+    assert rows["jobs"] == QueueInfo("jobs", ready=1, paused=True, oldest_ready_at=ready_at)
     await client.resume("jobs")
     delivery = await claimed(client, queues="jobs")
     assert {q.name: q for q in await client.queues()}["jobs"] == QueueInfo("jobs", handed_out=1)

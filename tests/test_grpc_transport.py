@@ -145,14 +145,15 @@ async def test_get_task(transport: GrpcTransport) -> None:
 
 
 async def test_stats_queues_pause_and_resume(transport: GrpcTransport) -> None:
-    await transport.enqueue(b"1", None, None, queue="a")
-    await transport.enqueue(b"1", None, None, queue="b")
+    a = await transport.enqueue(b"1", None, None, queue="a")
+    b = await transport.enqueue(b"1", None, None, queue="b")
     await transport.enqueue(b"1", None, 5000, queue="b")
     await transport.pause("a")
     assert await transport.claim(0, None, ["a"]) is None
+    a_at, b_at = [(await transport.get_task(t)).available_at for t in (a, b)]
     assert await transport.queues() == [
-        QueueInfo("a", ready=1, paused=True),
-        QueueInfo("b", ready=1, delayed=1),
+        QueueInfo("a", ready=1, paused=True, oldest_ready_at=a_at),
+        QueueInfo("b", ready=1, delayed=1, oldest_ready_at=b_at),
     ]
     assert (await transport.stats("b")).delayed == 1
     assert (await transport.stats()).ready == 2

@@ -33,7 +33,7 @@ SPEC_TOTALS = [
     "buried",
     "requeued",
 ]
-QUEUE_ROW = ["name", "ready", "handed_out", "delayed", "dead", "paused"]
+QUEUE_ROW = ["name", "ready", "handed_out", "delayed", "dead", "paused", "oldest_ready_at"]
 
 
 @pytest.fixture
@@ -205,7 +205,7 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
     assert status == 200
     assert isinstance(body, list)
     await bury(http, "zeta")
-    await put(http, 1, queue="zeta")
+    ready_id = await put(http, 1, queue="zeta")
     await put(http, 2, queue="alpha")
     await put(http, 3, queue="alpha", delay_ms=5000)
     await take(http, "queue=alpha")
@@ -221,7 +221,9 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
         "delayed": 1,
         "dead": 0,
         "paused": False,
+        "oldest_ready_at": None,  # nothing ready
     }
+    _, ready = await http.request("GET", f"/jobs/{ready_id}")
     assert rows["zeta"] == {
         "name": "zeta",
         "ready": 1,
@@ -229,6 +231,7 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
         "delayed": 0,
         "dead": 1,
         "paused": False,
+        "oldest_ready_at": ready["available_at"],
     }
 
 
@@ -342,6 +345,7 @@ async def test_pause_and_resume_are_idempotent_and_create_an_unknown_queue(http:
         "delayed": 0,
         "dead": 0,
         "paused": True,
+        "oldest_ready_at": None,
     } in rows
     for _ in range(2):
         assert (await http.request("POST", "/queues/fresh/resume"))[0] == 204

@@ -1039,6 +1039,41 @@ async def test_queue_rows_are_every_queue_known_by_name(store: Store) -> None:
     assert [r.name for r in await store.queues()] == ["alpha", DEFAULT_QUEUE, "paused-only", "zeta"]
 
 
+async def oldest_ready(store: Store) -> dict[str, float | None]:
+    """Each queue's oldest ready time, from queue_report (checked against stats and queues)."""
+    reports = await store.queue_report()
+    assert [r.queue for r in reports] == await store.queues()
+    for r in reports:
+        assert r.totals == (await store.stats(r.queue.name)).totals, r
+    return {r.queue.name: r.oldest_ready for r in reports}
+
+
+async def test_queue_report_has_the_oldest_ready_task_of_each_queue(store: Store) -> None:
+    assert await store.queue_report() == []
+    a = [await enqueue(store, queue="a", now=NOW + i) for i in range(3)]
+    # Past three ready tasks an SQLite store in the tests keeps the rest cold (ids only): "b"
+    # has a lane whose head is cold.
+    await enqueue(store, queue="b", priority=5, now=NOW + 3)
+    await enqueue(store, queue="b", now=NOW + 4)
+    await enqueue(store, queue="c", delay=5.0, now=NOW)
+    await enqueue(store, queue="p", now=NOW - 10)
+    await store.set_paused("p", True)  # paused: its tasks still wait, and age
+    assert await oldest_ready(store) == {"a": NOW, "b": NOW + 3, "c": None, "p": NOW - 10}
+    first = await claim_from(store, ["a"], now=NOW + 5)
+    assert first is not None
+    assert first.task.id == a[0]
+    await enqueue(store, queue="a", priority=9, now=NOW + 7)  # a newer head, of another lane
+    assert (await oldest_ready(store))["a"] == NOW + 1
+    assert await store.release(first.task.id, first.lease_id)  # back to the head of its lane
+    assert (await oldest_ready(store))["a"] == NOW
+    for _ in range(5):  # every ready task of "a" and "b"
+        d = await claim_from(store, ["a", "b"], now=NOW + 8)
+        assert d is not None
+        await store.ack(d.task.id, d.lease_id, now=NOW + 8)
+    await store.sweep(now=NOW + 6)  # "c"'s delayed task is ready since NOW + 5
+    assert await oldest_ready(store) == {"a": None, "b": NOW + 4, "c": NOW + 5, "p": NOW - 10}
+
+
 async def test_a_paused_queue_takes_tasks_but_hands_none_out(store: Store) -> None:
     await store.set_paused("a", True)
     a = [await enqueue(store, queue="a", now=NOW + i) for i in range(4)]

@@ -26,7 +26,14 @@ from wqbroker.limits import (
     dedup_window_seconds,
 )
 from wqbroker.store.postgres import redact
-from wqclient.flags import Flag, FlagParser, non_negative_int, positive_int
+from wqclient.flags import (
+    LOG_FORMATS,
+    Flag,
+    FlagParser,
+    non_negative_int,
+    positive_int,
+    setup_logging,
+)
 
 log = logging.getLogger("wqbroker")
 
@@ -141,7 +148,14 @@ FLAGS: tuple[Flag, ...] = (
         choices=("uvloop", "asyncio"),
         help="event loop implementation",
     ),
-    Flag("access-log", default=False, help="log every HTTP request"),
+    Flag(
+        "log-format",
+        default="text",
+        choices=LOG_FORMATS,
+        help="text: a line per record; json: one JSON object per line (level, time, message, "
+        "logger and the record's fields: task_id, queue ...)",
+    ),
+    Flag("access-log", default=False, help="log every HTTP request (JSON with -log-format json)"),
     Flag(
         "max-tasks",
         default=DEFAULT_MAX_TASKS,
@@ -176,7 +190,12 @@ FLAGS: tuple[Flag, ...] = (
         default="",
         metavar="PATH",
         help="require bearer tokens: a file of lines TOKEN SCOPE[,SCOPE...] (scopes produce, "
-        "consume, admin), read again on SIGHUP; unset, no token is needed",
+        "consume, admin, metrics), read again on SIGHUP; unset, no token is needed",
+    ),
+    Flag(
+        "metrics-public",
+        default=False,
+        help="GET /metrics needs no token even with -token-file (else: the metrics scope)",
     ),
     Flag(
         "tls-cert",
@@ -193,6 +212,7 @@ def build_parser() -> FlagParser:
         "wqbroker",
         "wq job-queue broker: the HTTP/JSON API of the worker-queue spec, and gRPC.",
         FLAGS,
+        env_prefix="WQ_",
     )
 
 
@@ -226,6 +246,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         max_waiters=args.max_waiters,
         dedup_window=dedup_window_seconds(args.dedup_window_ms),
         token_file=args.token_file or None,
+        metrics_public=args.metrics_public,
         tls_cert=args.tls_cert or None,
         tls_key=args.tls_key or None,
     )
@@ -272,10 +293,10 @@ def run(main: Coroutine[Any, Any, None], loop: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(
-        level=getattr(logging, args.log_level.upper()),
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-        stream=sys.stderr,
+    setup_logging(
+        getattr(logging, args.log_level.upper()),
+        args.log_format,
+        "%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
         run(serve(config_from_args(args)), args.loop)

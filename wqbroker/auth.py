@@ -87,6 +87,8 @@ SCOPES: Final[Mapping[str, Routes]] = {
             _BROKER + "ResumeQueue",
         ),
     ),
+    # Prometheus scrapes (the broker's -metrics-public opens it to callers without a token).
+    "metrics": Routes(http=("GET /metrics",)),
 }
 
 # Routes open to any valid token, whatever its scopes. Reflection describes the API only (the
@@ -104,9 +106,11 @@ ANY_TOKEN: Final = Routes(
     ),
 )
 
-# Routes open without a token: liveness probes must work without credentials.
+# Routes open without a token: liveness probes must work without credentials, and the API's
+# description (GET /openapi.json) is public, as the .proto is. The dashboard's static files
+# (GET /ui...) hold no data: every call the page makes carries the token the user entered.
 NO_TOKEN: Final = Routes(
-    http=("GET /healthz",),
+    http=("GET /healthz", "GET /openapi.json", "GET /ui", "GET /ui/", "GET /ui/{file}"),
     grpc=(
         "/grpc.health.v1.Health/Check",
         "/grpc.health.v1.Health/Watch",

@@ -32,6 +32,7 @@ from wqbroker.limits import (
     DEFAULT_POLL_INTERVAL,
     DEFAULT_SWEEP_INTERVAL,
 )
+from wqbroker.metrics import Metrics
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
@@ -104,6 +105,7 @@ class Config:
     # Seconds an idempotency key is remembered (-dedup-window-ms; five minutes, as SQS FIFO's).
     dedup_window: float = DEFAULT_DEDUP_WINDOW_MS / 1000
     token_file: str | None = None  # bearer tokens and their scopes (wqbroker.auth); None: none
+    metrics_public: bool = False  # GET /metrics needs no token (else the metrics scope)
     tls_cert: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS (with tls_key)
     tls_key: str | None = None
 
@@ -154,6 +156,7 @@ class Broker:
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
         self.tokens: Tokens | None = None  # the token file's tokens (reload() on SIGHUP)
+        self.metrics = Metrics(self.clock)  # this broker's registry (GET /metrics)
         self._tls: ServerTLS | None = None
         self.http_addresses: list[str] = []
         self.grpc_addresses: list[str] = []
@@ -200,7 +203,7 @@ class Broker:
             backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
             self._store = await open_store(config, backoff, self._rng, self.clock)
         self._service = Service(
-            self._store,
+            self.metrics.metered(self._store),
             self.clock,
             sweep_interval=config.sweep_interval,
             poll_interval=config.poll_interval,
@@ -210,6 +213,7 @@ class Broker:
             max_waiters=config.max_waiters,
             dedup_window=config.dedup_window,
         )
+        self.metrics.watch(self._service)
         await self._service.start()
         try:
             if http_at is not None:
@@ -227,6 +231,8 @@ class Broker:
             max_body=config.max_body,
             read_body_timeout=config.read_body_timeout,
             tokens=self.tokens,
+            metrics=self.metrics,
+            metrics_public=config.metrics_public,
         )
         runner = make_runner(
             app,
@@ -247,7 +253,9 @@ class Broker:
         self.http_addresses = [format_addr(a) for a in runner.addresses]
 
     async def _start_grpc(self, host: str | None, port: int) -> None:
-        interceptors = [AuthInterceptor(self.tokens)] if self.tokens is not None else []
+        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [self.metrics.interceptor()]
+        if self.tokens is not None:
+            interceptors.append(AuthInterceptor(self.tokens))  # (inside: refusals are counted)
         server, self._health = create_server(self.service, interceptors)
         self._grpc = server
         bind_host = "[::]" if host is None else (f"[{host}]" if ":" in host else host)

@@ -43,6 +43,16 @@ Queues = tuple[str, ...]  # the queues a consumer takes from, in order of prefer
 _DEFAULT_QUEUES: Final[Queues] = (DEFAULT_QUEUE,)
 
 
+def _fields(delivery: Delivery, outcome: str) -> dict[str, object]:
+    """The fields of a log record about a delivery (``-log-format json`` shows them; never the
+    lease id: it would let a reader of the log settle the task)."""
+    return {
+        "task_id": delivery.task.id,
+        "queue": delivery.task.queue,
+        "outcome": outcome,
+    }
+
+
 class Consumer:
     """Something waiting for deliveries."""
 
@@ -244,6 +254,16 @@ class Dispatcher:
         """Consumers with room waiting for a task (long-pollers and streams)."""
         return sum(len(line) for line in self._lines.values())
 
+    @property
+    def parked(self) -> int:
+        """Long-polling claims waiting now."""
+        return self._parked
+
+    @property
+    def streams(self) -> int:
+        """Streams open now."""
+        return len(self._streams)
+
     def holder(self, lease_id: str) -> Stream | None:
         """The stream holding ``lease_id``, if a stream does."""
         return self._stream_leases.get(lease_id)
@@ -348,7 +368,12 @@ class Dispatcher:
             self.give_back_later(delivery)
             raise
         except Exception as e:
-            log.debug("task %s could not be handed over (%r)", delivery.task.id, e)
+            log.debug(
+                "task %s could not be handed over (%r)",
+                delivery.task.id,
+                e,
+                extra=_fields(delivery, "handed_back"),
+            )
             self.give_back_later(delivery)
             return None
         return delivery
@@ -379,7 +404,11 @@ class Dispatcher:
             stream.finished(delivery.lease_id)
         if not await self._store.release(delivery.task.id, delivery.lease_id):
             return False
-        log.debug("task %s handed back: its consumer went away", delivery.task.id)
+        log.debug(
+            "task %s handed back: its consumer went away",
+            delivery.task.id,
+            extra=_fields(delivery, "released"),
+        )
         if stream is not None:
             self._freed(stream)
         if pump:
@@ -395,7 +424,12 @@ class Dispatcher:
         try:
             await self.give_back(delivery)
         except WqError as e:  # the store failed: the lease runs out instead
-            log.warning("could not hand back task %s: %s", delivery.task.id, e.message)
+            log.warning(
+                "could not hand back task %s: %s",
+                delivery.task.id,
+                e.message,
+                extra=_fields(delivery, "release_failed"),
+            )
 
     # -- streams -----------------------------------------------------------------------------
 

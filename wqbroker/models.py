@@ -121,6 +121,17 @@ class QueueStats:
 
 
 @dataclass(slots=True)
+class QueueReport:
+    """One queue as monitoring sees it: its gauges, its totals, and when the oldest ready task at
+    the head of its priority lanes became ready (``available_at``, epoch seconds; None: nothing
+    is ready)."""
+
+    queue: QueueStats
+    totals: Totals
+    oldest_ready: float | None = None
+
+
+@dataclass(slots=True)
 class NackItem:
     """A checked nack: ``delay`` (seconds) replaces the backoff; ``terminal`` buries at once."""
 

@@ -33,6 +33,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    QueueReport,
     QueueStats,
     Stats,
     Task,
@@ -114,6 +115,16 @@ class Service:
     def waiting(self) -> int:
         """Consumers with room waiting for a task (long-pollers and streams)."""
         return self._dispatch.waiting
+
+    @property
+    def parked_polls(self) -> int:
+        """Long-polling claims waiting now."""
+        return self._dispatch.parked
+
+    @property
+    def open_streams(self) -> int:
+        """Task streams open now."""
+        return self._dispatch.streams
 
     async def start(self) -> None:
         self._sweeper.start()
@@ -390,6 +401,10 @@ class Service:
 
     async def queues(self) -> list[QueueStats]:
         return await self._store.queues()
+
+    async def queue_report(self) -> list[QueueReport]:
+        """Every queue with its gauges, totals and oldest ready task (for monitoring)."""
+        return await self._store.queue_report()
 
     async def dead_letters(
         self, limit: object | None = None, *, queue: object | None = None

@@ -1,6 +1,9 @@
-"""``python -m wqclient``: points at the two commands."""
+"""``python -m wqclient``: points at the commands."""
 
 import sys
 
-print("use `python -m wqclient.worker` (wq-worker) or `python -m wqclient.producer` (wq-producer)")
+print(
+    "use `python -m wqclient.worker` (wq-worker), `python -m wqclient.producer` (wq-producer) "
+    "or `python -m wqclient.admin` (wq)"
+)
 sys.exit(2)

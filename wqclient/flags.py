@@ -6,17 +6,25 @@ exactly (``-nope``, or an abbreviation such as ``-add`` for ``-addr``) is an err
 Any error is one line on stderr, ``prog: message``, and exit status 2; ``-h``, ``-help`` and
 ``--help`` print the usage and exit 0.
 
+The logging convention too: ``-log-format text|json`` (:func:`setup_logging`, and
+:class:`JsonFormatter` for one JSON object a line).
+
 ``wqbroker`` may import this module (as it imports ``wqclient.pb``): it holds no client code.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import logging
+import os
 import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
-from typing import Any, NoReturn
+from datetime import UTC, datetime
+from typing import Any, Final, NoReturn
 
 _NUMBER = re.compile(r"^-\d+(\.\d*)?$")
 
@@ -45,20 +53,49 @@ class Flag:
 
 
 class FlagParser(argparse.ArgumentParser):
-    """argparse with Go's strictness about flag names and a one-line error."""
+    """argparse with Go's strictness about flag names and a one-line error.
 
-    def __init__(self, prog: str, description: str, flags: Sequence[Flag] = ()) -> None:
+    With ``env_prefix`` (``"WQ_"``), every flag added with :meth:`add_flag` can also be set from
+    the environment: ``WQ_`` + its name in capitals with ``-`` as ``_`` (``-grpc-addr``:
+    ``WQ_GRPC_ADDR``). A flag on the command line wins over its variable; an empty variable is
+    unset; a bad value is the same one-line error as a bad flag, naming the variable."""
+
+    def __init__(
+        self,
+        prog: str,
+        description: str,
+        flags: Sequence[Flag] = (),
+        *,
+        env_prefix: str | None = None,
+    ) -> None:
+        if env_prefix is not None:
+            description += (
+                f" Every flag can also be set from the environment: {env_prefix} + its name in "
+                f"capitals, - as _ (as shown after each flag); a flag given wins."
+            )
         super().__init__(prog=prog, description=description, add_help=False, allow_abbrev=False)
+        self.env_prefix = env_prefix
+        self._from_env: list[tuple[str, Flag]] = []  # (variable, flag)
         self.add_argument(
             "-h", "-help", "--help", action="help", help="show this help message and exit"
         )
         for flag in flags:
             self.add_flag(flag)
 
+    def env_var(self, flag: Flag) -> str | None:
+        """The environment variable that sets ``flag`` (None without an ``env_prefix``)."""
+        if self.env_prefix is None:
+            return None
+        return self.env_prefix + flag.dest.upper()
+
     def add_flag(self, flag: Flag) -> None:
         names = (f"-{flag.name}", f"--{flag.name}")
         unset = flag.default is False or flag.default == ""
         text = flag.help if unset else f"{flag.help} (default {flag.default})"
+        var = self.env_var(flag)
+        if var is not None:
+            self._from_env.append((var, flag))
+            text += f" [${var}]"
         text = text.replace("%", "%%")  # argparse %-formats help texts
         if isinstance(flag.default, bool):
             self.add_argument(
@@ -97,7 +134,25 @@ class FlagParser(argparse.ArgumentParser):
                 if name not in known:
                     self.error(f"flag provided but not defined: {name}")
         parsed: argparse.Namespace = super().parse_args(argv, namespace)
+        given = {arg.split("=", 1)[0] for arg in itertools.takewhile(lambda a: a != "--", argv)}
+        for var, flag in self._from_env:
+            text = os.environ.get(var, "")
+            if text.strip() and not given & {f"-{flag.name}", f"--{flag.name}"}:
+                setattr(parsed, flag.dest, self._env_value(var, flag, text))
         return parsed
+
+    def _env_value(self, var: str, flag: Flag, text: str) -> Any:
+        """The value of ``flag`` from variable ``var``; a bad one exits as a bad flag does."""
+        if flag.choices is not None and text not in flag.choices:
+            choices = ", ".join(repr(c) for c in flag.choices)
+            self.error(
+                f"environment variable {var}: invalid choice: {text!r} (choose from {choices})"
+            )
+        parse = flag.parse or (bool_flag if isinstance(flag.default, bool) else str)
+        try:
+            return parse(text)
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            self.error(f"environment variable {var}: {e}")
 
     def error(self, message: str) -> NoReturn:
         """One line, ``prog: message``, and exit status 2 (argparse would print the usage too)."""
@@ -148,3 +203,45 @@ def bool_flag(text: str) -> bool:
     if lowered in ("0", "f", "false", "no", "off"):
         return False
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
+
+
+# -- logging: -log-format ---------------------------------------------------------------------
+
+LOG_FORMATS: Final = ("text", "json")
+
+# What every LogRecord has: anything else on a record was passed with ``extra=``.
+_RECORD_FIELDS: Final = frozenset(
+    vars(logging.LogRecord("", 0, "", 0, "", (), None)).keys() | {"message", "asctime", "taskName"}
+)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``time`` (RFC 3339, UTC), ``level``, ``logger``, ``message``, then
+    every field the call passed with ``extra=`` (``task_id``, ``queue``, ``outcome`` ...), and
+    ``exception`` (its traceback) if there is one. Values JSON cannot hold are given as text."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        when = datetime.fromtimestamp(record.created, UTC)
+        out: dict[str, Any] = {
+            "time": when.isoformat(timespec="microseconds").replace("+00:00", "Z"),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        for key, value in vars(record).items():
+            if key not in _RECORD_FIELDS and not key.startswith("_"):
+                out.setdefault(key, value)
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        elif record.exc_text:
+            out["exception"] = record.exc_text
+        return json.dumps(out, ensure_ascii=False, default=str)
+
+
+def setup_logging(level: int, log_format: str, text_format: str) -> None:
+    """Log to stderr at ``level``: lines of ``text_format`` (``-log-format text``), or JSON
+    objects (``-log-format json``: :class:`JsonFormatter`)."""
+    handler = logging.StreamHandler(sys.stderr)
+    formatter = JsonFormatter() if log_format == "json" else logging.Formatter(text_format)
+    handler.setFormatter(formatter)
+    logging.basicConfig(level=level, handlers=[handler])

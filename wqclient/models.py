@@ -165,21 +165,27 @@ class QueueInfo:
     delayed: int = 0
     dead: int = 0
     paused: bool = False
+    # When the oldest ready task (at the head of a priority lane) became ready; None: none is
+    # ready (or a broker too old to say).
+    oldest_ready_at: datetime | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> QueueInfo:
-        """A queue from the wire's fields: ``name``, the four gauges (absent counts 0) and
-        ``paused`` (absent: false). Raises ProtocolError if one is unreadable."""
+        """A queue from the wire's fields: ``name``, the four gauges (absent counts 0),
+        ``paused`` (absent: false) and ``oldest_ready_at`` (absent or null: None). Raises
+        ProtocolError if one is unreadable."""
         try:
             name = data["name"]
             if not isinstance(name, str):
                 raise TypeError(f"name is a {type(name).__name__}")
-            gauges = {
-                f.name: int(data.get(f.name, 0))
-                for f in fields(cls)
-                if f.name not in ("name", "paused")
-            }
-            return cls(name=name, paused=bool(data.get("paused", False)), **gauges)
+            gauges = {f: int(data.get(f, 0)) for f in ("ready", "handed_out", "delayed", "dead")}
+            oldest = data.get("oldest_ready_at")
+            return cls(
+                name=name,
+                paused=bool(data.get("paused", False)),
+                oldest_ready_at=None if oldest is None else _when(oldest),
+                **gauges,
+            )
         except _UNREADABLE as e:
             raise _unreadable("a queue", e) from None
 

@@ -11,10 +11,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import sys
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, TextIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    ProgressColumn,
+    TaskProgressColumn,
+    TextColumn,
+)
+from rich.progress import Progress as RichProgress
+from rich.progress import Task as RichTask
+from rich.text import Text
 
 from wqclient.client import AsyncClient
 from wqclient.errors import Overloaded, PermissionDenied, Unauthenticated, WqError
@@ -102,33 +116,74 @@ def key_for(key: str, i: int, n: int) -> str | None:
     return key if n == 1 else f"{key}-{i}"
 
 
+class _Rate(ProgressColumn):
+    """Tasks a second: while it runs (rich's estimate), then over the whole run."""
+
+    def render(self, task: RichTask) -> Text:
+        speed = task.finished_speed or task.speed
+        if speed is None:
+            return Text("- tasks/s", style="progress.data.speed")
+        return Text(f"{speed:,.0f} tasks/s", style="progress.data.speed")
+
+
+class _Eta(ProgressColumn):
+    """The time left while it runs (``ETA 0:00:04``), the time taken once done."""
+
+    def render(self, task: RichTask) -> Text:
+        if task.finished:
+            took = task.finished_time or 0.0
+            text = f"{took:.1f}s" if took < 60 else str(timedelta(seconds=round(took)))
+            return Text(f"in {text}", style="progress.elapsed")
+        left = task.time_remaining
+        text = "-:--:--" if left is None else str(timedelta(seconds=math.ceil(left)))
+        return Text(f"ETA {text}", style="progress.remaining")
+
+
 class Progress:
-    """A one-line progress bar, drawn only on a terminal."""
+    """A progress bar (rich.progress) with the count, the rate and the time left, drawn only
+    when ``out`` is a terminal; elsewhere it does nothing."""
 
     def __init__(self, total: int, out: TextIO) -> None:
         self.total = total
         self.out = out
         self.enabled = out.isatty()
-        self._last = 0.0
+        self._bar: RichProgress | None = None
+        if self.enabled:
+            self._bar = RichProgress(
+                TextColumn("enqueueing"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TaskProgressColumn(),
+                _Rate(),
+                _Eta(),
+                TextColumn("{task.fields[failed]}", style="red"),
+                console=Console(file=out, highlight=False),
+                refresh_per_second=10,
+            )
+            self._task = self._bar.add_task("enqueue", total=total, failed="")
+            self._bar.start()
 
     def update(self, done: int, failed: int, force: bool = False) -> None:
-        if not self.enabled:
+        if self._bar is None:
             return
-        now = time.monotonic()
-        if not force and now - self._last < 0.05:
-            return
-        self._last = now
-        width = 30
-        filled = width * done // self.total
-        bar = "#" * filled + "-" * (width - filled)
-        tail = f" ({failed} failed)" if failed else ""
-        self.out.write(f"\r[{bar}] {done}/{self.total}{tail}")
-        self.out.flush()
+        self._bar.update(
+            self._task,
+            completed=done,
+            failed=f"{failed} failed" if failed else "",
+            refresh=force,
+        )
+
+    def say(self, line: str) -> None:
+        """A line for the user: above the bar while it is drawn, else on ``out``."""
+        if self._bar is not None:
+            self._bar.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, file=self.out)
 
     def finish(self) -> None:
-        if self.enabled:
-            self.out.write("\n")
-            self.out.flush()
+        if self._bar is not None:
+            self._bar.stop()
+            self._bar = None
 
 
 def payload_for(i: int, n: int, fail: bool) -> dict[str, Any]:
@@ -171,7 +226,7 @@ class _Run:
             except Overloaded as e:
                 if not self.told_busy:
                     self.told_busy = True
-                    print(f"wq-producer: {e.message} (waiting, then retrying)", file=self.err)
+                    self.progress.say(f"wq-producer: {e.message} (waiting, then retrying)")
                 await asyncio.sleep(e.retry_after)
 
     async def post(self) -> None:
@@ -226,6 +281,9 @@ async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     started = time.monotonic()
     try:
         await asyncio.gather(*(run.post() for _ in range(min(args.concurrency, args.n))))
+    except BaseException:
+        run.progress.finish()  # give the terminal its cursor back
+        raise
     finally:
         await client.close()
     return run.report(time.monotonic() - started, out)

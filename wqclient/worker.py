@@ -50,7 +50,14 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.flags import FlagParser, bool_flag, positive_int, queue_list
+from wqclient.flags import (
+    LOG_FORMATS,
+    FlagParser,
+    bool_flag,
+    positive_int,
+    queue_list,
+    setup_logging,
+)
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS, MAX_LEASE_MS
 from wqclient.models import DEFAULT_QUEUE, Delivery, Task
 from wqclient.transport import AsyncStream
@@ -110,6 +117,17 @@ def describe(error: BaseException) -> str:
     if isinstance(error, (TaskFailed, Retry, Fail)) and text:
         return text
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _fields(task: Task, outcome: str) -> dict[str, object]:
+    """The fields of a log record about a task (``-log-format json`` shows them)."""
+    return {
+        "task_id": task.id,
+        "queue": task.queue,
+        "attempts": task.attempts,
+        "max_attempts": task.max_attempts,
+        "outcome": outcome,
+    }
 
 
 class _Settler(Protocol):
@@ -419,12 +437,18 @@ class Worker:
                 keeper.cancel()  # it is asleep: an extension on its way is let finish
             [kept] = await asyncio.gather(keeper, return_exceptions=True)
             if isinstance(kept, Exception):
-                log.error("task %s: extending its lease failed: %r", delivery.task.id, kept)
+                log.error(
+                    "task %s: extending its lease failed: %r",
+                    delivery.task.id,
+                    kept,
+                    extra=_fields(delivery.task, "extend_failed"),
+                )
         if lease.lost:
             self.discarded += 1
             log.warning(
                 "task %s: its lease was lost while the handler ran; the result is discarded",
                 delivery.task.id,
+                extra=_fields(delivery.task, "discarded"),
             )
             return
         if error is None:
@@ -454,10 +478,18 @@ class Worker:
         delay_ms = error.delay_ms if isinstance(error, Retry) else None
         terminal = isinstance(error, Fail)
         if terminal:
-            log.warning("task %s failed for good: %s", task.id, message)
+            log.warning(
+                "task %s failed for good: %s", task.id, message, extra=_fields(task, "fail")
+            )
         elif isinstance(error, Retry):
             when = "after the backoff" if delay_ms is None else f"in {delay_ms} ms"
-            log.info("task %s: retry %s asked for: %s", task.id, when, message)
+            log.info(
+                "task %s: retry %s asked for: %s",
+                task.id,
+                when,
+                message,
+                extra=_fields(task, "retry"),
+            )
         else:
             log.warning(
                 "task %s failed (attempt %d of %d): %s",
@@ -465,6 +497,7 @@ class Worker:
                 task.attempts,
                 task.max_attempts,
                 message,
+                extra=_fields(task, "nack"),
             )
         if delay_ms is None and not terminal:
             await self._settle(delivery, lease, lambda: settler.nack(delivery, message))
@@ -481,6 +514,7 @@ class Worker:
                     "task %s: the broker refused the nack's options (%s); nacking plainly",
                     task.id,
                     e.message,
+                    extra=_fields(task, "nack"),
                 )
                 await settler.nack(delivery, message)
 
@@ -506,6 +540,7 @@ class Worker:
                     "result will be discarded",
                     delivery.task.id,
                     e.message,
+                    extra=_fields(delivery.task, "lease_lost"),
                 )
                 return
             except WqError as e:
@@ -526,6 +561,7 @@ class Worker:
             type(error).__name__,
             error.message,
             wait,
+            extra=_fields(delivery.task, "extend_retry"),
         )
         return wait
 
@@ -543,6 +579,7 @@ class Worker:
                     "task %s: the stream ended before its outcome was sent; the broker has "
                     "taken it back and will retry it",
                     delivery.task.id,
+                    extra=_fields(delivery.task, "stream_ended"),
                 )
                 return
             except (LeaseLost, NotFound) as e:
@@ -550,6 +587,7 @@ class Worker:
                     "task %s: lease no longer valid (%s); it may run again elsewhere",
                     delivery.task.id,
                     e.message,
+                    extra=_fields(delivery.task, "lease_lost"),
                 )
                 return
             except _REFUSED as e:
@@ -561,6 +599,7 @@ class Worker:
                         "task %s: could not report to the broker before the lease ran out (%s)",
                         delivery.task.id,
                         e.message,
+                        extra=_fields(delivery.task, "unreported"),
                     )
                     return
                 await asyncio.sleep(min(_BACKOFF_MAX, _BACKOFF_START * 2**attempt))
@@ -672,6 +711,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_auth_flags(p)
     p.add_argument(
+        "-log-format",
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text: a line per record; json: one JSON object per line (level, time, message, "
+        "logger and the record's fields: task_id, queue, outcome ...) (default text)",
+    )
+    p.add_argument(
         "-quiet",
         "--quiet",
         type=bool_flag,
@@ -728,10 +775,10 @@ async def _main(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(
-        level=logging.WARNING if args.quiet else logging.INFO,
-        format="%(asctime)s wq-worker %(levelname)s %(message)s",
-        stream=sys.stderr,
+    setup_logging(
+        logging.WARNING if args.quiet else logging.INFO,
+        args.log_format,
+        "%(asctime)s wq-worker %(levelname)s %(message)s",
     )
     try:
         return asyncio.run(_main(args))

@@ -47,7 +47,7 @@ _MAKERS = {
 }
 
 
-def _behavior(handler: Handler) -> Callable[..., Any]:
+def behavior_of(handler: Handler) -> Callable[..., Any]:
     kind = (handler.request_streaming, handler.response_streaming)
     name = {
         (False, False): "unary_unary",
@@ -59,7 +59,7 @@ def _behavior(handler: Handler) -> Callable[..., Any]:
     return behavior
 
 
-def _replaced(handler: Handler, behavior: Callable[..., Any]) -> Handler:
+def with_behavior(handler: Handler, behavior: Callable[..., Any]) -> Handler:
     """A handler like ``handler`` (same kind, same (de)serializers) running ``behavior``."""
     make: Any = _MAKERS[(handler.request_streaming, handler.response_streaming)]
     return make(
@@ -82,12 +82,12 @@ def _refusal(handler: Handler, error: WqError) -> Handler:
                 await asyncio.wait_for(anext(aiter(request)), _FIRST_MESSAGE_WAIT)
         await context.abort(code_for(error), error.message)
 
-    return _replaced(handler, refuse)
+    return with_behavior(handler, refuse)
 
 
 def _checked_again(handler: Handler, check: Callable[[], None]) -> Handler:
     """``handler`` with each incoming message checked first (methods that take a stream)."""
-    behavior = _behavior(handler)
+    behavior = behavior_of(handler)
 
     async def requests(iterator: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for request in iterator:
@@ -105,7 +105,7 @@ def _checked_again(handler: Handler, check: Callable[[], None]) -> Handler:
             except WqError as e:
                 await context.abort(code_for(e), e.message)
 
-        return _replaced(handler, streaming)
+        return with_behavior(handler, streaming)
 
     async def call(
         iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
@@ -115,7 +115,7 @@ def _checked_again(handler: Handler, check: Callable[[], None]) -> Handler:
         except WqError as e:
             await context.abort(code_for(e), e.message)
 
-    return _replaced(handler, call)
+    return with_behavior(handler, call)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -173,7 +173,7 @@ def delivery_pb(delivery: Delivery) -> pb.Delivery:
     )
 
 
-def queue_pb(queue: QueueStats) -> pb.QueueInfo:
+def queue_pb(queue: QueueStats, oldest_ready: float | None = None) -> pb.QueueInfo:
     return pb.QueueInfo(
         name=queue.name,
         ready=queue.ready,
@@ -181,6 +181,7 @@ def queue_pb(queue: QueueStats) -> pb.QueueInfo:
         delayed=queue.delayed,
         dead=queue.dead,
         paused=queue.paused,
+        oldest_ready_at=None if oldest_ready is None else timestamp(oldest_ready),
     )
 
 
@@ -371,8 +372,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: pb.ListQueuesRequest, context: Context
     ) -> pb.ListQueuesResponse:
         async with _Errors(context):
-            queues = await self._service.queues()
-            return pb.ListQueuesResponse(queues=[queue_pb(q) for q in queues])
+            reports = await self._service.queue_report()
+            return pb.ListQueuesResponse(
+                queues=[queue_pb(r.queue, r.oldest_ready) for r in reports]
+            )
 
     async def PauseQueue(
         self, request: pb.PauseQueueRequest, context: Context

@@ -19,6 +19,7 @@ from aiohttp import web
 
 from wqbroker import codec
 from wqbroker.auth import Tokens
+from wqbroker.clock import SystemClock
 from wqbroker.errors import (
     InvalidArgument,
     LeaseLost,
@@ -31,6 +32,7 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
+from wqbroker.http import dashboard, openapi
 from wqbroker.http.auth import auth_middleware
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
@@ -45,6 +47,8 @@ from wqbroker.http.transport import (
     json_response,
     read_body,
 )
+from wqbroker.metrics import ROUTE as METRICS_ROUTE
+from wqbroker.metrics import Metrics
 from wqbroker.models import Delivery, Enqueued, QueueStats, Stats, Task, TaskState
 from wqbroker.service import Service
 
@@ -108,7 +112,7 @@ def render_enqueued(enqueued: Enqueued) -> web.Response:
     return json_response(f'{{"id":"{enqueued.id}"}}'.encode(), 201)
 
 
-def render_queue(queue: QueueStats) -> bytes:
+def render_queue(queue: QueueStats, oldest_ready: float | None = None) -> bytes:
     return codec.dumps(
         {
             "name": queue.name,
@@ -117,6 +121,8 @@ def render_queue(queue: QueueStats) -> bytes:
             "delayed": queue.delayed,
             "dead": queue.dead,
             "paused": queue.paused,
+            # When the oldest ready task (at the head of a priority lane) became ready.
+            "oldest_ready_at": None if oldest_ready is None else codec.rfc3339(oldest_ready),
         }
     )
 
@@ -265,8 +271,10 @@ async def stats(request: web.Request) -> web.Response:
 
 
 async def queues(request: web.Request) -> web.Response:
-    rows = await request.app[SERVICE].queues()
-    return json_response(b"[" + b",".join(render_queue(q) for q in rows) + b"]")
+    rows = await request.app[SERVICE].queue_report()
+    return json_response(
+        b"[" + b",".join(render_queue(r.queue, r.oldest_ready) for r in rows) + b"]"
+    )
 
 
 async def pause(request: web.Request) -> web.Response:
@@ -357,11 +365,23 @@ def create_app(
     max_body: int = DEFAULT_MAX_BODY,
     read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT,
     tokens: Tokens | None = None,
+    metrics: Metrics | None = None,
+    metrics_public: bool = False,
 ) -> web.Application:
-    """The app; with ``tokens``, every request but health checks needs a bearer token."""
-    auth = () if tokens is None else (auth_middleware(tokens),)
-    # guard_body is outermost: it sees every answer, errors included, before it is sent.
-    app = web.Application(middlewares=[guard_body, errors_as_json, *auth], client_max_size=max_body)
+    """The app; with ``tokens``, every request but health checks needs a bearer token.
+    ``metrics``: the broker's (else one of the app's own, which sees only the service's state
+    and the requests), for GET /metrics (open to all with ``metrics_public``)."""
+    if metrics is None:
+        metrics = Metrics(SystemClock())
+        metrics.watch(service)
+    public = (f"GET {METRICS_ROUTE}",) if metrics_public else ()
+    auth = () if tokens is None else (auth_middleware(tokens, public),)
+    # guard_body is outermost but for the count of answers: it sees every answer, errors
+    # included, before it is sent.
+    app = web.Application(
+        middlewares=[metrics.middleware, guard_body, errors_as_json, *auth],
+        client_max_size=max_body,
+    )
     app[SERVICE] = service
     app[BODY] = BodyRules(max_body, read_body_timeout)
     # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
@@ -383,6 +403,11 @@ def create_app(
     routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
     routes.add_delete(f"/dlq/{_DEAD_ID}", purge, expect_handler=expect)
     routes.add_get("/healthz", healthz, expect_handler=expect)
+    routes.add_get(METRICS_ROUTE, metrics.handle, expect_handler=expect)
+    routes.add_get(
+        openapi.PATH, openapi.handler(metrics_public=metrics_public), expect_handler=expect
+    )
+    dashboard.add_routes(routes, expect_handler=expect)  # GET /ui: static files, no token
     return app
 
 

@@ -9,11 +9,11 @@ its 404 or 405 unchecked: there is nothing behind it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import hdrs, web
 
-from wqbroker.auth import Tokens, http_rule
+from wqbroker.auth import Access, Tokens, http_rule
 from wqbroker.errors import Unauthenticated
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -28,8 +28,9 @@ def authorization(request: web.Request) -> str | None:
     return values[0] if values else None
 
 
-def auth_middleware(tokens: Tokens) -> Middleware:
-    """The middleware that checks every request against ``tokens`` (which SIGHUP may reload)."""
+def auth_middleware(tokens: Tokens, public: Collection[str] = ()) -> Middleware:
+    """The middleware that checks every request against ``tokens`` (which SIGHUP may reload).
+    ``public``: routes (``"GET /metrics"``) opened to everyone, whatever their rule says."""
 
     @web.middleware
     async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -37,6 +38,10 @@ def auth_middleware(tokens: Tokens) -> Middleware:
         if match.http_exception is None:
             path = match.route.resource.canonical if match.route.resource is not None else ""
             rule = http_rule(request.method, path)
+            if public and f"{'GET' if request.method == 'HEAD' else request.method} {path}" in (
+                public
+            ):
+                rule = Access.OPEN
             tokens.check(authorization(request), rule, f"{request.method} {path}")
         return await handler(request)
 

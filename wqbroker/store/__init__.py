@@ -48,6 +48,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    QueueReport,
     QueueStats,
     Stats,
     SweepResult,
@@ -132,6 +133,13 @@ class Store(Protocol):
 
     async def queues(self) -> list[QueueStats]:
         """Every queue known, by name."""
+        ...
+
+    async def queue_report(self) -> list[QueueReport]:
+        """Every queue known, by name, with its gauges, its totals and when its oldest ready
+        task became ready (for ``/metrics``): one snapshot, at a cost in the number of queues
+        and priorities, never in the number of tasks (the oldest ready task of a queue is the
+        earliest ``available_at`` among the heads of its priority lanes: an index lookup each)."""
         ...
 
     async def lookup(self, task_id: str) -> TaskState | None:

@@ -64,6 +64,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    QueueReport,
     QueueStats,
     Stats,
     SweepResult,
@@ -334,6 +335,28 @@ class Index:
     def queue_rows(self) -> list[QueueStats]:
         """Every queue known, by name."""
         return [self._queues[name].row() for name in sorted(self._queues)]
+
+    def queue_report(self) -> tuple[list[QueueReport], list[tuple[QueueReport, int]]]:
+        """Every queue known, by name, with its totals and when the oldest ready task at the
+        head of its lanes became ready (ten lanes a queue at most; no task is visited). A lane
+        whose head is cold has no time here: the second list pairs each such head's id with its
+        queue's report, for a store to read the time back and lower ``oldest_ready`` to it."""
+        reports: list[QueueReport] = []
+        cold: list[tuple[QueueReport, int]] = []
+        for name in sorted(self._queues):
+            q = self._queues[name]
+            report = QueueReport(q.row(), q.totals.copy())
+            for lane in q.lanes if q.mask else ():
+                if lane is None:
+                    continue
+                if lane.hot:
+                    at = lane.hot[0].available_at
+                    if report.oldest_ready is None or at < report.oldest_ready:
+                        report.oldest_ready = at
+                elif lane.cold:
+                    cold.append((report, lane.cold[0]))
+            reports.append(report)
+        return reports, cold
 
     def queues(self) -> Iterator[Queue]:
         return iter(self._queues.values())

@@ -18,6 +18,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    QueueReport,
     QueueStats,
     Stats,
     SweepResult,
@@ -143,6 +144,9 @@ class MemoryStore:
 
     async def queues(self) -> list[QueueStats]:
         return self._index.queue_rows()
+
+    async def queue_report(self) -> list[QueueReport]:
+        return self._index.queue_report()[0]  # (nothing is ever cold here)
 
     async def lookup(self, task_id: str) -> TaskState | None:
         record = self._index.find(task_id)

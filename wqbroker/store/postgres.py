@@ -78,6 +78,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    QueueReport,
     QueueStats,
     Stats,
     SweepResult,
@@ -86,7 +87,7 @@ from wqbroker.models import (
     Totals,
 )
 from wqbroker.retry import Backoff
-from wqbroker.store.index import _MASK, STATE_NAMES, _mix, hex_id, parse_id
+from wqbroker.store.index import _MASK, PRIORITIES, STATE_NAMES, _mix, hex_id, parse_id
 
 log = logging.getLogger("wqbroker.store.postgres")
 
@@ -596,6 +597,18 @@ _QUEUES: Final = (
     + ", ".join(f"coalesce(sum(c.{g}), 0)::bigint" for g in _GAUGES)
     + " FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused"
 )
+# Every queue with its gauges and totals, and the earliest available_at among the heads of its
+# priority lanes (one probe of tasks_ready per priority, only for a queue with ready tasks).
+_REPORT: Final = f"""
+SELECT q.name, q.paused, {_SUMS},
+       CASE WHEN coalesce(sum(c.ready), 0) > 0 THEN (
+           SELECT min(h.available_at) FROM generate_series(0, {PRIORITIES - 1}) AS p (n),
+           LATERAL (SELECT t.available_at FROM wq.tasks t
+                    WHERE t.state = 0 AND t.queue = q.name AND t.priority = p.n
+                    ORDER BY t.ord LIMIT 1) h
+       ) END
+FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
+"""
 _VIEW: Final = (
     "id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority"
 )
@@ -1388,6 +1401,20 @@ class PostgresStore:
         out = [QueueStats(r[0], r[2], r[3], r[4], r[5], r[1]) for r in rows]
         out.sort(key=lambda q: q.name)
         self._queue_names = {q.name for q in out}
+        return out
+
+    async def queue_report(self) -> list[QueueReport]:
+        out = []
+        for name, paused, ready, handed_out, delayed, dead, *rest in await self._fetch(_REPORT):
+            *totals, oldest = rest
+            out.append(
+                QueueReport(
+                    QueueStats(name, ready, handed_out, delayed, dead, paused),
+                    Totals(*totals),
+                    None if oldest is None else oldest - self.skew,
+                )
+            )
+        out.sort(key=lambda r: r.queue.name)
         return out
 
     async def lookup(self, task_id: str) -> TaskState | None:

@@ -53,6 +53,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    QueueReport,
     QueueStats,
     Stats,
     SweepResult,
@@ -777,6 +778,32 @@ class SqliteStore:
         self._check()
         await self._durable()
         return self._index.queue_rows()
+
+    async def queue_report(self) -> list[QueueReport]:
+        self._check()
+        await self._durable()
+        reports, cold = self._index.queue_report()
+        if cold:  # lane heads held as ids: their times, by primary key
+            loop = asyncio.get_running_loop()
+            keys = [_key(n) for _, n in cold]
+            times = await loop.run_in_executor(self._writer, self._read_times, keys)
+            for (report, _), key in zip(cold, keys, strict=True):
+                at = times.get(key)
+                if at is not None and (report.oldest_ready is None or at < report.oldest_ready):
+                    report.oldest_ready = at
+        return reports
+
+    def _read_times(self, keys: list[int]) -> dict[int, float]:
+        """In the writer thread: ``available_at`` by key."""
+        conn = self._conn
+        assert conn is not None
+        out: dict[int, float] = {}
+        for i in range(0, len(keys), _READ_CHUNK):
+            chunk = keys[i : i + _READ_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            sql = f"SELECT id, available_at FROM tasks WHERE id IN ({marks})"
+            out.update(conn.execute(sql, chunk).fetchall())
+        return out
 
     async def lookup(self, task_id: str) -> TaskState | None:
         self._check()

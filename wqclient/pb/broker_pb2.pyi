@@ -826,12 +826,19 @@ class QueueInfo(_message.Message):
     DELAYED_FIELD_NUMBER: _builtins.int
     DEAD_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
+    OLDEST_READY_AT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ready: _builtins.int
     handed_out: _builtins.int
     delayed: _builtins.int
     dead: _builtins.int
     paused: _builtins.bool
+    @_builtins.property
+    def oldest_ready_at(self) -> _timestamp_pb2.Timestamp:
+        """When the oldest ready task (the earliest among the heads of the queue's priority lanes)
+        became ready; unset when none is ready.
+        """
+
     def __init__(
         self,
         *,
@@ -841,10 +848,11 @@ class QueueInfo(_message.Message):
         delayed: _builtins.int = ...,
         dead: _builtins.int = ...,
         paused: _builtins.bool = ...,
+        oldest_ready_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["oldest_ready_at", b"oldest_ready_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "name", b"name", "paused", b"paused", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "name", b"name", "oldest_ready_at", b"oldest_ready_at", "paused", b"paused", "ready", b"ready"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,340 @@
+"""GET /metrics: a real broker (over every store), a known workload, the scrape parsed with the
+Prometheus parser and checked against /stats and /queues; gRPC calls by method and code; the
+token rules. Timings run on a FakeClock, so the histograms' sums are exact."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.authkit import ONLY, ROOT, bearer, write_token_file
+from tests.helpers import Http, http_client, make_store, running_broker, wait_until
+from wqbroker.broker import Broker
+from wqbroker.clock import FakeClock
+from wqbroker.errors import StoreError
+from wqbroker.models import QueueReport, Totals
+from wqbroker.retry import Backoff
+from wqbroker.store.memory import MemoryStore
+from wqclient.pb import broker_pb2 as pb
+from wqclient.pb import broker_pb2_grpc as pb_grpc
+
+pytestmark = pytest.mark.timeout(60)
+
+TOTALS = tuple(Totals.__slots__)
+GAUGES = ("ready", "handed_out", "delayed", "dead")
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+@pytest.fixture
+async def broker(backend: str, clock: FakeClock, tmp_path: Path) -> AsyncIterator[Broker]:
+    rng = random.Random(7)
+    store = await make_store(backend, Backoff(1.0, 30.0, rng), rng, tmp_path)
+    async with running_broker(clock=clock, rng=rng, store=store) as b:
+        yield b
+
+
+@pytest.fixture
+async def http(broker: Broker) -> AsyncIterator[Http]:
+    async with http_client(broker.http_url) as h:
+        yield h
+
+
+async def scrape(http: Http, **kw: Any) -> Samples:
+    """Every sample of GET /metrics, by (name, sorted labels)."""
+    async with http.session.get(http.base + "/metrics", **kw) as resp:
+        assert resp.status == 200, await resp.text()
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = await resp.text()
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def series(samples: Samples, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {labels: v for (n, labels), v in samples.items() if n == name}
+
+
+async def ok(http: Http, method: str, path: str, want: int, **kw: Any) -> Any:
+    status, body = await http.request(method, path, **kw)
+    assert status == want, body
+    return body
+
+
+async def workload(http: Http, clock: FakeClock) -> dict[str, float]:
+    """Enqueue, claim, ack, nack to dead, pause a queue; returns when things happened."""
+    t0 = clock.now()
+    for n in range(3):
+        await http.enqueue({"n": n})
+    for n in range(2):
+        await http.enqueue({"mail": n}, queue="mail", max_attempts=1)
+    await http.enqueue({"later": True}, queue="later", delay_ms=60_000)
+    clock.advance(2.0)
+    first = await http.claim()  # waited 2 s
+    clock.advance(3.0)
+    assert await http.ack(first["task"]["id"], first["lease_id"]) == 204  # held 3 s
+    mail = await ok(http, "GET", "/jobs/next?wait_ms=0&queue=mail", 200)  # waited 5 s
+    clock.advance(1.0)
+    assert await http.nack(mail["task"]["id"], mail["lease_id"], "it broke") == 204  # buried
+    await ok(http, "POST", "/queues/mail/pause", 204)
+    second = await http.claim()  # waited 6 s; left handed out
+    assert second["task"]["payload"] == {"n": 1}
+    return {"t0": t0, "now": clock.now()}
+
+
+async def test_gauges_and_counters_match_stats_and_queues(
+    broker: Broker, http: Http, clock: FakeClock
+) -> None:
+    times = await workload(http, clock)
+    samples = await scrape(http)
+    queues = await ok(http, "GET", "/queues", 200)
+    assert {q["name"] for q in queues} == {"default", "mail", "later"}
+    for q in queues:
+        name = q["name"]
+        for gauge in GAUGES:
+            assert value(samples, f"wq_queue_{gauge}", queue=name) == q[gauge], (name, gauge)
+        assert value(samples, "wq_queue_paused", queue=name) == (1 if q["paused"] else 0)
+        per_queue = await ok(http, "GET", f"/stats?queue={name}", 200)
+        for total in TOTALS:
+            got = value(samples, f"wq_tasks_{total}_total", queue=name)
+            assert got == per_queue["totals"][total], (name, total)
+    stats = await http.stats()
+    for total in TOTALS:
+        assert sum(series(samples, f"wq_tasks_{total}_total").values()) == stats["totals"][total]
+    for gauge in GAUGES:
+        assert sum(series(samples, f"wq_queue_{gauge}").values()) == stats[gauge]
+    assert stats["totals"]["buried"] == 1
+    assert value(samples, "wq_queue_paused", queue="mail") == 1
+    # The oldest ready task: "default"'s third task and "mail"'s second (paused: still waiting)
+    # were enqueued at t0; "later" has none ready.
+    age = times["now"] - times["t0"]
+    assert value(samples, "wq_queue_oldest_ready_age_seconds", queue="default") == age
+    assert value(samples, "wq_queue_oldest_ready_age_seconds", queue="mail") == age
+    assert value(samples, "wq_queue_oldest_ready_age_seconds", queue="later") == 0
+    assert value(samples, "wq_store_up") == 1
+
+
+async def test_histograms_count_what_happened(broker: Broker, http: Http, clock: FakeClock) -> None:
+    await workload(http, clock)
+    samples = await scrape(http)
+    # Three hand-outs, after 2 s, 5 s and 6 s of waiting.
+    assert value(samples, "wq_task_wait_seconds_count") == 3
+    assert value(samples, "wq_task_wait_seconds_sum") == 2 + 5 + 6
+    assert value(samples, "wq_task_wait_seconds_bucket", le="1.0") == 0
+    assert value(samples, "wq_task_wait_seconds_bucket", le="5.0") == 2
+    assert value(samples, "wq_task_wait_seconds_bucket", le="+Inf") == 3
+    # One acked after 3 s, one nacked after 1 s; the third is still out.
+    assert value(samples, "wq_task_processing_seconds_count", outcome="acked") == 1
+    assert value(samples, "wq_task_processing_seconds_sum", outcome="acked") == 3
+    assert value(samples, "wq_task_processing_seconds_count", outcome="nacked") == 1
+    assert value(samples, "wq_task_processing_seconds_sum", outcome="nacked") == 1
+    # Store calls that write: six enqueues, three claims, two settlements, one pause.
+    commits = {
+        op: value(samples, "wq_store_commit_seconds_count", operation=op)
+        for op in ("enqueue", "claim", "settle", "pause")
+    }
+    assert commits == {"enqueue": 6, "claim": 3, "settle": 2, "pause": 1}
+    # HTTP requests by route and status.
+    assert value(samples, "wq_http_requests_total", method="POST", route="/jobs", status="201") == 6
+    assert (
+        value(samples, "wq_http_requests_total", method="GET", route="/jobs/next", status="200")
+        == 3
+    )
+    ack = {"method": "POST", "route": "/jobs/{id}/ack", "status": "204"}
+    assert value(samples, "wq_http_requests_total", **ack) == 1
+    await ok(http, "POST", "/jobs/nope/ack?lease_id=x", 404)
+    await ok(http, "GET", "/no/such/thing", 404)
+    samples = await scrape(http)
+    assert value(samples, "wq_http_requests_total", **{**ack, "status": "404"}) == 1
+    assert value(samples, "wq_http_requests_total", **ack) == 1
+    unmatched = {"method": "GET", "route": "unmatched", "status": "404"}
+    assert value(samples, "wq_http_requests_total", **unmatched) == 1
+    scrapes = {"method": "GET", "route": "/metrics", "status": "200"}
+    assert value(samples, "wq_http_requests_total", **scrapes) == 1  # (the first scrape)
+
+
+async def test_counters_never_go_down_across_scrapes(
+    broker: Broker, http: Http, clock: FakeClock
+) -> None:
+    await workload(http, clock)
+    await http.enqueue({"n": 9})
+    delivery = await broker.service.claim()  # a hand-out nobody sees
+    assert delivery is not None
+    before = await scrape(http)
+    await broker.service.release(delivery)  # undone: the store's delivered goes down by one
+    await http.enqueue({"n": 10})
+    after = await scrape(http)
+    stats = await ok(http, "GET", "/stats?queue=default", 200)
+    delivered = value(before, "wq_tasks_delivered_total", queue="default")
+    assert stats["totals"]["delivered"] == delivered - 1
+    assert value(after, "wq_tasks_delivered_total", queue="default") == delivered
+    for key, was in before.items():
+        if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
+            assert after[key] >= was, key
+    assert value(after, "wq_tasks_enqueued_total", queue="default") == 5
+
+
+async def test_parked_long_polls_and_open_streams(broker: Broker, http: Http) -> None:
+    poll = asyncio.ensure_future(http.request("GET", "/jobs/next?wait_ms=600000&queue=idle"))
+    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        stream = stub.StreamJobs(None)
+        await stream.write(pb.StreamJobsRequest(open=pb.StreamOpen(queues=["idle"])))
+        await wait_until(
+            lambda: (broker.service.parked_polls, broker.service.open_streams),
+            lambda n: n == (1, 1),
+            what="a parked long-poll and an open stream",
+        )
+        samples = await scrape(http)
+        assert value(samples, "wq_parked_long_polls") == 1
+        assert value(samples, "wq_open_streams") == 1
+        stream.cancel()
+    poll.cancel()
+    await wait_until(
+        lambda: (broker.service.parked_polls, broker.service.open_streams),
+        lambda n: n == (0, 0),
+        what="the poll and the stream to end",
+    )
+    samples = await scrape(http)
+    assert value(samples, "wq_parked_long_polls") == 0
+    assert value(samples, "wq_open_streams") == 0
+
+
+async def test_grpc_calls_by_method_and_code(broker: Broker, http: Http) -> None:
+    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
+        stub = pb_grpc.BrokerStub(channel)
+        for _ in range(2):
+            await stub.Enqueue(pb.EnqueueRequest(payload=b"{}"))
+        await stub.Stats(pb.StatsRequest())
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Ack(pb.AckRequest(id="nope", lease_id="x"))
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await stub.Enqueue(pb.EnqueueRequest(payload=b"{not json"))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    samples = await scrape(http)
+    grpc_calls = series(samples, "wq_grpc_requests_total")
+    service = ("service", "wq.v1.Broker")
+
+    def calls(method: str, code: str) -> float:
+        return grpc_calls.get((("code", code), ("method", method), service), 0)
+
+    assert calls("Enqueue", "OK") == 2
+    assert calls("Enqueue", "INVALID_ARGUMENT") == 1
+    assert calls("Stats", "OK") == 1
+    assert calls("Ack", "NOT_FOUND") == 1
+    assert sum(grpc_calls.values()) == 5
+
+
+# -- tokens ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+async def test_metrics_needs_the_metrics_scope(backend: str, tmp_path: Path) -> None:
+    tokens = write_token_file(tmp_path)
+    async with (
+        running_broker(token_file=str(tokens)) as broker,
+        http_client(broker.http_url) as http,
+    ):
+        status, body = await http.request("GET", "/metrics")
+        assert status == 401, body
+        assert "Bearer" in body["error"]
+        status, body = await http.request("GET", "/metrics", headers=bearer(ONLY["admin"]))
+        assert status == 403, body
+        assert body == {"error": "GET /metrics needs a token with the metrics scope"}
+        for token in (ONLY["metrics"], ROOT):
+            await scrape(http, headers=bearer(token))
+        # The metrics scope opens nothing else.
+        status, _ = await http.request("GET", "/dlq", headers=bearer(ONLY["metrics"]))
+        assert status == 403
+        # Refused gRPC calls are counted with their code.
+        async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await pb_grpc.BrokerStub(channel).Stats(pb.StatsRequest())
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        samples = await scrape(http, headers=bearer(ONLY["metrics"]))
+        refused = {"service": "wq.v1.Broker", "method": "Stats", "code": "UNAUTHENTICATED"}
+        assert value(samples, "wq_grpc_requests_total", **refused) == 1
+        dlq = {"method": "GET", "route": "/dlq", "status": "403"}
+        assert value(samples, "wq_http_requests_total", **dlq) == 1
+
+
+@pytest.mark.parametrize("backend", ["memory"])
+async def test_metrics_public_opens_metrics_only(backend: str, tmp_path: Path) -> None:
+    tokens = write_token_file(tmp_path)
+    async with (
+        running_broker(token_file=str(tokens), metrics_public=True) as broker,
+        http_client(broker.http_url) as http,
+    ):
+        samples = await scrape(http)
+        assert value(samples, "wq_store_up") == 1
+        status, _ = await http.request("HEAD", "/metrics")
+        assert status == 200
+        status, _ = await http.request("GET", "/stats")
+        assert status == 401
+        samples = await scrape(http)
+        assert (
+            value(samples, "wq_http_requests_total", method="GET", route="/stats", status="401")
+            == 1
+        )
+
+
+async def test_a_reclaimed_lease_is_no_settlement(
+    broker: Broker, http: Http, clock: FakeClock
+) -> None:
+    await http.enqueue({"n": 1})
+    await http.claim(lease_ms=1000)
+    samples = await scrape(http)
+    assert value(samples, "wq_store_commit_seconds_count", operation="sweep") == 0
+    clock.advance(2.0)
+    await broker.service.sweep()  # (the sweeper would, at the deadline: this is that tick)
+    samples = await wait_until(
+        lambda: scrape(http),
+        lambda s: value(s, "wq_tasks_reclaimed_total", queue="default") == 1,
+        what="the lease to be reclaimed",
+    )
+    assert value(samples, "wq_store_commit_seconds_count", operation="sweep") >= 1
+    assert value(samples, "wq_task_processing_seconds_count", outcome="acked") == 0
+    assert value(samples, "wq_task_processing_seconds_count", outcome="nacked") == 0
+    assert value(samples, "wq_queue_delayed", queue="default") == 1
+
+
+class _StoreAway(MemoryStore):
+    """A memory store whose database, so to speak, is away when asked for its state."""
+
+    away = False
+
+    async def queue_report(self) -> list[QueueReport]:
+        if self.away:
+            raise StoreError("the database is unreachable: connection refused")
+        return await super().queue_report()
+
+
+async def test_a_scrape_while_the_store_is_away_says_so() -> None:
+    store = _StoreAway()
+    async with running_broker(store=store) as broker, http_client(broker.http_url) as http:
+        await http.enqueue({"n": 1})
+        samples = await scrape(http)
+        assert value(samples, "wq_store_up") == 1
+        assert value(samples, "wq_queue_ready", queue="default") == 1
+        store.away = True
+        samples = await scrape(http)  # still 200: the broker's own series are worth having
+        assert value(samples, "wq_store_up") == 0
+        assert series(samples, "wq_queue_ready") == {}
+        assert (
+            value(samples, "wq_http_requests_total", method="POST", route="/jobs", status="201")
+            == 1
+        )

@@ -1,0 +1,844 @@
+"""The OpenAPI 3.1 document of the HTTP API, served at ``GET /openapi.json`` (no token needed).
+
+One dict, built at import (with a twin for a broker run with ``-metrics-public``): every route
+the app registers (the spec's, the extensions, the operator's: ``/healthz``, ``/metrics``, the
+dashboard's ``/ui``, this document), each with its parameters, request body, and every status it
+can answer, with the body and headers of each. Limits and defaults come from
+:mod:`wqbroker.limits` and the security of each operation from the rules of :mod:`wqbroker.auth`,
+so neither can drift from the code. ``tests/test_openapi.py`` checks that the document and the
+app's routes name the same operations, that it is valid OpenAPI 3.1, and runs Schemathesis
+against a live broker with it.
+
+What every operation shares is said once in ``components``:
+
+- ``Error``: the body of every 4xx and 5xx, ``{"error": "<message naming the problem>"}``.
+- Answers the transport gives on any route, before a handler runs (``transport.py``,
+  ``server.py``): 400 for malformed HTTP, 408 for a request too slow to arrive, 413 for a body
+  over the limit, 415 for a compressed one, 417 for an ``Expect`` other than ``100-continue``.
+- 401 (with ``WWW-Authenticate``) and 403 with a token file, as the route's rule says.
+- 503 on every route that reaches the store (the broker is shutting down, or its store failed).
+
+A wrong method on a path answers 405 with an ``Allow`` header; as no operation answers it, it is
+described in ``info`` and as the reusable response ``MethodNotAllowed``. ``HEAD`` is allowed on
+every ``GET`` but ``GET /jobs/next`` (the ``GET`` answer without its body); it is not listed as
+operations of its own.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Awaitable, Callable, Collection
+from typing import Any, Final
+
+from aiohttp import web
+
+from wqbroker import limits
+from wqbroker.auth import SCOPES, Access, http_rule
+from wqbroker.metrics import ROUTE as METRICS
+
+Json = dict[str, Any]
+
+JSON: Final = "application/json"
+PATH: Final = "/openapi.json"
+
+_NAME: Final = rf"[A-Za-z0-9_.\-]{{1,{limits.MAX_QUEUE_NAME}}}"  # (limits.QUEUE_NAME_RULE)
+_QUEUE_NAME_PATTERN: Final = f"^{_NAME}$"
+_QUEUE_LIST_PATTERN: Final = rf"^{_NAME}(,{_NAME}){{0,{limits.MAX_QUEUES_PER_CLAIM - 1}}}$"
+
+
+def _ref(kind: str, name: str) -> Json:
+    return {"$ref": f"#/components/{kind}/{name}"}
+
+
+def _schema(name: str) -> Json:
+    return _ref("schemas", name)
+
+
+def _json(schema: Json, description: str, headers: Json | None = None) -> Json:
+    answer: Json = {"description": description, "content": {JSON: {"schema": schema}}}
+    if headers:
+        answer["headers"] = headers
+    return answer
+
+
+def _empty(description: str) -> Json:
+    return {"description": description}
+
+
+def _object(properties: Json, required: list[str] | None = None, **extra: Any) -> Json:
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties) if required is None else required,
+        "additionalProperties": False,
+        **extra,
+    }
+
+
+def _count(description: str | None = None) -> Json:
+    schema: Json = {"type": "integer", "minimum": 0}
+    if description:
+        schema["description"] = description
+    return schema
+
+
+# -- schemas ------------------------------------------------------------------------------------
+
+_TASK_PROPERTIES: Final[Json] = {
+    "id": {"type": "string", "minLength": 1, "description": "The task's id."},
+    "payload": {"description": "The payload, any JSON value, exactly as it was enqueued."},
+    "attempts": _count("Deliveries so far (a delivery counts when the task is handed out)."),
+    "max_attempts": {"type": "integer", "minimum": 1, "maximum": limits.MAX_MAX_ATTEMPTS},
+    "created_at": _schema("Timestamp"),
+    "available_at": _schema("Timestamp"),
+    "last_error": {
+        "type": ["string", "null"],
+        "description": "The error of the previous failed attempt, or null.",
+    },
+    "queue": _schema("QueueName"),
+    "priority": _schema("Priority"),
+}
+
+_GAUGES: Final[Json] = {
+    "ready": _count("Tasks waiting to be claimed."),
+    "handed_out": _count("Tasks out with a worker, not yet settled."),
+    "delayed": _count("Tasks waiting out a backoff or a delay."),
+    "dead": _count("Tasks in the dead-letter queue."),
+}
+
+_TOTALS: Final[tuple[str, ...]] = (
+    "enqueued",
+    "delivered",
+    "acked",
+    "nacked",
+    "reclaimed",
+    "retried",
+    "buried",
+    "requeued",
+    "purged",
+)
+
+# What JSON Schema cannot say: its integers include 3.0, which the broker refuses (as Go's
+# encoding/json does): an integer is written as one.
+_MEMBERS: Final = (
+    "Unknown members are ignored; null for an optional member is its default. Integers are "
+    "written without a fraction or an exponent: `3.0` and `3e0` are refused (400)."
+)
+
+_SCHEMAS: Final[Json] = {
+    "Error": _object(
+        {"error": {"type": "string", "description": "What was wrong, naming the field."}},
+        description="The body of every error answer (4xx and 5xx).",
+        examples=[{"error": "max_attempts must be an integer, got a string"}],
+    ),
+    "Timestamp": {
+        "type": "string",
+        "format": "date-time",
+        "pattern": r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{6}Z$",
+        "description": "RFC 3339 in UTC with microseconds.",
+        "examples": ["2026-11-29T23:07:38.123456Z"],
+    },
+    "QueueName": {
+        "type": "string",
+        "pattern": _QUEUE_NAME_PATTERN,
+        "description": f"A queue's name: {limits.QUEUE_NAME_RULE}.",
+        "examples": ["default", "mail"],
+    },
+    "Priority": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": limits.MAX_PRIORITY,
+        "description": "Higher is served first (within a queue); 0 by default.",
+    },
+    "Task": _object(_TASK_PROPERTIES, description="A task as clients see it."),
+    "TaskState": _object(
+        {
+            **_TASK_PROPERTIES,
+            "state": {"type": "string", "enum": ["ready", "handed_out", "delayed", "dead"]},
+        },
+        description="A task and the collection it is in (never its lease id).",
+    ),
+    "Delivery": _object(
+        {
+            "task": _schema("Task"),
+            "lease_id": {"type": "string", "minLength": 1},
+            "deadline": _schema("Timestamp"),
+        },
+        description="A task handed out under a lease: settle it with the lease id.",
+    ),
+    "Enqueued": _object({"id": {"type": "string", "minLength": 1}}),
+    "Duplicate": _object(
+        {"id": {"type": "string", "minLength": 1}, "duplicate": {"const": True}},
+        description="The idempotency key matched: nothing was created; the first task's id.",
+    ),
+    "Deadline": _object({"deadline": _schema("Timestamp")}),
+    "Stats": _object(
+        {
+            **_GAUGES,
+            "totals": _object(
+                {name: _count() for name in _TOTALS},
+                description="Lifetime counters since the broker started.",
+            ),
+        },
+        description="Gauges (tasks in each collection now) and lifetime totals.",
+    ),
+    "Queue": _object(
+        {
+            "name": _schema("QueueName"),
+            **_GAUGES,
+            "paused": {"type": "boolean"},
+            "oldest_ready_at": {
+                "anyOf": [_schema("Timestamp"), {"type": "null"}],
+                "description": "When the oldest ready task (the earliest among the heads of "
+                "the queue's priority lanes) became ready; null when none is ready.",
+            },
+        },
+    ),
+    "Requeued": _object({"requeued": _count("How many dead tasks were requeued.")}),
+    "Health": _object(
+        {
+            "status": {"type": "string", "enum": ["ok", "unavailable"]},
+            "error": {"type": "string", "description": "Why the broker cannot serve."},
+        },
+        required=["status"],
+    ),
+    "EnqueueRequest": {
+        "type": "object",
+        "required": ["payload"],
+        "description": _MEMBERS,
+        "properties": {
+            "payload": {"description": "Any JSON value (null too), kept byte for byte."},
+            "max_attempts": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "maximum": limits.MAX_MAX_ATTEMPTS,
+                "default": limits.DEFAULT_MAX_ATTEMPTS,
+            },
+            "delay_ms": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": limits.MAX_DELAY_MS,
+                "default": 0,
+                "description": "Hold the task back this long before it can be claimed.",
+            },
+            "queue": {
+                "anyOf": [_schema("QueueName"), {"type": "null"}],
+                "default": "default",
+            },
+            "priority": {"anyOf": [_schema("Priority"), {"type": "null"}], "default": 0},
+        },
+        "examples": [{"payload": {"line": "hello"}, "max_attempts": 3, "delay_ms": 0}],
+    },
+    "NackRequest": {
+        "type": "object",
+        "description": _MEMBERS,
+        "properties": {
+            "error": {
+                "type": ["string", "null"],
+                "description": f"What went wrong (cut to {limits.MAX_ERROR_BYTES} bytes).",
+            },
+            "delay_ms": {
+                "type": ["integer", "null"],
+                "minimum": 0,
+                "maximum": limits.MAX_DELAY_MS,
+                "description": "Retry after exactly this long instead of the backoff.",
+            },
+            "terminal": {
+                "type": ["boolean", "null"],
+                "description": "true: bury the task now (not with delay_ms).",
+            },
+        },
+        # A terminal nack takes no delay: a buried task is not retried.
+        "if": {"properties": {"terminal": {"const": True}}, "required": ["terminal"]},
+        "then": {"properties": {"delay_ms": {"type": "null"}}},
+        "examples": [{"error": "the SMTP server said 451", "delay_ms": 60000}],
+    },
+}
+
+# -- responses ----------------------------------------------------------------------------------
+
+_ERROR: Final = _schema("Error")
+
+
+def _header(description: str, schema: Json) -> Json:
+    """A header the answer always carries."""
+    return {"description": description, "required": True, "schema": schema}
+
+
+_RESPONSES: Final[Json] = {
+    "MalformedRequest": _json(
+        _ERROR, "Malformed HTTP, or a bad parameter (the message names it). Any route."
+    ),
+    "Unauthorized": _json(
+        _ERROR,
+        "With a token file: no token, an unknown one, not `Bearer …`, or two headers.",
+        {"WWW-Authenticate": _header('Always `Bearer realm="wq"`.', {"type": "string"})},
+    ),
+    "Forbidden": _json(_ERROR, "With a token file: a valid token without the scope needed."),
+    "NoSuchPath": _json(
+        _ERROR,
+        "The path names no route: a path parameter that is empty, holds `/`, `{` or `}`, "
+        "or is `.` or `..` (which clients resolve away).",
+    ),
+    "RequestTimeout": _json(
+        _ERROR,
+        "The request line and headers (or the body) did not arrive in time; the connection is "
+        "closed.",
+    ),
+    "PayloadTooLarge": _json(
+        _ERROR,
+        "A request body (or a payload) over `-max-body-bytes` (1 MiB by default); the "
+        "connection is closed.",
+    ),
+    "UnsupportedMediaType": _json(
+        _ERROR,
+        "A compressed body (`Content-Encoding` other than `identity`, or a transfer-coding "
+        "other than `chunked`): bodies are never inflated. The connection is closed.",
+        {"Accept-Encoding": _header("Always `identity`.", {"type": "string"})},
+    ),
+    "ExpectationFailed": _json(
+        _ERROR, "An `Expect` header other than `100-continue`; the connection is closed."
+    ),
+    "TooManyRequests": _json(
+        _ERROR,
+        "A limit is reached (`-max-tasks`, `-max-waiters` or `-max-queues`): try again later.",
+        {
+            "Retry-After": _header(
+                "Seconds to wait before trying again.", {"type": "integer", "minimum": 1}
+            )
+        },
+    ),
+    "Unavailable": _json(_ERROR, "The broker is shutting down, or its store failed."),
+    "MethodNotAllowed": _json(
+        _ERROR,
+        "A method the path does not take (any path; no operation here answers it).",
+        {"Allow": _header("The methods the path takes.", {"type": "string"})},
+    ),
+}
+
+
+def _linked(answer: Json, **links: Json) -> Json:
+    """``answer`` with links to the operations (by id) its body gives the parameters of."""
+    answer["links"] = {
+        operation: {"operationId": operation, "parameters": parameters}
+        for operation, parameters in links.items()
+    }
+    return answer
+
+
+# A delivery's task, held under its lease: what ack, nack and extend take.
+_HELD: Final = {"id": "$response.body#/task/id", "lease_id": "$response.body#/lease_id"}
+
+
+def _response(name: str) -> Json:
+    return _ref("responses", name)
+
+
+# -- parameters ---------------------------------------------------------------------------------
+
+
+def _query(name: str, schema: Json, description: str, required: bool = False) -> Json:
+    return {
+        "name": name,
+        "in": "query",
+        "required": required,
+        "schema": schema,
+        "description": description,
+    }
+
+
+def _path(name: str, description: str, schema: Json | None = None) -> Json:
+    return {
+        "name": name,
+        "in": "path",
+        "required": True,
+        "schema": schema or {"type": "string", "minLength": 1},
+        "description": description,
+    }
+
+
+_TASK_ID: Final = _path("id", "The task's id.")
+# A fixed word at the same place is another operation (OpenAPI matches a concrete path first):
+# `GET /jobs/next` claims, and `DELETE /dlq/requeue` is no purge (405).
+_LOOKUP_ID: Final = _path("id", "The task's id (`next` is none: `GET /jobs/next` claims).")
+_DEAD_ID: Final = _path("id", "The dead task's id (`requeue` is none: that is `/dlq/requeue`).")
+_LEASE_ID: Final = _query(
+    "lease_id",
+    {"type": "string", "minLength": 1},
+    "The lease id the task was handed out with.",
+    required=True,
+)
+_LEASE_MS: Final = _query(
+    "lease_ms",
+    {"type": "integer", "minimum": 1, "default": limits.DEFAULT_LEASE_MS},
+    f"How long the task is yours, in ms; values above {limits.MAX_LEASE_MS} (5 minutes) are "
+    f"clamped to {limits.MAX_LEASE_MS}.",
+)
+_ONE_QUEUE: Final = _query("queue", _schema("QueueName"), "Only this queue (default: all).")
+
+# -- operations ---------------------------------------------------------------------------------
+
+_SCOPE_TEXT: Final = {
+    "produce": "enqueue",
+    "consume": "claim, ack, nack and extend",
+    "admin": "the dead-letter queue and pausing queues",
+    "metrics": "scrape `GET /metrics` (unless the broker runs with `-metrics-public`)",
+}
+
+
+def _security(method: str, path: str, public: Collection[str]) -> list[Json]:
+    route = f"{method.upper()} {path}"
+    rule = Access.OPEN if route in public else http_rule(method.upper(), path)
+    if rule is Access.OPEN:
+        return []
+    return [{"bearer": [] if rule is Access.ANY else [rule]}]
+
+
+def _operation(
+    method: str,
+    path: str,
+    *,
+    summary: str,
+    description: str,
+    answers: Json,
+    parameters: list[Json] | None = None,
+    body: Json | None = None,
+    tag: str,
+    public: Collection[str],
+    store: bool = True,
+) -> Json:
+    """One operation, with the answers every route shares added to ``answers``: the transport's,
+    the token rules' (``public``: routes opened to all), and 503 if it reaches the store."""
+    security = _security(method, path, public)
+    responses: Json = dict(answers)
+    responses.setdefault("400", _response("MalformedRequest"))
+    if security:
+        responses["401"] = _response("Unauthorized")
+        if security[0]["bearer"]:
+            responses["403"] = _response("Forbidden")
+    if "{" in path:
+        responses.setdefault("404", _response("NoSuchPath"))
+    responses["408"] = _response("RequestTimeout")
+    responses["413"] = _response("PayloadTooLarge")
+    responses["415"] = _response("UnsupportedMediaType")
+    responses["417"] = _response("ExpectationFailed")
+    if store:
+        responses["503"] = _response("Unavailable")
+    operation: Json = {
+        "operationId": summary,
+        "summary": summary,
+        "description": description,
+        "tags": [tag],
+        "security": security,
+        "responses": dict(sorted(responses.items())),
+    }
+    if parameters:
+        operation["parameters"] = parameters
+    if body is not None:
+        operation["requestBody"] = body
+    return operation
+
+
+def _paths(public: Collection[str]) -> Json:
+    paths: Json = {}
+
+    def add(method: str, path: str, **kw: Any) -> None:
+        paths.setdefault(path, {})[method] = _operation(method, path, public=public, **kw)
+
+    add(
+        "post",
+        "/jobs",
+        summary="enqueue",
+        tag="tasks",
+        description=(
+            "Enqueue a task. With an `Idempotency-Key` seen in the same queue within the "
+            "broker's window (`-dedup-window-ms`, five minutes by default), nothing is "
+            "created: 200 with the first task's id. The body's `Content-Type` is not checked."
+        ),
+        parameters=[
+            {
+                "name": "Idempotency-Key",
+                "in": "header",
+                "required": False,
+                "schema": {
+                    "type": "string",
+                    "minLength": 1,
+                    "maxLength": limits.MAX_KEY_CHARS,
+                    "pattern": "^[^\\x00-\\x1f\\x7f]*$",
+                },
+                "description": (
+                    f"1 to {limits.MAX_KEY_CHARS} characters without control characters, "
+                    "given once; its bytes are read as UTF-8 (bytes that are not are a 400)."
+                ),
+            }
+        ],
+        body={"required": True, "content": {JSON: {"schema": _schema("EnqueueRequest")}}},
+        answers={
+            "201": _linked(
+                _json(_schema("Enqueued"), "Enqueued."),
+                lookup={"id": "$response.body#/id"},
+                claim={"wait_ms": "0"},
+            ),
+            "200": _json(_schema("Duplicate"), "The idempotency key matched: a duplicate."),
+            "400": _json(
+                _ERROR,
+                "A bad body or key: invalid JSON or UTF-8, not an object, no `payload`, a "
+                "member of the wrong type or out of range (or malformed HTTP).",
+            ),
+            "413": _response("PayloadTooLarge"),
+            "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "get",
+        "/jobs/next",
+        summary="claim",
+        tag="tasks",
+        description=(
+            "Claim the next ready task of the queues listed (in order of preference; then the "
+            "highest priority, then the oldest), long-polling up to `wait_ms` for one. `HEAD` "
+            "is refused (405): it would claim."
+        ),
+        parameters=[
+            _query(
+                "wait_ms",
+                {"type": "integer", "minimum": 0, "default": limits.DEFAULT_WAIT_MS},
+                f"How long to wait for a task, in ms; values above {limits.MAX_WAIT_MS} are "
+                f"clamped to {limits.MAX_WAIT_MS}; 0 answers at once.",
+            ),
+            _LEASE_MS,
+            _query(
+                "queue",
+                {"type": "string", "pattern": _QUEUE_LIST_PATTERN},
+                f"The queues to claim from, comma-separated, at most "
+                f"{limits.MAX_QUEUES_PER_CLAIM} (default: `default`).",
+            ),
+        ],
+        answers={
+            "200": _linked(
+                _json(_schema("Delivery"), "A task, now yours until the deadline."),
+                **{op: _HELD for op in ("ack", "nack", "extend")},
+                lookup={"id": "$response.body#/task/id"},
+            ),
+            "204": _empty("The wait elapsed with nothing available: ask again."),
+            "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "get",
+        "/jobs/{id}",
+        summary="lookup",
+        tag="tasks",
+        description="A task and its state (never its lease id). `HEAD` too.",
+        parameters=[_LOOKUP_ID],
+        answers={
+            "200": _json(_schema("TaskState"), "The task."),
+            "404": _json(_ERROR, "No such task: unknown, acked or purged (or no such path)."),
+        },
+    )
+    settle = [_TASK_ID, _LEASE_ID]
+    not_held = _json(_ERROR, "Nobody holds the task: unknown, settled, delayed, dead, expired.")
+    other_lease = _json(_ERROR, "The task is held under a different lease.")
+    add(
+        "post",
+        "/jobs/{id}/ack",
+        summary="ack",
+        tag="tasks",
+        description="Report success. A body, if any, is ignored.",
+        parameters=settle,
+        answers={"204": _empty("Acked."), "404": not_held, "409": other_lease},
+    )
+    add(
+        "post",
+        "/jobs/{id}/nack",
+        summary="nack",
+        tag="tasks",
+        description=(
+            "Report failure: retry after the backoff (or exactly `delay_ms`), or bury the task "
+            "(`terminal`, or no attempts left). A refused nack changes nothing."
+        ),
+        parameters=settle,
+        body={"required": False, "content": {JSON: {"schema": _schema("NackRequest")}}},
+        answers={
+            "204": _empty("Nacked."),
+            "404": not_held,
+            "409": other_lease,
+            "413": _response("PayloadTooLarge"),
+        },
+    )
+    add(
+        "post",
+        "/jobs/{id}/extend",
+        summary="extend",
+        tag="tasks",
+        description="Extend a lease: the new deadline is now + `lease_ms`. No body.",
+        parameters=[*settle, _LEASE_MS],
+        answers={
+            "200": _json(_schema("Deadline"), "The new deadline."),
+            "404": not_held,
+            "409": other_lease,
+        },
+    )
+    add(
+        "get",
+        "/stats",
+        summary="stats",
+        tag="broker",
+        description="Gauges and lifetime totals, of the broker or of one queue. `HEAD` too.",
+        parameters=[
+            _query("queue", _schema("QueueName"), "Only this queue (one never seen: all zeros).")
+        ],
+        answers={"200": _json(_schema("Stats"), "The gauges and totals.")},
+    )
+    add(
+        "get",
+        "/queues",
+        summary="queues",
+        tag="queues",
+        description="Every queue known, sorted by name. `HEAD` too.",
+        answers={"200": _json({"type": "array", "items": _schema("Queue")}, "The queues.")},
+    )
+    for verb, what in (("pause", "Stop handing out"), ("resume", "Hand out again")):
+        add(
+            "post",
+            f"/queues/{{name}}/{verb}",
+            summary=verb,
+            tag="queues",
+            description=(
+                f"{what} the queue's tasks (idempotent; a queue never seen is created). "
+                "A body, if any, is ignored."
+            ),
+            parameters=[_path("name", "The queue's name.", _schema("QueueName"))],
+            answers={
+                "204": _empty("Done."),
+                "400": _json(_ERROR, "Not a queue name (or malformed HTTP)."),
+                "429": _response("TooManyRequests"),
+            },
+        )
+    add(
+        "get",
+        "/dlq",
+        summary="dead_letters",
+        tag="dead letters",
+        description="The dead tasks, oldest burial first. `HEAD` too.",
+        parameters=[
+            _query("limit", {"type": "integer", "minimum": 0}, "At most this many."),
+            _ONE_QUEUE,
+        ],
+        answers={"200": _json({"type": "array", "items": _schema("Task")}, "The dead tasks.")},
+    )
+    add(
+        "post",
+        "/dlq/requeue",
+        summary="requeue_all",
+        tag="dead letters",
+        description="Give every dead task (of one queue) a clean start.",
+        parameters=[_ONE_QUEUE],
+        answers={"200": _json(_schema("Requeued"), "How many were requeued.")},
+    )
+    add(
+        "post",
+        "/dlq/{id}/requeue",
+        summary="requeue",
+        tag="dead letters",
+        description="Give a dead task a clean start: attempts 0, no last error, ready again.",
+        parameters=[_TASK_ID],
+        answers={
+            "204": _empty("Requeued."),
+            "404": _json(_ERROR, "The task is not in the dead-letter queue."),
+        },
+    )
+    add(
+        "delete",
+        "/dlq/{id}",
+        summary="purge",
+        tag="dead letters",
+        description="Drop a dead task for good.",
+        parameters=[_DEAD_ID],
+        answers={
+            "204": _empty("Purged."),
+            "404": _json(_ERROR, "The task is not in the dead-letter queue."),
+        },
+    )
+    add(
+        "get",
+        "/healthz",
+        summary="health",
+        tag="broker",
+        description="Liveness, without a token. `HEAD` too.",
+        answers={
+            "200": _json(_schema("Health"), 'Serving: `{"status": "ok"}`.'),
+            "503": _json(_schema("Health"), "Shutting down, or the store failed."),
+        },
+    )
+    add(
+        "get",
+        PATH,
+        summary="openapi",
+        tag="broker",
+        description="This document, without a token. `HEAD` too.",
+        store=False,
+        answers={"200": _json({"type": "object"}, "The OpenAPI 3.1 document.")},
+    )
+    add(
+        "get",
+        METRICS,
+        summary="metrics",
+        tag="broker",
+        description=(
+            "The Prometheus text format (version 0.0.4): per queue gauges, the totals as "
+            "counters, latency histograms, requests by route and status. With a token file, "
+            "a token with the `metrics` scope, unless the broker runs with `-metrics-public`. "
+            "`HEAD` too."
+        ),
+        store=False,
+        answers={
+            "200": {
+                "description": "The metrics.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
+    _dashboard(add)
+    return paths
+
+
+# The dashboard's files, by the types it serves (wqbroker.http.dashboard).
+_ASSET_TYPES: Final = (
+    "text/html",
+    "text/javascript",
+    "text/css",
+    "image/svg+xml",
+    "image/png",
+    "text/plain",
+)
+
+
+def _dashboard(add: Callable[..., None]) -> None:
+    """``GET /ui``, ``GET /ui/`` (the page) and ``GET /ui/{file}`` (what it loads)."""
+    cached = {
+        "ETag": _header("The file's version.", {"type": "string"}),
+        "Cache-Control": _header("How long to keep it.", {"type": "string"}),
+    }
+    unchanged = {
+        "description": "`If-None-Match` names the file's `ETag`: unchanged.",
+        "headers": cached,
+    }
+    files = {
+        "Content-Security-Policy": _header("Only the broker's own origin.", {"type": "string"}),
+        **cached,
+    }
+    if_none_match = {
+        "name": "If-None-Match",
+        "in": "header",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": "An `ETag` from before: 304 if the file is still the same.",
+    }
+    page = {
+        "200": {
+            "description": "The dashboard's page.",
+            "headers": files,
+            "content": {"text/html": {"schema": {"type": "string"}}},
+        },
+        "304": unchanged,
+    }
+    for path in ("/ui", "/ui/"):
+        add(
+            "get",
+            path,
+            summary="dashboard" if path == "/ui" else "dashboard_index",
+            tag="dashboard",
+            description=(
+                "The dashboard (static files; no token: the page asks for one when the API "
+                "answers 401, and sends it with its own calls). `HEAD` too."
+            ),
+            store=False,
+            parameters=[if_none_match],
+            answers=page,
+        )
+    add(
+        "get",
+        "/ui/{file}",
+        summary="dashboard_file",
+        tag="dashboard",
+        description="A file the dashboard's page loads. `HEAD` too.",
+        store=False,
+        parameters=[
+            _path("file", "The file's path under the dashboard (`vendor/...` holds a `/`)."),
+            if_none_match,
+        ],
+        answers={
+            "200": {
+                "description": "The file.",
+                "headers": files,
+                "content": {media: {"schema": {}} for media in _ASSET_TYPES},
+            },
+            "304": unchanged,
+            "404": _json(_ERROR, "No such file in the dashboard."),
+        },
+    )
+
+
+def build(*, metrics_public: bool = False) -> Json:
+    """The document; ``metrics_public``: as served by a broker run with ``-metrics-public``."""
+    scopes = "\n".join(f"- `{s}`: {_SCOPE_TEXT.get(s, s)}" for s in SCOPES)
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "wq broker HTTP API",
+            "version": "1",
+            "description": (
+                "A job-queue broker: producers enqueue tasks, workers claim them under a lease "
+                "and ack or nack them; failures are retried with backoff, and tasks out of "
+                "attempts go to the dead-letter queue.\n\n"
+                'Every error answer is JSON, `{"error": "..."}` (the `Error` schema), '
+                "naming the problem. An unknown path answers 404, and a method a path does not "
+                "take 405 with an `Allow` header (the response `MethodNotAllowed`). `HEAD` is "
+                "allowed on every `GET` except `GET /jobs/next`, which claims a task. "
+                "Timestamps are RFC 3339 in UTC with microseconds."
+            ),
+        },
+        "tags": [
+            {"name": "tasks", "description": "Enqueue, claim, settle, look up."},
+            {"name": "queues", "description": "Named queues and pausing them."},
+            {"name": "dead letters", "description": "Tasks that ran out of attempts."},
+            {"name": "broker", "description": "Counters, health, metrics and this document."},
+            {"name": "dashboard", "description": "The web dashboard's static files."},
+        ],
+        "paths": _paths((f"GET {METRICS}",) if metrics_public else ()),
+        "components": {
+            "schemas": _SCHEMAS,
+            "responses": _RESPONSES,
+            "securitySchemes": {
+                "bearer": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": (
+                        "Only with `-token-file`: `Authorization: Bearer TOKEN`, a token of the "
+                        "file. Without a token file, no operation needs one. Each operation "
+                        "lists the scope it needs (none: any valid token). The scopes:\n" + scopes
+                    ),
+                }
+            },
+        },
+    }
+
+
+DOCUMENT: Final[Json] = build()
+"""The document (of a broker without ``-metrics-public``)."""
+
+_BODIES: Final = {
+    public: json.dumps(build(metrics_public=public), separators=(",", ":")).encode("utf-8")
+    for public in (False, True)
+}
+
+
+def handler(*, metrics_public: bool = False) -> Callable[[web.Request], Awaitable[web.Response]]:
+    """The handler of ``GET /openapi.json``, for a broker with or without ``-metrics-public``."""
+    body = _BODIES[metrics_public]
+
+    async def serve(request: web.Request) -> web.Response:
+        return web.Response(body=body, content_type=JSON)
+
+    return serve

@@ -1,0 +1,968 @@
+/*
+ * wq dashboard. Plain JavaScript, no build step: served by the broker at /ui with the page and
+ * uPlot (vendor/). Everything it shows comes from the broker's JSON API, read from the browser:
+ * GET /stats (polled; the page keeps the last minutes of samples for the charts and the rates),
+ * GET /queues, GET /dlq, GET /jobs/{id}, and the admin calls (pause, resume, requeue, purge).
+ *
+ * Tokens: a call answered 401 opens the token form (once, however many calls are waiting);
+ * the token is kept in sessionStorage and sent as "Authorization: Bearer ..." with every call.
+ * A 403 names the scope the call needs. Every error the API answers is shown, never swallowed.
+ * No inline script or style (the page is served with a Content-Security-Policy of 'self').
+ */
+(function () {
+  "use strict";
+
+  // Every 2 s, or ?interval=MS (250 ms to a minute): /ui?interval=500#/overview.
+  const POLL_MS = Math.min(60000, Math.max(250, Number(new URLSearchParams(location.search).get("interval")) || 2000));
+  const HISTORY_S = 300;
+  const MIN_SPAN_S = Math.max(5, (10 * POLL_MS) / 1000);
+  // The rates shown in figures: over the last five polls, between 2 and 10 seconds.
+  const RATE_WINDOW_S = Math.min(10, Math.max(2, (5 * POLL_MS) / 1000));
+  const DLQ_LIMIT = 500;
+  const TOKEN_KEY = "wq.token";
+
+  const STATES = ["ready", "handed_out", "delayed", "dead"];
+  const LABELS = {
+    ready: "Ready",
+    handed_out: "Handed out",
+    delayed: "Delayed",
+    dead: "Dead",
+    enqueued: "Enqueued",
+    delivered: "Delivered",
+    acked: "Acked",
+    nacked: "Nacked",
+    reclaimed: "Reclaimed",
+    retried: "Retried",
+    buried: "Buried",
+    requeued: "Requeued",
+    purged: "Purged",
+    failed: "Failed",
+  };
+  const TOTAL_HINTS = {
+    enqueued: "tasks accepted",
+    delivered: "hand-outs to workers",
+    acked: "done for good",
+    nacked: "failures reported",
+    reclaimed: "leases that ran out",
+    retried: "sent back for another try",
+    buried: "put in the dead-letter queue",
+    requeued: "taken back out of it",
+    purged: "dropped from it",
+  };
+  const COLORS = {
+    ready: "#15803d",
+    handed_out: "#1d4ed8",
+    delayed: "#b45309",
+    dead: "#b91c1c",
+    enqueued: "#7c3aed",
+    acked: "#15803d",
+    failed: "#b91c1c",
+  };
+  const VIEWS = {overview: "Overview", queues: "Queues", dlq: "Dead letters", task: "Task"};
+
+  // -- formatting ------------------------------------------------------------------------------
+
+  const intFmt = new Intl.NumberFormat(undefined, {maximumFractionDigits: 0});
+  const rateFmt = new Intl.NumberFormat(undefined, {minimumFractionDigits: 1, maximumFractionDigits: 1});
+  const compactFmt = new Intl.NumberFormat(undefined, {notation: "compact", maximumFractionDigits: 1});
+  const clockFmt = new Intl.DateTimeFormat(undefined, {hour: "2-digit", minute: "2-digit", second: "2-digit"});
+  const dateFmt = new Intl.DateTimeFormat(undefined, {dateStyle: "medium", timeStyle: "medium"});
+
+  function now() {
+    return Date.now() / 1000;
+  }
+
+  function formatInt(n) {
+    return typeof n === "number" && isFinite(n) ? intFmt.format(n) : "–";
+  }
+
+  function formatRate(r) {
+    if (r == null || !isFinite(r)) return "–";
+    return Math.abs(r) >= 100 ? intFmt.format(r) : rateFmt.format(r);
+  }
+
+  function formatDuration(seconds) {
+    const s = Math.abs(seconds);
+    if (s < 10) return `${rateFmt.format(s)} s`;
+    if (s < 60) return `${Math.round(s)} s`;
+    if (s < 3600) return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
+    if (s < 86400) return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
+    return `${intFmt.format(Math.floor(s / 86400))} d ${Math.round((s % 86400) / 3600)} h`;
+  }
+
+  function relative(date) {
+    const seconds = (date.getTime() - Date.now()) / 1000;
+    if (Math.abs(seconds) < 1) return "just now";
+    return seconds < 0 ? `${formatDuration(seconds)} ago` : `in ${formatDuration(seconds)}`;
+  }
+
+  function label(key) {
+    return LABELS[key] || key.replace(/_/g, " ").replace(/^./, (c) => c.toUpperCase());
+  }
+
+  // -- the DOM ---------------------------------------------------------------------------------
+
+  function $(selector, root) {
+    return (root || document).querySelector(selector);
+  }
+
+  // h("a", {href: "#", class: "x", onclick: fn}, "text", child): text is always text, never HTML.
+  function h(tag, attrs, ...children) {
+    const el = document.createElement(tag);
+    for (const [key, value] of Object.entries(attrs || {})) {
+      if (value == null || value === false) continue;
+      if (key === "class") el.className = value;
+      else if (key === "dataset") Object.assign(el.dataset, value);
+      else if (key.startsWith("on")) el.addEventListener(key.slice(2), value);
+      else el.setAttribute(key, value === true ? "" : String(value));
+    }
+    for (const child of children.flat()) {
+      if (child == null || child === false) continue;
+      el.append(child instanceof Node ? child : document.createTextNode(String(child)));
+    }
+    return el;
+  }
+
+  function toast(message) {
+    const el = h("div", {class: "toast", role: "status"}, message);
+    $("#toasts").append(el);
+    setTimeout(() => el.remove(), 4000);
+  }
+
+  // -- the API ---------------------------------------------------------------------------------
+
+  class ApiError extends Error {
+    constructor(status, message, method, path) {
+      super(message);
+      this.status = status;
+      this.method = method;
+      this.path = path;
+    }
+  }
+
+  const auth = {declined: false, prompt: null};
+
+  function getToken() {
+    try {
+      return sessionStorage.getItem(TOKEN_KEY);
+    } catch (e) {
+      return null;
+    }
+  }
+
+  function setToken(token) {
+    try {
+      if (token) sessionStorage.setItem(TOKEN_KEY, token);
+      else sessionStorage.removeItem(TOKEN_KEY);
+    } catch (e) {
+      showError("token", new ApiError(0, `the browser refused to keep the token: ${e.message}`));
+    }
+  }
+
+  async function readBody(resp) {
+    const text = await resp.text();
+    if (!text) return null;
+    try {
+      return JSON.parse(text);
+    } catch (e) {
+      return text;
+    }
+  }
+
+  async function api(method, path) {
+    for (;;) {
+      const token = getToken();
+      const headers = {Accept: "application/json"};
+      if (token) headers.Authorization = `Bearer ${token}`;
+      let resp;
+      try {
+        resp = await fetch(path, {method, headers, cache: "no-store", credentials: "omit"});
+      } catch (e) {
+        throw new ApiError(0, `cannot reach the broker (${e.message})`, method, path);
+      }
+      const body = await readBody(resp);
+      if (resp.ok) return body;
+      const message =
+        body && typeof body === "object" && typeof body.error === "string"
+          ? body.error
+          : `${resp.status} ${resp.statusText}`.trim();
+      if (resp.status === 401 && !auth.declined && (await askToken(message, token))) continue;
+      throw new ApiError(resp.status, message, method, path);
+    }
+  }
+
+  // One prompt for every call waiting on a token; true when a (new) token is there to retry with.
+  function askToken(reason, usedToken) {
+    if (getToken() !== usedToken) return Promise.resolve(true);
+    if (!auth.prompt) {
+      auth.prompt = openTokenDialog(reason).finally(() => {
+        auth.prompt = null;
+      });
+    }
+    return auth.prompt;
+  }
+
+  function openTokenDialog(reason) {
+    const dialog = $("#token-dialog");
+    const input = $("#token-input");
+    $("#token-title").textContent = reason ? "This broker needs a token" : "Bearer token";
+    $("#token-reason").textContent = reason ? `The broker answered: ${reason}` : "";
+    $("#token-forget").hidden = !getToken();
+    input.value = "";
+    return new Promise((resolve) => {
+      dialog.addEventListener(
+        "close",
+        () => {
+          const value = input.value.trim();
+          input.value = "";
+          if (dialog.returnValue === "ok" && value) {
+            setToken(value);
+            auth.declined = false;
+            clearError("auth");
+            resolve(true);
+          } else if (dialog.returnValue === "forget") {
+            setToken(null);
+            auth.declined = false;
+            resolve(true);
+          } else {
+            if (reason) auth.declined = true;
+            resolve(false);
+          }
+        },
+        {once: true},
+      );
+      dialog.returnValue = "";
+      dialog.showModal();
+      input.focus();
+    });
+  }
+
+  // The header's Token button, and the buttons of the 401 and 403 alerts.
+  async function changeToken() {
+    if (auth.prompt) return;
+    auth.prompt = openTokenDialog("");
+    let changed;
+    try {
+      changed = await auth.prompt;
+    } finally {
+      auth.prompt = null;
+    }
+    if (changed) {
+      clearError("poll");
+      clearError("view");
+      clearError("action");
+      await refreshNow();
+    }
+  }
+
+  // -- errors ----------------------------------------------------------------------------------
+
+  function describe(err, doing) {
+    if (!(err instanceof ApiError)) {
+      return {title: `${doing} failed`, detail: String((err && err.message) || err)};
+    }
+    const call = err.method ? `${err.method} ${err.path}: ` : "";
+    if (err.status === 403) {
+      // (the broker's message names the route and the scope)
+      const scope = /with the (\S+) scope/.exec(err.message);
+      return {
+        title: scope
+          ? `Not allowed: ${doing} needs a token with the “${scope[1]}” scope`
+          : `Not allowed: ${doing}`,
+        detail: `The broker answered 403: ${err.message}`,
+        action: "Use another token",
+      };
+    }
+    if (err.status === 401) {
+      return {title: "This broker needs a token", detail: call + err.message, action: "Enter token"};
+    }
+    if (err.status === 0) return {title: "Cannot reach the broker", detail: err.message};
+    return {title: `${doing} failed (${err.status})`, detail: call + err.message};
+  }
+
+  function showError(key, err, doing) {
+    const info = describe(err, doing || "The request");
+    const status = err instanceof ApiError ? String(err.status) : "";
+    const alert = h(
+      "div",
+      {class: "alert", role: "alert", id: `alert-${key}`, dataset: {status}},
+      h("div", {class: "alert-body"}, h("div", {class: "alert-title"}, info.title), h("div", {}, info.detail)),
+      info.action && h("button", {type: "button", class: "btn btn-small", onclick: changeToken}, info.action),
+      h(
+        "button",
+        {type: "button", class: "btn btn-small btn-ghost", "aria-label": "Dismiss", onclick: () => clearError(key)},
+        "✕",
+      ),
+    );
+    const old = document.getElementById(`alert-${key}`);
+    if (old) old.replaceWith(alert);
+    else $("#alerts").append(alert);
+  }
+
+  function clearError(key) {
+    const old = document.getElementById(`alert-${key}`);
+    if (old) old.remove();
+  }
+
+  function setStatus(kind, text) {
+    const dot = $("#status-dot");
+    dot.className = `status-dot ${kind}`;
+    $("#status-text").textContent = text;
+  }
+
+  // -- state and polling -----------------------------------------------------------------------
+
+  const state = {
+    view: "overview",
+    live: true,
+    timer: null,
+    ticking: null,
+    stats: null,
+    samples: [], // {t: seconds, gauges and totals}
+    queues: null,
+    queuesKey: "",
+    dlq: null,
+    dlqKey: "",
+    dlqQueue: "",
+    task: null, // {id, found: task | null, key}
+    charts: null,
+  };
+
+  function record(stats) {
+    const t = Date.now() / 1000;
+    const last = state.samples[state.samples.length - 1];
+    if (last && Object.keys(stats.totals).some((k) => stats.totals[k] < (last.stats.totals[k] || 0))) {
+      state.samples = []; // a counter went down: another broker, or this one restarted
+    }
+    state.samples.push({t, stats});
+    while (state.samples.length && state.samples[0].t < t - HISTORY_S) state.samples.shift();
+  }
+
+  function failed(totals) {
+    return (totals.nacked || 0) + (totals.reclaimed || 0);
+  }
+
+  function totalOf(sample, key) {
+    return key === "failed" ? failed(sample.stats.totals) : sample.stats.totals[key] || 0;
+  }
+
+  // Per second over the last RATE_WINDOW_S seconds of samples (null until there are two).
+  function rate(key) {
+    const n = state.samples.length;
+    if (n < 2) return null;
+    const last = state.samples[n - 1];
+    let first = state.samples[n - 2];
+    for (let i = n - 2; i >= 0 && state.samples[i].t >= last.t - RATE_WINDOW_S; i--) first = state.samples[i];
+    const dt = last.t - first.t;
+    return dt > 0 ? (totalOf(last, key) - totalOf(first, key)) / dt : null;
+  }
+
+  async function tick() {
+    if (state.ticking) return state.ticking;
+    state.ticking = (async () => {
+      try {
+        const stats = await api("GET", "/stats");
+        clearError("poll");
+        state.stats = stats;
+        record(stats);
+        renderStats();
+        setStatus(state.live ? "live" : "paused", `${state.live ? "Live" : "Paused"} · ${clockFmt.format(new Date())}`);
+      } catch (e) {
+        showError("poll", e, "Reading the broker's stats");
+        const text = {401: "Needs a token", 403: "Not allowed", 0: "Disconnected"}[e.status] || "Error";
+        setStatus("down", text);
+      }
+      await refreshView();
+    })();
+    try {
+      await state.ticking;
+    } finally {
+      state.ticking = null;
+    }
+  }
+
+  // A tick that starts after now: what an action changed is in what it shows.
+  async function refreshNow() {
+    if (state.ticking) await state.ticking;
+    await tick();
+  }
+
+  async function loop() {
+    clearTimeout(state.timer);
+    await tick();
+    if (state.live) state.timer = setTimeout(loop, POLL_MS);
+  }
+
+  function setLive(live) {
+    state.live = live;
+    const button = $("#live-toggle");
+    button.setAttribute("aria-pressed", String(live));
+    button.textContent = live ? "Pause updates" : "Resume updates";
+    clearTimeout(state.timer);
+    if (live) loop();
+    else setStatus("paused", "Updates paused");
+  }
+
+  async function refreshView() {
+    try {
+      if (state.view === "queues") await loadQueues();
+      else if (state.view === "dlq") await loadDlq();
+      else if (state.view === "task" && state.task && state.task.found) await loadTask(state.task.id);
+      clearError("view");
+    } catch (e) {
+      showError("view", e, `Reading ${VIEWS[state.view].toLowerCase()}`);
+    }
+  }
+
+  // -- overview --------------------------------------------------------------------------------
+
+  function renderStats() {
+    const stats = state.stats;
+    if (!stats) return;
+    for (const key of STATES) {
+      const el = $(`#gauge-${key} .gauge-value`);
+      el.textContent = formatInt(stats[key]);
+      el.dataset.value = String(stats[key]);
+      el.classList.toggle("nonzero", stats[key] > 0);
+    }
+    $("#dead-count").textContent = stats.dead > 0 ? formatInt(stats.dead) : "";
+    for (const key of ["enqueued", "delivered", "acked", "failed"]) {
+      const r = rate(key);
+      const el = $(`#rate-${key} .num`);
+      el.textContent = formatRate(r);
+      el.dataset.value = r == null ? "" : String(r);
+    }
+    renderTotals(stats.totals);
+    if (state.view === "overview") renderCharts();
+  }
+
+  function renderTotals(totals) {
+    const list = $("#totals");
+    for (const [key, value] of Object.entries(totals)) {
+      let dd = list.querySelector(`dd[data-total="${CSS.escape(key)}"]`);
+      if (!dd) {
+        dd = h("dd", {dataset: {total: key}});
+        list.append(
+          h("div", {title: TOTAL_HINTS[key] || ""}, h("dt", {}, label(key)), dd, h("div", {class: "hint"}, TOTAL_HINTS[key] || "")),
+        );
+      }
+      dd.textContent = formatInt(value);
+      dd.dataset.value = String(value);
+    }
+  }
+
+  const INTEGER_STEPS = [];
+  for (let p = 1; p <= 1e12; p *= 10) INTEGER_STEPS.push(p, 2 * p, 5 * p);
+
+  function makeChart(el, series, format, integers) {
+    const yAxis = {
+      stroke: "#4b5563",
+      grid: {stroke: "#eef1f5"},
+      ticks: {stroke: "#e2e6ec"},
+      size: 52,
+      values: (u, values) => values.map((v) => compactFmt.format(v)),
+    };
+    if (integers) yAxis.incrs = INTEGER_STEPS;
+    const opts = {
+      width: Math.max(200, el.clientWidth),
+      height: 240,
+      cursor: {drag: {x: false, y: false}},
+      scales: {
+        x: {time: true},
+        y: {range: (u, min, max) => [0, max > 0 ? max * 1.1 : 1]},
+      },
+      axes: [{stroke: "#4b5563", grid: {stroke: "#eef1f5"}, ticks: {stroke: "#e2e6ec"}}, yAxis],
+      series: [
+        {value: (u, v) => (v == null ? "–" : clockFmt.format(new Date(v * 1000)))},
+        ...series.map((key) => ({
+          label: label(key),
+          stroke: COLORS[key],
+          width: 2,
+          points: {show: false},
+          value: (u, v) => (v == null ? "–" : format(v)),
+        })),
+      ],
+    };
+    // With the pointer off the chart, the legend shows the latest figures.
+    opts.hooks = {
+      draw: [
+        (u) => {
+          if (u.cursor.left < 0 && u.data[0].length) u.setLegend({idx: u.data[0].length - 1});
+        },
+      ],
+    };
+    return new uPlot(opts, [[], ...series.map(() => [])], el);
+  }
+
+  function ensureCharts() {
+    if (state.charts || typeof uPlot === "undefined") return state.charts;
+    const gaugesEl = $("#chart-gauges");
+    const ratesEl = $("#chart-rates");
+    if (!gaugesEl.clientWidth) return null;
+    state.charts = {
+      gauges: makeChart(gaugesEl, STATES, formatInt, true),
+      rates: makeChart(ratesEl, ["enqueued", "acked", "failed"], (v) => `${formatRate(v)}/s`, false),
+    };
+    const observer = new ResizeObserver(() => {
+      for (const [chart, el] of [[state.charts.gauges, gaugesEl], [state.charts.rates, ratesEl]]) {
+        if (el.clientWidth) chart.setSize({width: el.clientWidth, height: 240});
+      }
+    });
+    observer.observe(gaugesEl);
+    observer.observe(ratesEl);
+    return state.charts;
+  }
+
+  function renderCharts() {
+    const charts = ensureCharts();
+    if (!charts) return;
+    const samples = state.samples;
+    const times = samples.map((s) => s.t);
+    const gauges = STATES.map((k) => samples.map((s) => s.stats[k]));
+    charts.gauges.setData(padded([times, ...gauges]));
+    // Each point: the rate over the samples of the last couple of seconds (one poll is noisy).
+    const window = Math.max(2, (3 * POLL_MS) / 1000);
+    const since = [];
+    for (let i = 0, j = 0; i < samples.length; i++) {
+      while (samples[j].t < samples[i].t - window) j++;
+      since.push(j < i ? j : i > 0 ? i - 1 : null);
+    }
+    const rates = ["enqueued", "acked", "failed"].map((key) =>
+      samples.map((s, i) => {
+        const j = since[i];
+        if (j == null) return null;
+        const dt = s.t - samples[j].t;
+        return dt > 0 ? (totalOf(s, key) - totalOf(samples[j], key)) / dt : null;
+      }),
+    );
+    charts.rates.setData(padded([times, ...rates]));
+  }
+
+  // At least ten polls' worth of time on the x axis, from the start: a lone sample is no range.
+  function padded(data) {
+    const times = data[0];
+    const last = times.length ? times[times.length - 1] : now();
+    if (times.length && last - times[0] >= MIN_SPAN_S) return data;
+    return [[last - MIN_SPAN_S, ...times], ...data.slice(1).map((values) => [null, ...values])];
+  }
+
+  // -- queues ----------------------------------------------------------------------------------
+
+  async function loadQueues() {
+    const rows = await api("GET", "/queues");
+    state.queues = rows;
+    fillQueueFilter();
+    const key = JSON.stringify(rows);
+    if (key !== state.queuesKey) {
+      state.queuesKey = key;
+      renderQueues();
+    }
+  }
+
+  function oldestReady(row) {
+    if (typeof row.oldest_ready_age === "number") return row.oldest_ready_age;
+    if (typeof row.oldest_ready_at === "string") return (Date.now() - Date.parse(row.oldest_ready_at)) / 1000;
+    return undefined;
+  }
+
+  function renderQueues() {
+    const rows = state.queues || [];
+    const withAge = rows.some((r) => r.oldest_ready_age !== undefined || r.oldest_ready_at !== undefined);
+    $("#queues-table .col-oldest").hidden = !withAge;
+    const deepest = Math.max(1, ...rows.map((r) => STATES.reduce((n, k) => n + r[k], 0)));
+    const tbody = $("#queues-table tbody");
+    tbody.replaceChildren(
+      ...rows.map((row) => {
+        const bar = h("div", {class: "bar", title: STATES.map((k) => `${label(k)}: ${formatInt(row[k])}`).join(", ")});
+        for (const k of STATES) {
+          if (!row[k]) continue;
+          const part = h("span", {class: k});
+          part.style.width = `${(100 * row[k]) / deepest}%`;
+          bar.append(part);
+        }
+        const age = oldestReady(row);
+        const cell = (key) => h("td", {class: "num", "data-label": label(key), dataset: {field: key, value: row[key]}}, formatInt(row[key]));
+        const dead = cell("dead");
+        if (row.dead > 0) {
+          dead.replaceChildren(h("a", {href: `#/dlq?queue=${encodeURIComponent(row.name)}`}, formatInt(row.dead)));
+        }
+        return h(
+          "tr",
+          {dataset: {queue: row.name}},
+          h("td", {"data-label": "Queue"}, h("span", {class: "queue-name"}, row.name)),
+          cell("ready"),
+          cell("handed_out"),
+          cell("delayed"),
+          dead,
+          withAge && h("td", {class: "num", "data-label": "Oldest ready"}, age == null ? "–" : formatDuration(age)),
+          h("td", {class: "col-bar", "data-label": "Depth"}, bar),
+          h(
+            "td",
+            {"data-label": "State"},
+            h("span", {class: `badge ${row.paused ? "badge-paused" : "badge-active"}`, dataset: {paused: String(row.paused)}}, row.paused ? "Paused" : "Active"),
+          ),
+          h(
+            "td",
+            {class: "actions"},
+            h(
+              "button",
+              {
+                type: "button",
+                class: `btn btn-small ${row.paused ? "resume" : "pause"}`,
+                onclick: (event) => pauseOrResume(event.currentTarget, row.name, !row.paused),
+              },
+              row.paused ? "Resume" : "Pause",
+            ),
+          ),
+        );
+      }),
+    );
+    $("#queues-empty").hidden = rows.length > 0;
+    const paused = rows.filter((r) => r.paused).length;
+    $("#queues-summary").textContent = rows.length
+      ? `${formatInt(rows.length)} ${rows.length === 1 ? "queue" : "queues"}${paused ? `, ${formatInt(paused)} paused` : ""}`
+      : "";
+  }
+
+  async function pauseOrResume(button, name, pause) {
+    const verb = pause ? "pause" : "resume";
+    button.disabled = true;
+    try {
+      await api("POST", `/queues/${encodeURIComponent(name)}/${verb}`);
+      clearError("action");
+      toast(pause ? `Paused ${name}: its tasks stay ready, none is handed out` : `Resumed ${name}`);
+    } catch (e) {
+      showError("action", e, `${pause ? "Pausing" : "Resuming"} queue ${name}`);
+    } finally {
+      button.disabled = false;
+    }
+    await refreshNow();
+  }
+
+  // -- dead letters ----------------------------------------------------------------------------
+
+  function fillQueueFilter() {
+    const select = $("#dlq-queue");
+    const names = (state.queues || []).map((q) => q.name);
+    if (state.dlqQueue && !names.includes(state.dlqQueue)) names.push(state.dlqQueue);
+    const have = Array.from(select.options).slice(1).map((o) => o.value);
+    if (have.join("\n") !== names.join("\n")) {
+      select.replaceChildren(h("option", {value: ""}, "All queues"), ...names.map((n) => h("option", {value: n}, n)));
+    }
+    select.value = state.dlqQueue;
+  }
+
+  function deadCount() {
+    if (!state.dlqQueue) return state.stats ? state.stats.dead : null;
+    const row = (state.queues || []).find((q) => q.name === state.dlqQueue);
+    return row ? row.dead : null;
+  }
+
+  async function loadDlq() {
+    const query = new URLSearchParams({limit: String(DLQ_LIMIT)});
+    if (state.dlqQueue) query.set("queue", state.dlqQueue);
+    const [tasks, queues] = await Promise.all([api("GET", `/dlq?${query}`), api("GET", "/queues")]);
+    state.queues = queues;
+    fillQueueFilter();
+    state.dlq = tasks;
+    const key = JSON.stringify([tasks, deadCount()]);
+    if (key !== state.dlqKey) {
+      state.dlqKey = key;
+      renderDlq();
+    }
+  }
+
+  function renderDlq() {
+    const tasks = state.dlq || [];
+    const total = Math.max(deadCount() || 0, tasks.length);
+    const where = state.dlqQueue ? ` in ${state.dlqQueue}` : "";
+    $("#dlq-summary").textContent = total
+      ? tasks.length < total
+        ? `Showing the first ${formatInt(tasks.length)} of ${formatInt(total)} dead tasks${where}, oldest burial first.`
+        : `${formatInt(total)} dead ${total === 1 ? "task" : "tasks"}${where}, oldest burial first.`
+      : "";
+    const all = $("#dlq-requeue-all");
+    all.disabled = total === 0;
+    all.textContent = total ? `Requeue all (${formatInt(total)})` : "Requeue all";
+    $("#dlq-empty").hidden = tasks.length > 0;
+    $("#dlq-empty").textContent = state.dlqQueue
+      ? `No dead tasks in ${state.dlqQueue}.`
+      : "The dead-letter queue is empty. Nothing has failed for good.";
+    $("#dlq-table tbody").replaceChildren(
+      ...tasks.map((task) => {
+        const created = new Date(task.created_at);
+        return h(
+          "tr",
+          {dataset: {id: task.id}},
+          h("td", {"data-label": "Task"}, h("a", {class: "mono", href: `#/task/${encodeURIComponent(task.id)}`}, task.id)),
+          h("td", {"data-label": "Queue"}, h("span", {class: "queue-name"}, task.queue)),
+          h("td", {class: "num", "data-label": "Attempts"}, `${formatInt(task.attempts)} / ${formatInt(task.max_attempts)}`),
+          h(
+            "td",
+            {"data-label": "Last error"},
+            h("div", {class: "error-text", title: task.last_error || ""}, task.last_error == null ? "–" : task.last_error),
+          ),
+          h("td", {"data-label": "Created", title: dateFmt.format(created)}, relative(created)),
+          h(
+            "td",
+            {class: "actions"},
+            h("button", {type: "button", class: "btn btn-small requeue", onclick: () => requeueOne(task)}, "Requeue"),
+            h("button", {type: "button", class: "btn btn-small btn-danger purge", onclick: () => purgeOne(task)}, "Purge"),
+          ),
+        );
+      }),
+    );
+  }
+
+  function confirmAction(title, message, confirmLabel, danger) {
+    const dialog = $("#confirm-dialog");
+    $("#confirm-title").textContent = title;
+    $("#confirm-message").textContent = message;
+    const ok = $("#confirm-ok");
+    ok.textContent = confirmLabel;
+    ok.classList.toggle("btn-danger", !!danger);
+    return new Promise((resolve) => {
+      dialog.addEventListener("close", () => resolve(dialog.returnValue === "ok"), {once: true});
+      dialog.returnValue = "";
+      dialog.showModal();
+      $("#confirm-cancel").focus();
+    });
+  }
+
+  async function act(doing, call, done) {
+    try {
+      const body = await call();
+      clearError("action");
+      toast(done(body));
+    } catch (e) {
+      showError("action", e, doing);
+    }
+    state.dlqKey = "";
+    await refreshNow();
+  }
+
+  async function requeueOne(task) {
+    const ok = await confirmAction(
+      "Requeue this task?",
+      `Task ${task.id} (queue ${task.queue}) goes back to ready, with its attempts reset to 0 and its last error cleared.`,
+      "Requeue",
+      false,
+    );
+    if (!ok) return;
+    await act(
+      `Requeueing task ${task.id}`,
+      () => api("POST", `/dlq/${encodeURIComponent(task.id)}/requeue`),
+      () => `Requeued task ${task.id}`,
+    );
+  }
+
+  async function purgeOne(task) {
+    const ok = await confirmAction(
+      "Purge this task?",
+      `Task ${task.id} (queue ${task.queue}) is dropped for good, with its payload. This cannot be undone.`,
+      "Purge",
+      true,
+    );
+    if (!ok) return;
+    await act(
+      `Purging task ${task.id}`,
+      () => api("DELETE", `/dlq/${encodeURIComponent(task.id)}`),
+      () => `Purged task ${task.id}`,
+    );
+  }
+
+  async function requeueAll() {
+    const queue = state.dlqQueue;
+    const count = deadCount();
+    const what = `${count == null ? "every" : `all ${formatInt(count)}`} dead ${count === 1 ? "task" : "tasks"}${queue ? ` of queue ${queue}` : ""}`;
+    const ok = await confirmAction(
+      "Requeue all dead tasks?",
+      `This puts ${what} back in ready, each with its attempts reset to 0.`,
+      "Requeue all",
+      false,
+    );
+    if (!ok) return;
+    await act(
+      "Requeueing the dead-letter queue",
+      () => api("POST", queue ? `/dlq/requeue?queue=${encodeURIComponent(queue)}` : "/dlq/requeue"),
+      (body) => `Requeued ${formatInt(body && body.requeued)} ${body && body.requeued === 1 ? "task" : "tasks"}`,
+    );
+  }
+
+  // -- a task ----------------------------------------------------------------------------------
+
+  async function loadTask(id) {
+    let found = null;
+    let missing = null;
+    try {
+      found = await api("GET", `/jobs/${encodeURIComponent(id)}`);
+    } catch (e) {
+      if (!(e instanceof ApiError) || e.status !== 404) throw e;
+      missing = e.message;
+    }
+    const key = JSON.stringify([id, found, missing]);
+    if (state.task && state.task.key === key) return;
+    state.task = {id, found, key};
+    renderTask(id, found, missing);
+  }
+
+  function fact(name, ...value) {
+    return h("div", {}, h("dt", {}, name), h("dd", {}, ...value));
+  }
+
+  function when(text) {
+    const date = new Date(text);
+    return [dateFmt.format(date), h("span", {class: "hint"}, relative(date))];
+  }
+
+  function renderTask(id, task, missing) {
+    const result = $("#task-result");
+    if (!task) {
+      result.replaceChildren(
+        h(
+          "div",
+          {class: "card", id: "task-missing"},
+          h("h2", {}, "No such task"),
+          h("p", {}, `No task has the id ${id}. An acked or purged task is gone for good; the id may also be mistyped.`),
+          h("p", {class: "hint"}, `The broker answered 404: ${missing}`),
+        ),
+      );
+      return;
+    }
+    let payload;
+    try {
+      payload = JSON.stringify(task.payload, null, 2);
+    } catch (e) {
+      payload = String(task.payload);
+    }
+    const dead = task.state === "dead";
+    result.replaceChildren(
+      h(
+        "article",
+        {class: "card", id: "task-card", dataset: {id: task.id, state: task.state}},
+        h(
+          "div",
+          {class: "task-head"},
+          h("h2", {}, task.id),
+          h("span", {class: `badge badge-${task.state}`, id: "task-state"}, label(task.state)),
+          dead &&
+            h(
+              "div",
+              {class: "actions"},
+              h("button", {type: "button", class: "btn btn-small requeue", onclick: () => requeueOne(task)}, "Requeue"),
+              h("button", {type: "button", class: "btn btn-small btn-danger purge", onclick: () => purgeOne(task)}, "Purge"),
+            ),
+        ),
+        h(
+          "dl",
+          {class: "facts"},
+          fact("Queue", h("a", {href: `#/dlq?queue=${encodeURIComponent(task.queue)}`, class: "queue-name"}, task.queue)),
+          fact("Priority", String(task.priority)),
+          fact("Attempts", h("span", {id: "task-attempts"}, `${formatInt(task.attempts)} of ${formatInt(task.max_attempts)}`)),
+          fact("Created", ...when(task.created_at)),
+          fact(task.state === "delayed" ? "Next attempt" : "Available since", ...when(task.available_at)),
+        ),
+        h("div", {class: "section-label"}, "Last error"),
+        task.last_error == null
+          ? h("p", {class: "hint", id: "task-error"}, "None: no attempt has failed.")
+          : h("pre", {class: "block error", id: "task-error"}, task.last_error),
+        h("div", {class: "section-label"}, "Payload"),
+        h("pre", {class: "block", id: "task-payload"}, payload),
+      ),
+    );
+  }
+
+  async function lookUp(id) {
+    state.task = null;
+    $("#task-result").replaceChildren(h("p", {class: "hint"}, "Looking up…"));
+    try {
+      await loadTask(id);
+      clearError("view");
+    } catch (e) {
+      $("#task-result").replaceChildren();
+      showError("view", e, `Looking up task ${id}`);
+    }
+  }
+
+  // -- routing ---------------------------------------------------------------------------------
+
+  function parseHash() {
+    const raw = location.hash.replace(/^#\/?/, "");
+    const [path, query] = raw.split("?");
+    const parts = path.split("/");
+    const view = Object.hasOwn(VIEWS, parts[0]) ? parts[0] : "overview";
+    let arg = parts.slice(1).join("/");
+    try {
+      arg = decodeURIComponent(arg);
+    } catch (e) {
+      // keep it as typed
+    }
+    return {view, arg, params: new URLSearchParams(query || "")};
+  }
+
+  async function route() {
+    const {view, arg, params} = parseHash();
+    const changed = view !== state.view;
+    state.view = view;
+    for (const name of Object.keys(VIEWS)) {
+      $(`#view-${name}`).hidden = name !== view;
+      const tab = $(`#tab-${name}`);
+      if (name === view) tab.setAttribute("aria-current", "page");
+      else tab.removeAttribute("aria-current");
+    }
+    document.title = `${VIEWS[view]} · wq`;
+    if (changed) clearError("view");
+    if (view === "overview") {
+      renderStats();
+    } else if (view === "queues") {
+      await refreshView();
+    } else if (view === "dlq") {
+      state.dlqQueue = params.get("queue") || "";
+      state.dlqKey = "";
+      await refreshView();
+    } else if (view === "task") {
+      $("#task-id").value = arg;
+      if (arg) await lookUp(arg);
+      else {
+        state.task = null;
+        $("#task-result").replaceChildren();
+        $("#task-id").focus();
+      }
+    }
+  }
+
+  // -- wiring ----------------------------------------------------------------------------------
+
+  function start() {
+    $("#broker-host").textContent = location.host;
+    $("#token-button").addEventListener("click", changeToken);
+    $("#token-cancel").addEventListener("click", () => $("#token-dialog").close("cancel"));
+    $("#token-forget").addEventListener("click", () => $("#token-dialog").close("forget"));
+    $("#confirm-cancel").addEventListener("click", () => $("#confirm-dialog").close("cancel"));
+    $("#live-toggle").addEventListener("click", () => setLive(!state.live));
+    $("#dlq-refresh").addEventListener("click", () => {
+      state.dlqKey = "";
+      refreshView();
+    });
+    $("#dlq-requeue-all").addEventListener("click", requeueAll);
+    $("#dlq-queue").addEventListener("change", (event) => {
+      const queue = event.target.value;
+      location.hash = queue ? `#/dlq?queue=${encodeURIComponent(queue)}` : "#/dlq";
+    });
+    $("#task-form").addEventListener("submit", (event) => {
+      event.preventDefault();
+      const id = $("#task-id").value.trim();
+      if (!id) return;
+      const target = `#/task/${encodeURIComponent(id)}`;
+      if (location.hash === target) lookUp(id);
+      else location.hash = target;
+    });
+    window.addEventListener("hashchange", route);
+    if (!location.hash) history.replaceState(null, "", "#/overview");
+    route();
+    loop();
+  }
+
+  if (document.readyState === "loading") document.addEventListener("DOMContentLoaded", start);
+  else start();
+})();

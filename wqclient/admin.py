@@ -1,0 +1,904 @@
+"""``wq`` (``python -m wqclient.admin``): the admin command, for people at a terminal.
+
+``wq stats``, ``wq queues``, ``wq dlq [list|requeue|purge]``, ``wq task ID``, ``wq enqueue JSON``,
+``wq pause QUEUE``, ``wq resume QUEUE`` and ``wq watch`` (a live view of the gauges and rates).
+Each prints a table for people (the ``rich`` library: colours only when standard output is a
+terminal) or, with ``-json``, one JSON document with the HTTP API's member names (``wq watch
+-json``: one document a line, a line per refresh).
+
+The flags follow the other commands (:mod:`wqclient.flags`): one dash or two, the value after a
+space or ``=``, and the common ones (``-broker``, ``-token``, ``-ca-file``, ``-timeout``,
+``-json``) before or after the command. An error is one line on standard error, ``wq: message``,
+and an exit status that says what kind (:data:`EXIT_CODES`); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, fields
+from datetime import UTC, datetime
+from typing import Any, Final, NoReturn, TextIO
+
+from rich import box
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from wqclient.client import AsyncClient
+from wqclient.errors import (
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unauthenticated,
+    Unavailable,
+    WqError,
+)
+from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
+from wqclient.limits import DEFAULT_URL
+from wqclient.models import QueueInfo, Stats, Task, Totals
+from wqclient.worker import add_auth_flags
+
+PROG: Final = "wq"
+
+# -- exit codes ---------------------------------------------------------------------------------
+
+EXIT_OK: Final = 0
+EXIT_FAILED: Final = 1  # the broker refused the call for another reason (a lease conflict ...)
+EXIT_USAGE: Final = 2  # a bad command line: flags, a payload that is not JSON, a bad queue name
+EXIT_NOT_FOUND: Final = 3  # no such task (or not in the dead-letter queue)
+EXIT_UNAVAILABLE: Final = 4  # the broker cannot be reached, is shutting down, or is at a limit
+EXIT_REFUSED: Final = 5  # the broker refused the token (missing, unknown, or lacking a scope)
+EXIT_INTERRUPTED: Final = 130  # Ctrl-C (except in `wq watch`, which it ends normally)
+
+EXIT_CODES: Final = {
+    EXIT_OK: "success",
+    EXIT_FAILED: "the broker refused the call (for a reason not below)",
+    EXIT_USAGE: "usage: a bad flag or argument, a payload that is not JSON, a value the "
+    "broker\n       rejects (a bad queue name ...)",
+    EXIT_NOT_FOUND: "not found: no such task, or not in the dead-letter queue",
+    EXIT_UNAVAILABLE: "the broker cannot be reached, is shutting down, or is at a limit (429)",
+    EXIT_REFUSED: "the broker refused the token (none, unknown, or without the scope needed)",
+    EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
+}
+
+
+class _Usage(Exception):
+    """A bad command line found after parsing (exit status 2)."""
+
+
+def exit_code(error: WqError) -> int:
+    """The exit status for an error the client raised."""
+    if isinstance(error, NotFound):
+        return EXIT_NOT_FOUND
+    if isinstance(error, (Unauthenticated, PermissionDenied)):
+        return EXIT_REFUSED
+    if isinstance(error, Unavailable):
+        return EXIT_UNAVAILABLE
+    if isinstance(error, InvalidArgument):
+        return EXIT_USAGE
+    return EXIT_FAILED
+
+
+# -- JSON: the HTTP API's shapes ------------------------------------------------------------------
+
+
+def rfc3339(when: datetime) -> str:
+    """A timestamp as the HTTP API writes it: ``2026-11-29T23:07:38.123456Z``."""
+    when = when.astimezone(UTC) if when.tzinfo is not None else when
+    return when.isoformat(timespec="microseconds").replace("+00:00", "") + "Z"
+
+
+def task_json(task: Task) -> dict[str, Any]:
+    """A task as the HTTP API shows it (``GET /dlq``; with ``state``, as ``GET /jobs/{id}``)."""
+    view: dict[str, Any] = {
+        "id": task.id,
+        "payload": json.loads(task.payload_json),
+        "attempts": task.attempts,
+        "max_attempts": task.max_attempts,
+        "created_at": rfc3339(task.created_at),
+        "available_at": rfc3339(task.available_at),
+        "last_error": task.last_error,
+        "queue": task.queue,
+        "priority": task.priority,
+    }
+    if task.state is not None:
+        view["state"] = task.state
+    return view
+
+
+def stats_json(stats: Stats) -> dict[str, Any]:
+    """Stats as ``GET /stats`` shows them."""
+    return asdict(stats)
+
+
+def queue_json(queue: QueueInfo) -> dict[str, Any]:
+    """A queue as ``GET /queues`` shows it."""
+    view = asdict(queue)
+    oldest = queue.oldest_ready_at
+    view["oldest_ready_at"] = None if oldest is None else rfc3339(oldest)
+    return view
+
+
+def _dump(document: Any) -> str:
+    return json.dumps(document, ensure_ascii=False)
+
+
+# -- output ---------------------------------------------------------------------------------------
+
+
+class Output:
+    """Where a command writes: ``-json`` documents, or rich renderables for people."""
+
+    def __init__(self, out: TextIO, as_json: bool, err: TextIO | None = None) -> None:
+        self.as_json = as_json
+        self.file = out
+        self.err = err or sys.stderr
+        # highlight=False: rich would colour numbers and words by guessing; the tables say
+        # what they colour. Colours (and Live's redrawing) only when `out` is a terminal.
+        self.console = Console(file=out, highlight=False, soft_wrap=False)
+
+    def json(self, document: Any) -> None:
+        self.file.write(_dump(document) + "\n")
+        self.file.flush()
+
+    def show(self, *renderables: RenderableType | str) -> None:
+        for r in renderables:
+            if self.console.is_terminal:
+                self.console.print(r, markup=False)
+                continue
+            # Into a file or a pipe: no colours, and no spaces that pad a line out to the width.
+            with self.console.capture() as captured:
+                self.console.print(r, markup=False)
+            lines = captured.get().splitlines()
+            self.file.write("".join(line.rstrip() + "\n" for line in lines))
+            self.file.flush()
+
+
+def _n(value: int) -> str:
+    return f"{value:,}"
+
+
+_GAUGES: Final = ("ready", "handed_out", "delayed", "dead")
+_GAUGE_STYLE: Final = {"ready": "green", "handed_out": "cyan", "delayed": "yellow", "dead": "red"}
+_TOTALS: Final = tuple(f.name for f in fields(Totals))
+
+
+def _label(name: str) -> str:
+    return name.replace("_", " ")
+
+
+def stats_table(stats: Stats, queue: str | None) -> RenderableType:
+    """The gauges beside the totals."""
+    gauges = _table()
+    gauges.add_column("gauge", no_wrap=True)
+    gauges.add_column("now", justify="right", no_wrap=True)
+    for name in _GAUGES:
+        value = getattr(stats, name)
+        gauges.add_row(_label(name), Text(_n(value), style=_GAUGE_STYLE[name] if value else "dim"))
+    totals = _table()
+    totals.add_column("total", no_wrap=True)
+    totals.add_column("since start", justify="right", no_wrap=True)
+    for name in _TOTALS:
+        totals.add_row(_label(name), _n(getattr(stats.totals, name)))
+    both = Table.grid(padding=(0, 4))
+    both.add_row(gauges, totals)
+    title = f"queue {queue}" if queue is not None else "all queues"
+    return Group(Text(title, style="bold"), both)
+
+
+def _table(title: str | None = None) -> Table:
+    """The tables' look: a heavy rule under the header, no frame."""
+    return Table(title=title, title_justify="left", box=box.SIMPLE_HEAVY, show_edge=False)
+
+
+def queues_table(queues: Sequence[QueueInfo]) -> Table:
+    table = _table(f"queues: {len(queues)}")
+    table.add_column("queue", no_wrap=True)
+    for name in _GAUGES:
+        table.add_column(_label(name), justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for q in queues:
+        state = Text("paused", style="bold yellow") if q.paused else Text("active", style="green")
+        gauges = [
+            Text(_n(getattr(q, g)), style=_GAUGE_STYLE[g] if getattr(q, g) else "dim")
+            for g in _GAUGES
+        ]
+        table.add_row(q.name, *gauges, state)
+    return table
+
+
+def _short(text: str, width: int = 48) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def dead_table(tasks: Sequence[Task], limit: int | None) -> Table:
+    more = " (the first, --limit)" if limit is not None and len(tasks) >= limit else ""
+    table = _table(f"dead letters: {len(tasks)}{more}")
+    table.add_column("id", no_wrap=True)
+    table.add_column("queue", no_wrap=True)
+    table.add_column("prio", justify="right", no_wrap=True)
+    table.add_column("attempts", justify="right", no_wrap=True)
+    table.add_column("last error", style="red", overflow="fold", ratio=3, min_width=12)
+    table.add_column("payload", overflow="fold", ratio=2, min_width=10)
+    for t in tasks:
+        table.add_row(
+            t.id,
+            t.queue,
+            str(t.priority),
+            f"{t.attempts}/{t.max_attempts}",
+            _short(t.last_error or "-", 120),
+            _short(json.dumps(json.loads(t.payload_json), ensure_ascii=False), 80),
+        )
+    return table
+
+
+_STATE_STYLE: Final = {"ready": "green", "handed_out": "cyan", "delayed": "yellow", "dead": "red"}
+
+
+def task_table(task: Task) -> Table:
+    table = _table(f"task {task.id}")
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    state = task.state or "-"
+    table.add_row("state", Text(_label(state), style=_STATE_STYLE.get(state, "")))
+    table.add_row("queue", task.queue)
+    table.add_row("priority", str(task.priority))
+    table.add_row("attempts", f"{task.attempts} of {task.max_attempts}")
+    table.add_row("created at", rfc3339(task.created_at))
+    table.add_row("available at", rfc3339(task.available_at))
+    table.add_row(
+        "last error", Text(task.last_error or "-", style="red" if task.last_error else "")
+    )
+    payload = json.dumps(json.loads(task.payload_json), indent=2, ensure_ascii=False)
+    table.add_row("payload", payload)
+    return table
+
+
+# -- the commands ---------------------------------------------------------------------------------
+
+
+async def cmd_stats(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    stats = await client.stats(args.queue)
+    if out.as_json:
+        out.json(stats_json(stats))
+    else:
+        out.show(stats_table(stats, args.queue))
+    return EXIT_OK
+
+
+async def cmd_queues(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    queues = await client.queues()
+    if out.as_json:
+        out.json([queue_json(q) for q in queues])
+    elif not queues:
+        out.show("no queues yet (a queue exists once a task was sent to it)")
+    else:
+        out.show(queues_table(queues))
+    return EXIT_OK
+
+
+async def cmd_dlq_list(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    tasks = await client.dead_letters(args.limit, queue=args.queue)
+    if out.as_json:
+        out.json([task_json(t) for t in tasks])
+    elif not tasks:
+        where = f" of queue {args.queue}" if args.queue else ""
+        out.show(f"the dead-letter queue{where} is empty")
+    else:
+        out.show(dead_table(tasks, args.limit))
+    return EXIT_OK
+
+
+async def cmd_dlq_requeue(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    if args.all == (args.id is not None):
+        raise _Usage("give a task id, or -all (with -queue for one queue's)")
+    if args.queue is not None and not args.all:
+        raise _Usage("-queue goes with -all")
+    if args.id is not None:
+        await client.requeue(args.id)
+        if out.as_json:
+            out.json({"requeued": 1, "id": args.id})
+        else:
+            out.show(f"requeued {args.id}")
+        return EXIT_OK
+    count = await client.requeue_all(args.queue)
+    if out.as_json:
+        out.json({"requeued": count, "queue": args.queue})
+    else:
+        where = f" of queue {args.queue}" if args.queue else ""
+        out.show(f"requeued {count} dead task{'' if count == 1 else 's'}{where}")
+    return EXIT_OK
+
+
+async def cmd_dlq_purge(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    await client.purge(args.id)
+    if out.as_json:
+        out.json({"purged": 1, "id": args.id})
+    else:
+        out.show(f"purged {args.id}")
+    return EXIT_OK
+
+
+async def cmd_task(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    task = await client.get_task(args.id)
+    if out.as_json:
+        out.json(task_json(task))
+    else:
+        out.show(task_table(task))
+    return EXIT_OK
+
+
+def parse_payload(text: str) -> bytes:
+    """The payload argument of ``wq enqueue``: JSON text, checked here (NaN and Infinity are
+    not JSON) and sent as given."""
+
+    def constant(name: str) -> NoReturn:
+        raise ValueError(f"{name} is not JSON")
+
+    try:
+        json.loads(text, parse_constant=constant)
+    except RecursionError:
+        raise _Usage("the payload is nested too deeply") from None
+    except ValueError as e:
+        raise _Usage(f"the payload is not valid JSON: {e}") from None
+    return text.strip().encode()
+
+
+async def cmd_enqueue(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    payload = parse_payload(args.payload)
+    enqueued = await client.enqueue(
+        payload,
+        max_attempts=args.max_attempts,
+        delay_ms=args.delay_ms,
+        queue=args.queue,
+        priority=args.priority,
+        idempotency_key=args.key,
+    )
+    duplicate = getattr(enqueued, "duplicate", False) is True
+    if out.as_json:
+        out.json({"id": str(enqueued), "duplicate": duplicate})
+    elif duplicate:
+        out.show(f"{enqueued} (a duplicate: the key was used within the window; nothing new)")
+    else:
+        out.show(f"{enqueued}")
+    return EXIT_OK
+
+
+async def cmd_pause(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    await client.pause(args.queue_name)
+    if out.as_json:
+        out.json({"queue": args.queue_name, "paused": True})
+    else:
+        out.show(f"paused queue {args.queue_name}")
+    return EXIT_OK
+
+
+async def cmd_resume(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    await client.resume(args.queue_name)
+    if out.as_json:
+        out.json({"queue": args.queue_name, "paused": False})
+    else:
+        out.show(f"resumed queue {args.queue_name}")
+    return EXIT_OK
+
+
+# -- wq watch -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """What one refresh of ``wq watch`` read, and when (monotonic seconds, and wall clock)."""
+
+    at: float
+    wall: datetime
+    stats: Stats
+    queues: list[QueueInfo]
+
+
+def rates(now: Snapshot, before: Snapshot | None) -> dict[str, float | None]:
+    """Each total's change per second since the previous refresh (None on the first)."""
+    span = now.at - before.at if before is not None else 0.0
+    out: dict[str, float | None] = {}
+    for name in _TOTALS:
+        if before is None or span <= 0:
+            out[name] = None
+        else:
+            delta = getattr(now.stats.totals, name) - getattr(before.stats.totals, name)
+            out[name] = round(delta / span, 3)
+    return out
+
+
+def watch_json(now: Snapshot, before: Snapshot | None) -> dict[str, Any]:
+    return {
+        "time": rfc3339(now.wall),
+        "stats": stats_json(now.stats),
+        "rates": rates(now, before),
+        "queues": [queue_json(q) for q in now.queues],
+    }
+
+
+# The totals a person watches (-json has them all): work in, out, done, failed, given up on,
+# and reclaimed from workers that went silent.
+_RATES_SHOWN: Final = ("enqueued", "delivered", "acked", "nacked", "buried", "reclaimed")
+
+
+def _rate(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}/s" if value >= 100 else f"{value:,.1f}/s"
+
+
+def watch_frame(
+    now: Snapshot, before: Snapshot | None, broker: str, queue: str | None
+) -> RenderableType:
+    """One refresh: the gauges, the rates since the last one (and the totals), the queues."""
+    where = f" (queue {queue})" if queue else ""
+    heading = Text.assemble(
+        ("wq watch ", "bold"),
+        f"{broker}{where}  ",
+        (now.wall.astimezone().strftime("%H:%M:%S"), "dim"),
+        ("  Ctrl-C to stop", "dim"),
+    )
+    gauges = _table("gauges")
+    for name in _GAUGES:
+        gauges.add_column(_label(name), justify="right", no_wrap=True)
+    gauges.add_row(
+        *(Text(_n(getattr(now.stats, g)), style=_GAUGE_STYLE[g]) for g in _GAUGES),
+    )
+    per_second = rates(now, before)
+    flow = _table("per second (totals)")
+    flow.add_column("", no_wrap=True, style="dim")
+    for name in _RATES_SHOWN:
+        flow.add_column(name, justify="right", no_wrap=True)
+    flow.add_row("rate", *(_rate(per_second[n]) for n in _RATES_SHOWN))
+    flow.add_row("total", *(_n(getattr(now.stats.totals, n)) for n in _RATES_SHOWN))
+    parts: list[RenderableType] = [heading, gauges, flow]
+    queues = [q for q in now.queues if queue is None or q.name == queue]
+    if queues:
+        parts.append(queues_table(queues))
+    return Group(*parts)
+
+
+async def _snapshot(client: AsyncClient, queue: str | None) -> Snapshot:
+    stats, queues = await asyncio.gather(client.stats(queue), client.queues())
+    return Snapshot(time.monotonic(), datetime.now(UTC), stats, queues)
+
+
+async def cmd_watch(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    """Refresh every ``-interval`` until Ctrl-C (or ``-count`` refreshes). The first read must
+    work (else the usual error and exit status); after that a broker that cannot be reached is
+    reported, and tried again at the next refresh."""
+    before: Snapshot | None = None
+    shown = 0
+    live: Live | None = None
+    if not out.as_json and out.console.is_terminal:
+        live = Live(console=out.console, auto_refresh=False, transient=False)
+        live.start()
+    try:
+        while True:
+            started = time.monotonic()
+            try:
+                now = await _snapshot(client, args.queue)
+            except Unavailable as e:
+                if before is None:
+                    raise
+                _watch_trouble(e, live, before, client, args, out)
+            else:
+                _watch_show(now, before, live, client, args, out)
+                before = now
+            shown += 1
+            if args.count and shown >= args.count:
+                return EXIT_OK
+            await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def _watch_show(
+    now: Snapshot,
+    before: Snapshot | None,
+    live: Live | None,
+    client: AsyncClient,
+    args: argparse.Namespace,
+    out: Output,
+) -> None:
+    if out.as_json:
+        out.json(watch_json(now, before))
+        return
+    frame = watch_frame(now, before, client.url or "", args.queue)
+    if live is not None:
+        live.update(frame, refresh=True)
+    else:
+        out.show(frame)
+
+
+def _watch_trouble(
+    error: Unavailable,
+    live: Live | None,
+    before: Snapshot,
+    client: AsyncClient,
+    args: argparse.Namespace,
+    out: Output,
+) -> None:
+    message = f"{error.message} (trying again)"
+    if live is None:
+        print(f"{PROG}: {message}", file=out.err, flush=True)
+        return
+    frame = watch_frame(before, None, client.url or "", args.queue)
+    live.update(Group(frame, Text(message, style="bold red")), refresh=True)
+
+
+# -- the command line -----------------------------------------------------------------------------
+
+# Flags given with no value that mean true (-json is -json=true): a switch never takes the next
+# argument as its value (``wq task -json ID``).
+_SWITCHES: Final = ("json", "all")
+
+_NUMBER = re.compile(r"^-\d+(\.\d*)?$")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, got {text}")
+    return value
+
+
+def _switch(p: argparse.ArgumentParser, name: str, help: str) -> None:
+    p.add_argument(
+        f"-{name}",
+        f"--{name}",
+        dest=name.replace("-", "_"),
+        type=bool_flag,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help=help,
+    )
+
+
+def add_common_flags(p: argparse.ArgumentParser) -> None:
+    """The flags every ``wq`` command takes."""
+    p.add_argument(
+        "-broker",
+        "--broker",
+        default=DEFAULT_URL,
+        metavar="URL",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
+        f"(default {DEFAULT_URL})",
+    )
+    add_auth_flags(p)
+    p.add_argument(
+        "-timeout",
+        "--timeout",
+        type=_positive_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="how long to wait for the broker to connect and answer (default 10)",
+    )
+    _switch(p, "json", "print one JSON document (the HTTP API's member names) instead of tables")
+
+
+def _queue_flag(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("-queue", "--queue", default=None, metavar="NAME", help=help)
+
+
+Handler = Callable[[AsyncClient, argparse.Namespace, Output], Awaitable[int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str  # "stats", or "dlq requeue"
+    summary: str
+    handler: Handler
+    flags: Callable[[argparse.ArgumentParser], None]
+
+    def parser(self) -> FlagParser:
+        p = FlagParser(prog=f"{PROG} {self.name}", description=self.summary)
+        self.flags(p)
+        add_common_flags(p)
+        return p
+
+
+def _stats_flags(p: argparse.ArgumentParser) -> None:
+    _queue_flag(p, "one queue's gauges and totals (default: the whole broker)")
+
+
+def _no_flags(p: argparse.ArgumentParser) -> None:
+    pass
+
+
+def _dlq_list_flags(p: argparse.ArgumentParser) -> None:
+    _queue_flag(p, "only this queue's dead tasks (default: every queue's)")
+    p.add_argument(
+        "-limit",
+        "--limit",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="only the first N (oldest burial first; default: all)",
+    )
+
+
+def _dlq_requeue_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", nargs="?", metavar="ID", help="the dead task to requeue")
+    _switch(p, "all", "requeue every dead task (of -queue, if given)")
+    _queue_flag(p, "with -all: only this queue's dead tasks")
+
+
+def _id_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("id", metavar="ID", help="the task's id")
+
+
+def _enqueue_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("payload", metavar="JSON", help="the payload: any JSON value ('{\"n\": 1}')")
+    _queue_flag(p, 'the queue to enqueue to (default "default")')
+    p.add_argument(
+        "-priority",
+        "--priority",
+        type=priority,
+        default=None,
+        help="0 to 9, higher served first (default 0)",
+    )
+    p.add_argument(
+        "-delay-ms",
+        "--delay-ms",
+        type=non_negative_int,
+        default=None,
+        metavar="MS",
+        help="hold the task back this long before it can be claimed (default 0)",
+    )
+    p.add_argument(
+        "-max-attempts",
+        "--max-attempts",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="attempts before the task is buried in the dead-letter queue (default 3)",
+    )
+    p.add_argument(
+        "-key",
+        "--key",
+        "-idempotency-key",
+        "--idempotency-key",
+        dest="key",
+        default=None,
+        metavar="KEY",
+        help="an idempotency key: an enqueue to the same queue with a key the broker saw within "
+        "its window creates nothing and answers the first task's id",
+    )
+
+
+def _queue_name_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("queue_name", metavar="QUEUE", help="the queue's name")
+
+
+def _watch_flags(p: argparse.ArgumentParser) -> None:
+    _queue_flag(p, "one queue's gauges and rates (default: the whole broker)")
+    p.add_argument(
+        "-interval",
+        "--interval",
+        type=_positive_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="seconds between refreshes (default 1)",
+    )
+    p.add_argument(
+        "-count",
+        "--count",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="stop after N refreshes (default 0: until Ctrl-C)",
+    )
+
+
+COMMANDS: Final = {
+    c.name: c
+    for c in (
+        Command("stats", "The gauges and lifetime totals.", cmd_stats, _stats_flags),
+        Command(
+            "queues", "Every queue: its gauges, and whether it is paused.", cmd_queues, _no_flags
+        ),
+        Command(
+            "dlq list",
+            "The dead-letter queue, oldest burial first, with each task's last error.",
+            cmd_dlq_list,
+            _dlq_list_flags,
+        ),
+        Command(
+            "dlq requeue",
+            "Give a dead task (or every one, with -all) a clean start: attempts 0, ready again.",
+            cmd_dlq_requeue,
+            _dlq_requeue_flags,
+        ),
+        Command("dlq purge", "Drop a dead task for good.", cmd_dlq_purge, _id_flags),
+        Command(
+            "task", "Look a task up: its state, attempts, last error, payload.", cmd_task, _id_flags
+        ),
+        Command("enqueue", "Enqueue a task; prints its id.", cmd_enqueue, _enqueue_flags),
+        Command(
+            "pause",
+            "Stop handing out a queue's tasks (it still takes new ones).",
+            cmd_pause,
+            _queue_name_flags,
+        ),
+        Command("resume", "Hand a paused queue's tasks out again.", cmd_resume, _queue_name_flags),
+        Command(
+            "watch",
+            "A live view of the gauges and rates, refreshed every -interval, until Ctrl-C.",
+            cmd_watch,
+            _watch_flags,
+        ),
+    )
+}
+
+_DLQ_ACTIONS: Final = ("list", "requeue", "purge")
+
+
+def top_parser() -> FlagParser:
+    """``wq -h``: the commands, the common flags and the exit codes."""
+    width = max(len(name) for name in COMMANDS) + 2
+    commands = "\n".join(f"  {name:<{width}}{c.summary}" for name, c in COMMANDS.items())
+    codes = "\n".join(f"  {code:<5}{meaning}" for code, meaning in EXIT_CODES.items())
+    p = FlagParser(
+        prog=PROG,
+        description="Look at and run a wq broker from a terminal. The flags below go with\n"
+        f"every command, before or after it ({PROG} COMMAND -h for a command's own).\n\n"
+        f"commands:\n{commands}",
+    )
+    p.usage = f"{PROG} COMMAND [ARGS] [FLAGS]"
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = f"exit codes:\n{codes}"
+    add_common_flags(p)
+    return p
+
+
+def _value_flags() -> set[str]:
+    """Every spelling of every flag that takes a value, of every command."""
+    names: set[str] = set()
+    for parser in (top_parser(), *(c.parser() for c in COMMANDS.values())):
+        for action in parser._actions:
+            if action.nargs is None and action.option_strings:
+                names.update(action.option_strings)
+    return names
+
+
+def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """The command's words (``["dlq", "requeue"]``) and the rest of ``argv`` (flags and
+    arguments) in order: flags may come before or after the command."""
+    takes_value = _value_flags()
+    words: list[str] = []
+    rest: list[str] = []
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            rest.extend(args[i:])
+            break
+        if arg.startswith("-") and len(arg) > 1 and not _NUMBER.match(arg):
+            rest.append(arg)
+            if arg in takes_value and i + 1 < len(args):
+                rest.append(args[i + 1])
+                i += 1
+        elif not words:
+            words.append(arg)
+        elif words == ["dlq"]:
+            words.append(arg)  # its action: list, requeue or purge
+        else:
+            rest.append(arg)
+        i += 1
+    return words, rest
+
+
+def _switches_given_alone(argv: Sequence[str]) -> list[str]:
+    """``-json`` as ``-json=true``, so a switch never takes the next argument as its value."""
+    spellings = {f"{dashes}{name}" for name in _SWITCHES for dashes in ("-", "--")}
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        out.append(f"{arg}=true" if arg in spellings else arg)
+    return out
+
+
+def _fail(message: str, code: int = EXIT_USAGE, err: TextIO | None = None) -> int:
+    print(f"{PROG}: {' '.join(message.split())}", file=err or sys.stderr)
+    return code
+
+
+def resolve(words: list[str]) -> Command:
+    """The command the words name; raises _Usage for a word that names none."""
+    if not words:
+        raise _Usage(f"no command given: one of {', '.join(_command_words())} ({PROG} -h for help)")
+    if words[0] == "dlq":
+        action = words[1] if len(words) > 1 else "list"
+        if action not in _DLQ_ACTIONS:
+            raise _Usage(f"unknown dlq action {action!r}: one of {', '.join(_DLQ_ACTIONS)}")
+        return COMMANDS[f"dlq {action}"]
+    command = COMMANDS.get(words[0])
+    if command is None:
+        raise _Usage(f"unknown command {words[0]!r}: one of {', '.join(_command_words())}")
+    return command
+
+
+def _command_words() -> list[str]:
+    return list(dict.fromkeys(name.split()[0] for name in COMMANDS))
+
+
+async def _run(command: Command, args: argparse.Namespace, out: Output) -> int:
+    try:
+        client = AsyncClient(
+            args.broker, token=args.token, ca_file=args.ca_file, timeout=args.timeout
+        )
+    except WqError as e:  # a URL of another kind, a CA file that cannot be read ...
+        raise _Usage(e.message) from None
+    try:
+        return await command.handler(client, args, out)
+    finally:
+        await client.close()
+
+
+def parse(argv: Sequence[str], err: TextIO) -> tuple[Command, argparse.Namespace] | int:
+    """The command and its arguments, or the exit status when there is nothing to run (the
+    help was printed, or a one-line error)."""
+    words, rest = split_command(argv)
+    if not words:
+        try:
+            top_parser().parse_args(rest)  # -h prints the help; a bad flag is an error
+        except SystemExit as e:
+            return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        command = resolve(words)
+    except _Usage as e:
+        return _fail(str(e), err=err)
+    try:
+        return command, command.parser().parse_args(_switches_given_alone(rest))
+    except SystemExit as e:  # -h (0), or a bad flag: one line on stderr already (2)
+        return e.code if isinstance(e.code, int) else EXIT_USAGE
+
+
+def main(
+    argv: Sequence[str] | None = None, *, out: TextIO | None = None, err: TextIO | None = None
+) -> int:
+    """Run ``wq`` with ``argv`` (default: the command line); returns the exit status.
+    ``out``, ``err``: where to write (default: standard output and error)."""
+    stderr = err or sys.stderr
+    parsed = parse(list(sys.argv[1:] if argv is None else argv), stderr)
+    if isinstance(parsed, int):
+        return parsed
+    command, args = parsed
+    try:
+        return asyncio.run(_run(command, args, Output(out or sys.stdout, args.json, stderr)))
+    except _Usage as e:
+        return _fail(str(e), err=stderr)
+    except WqError as e:
+        return _fail(e.message, exit_code(e), err=stderr)
+    except KeyboardInterrupt:
+        return EXIT_OK if command.name == "watch" else EXIT_INTERRUPTED
+    except BrokenPipeError:  # `wq dlq list | head`: the reader has what it wanted
+        if out is None:  # and Python would complain when it flushes stdout at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
+    except Exception as e:  # a bug: still one line, not a traceback
+        return _fail(f"unexpected error: {type(e).__name__}: {e}", EXIT_FAILED, err=stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
