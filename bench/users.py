@@ -14,12 +14,13 @@ Consumer MODEs:
 - ``worker``: ``Worker(url, handler, concurrency=CONCURRENCY).run()``;
 - ``stream``: ``async for d in stream: await stream.ack(d)`` (``prefetch=CONCURRENCY``).
 
-The peers (``URL`` is theirs; MODE is ignored):
+The peers (``URL`` is theirs; MODE is ignored but by NATS):
 
 - ``rabbit-produce`` / ``rabbit-consume``: aio-pika, publisher confirms awaited per message,
   manual acks, prefetch CONCURRENCY;
 - ``nats-produce`` / ``nats-consume``: nats-py JetStream, each PubAck awaited, a pull consumer
-  fetching up to CONCURRENCY, an ack per message;
+  fetching up to CONCURRENCY, an ack per message; MODE is the stream's storage, ``file`` (the
+  default) or ``memory``;
 - ``beanstalk-produce`` / ``beanstalk-consume``: greenstalk (a blocking client: CONCURRENCY
   threads, each with its own connection), put / reserve + delete.
 
@@ -156,20 +157,21 @@ async def rabbit_consume(url: str, n: int, prefetch: int) -> dict[str, Any]:
 # -- NATS JetStream (nats-py) ----------------------------------------------------------------------
 
 
-async def _nats_stream(js: Any) -> None:
-    """The stream, kept in memory (as wq's memory store, RabbitMQ's non-durable queue and
-    beanstalkd without a binlog keep theirs)."""
+async def _nats_stream(js: Any, storage: str) -> None:
+    """The stream, in files (JetStream's default) or in memory (as wq's memory store,
+    RabbitMQ's non-durable queue and beanstalkd without a binlog keep theirs)."""
     from nats.js.api import StorageType
 
-    await js.add_stream(name=_QUEUE, subjects=[_QUEUE], storage=StorageType.MEMORY)
+    kind = StorageType.MEMORY if storage == "memory" else StorageType.FILE
+    await js.add_stream(name=_QUEUE, subjects=[_QUEUE], storage=kind)
 
 
-async def nats_produce(url: str, n: int, concurrency: int) -> dict[str, Any]:
+async def nats_produce(url: str, storage: str, n: int, concurrency: int) -> dict[str, Any]:
     import nats
 
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await _nats_stream(js)
+    await _nats_stream(js, storage)
     counter = iter(range(n))
     first = time.time()
 
@@ -183,13 +185,13 @@ async def nats_produce(url: str, n: int, concurrency: int) -> dict[str, Any]:
     return {"first": first, "last": last, "n": n}
 
 
-async def nats_consume(url: str, n: int, batch: int) -> dict[str, Any]:
+async def nats_consume(url: str, storage: str, n: int, batch: int) -> dict[str, Any]:
     import nats
     from nats.errors import TimeoutError as NatsTimeout
 
     nc = await nats.connect(url)
     js = nc.jetstream()
-    await _nats_stream(js)
+    await _nats_stream(js, storage)
     sub = await js.pull_subscribe(_QUEUE, durable="bench")
     done = 0
     last = 0.0
@@ -279,8 +281,8 @@ def main(argv: list[str]) -> None:
         "consume": lambda: consume(url, mode, n, k),
         "rabbit-produce": lambda: rabbit_produce(url, n, k),
         "rabbit-consume": lambda: rabbit_consume(url, n, k),
-        "nats-produce": lambda: nats_produce(url, n, k),
-        "nats-consume": lambda: nats_consume(url, n, k),
+        "nats-produce": lambda: nats_produce(url, mode, n, k),
+        "nats-consume": lambda: nats_consume(url, mode, n, k),
     }
     if role == "beanstalk-produce":
         result = beanstalk_produce(url, n, k)
