@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -300,6 +301,40 @@ def memory(q: bool) -> None:
         f"{per:.0f} B/task (RSS {r['rss_mb']:.0f} MiB)",
         "<= 300 B",
         per <= 300,
+    )
+
+
+def _scrape_ms(url: str, times: int = 5) -> float:
+    """The fastest of ``times`` scrapes of ``url``/metrics, in milliseconds."""
+    best = float("inf")
+    for _ in range(times):
+        started = time.perf_counter()
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            resp.read()
+        best = min(best, time.perf_counter() - started)
+    return best * 1000
+
+
+def metrics(q: bool) -> None:
+    """A scrape of GET /metrics with few and with many tasks waiting (five queues)."""
+    print("Metrics: the cost of a scrape as the backlog grows", flush=True)
+    sizes = (10_000, 200_000) if q else (10_000, 1_000_000)
+    found: dict[int, float] = {}
+    with broker() as b:
+        have = 0
+        for n in sizes:
+            run_json("bench.load", "produce", b.grpc, "stream", str(n - have), "4")
+            have = n
+            found[n] = _scrape_ms(b.http)
+    RESULTS["metrics"] = found
+    small, large = (found[n] for n in sizes)
+    add("metrics", f"scrape with {sizes[0]:,} tasks ready", f"{small:.2f} ms")
+    add(
+        "metrics",
+        f"scrape with {sizes[1]:,} tasks ready",
+        f"{large:.2f} ms = {large / small:.2f}x",
+        "no per-task work (~1x)",
+        large / small <= 1.5,
     )
 
 
@@ -873,6 +908,7 @@ SECTIONS = {
     "latency": latency,
     "delayed": delayed,
     "memory": memory,
+    "metrics": metrics,
     "backlog": backlog,
     "scale": scale,
     "queues": queues,
