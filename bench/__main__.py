@@ -106,15 +106,22 @@ def broker(*args: str, grpc: bool = True) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def null_broker() -> Iterator[str]:
+def null_broker_process() -> Iterator[tuple[str, int]]:
+    """The null broker: its URL and its pid."""
     port = free_port()
     proc = subprocess.Popen([PY, "-m", "bench.nullbroker", str(port)], cwd=ROOT, env=env())
     try:
         wait_port(port)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@contextlib.contextmanager
+def null_broker() -> Iterator[str]:
+    with null_broker_process() as (url, _):
+        yield url
 
 
 def run_json(*args: str, timeout: float = 600) -> dict[str, Any]:
@@ -824,6 +831,7 @@ def _peer_rows(n: int, bean: tuple[str, int] | None) -> list[Pair]:
 
 
 RAW_HTTP = "HTTP: the spec's API from a plain aiohttp client"
+NULL_HTTP = "HTTP: the same client, the null broker (aiohttp, canned answers)"
 
 
 def users(q: bool) -> None:
@@ -833,7 +841,7 @@ def users(q: bool) -> None:
     print("The library as users write it (tasks/s; broker CPU per task)", flush=True)
     n = 3_000 if q else 10_000
     found: dict[str, list[tuple[float, float | None]]] = {}
-    with broker() as b, beanstalkd() as bean:
+    with broker() as b, beanstalkd() as bean, null_broker_process() as (null_url, null_pid):
         rows, peers = _user_rows(n, b), _peer_rows(n, bean)
         for _ in range(1 if q else 3):
             for name, consumer, producer, pids in rows + peers:
@@ -842,7 +850,14 @@ def users(q: bool) -> None:
                 found.setdefault(name, []).append(
                     _pair([*consumer, *extra], [*producer, *extra], pids)
                 )
-            found.setdefault(RAW_HTTP, []).append((end_to_end(b.http, "http", n, 32), None))
+            for name, (url, pid) in (
+                (RAW_HTTP, (b.http, b.proc.pid)),
+                (NULL_HTTP, (null_url, null_pid)),
+            ):
+                before = pg._ticks(pid)[1]
+                rate = end_to_end(url, "http", n, 32)
+                cpu = (pg._ticks(pid)[1] - before) / pg.TICK / n
+                found.setdefault(name, []).append((rate, cpu))
     RESULTS["users"] = found
     medians: dict[str, tuple[float, float | None]] = {}
     for name, runs in found.items():
@@ -874,6 +889,24 @@ def _report_users(
         figure = f"{rate:,.0f}/s" + ("" if cpu is None else f"; {cpu * 1000:.2f} ms CPU/task")
         more, target, ok = checks.get(name, ("", "", None))
         add("users", name, figure + more, target, ok)
+    raw, null = medians[RAW_HTTP], medians[NULL_HTTP]
+    if raw[1] is not None and null[1] is not None:
+        ratio = raw[1] / null[1]
+        add(
+            "users",
+            "broker CPU per task over HTTP (plain client): wq / the null broker",
+            f"{ratio:.2f}x",
+            "<= 1.25x",
+            ratio <= 1.25,
+        )
+        ratio = http_one[0] / raw[0]
+        add(
+            "users",
+            "Worker over HTTP vs a plain aiohttp client (tasks/s)",
+            f"{ratio:.2f}x",
+            ">= 1.0x",
+            ratio >= 1.0,
+        )
     if one[1] is not None and http_one[1] is not None:
         ratio = one[1] / http_one[1]
         add(
