@@ -12,6 +12,9 @@ from typing import Any
 
 import grpc
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.authkit import ONLY, ROOT, bearer, write_token_file
@@ -19,6 +22,7 @@ from tests.helpers import Http, http_client, make_store, running_broker, wait_un
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
+from wqbroker.metrics import _STORE_BUCKETS, _Histogram
 from wqbroker.models import QueueReport, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store.memory import MemoryStore
@@ -338,3 +342,22 @@ async def test_a_scrape_while_the_store_is_away_says_so() -> None:
             value(samples, "wq_http_requests_total", method="POST", route="/jobs", status="201")
             == 1
         )
+
+
+@given(st.lists(st.floats(min_value=0, max_value=1e5, allow_nan=False), max_size=30))
+@example([*_STORE_BUCKETS, 0.0, 3.0])  # on each bound: in that bucket
+def test_our_histogram_renders_as_the_librarys_would(values: list[float]) -> None:
+    """The broker's lock-free histogram (observed on every task) shows the same series as
+    prometheus-client's own Histogram given the same values."""
+    theirs_registry, ours_registry = CollectorRegistry(), CollectorRegistry()
+    theirs = Histogram("h_seconds", "h", ("op",), registry=theirs_registry, buckets=_STORE_BUCKETS)
+    ours = _Histogram("h_seconds", "h", _STORE_BUCKETS, ("op",))
+    ours_registry.register(ours)
+    for value in values:
+        theirs.labels("x").observe(value)
+        ours.labels("x").observe(value)
+    rendered = [
+        sorted(line for line in generate_latest(r).decode().splitlines() if "_created" not in line)
+        for r in (theirs_registry, ours_registry)
+    ]
+    assert rendered[0] == rendered[1]

@@ -192,19 +192,22 @@ def dumps(value: Any) -> bytes:
 
 # -- timestamps ---------------------------------------------------------------------------------
 
-_second_cache: tuple[int, str] = (-1, "")
+# The formatted second of recent timestamps: a delivery shows times a lease apart (created,
+# available, deadline), so one second's entry would be replaced at every call.
+_SECONDS_KEPT: Final = 64
+_seconds: dict[int, str] = {}
 
 
 def rfc3339(ts: float) -> str:
     """Epoch seconds as an RFC 3339 UTC timestamp with microseconds: 2026-11-29T23:07:38.123456Z."""
-    global _second_cache
     second = int(ts // 1)
     micros = round((ts - second) * 1_000_000)
     if micros >= 1_000_000:
         second += 1
         micros -= 1_000_000
-    cached_second, prefix = _second_cache
-    if cached_second != second:
-        prefix = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
-        _second_cache = (second, prefix)
+    prefix = _seconds.get(second)
+    if prefix is None:
+        if len(_seconds) >= _SECONDS_KEPT:
+            _seconds.clear()
+        prefix = _seconds[second] = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
     return f"{prefix}.{micros:06d}Z"

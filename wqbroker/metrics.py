@@ -25,8 +25,11 @@ nobody saw is undone; Prometheus would take a drop for a restart).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import inspect
+import itertools
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
 from dataclasses import fields
@@ -34,14 +37,13 @@ from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 import grpc
 from aiohttp import web
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from wqbroker.clock import Clock
@@ -120,39 +122,46 @@ class Metrics:
         self.clock = clock
         self._state = _StateCollector()
         self.registry.register(self._state)
-        self.http_requests = Counter(
+        # Counted in plain dicts (one per request: the library's counters take a lock each
+        # time), rendered at scrape time.
+        self.http_requests = _Counts(
             "wq_http_requests",
             "HTTP requests answered, by method, route (as registered) and status.",
             ("method", "route", "status"),
-            registry=self.registry,
         )
-        self.grpc_requests = Counter(
+        self.grpc_requests = _Counts(
             "wq_grpc_requests",
             "gRPC calls finished, by service, method and status code.",
             ("service", "method", "code"),
-            registry=self.registry,
         )
-        self.task_wait = Histogram(
+        self.registry.register(self.http_requests)
+        self.registry.register(self.grpc_requests)
+        # Histograms of our own, as the counters above: several observations per task.
+        self.task_wait = _Histogram(
             "wq_task_wait_seconds",
             "From when a task became ready (enqueued, or its delay or backoff over, or "
             "requeued) to its hand-out.",
-            registry=self.registry,
-            buckets=_TASK_BUCKETS,
-        )
-        self.task_processing = Histogram(
+            _TASK_BUCKETS,
+        ).labels()
+        self.task_processing = _Histogram(
             "wq_task_processing_seconds",
             "From a hand-out to its ack or nack (by this broker), by outcome.",
+            _TASK_BUCKETS,
             ("outcome",),
-            registry=self.registry,
-            buckets=_TASK_BUCKETS,
         )
-        self.store_latency = Histogram(
+        self.store_latency = _Histogram(
             "wq_store_commit_seconds",
             "Store calls that change something (a commit in a durable store), by operation.",
+            _STORE_BUCKETS,
             ("operation",),
-            registry=self.registry,
-            buckets=_STORE_BUCKETS,
         )
+        histograms: list[_Histogram] = [
+            self.task_wait.family,
+            self.task_processing,
+            self.store_latency,
+        ]
+        for histogram in histograms:
+            self.registry.register(histogram)
         self._service: Service | None = None
 
     # -- wiring -----------------------------------------------------------------------------
@@ -207,12 +216,91 @@ class Metrics:
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
         method = request.method if request.method in _METHODS else "other"
-        self.http_requests.labels(method, route, str(status)).inc()
+        self.http_requests.add((method, route, str(status)))
 
     # -- gRPC -------------------------------------------------------------------------------
 
     def interceptor(self) -> MetricsInterceptor:
         return MetricsInterceptor(self.grpc_requests)
+
+
+class _Counts:
+    """A counter with labels, kept as a dict of label values -> count (the event loop's thread
+    alone adds to it) and rendered as a counter family by the registry."""
+
+    def __init__(self, name: str, text: str, labels: tuple[str, ...]) -> None:
+        self._name = name
+        self._text = text
+        self._labels = labels
+        self.counts: dict[tuple[str, ...], int] = {}
+
+    def add(self, labels: tuple[str, ...]) -> None:
+        counts = self.counts
+        counts[labels] = counts.get(labels, 0) + 1
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._text, labels=self._labels)
+        for labels, count in self.counts.items():
+            family.add_metric(labels, count)
+        yield family
+
+
+class _Observed:
+    """One series of a :class:`_Histogram`: counts per bucket (not cumulative) and the sum."""
+
+    __slots__ = ("family", "counts", "total")
+
+    def __init__(self, family: _Histogram) -> None:
+        self.family = family
+        self.counts = [0] * (len(family.bounds) + 1)  # the last: above every bound
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.family.bounds, value)] += 1
+        self.total += value
+
+
+class _Histogram:
+    """A histogram with labels, without the library's locks (the event loop's thread alone
+    observes); rendered as a histogram family by the registry. Buckets are upper bounds, as
+    Prometheus' ``le``: a value equal to a bound counts in that bucket."""
+
+    def __init__(
+        self, name: str, text: str, bounds: Sequence[float], labels: tuple[str, ...] = ()
+    ) -> None:
+        self._name = name
+        self._text = text
+        self.bounds = tuple(bounds)
+        self._labels = labels
+        self._series: dict[tuple[str, ...], _Observed] = {}
+
+    def labels(self, *values: str) -> _Observed:
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = _Observed(self)
+        return series
+
+    def describe(self) -> Iterable[Metric]:
+        return ()
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._text, labels=self._labels)
+        for values, series in self._series.items():
+            cumulative = list(itertools.accumulate(series.counts))
+            buckets = [
+                (_le(bound), float(count))
+                for bound, count in zip((*self.bounds, math.inf), cumulative, strict=True)
+            ]
+            family.add_metric(list(values), buckets, series.total)
+        yield family
+
+
+def _le(bound: float) -> str:
+    """A bucket's bound as Prometheus writes it (``0.5``, ``1.0``, ``+Inf``)."""
+    return "+Inf" if bound == math.inf else repr(float(bound))
 
 
 class _StateCollector:
@@ -285,7 +373,7 @@ class _StateCollector:
 class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     """Counts every call of a known method by its final status code."""
 
-    def __init__(self, counter: Counter) -> None:
+    def __init__(self, counter: _Counts) -> None:
         self._counter = counter
 
     async def intercept_service(
@@ -300,7 +388,7 @@ class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         counter = self._counter
 
         def count(context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None) -> None:
-            counter.labels(service, method, _code(context, error)).inc()
+            counter.add((service, method, _code(context, error)))
 
         behavior = behavior_of(handler)
         if inspect.isasyncgenfunction(behavior):
