@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -215,6 +215,26 @@ async def test_an_extension_that_cannot_reach_the_broker_is_logged_and_tried_aga
     assert warning.levelno == logging.WARNING
     assert "connection reset" in warning.getMessage()
     assert not logged(caplog, "discarded")
+
+
+async def test_an_extension_that_fails_unexpectedly_is_logged_and_the_task_still_acked(
+    fake: FakeTransport, clock: FakeClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
+    task_id = fake.add("slow")
+    hold = Hold()
+    fake.fail("extend", cast(Any, RuntimeError("a bug in a transport")))
+    async with running(fake, hold, clock):
+        await asyncio.wait_for(hold.started.wait(), 5)
+        await clock.sleeping()
+        await clock.advance(HALF)  # the extension raises what no transport should
+        await fake.wait_until(lambda: len(fake.calls_to("extend")) == 1)
+        hold.release.set()
+        await fake.wait_until(lambda: fake.acked == [task_id])
+        await fake.wait_until(lambda: bool(logged(caplog, "extending its lease failed")))
+    [error] = logged(caplog, "extending its lease failed")
+    assert error.levelno == logging.ERROR
+    assert "a bug in a transport" in error.getMessage()
 
 
 async def test_an_extension_failing_near_the_deadline_is_retried_no_sooner_than_a_second(

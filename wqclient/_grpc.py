@@ -220,6 +220,9 @@ class GrpcStream:
     async def _requests(self) -> AsyncIterator[pb.StreamJobsRequest]:
         while True:
             await self._wake.wait()
+            # One turn of the loop more: the settlements made by whatever else is ready to run
+            # (the handlers of other deliveries) go in the same message.
+            await asyncio.sleep(0)
             self._wake.clear()
             self._flush()
             outbox, self._outbox = self._outbox, []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import inspect
 import json
 import logging
@@ -167,6 +168,18 @@ class _Unary:
 
     async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
         return await self._client.extend(delivery, lease_ms)
+
+
+def _kept(delivery: Delivery, keeper: asyncio.Future[None]) -> None:
+    """Say so if the keeper of a delivery's lease failed (other than by being cancelled)."""
+    error = None if keeper.cancelled() else keeper.exception()
+    if error is not None:
+        log.error(
+            "task %s: extending its lease failed: %r",
+            delivery.task.id,
+            error,
+            extra=_fields(delivery.task, "extend_failed"),
+        )
 
 
 class _Confirmed:
@@ -433,16 +446,11 @@ class Worker:
             error = await self._handle(delivery.task)
         finally:
             lease.done = True
-            if not lease.extending:
-                keeper.cancel()  # it is asleep: an extension on its way is let finish
-            [kept] = await asyncio.gather(keeper, return_exceptions=True)
-            if isinstance(kept, Exception):
-                log.error(
-                    "task %s: extending its lease failed: %r",
-                    delivery.task.id,
-                    kept,
-                    extra=_fields(delivery.task, "extend_failed"),
-                )
+            if lease.extending:  # an extension on its way is let finish (it may lose the lease)
+                await asyncio.wait((keeper,))
+            else:
+                keeper.cancel()  # it is asleep: nothing of it is left to wait for
+            keeper.add_done_callback(functools.partial(_kept, delivery))
         if lease.lost:
             self.discarded += 1
             log.warning(
