@@ -16,8 +16,8 @@ Consumer MODEs:
 
 The peers (``URL`` is theirs; MODE is ignored but by NATS):
 
-- ``rabbit-produce`` / ``rabbit-consume``: aio-pika, publisher confirms awaited per message,
-  manual acks, prefetch CONCURRENCY;
+- ``rabbit-produce`` / ``rabbit-consume``: :mod:`bench.rabbit`'s (aio-pika, publisher confirms
+  awaited per message, manual acks, prefetch CONCURRENCY);
 - ``nats-produce`` / ``nats-consume``: nats-py JetStream, each PubAck awaited, a pull consumer
   fetching up to CONCURRENCY, an ack per message; MODE is the stream's storage, ``file`` (the
   default) or ``memory``;
@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from bench import rabbit
 from bench.load import PAYLOAD, _loop_policy
 
 BATCH = 100
@@ -101,56 +102,6 @@ async def consume(url: str, mode: str, n: int, concurrency: int) -> dict[str, An
             await stream.close()
     else:
         raise SystemExit(f"unknown consumer mode {mode!r}")
-    return {"last": last, "n": done}
-
-
-# -- RabbitMQ (aio-pika) ---------------------------------------------------------------------------
-
-
-async def rabbit_produce(url: str, n: int, concurrency: int) -> dict[str, Any]:
-    import aio_pika
-
-    connection = await aio_pika.connect(url)
-    async with connection:
-        channel = await connection.channel(publisher_confirms=True)
-        await channel.declare_queue(_QUEUE, auto_delete=False)
-        counter = iter(range(n))
-        first = time.time()
-
-        async def publish() -> None:
-            for _ in counter:
-                await channel.default_exchange.publish(
-                    aio_pika.Message(body=PAYLOAD), routing_key=_QUEUE
-                )
-
-        await asyncio.gather(*(publish() for _ in range(concurrency)))
-    return {"first": first, "last": time.time(), "n": n}
-
-
-async def rabbit_consume(url: str, n: int, prefetch: int) -> dict[str, Any]:
-    import aio_pika
-
-    connection = await aio_pika.connect(url)
-    done = 0
-    last = 0.0
-    finished = asyncio.Event()
-    async with connection:
-        channel = await connection.channel()
-        await channel.set_qos(prefetch_count=prefetch)
-        queue = await channel.declare_queue(_QUEUE, auto_delete=False)
-
-        async def on_message(message: Any) -> None:
-            nonlocal done, last
-            await message.ack()
-            done += 1
-            last = time.time()
-            if done >= n:
-                finished.set()
-
-        tag = await queue.consume(on_message)
-        await finished.wait()
-        await queue.cancel(tag)
-        await queue.delete(if_unused=False, if_empty=False)
     return {"last": last, "n": done}
 
 
@@ -279,8 +230,8 @@ def main(argv: list[str]) -> None:
     runs: dict[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]] = {
         "produce": lambda: produce(url, mode, n, k),
         "consume": lambda: consume(url, mode, n, k),
-        "rabbit-produce": lambda: rabbit_produce(url, n, k),
-        "rabbit-consume": lambda: rabbit_consume(url, n, k),
+        "rabbit-produce": lambda: rabbit.produce(url, _QUEUE, n, k),
+        "rabbit-consume": lambda: rabbit.consume(url, _QUEUE, n, k),
         "nats-produce": lambda: nats_produce(url, mode, n, k),
         "nats-consume": lambda: nats_consume(url, mode, n, k),
     }
