@@ -198,6 +198,10 @@ def process(cmd: list[str]) -> Iterator[tuple[subprocess.Popen[str], Lines]]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+        lines._reader.join(10)  # (it reads stderr to its end: the process is gone)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
 
 
 def test_broker_from_the_environment_logs_json(monkeypatch: pytest.MonkeyPatch) -> None:
