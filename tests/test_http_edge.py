@@ -18,11 +18,13 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from tests.helpers import Http, http_client, running_broker, settle, wait_until
 from tests.rawhttp import exchange, raw_connection, request, stubborn_upload
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
+from wqbroker.http.transport import json_response, no_content
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -675,3 +677,86 @@ async def _dribble(conn: Any, data: bytes) -> None:
         for byte in data:
             await conn.send(bytes([byte]))
             await asyncio.sleep(0.02)
+
+
+# -- answers written in one piece are the bytes aiohttp would write ------------------------------
+
+
+def _answer_app() -> web.Application:
+    """``/{kind}/{status}``: the same answer made as the broker makes it (``answer``) or as a
+    plain aiohttp Response (``plain``); ``?close`` forces the connection shut, ``?header`` adds a
+    header (as a middleware might), ``?hook`` registers a response hook."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        status = int(request.match_info["status"])
+        body = b'{"id":"abc"}'
+        response: web.Response
+        if request.match_info["kind"] == "answer":
+            response = no_content() if status == 204 else json_response(body, status)
+        elif status == 204:
+            response = web.Response(status=204)
+        else:
+            response = web.Response(body=body, status=status, content_type="application/json")
+        if "close" in request.query:
+            response.force_close()
+        if "header" in request.query:
+            response.headers["Retry-After"] = "1"
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{kind}/{status}", handle)
+    return app
+
+
+async def _bytes_of(port: int, head: bytes) -> bytes:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += await asyncio.wait_for(reader.read(65536), 5)
+        headers, _, body = answer.partition(b"\r\n\r\n")
+        for line in headers.split(b"\r\n"):
+            if line.lower().startswith(b"content-length:") and b"HEAD" not in head[:5]:
+                while len(body) < int(line.split(b":")[1]):
+                    body += await asyncio.wait_for(reader.read(65536), 5)
+        # The Date header alone may differ (a second may pass between the two answers).
+        lines = [line for line in headers.split(b"\r\n") if not line.startswith(b"Date: ")]
+        return b"\r\n".join(lines) + b"\r\n\r\n" + body
+    finally:
+        writer.close()
+
+
+@pytest.mark.parametrize("status", [200, 201, 204, 404])
+@pytest.mark.parametrize(
+    "request_head",
+    [
+        b"GET /{kind}/{status} HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"POST /{kind}/{status} HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}",
+        b"GET /{kind}/{status} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        b"GET /{kind}/{status}?close HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /{kind}/{status}?header HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /{kind}/{status} HTTP/1.0\r\n\r\n",
+        b"GET /{kind}/{status} HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
+        b"HEAD /{kind}/{status} HTTP/1.1\r\nHost: x\r\n\r\n",
+    ],
+)
+async def test_an_answer_in_one_piece_is_what_aiohttp_would_send(
+    status: int, request_head: bytes
+) -> None:
+    runner = web.AppRunner(_answer_app())
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        answers = [
+            await _bytes_of(
+                port, request_head.replace(b"{kind}", kind).replace(b"{status}", b"%d" % status)
+            )
+            for kind in (b"answer", b"plain")
+        ]
+        assert answers[0] == answers[1]
+        assert answers[0].startswith(b"HTTP/1.")
+    finally:
+        await runner.cleanup()

@@ -7,16 +7,20 @@ test_client.py.)
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from datetime import datetime
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.helpers import running_broker, settle
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
+from wqclient import _http
 from wqclient._http import HttpTransport
-from wqclient.errors import InvalidArgument, LeaseLost, NotFound
+from wqclient.errors import InvalidArgument, LeaseLost, NotFound, ProtocolError
 from wqclient.models import Delivery, EnqueueItem
 from wqclient.transport import Transport
 
@@ -228,3 +232,67 @@ async def test_a_bad_priority_or_key_is_invalid_argument(wq: HttpTransport) -> N
     with pytest.raises(InvalidArgument):
         await wq.enqueue(b"1", None, None, idempotency_key="k" * 257)
     assert (await wq.stats()).totals.enqueued == 0
+
+
+# -- reading answers: the quick way and the general one agree ------------------------------------
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _general(data: bytes) -> object:
+    """The member-by-member parser alone (what every answer went through before the quick way)."""
+    text = data.decode()
+    value, _ = _http._value(text, _http._skip(text, 0))
+    return value
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    payload=_json_values,
+    payload_text=st.sampled_from(["", " 1.10", '"\\u00e9"', "1e400", ' { "a" : [ 1 , 2 ] } ']),
+    task_id=st.text(max_size=8),
+    wrapped=st.booleans(),
+    extra=st.dictionaries(
+        st.sampled_from(["attempts", "payload", "x", "task", "id"]), _json_values
+    ),
+    outer=st.dictionaries(st.sampled_from(["lease_id", "payload", "task"]), _json_values),
+)
+def test_answers_read_quickly_are_read_as_the_general_parser_reads_them(
+    payload: object,
+    payload_text: str,
+    task_id: str,
+    wrapped: bool,
+    extra: dict[str, object],
+    outer: dict[str, object],
+) -> None:
+    # Deliveries and tasks as the broker writes them, and others besides: odd ids, payloads
+    # whose text json.dumps would not give back, "payload" (or "task") given twice, nested.
+    raw = payload_text or json.dumps(payload)
+    task = '{"id":' + json.dumps(task_id) + ',"payload":' + raw
+    task += "".join(f",{json.dumps(k)}:{json.dumps(v)}" for k, v in extra.items()) + "}"
+    members = "".join(f",{json.dumps(k)}:{json.dumps(v)}" for k, v in outer.items())
+    text = ('{"task":' + task + members + "}" if wrapped else task).encode()
+    got = _http._loads(text)
+    assert got == _general(text)
+    inner = got["task"] if wrapped else got
+    if not {"payload", "task"} & {*extra, *(outer if wrapped else ())}:
+        assert inner["payload"] == raw.strip().encode()  # the payload's own text, as sent
+
+
+def test_answers_that_are_not_json_are_protocol_errors_either_way() -> None:
+    for bad in (
+        b'{"task":{"id":"a","payload":{"x":}}}',
+        b'{"task":{"id":"a","payload":1}',
+        b'{"id":"a","payload":1} x',
+        b'{"id":"a","payload":',
+    ):
+        with pytest.raises(ProtocolError):
+            _http._loads(bad)

@@ -45,6 +45,7 @@ from wqbroker.http.transport import (
     expect_continue,
     guard_body,
     json_response,
+    no_content,
     read_body,
 )
 from wqbroker.metrics import ROUTE as METRICS_ROUTE
@@ -229,14 +230,14 @@ async def claim(request: web.Request) -> web.StreamResponse:
         hand_over,
         queues=_query_str(request, "queue"),
     )
-    return answer if answer is not None else web.Response(status=204)
+    return answer if answer is not None else no_content()
 
 
 async def ack(request: web.Request) -> web.Response:
     task_id = request.match_info["id"]
     lease_id = _lease_id(request)
     await request.app[SERVICE].ack(task_id, lease_id)
-    return web.Response(status=204)
+    return no_content()
 
 
 async def nack(request: web.Request) -> web.Response:
@@ -250,7 +251,7 @@ async def nack(request: web.Request) -> web.Response:
         delay_ms=fields.get("delay_ms"),
         terminal=fields.get("terminal"),
     )
-    return web.Response(status=204)
+    return no_content()
 
 
 async def extend(request: web.Request) -> web.Response:
@@ -279,12 +280,12 @@ async def queues(request: web.Request) -> web.Response:
 
 async def pause(request: web.Request) -> web.Response:
     await request.app[SERVICE].pause(request.match_info["name"])
-    return web.Response(status=204)
+    return no_content()
 
 
 async def resume(request: web.Request) -> web.Response:
     await request.app[SERVICE].resume(request.match_info["name"])
-    return web.Response(status=204)
+    return no_content()
 
 
 async def dlq(request: web.Request) -> web.Response:
@@ -296,7 +297,7 @@ async def dlq(request: web.Request) -> web.Response:
 
 async def requeue(request: web.Request) -> web.Response:
     await request.app[SERVICE].requeue(request.match_info["id"])
-    return web.Response(status=204)
+    return no_content()
 
 
 async def requeue_all(request: web.Request) -> web.Response:
@@ -306,7 +307,7 @@ async def requeue_all(request: web.Request) -> web.Response:
 
 async def purge(request: web.Request) -> web.Response:
     await request.app[SERVICE].purge(request.match_info["id"])
-    return web.Response(status=204)
+    return no_content()
 
 
 async def healthz(request: web.Request) -> web.Response:
