@@ -41,8 +41,12 @@ from wqbroker.grpc.server import (
     MAX_DETAILS_BYTES,
     TRUNCATED,
     _StreamCall,
+    delivery_pb,
     details,
     stream_responses,
+    task_pb,
+    timestamp,
+    utf8,
 )
 from wqbroker.limits import MAX_BATCH, MAX_DELAY_MS, MAX_LEASE_MS, MAX_MAX_ATTEMPTS, MAX_WAIT_MS
 from wqbroker.models import Delivery, Task
@@ -541,6 +545,56 @@ def test_stream_responses_are_packed_by_encoded_size(
     # Packed, not scattered: no two neighbours would have fitted in one response.
     for a, b in itertools.pairwise(responses):
         assert a.ByteSize() + b.ByteSize() > limit
+
+
+_times = st.floats(0, 4e9, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    task_id=st.text(max_size=20),
+    payload=st.binary(max_size=50),
+    attempts=st.integers(0, 2**31 - 1),
+    created=_times,
+    available=_times | st.none(),
+    last_error=st.none() | st.text(max_size=20),
+    queue=st.text(max_size=10),
+    priority=st.integers(0, 9),
+    deadline=_times,
+)
+def test_a_delivery_made_in_place_is_the_one_built_from_its_fields(
+    task_id: str,
+    payload: bytes,
+    attempts: int,
+    created: float,
+    available: float | None,
+    last_error: str | None,
+    queue: str,
+    priority: int,
+    deadline: float,
+) -> None:
+    """Deliveries and tasks are set field by field (a stream's in the response that carries
+    them): the same message as one built from its fields, for any text and any time."""
+    at = created if available is None else available
+    task = Task(task_id, payload, attempts, 3, created, at, last_error, queue, priority)
+    built = pb.Task(
+        id=task_id,
+        payload=payload,
+        attempts=attempts,
+        max_attempts=3,
+        created_at=timestamp(created),
+        available_at=timestamp(at),
+        last_error=None if last_error is None else utf8(last_error),
+        queue=queue,
+        priority=priority,
+    )
+    assert task_pb(task) == built
+    expected = pb.Delivery(task=built, lease_id="lease", deadline=timestamp(deadline))
+    assert delivery_pb(Delivery(task, "lease", deadline)) == expected
+    [response] = stream_responses([Delivery(task, "lease", deadline)], [])
+    assert list(response.deliveries) == [expected]
+    ns = timestamp(deadline).ToNanoseconds()
+    assert abs(ns - deadline * 1e9) <= max(1.0, deadline * 1e9 * 2**-52)
 
 
 async def test_a_next_job_whose_answer_a_default_client_would_refuse_hands_out_nothing(

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Sequence
-from itertools import chain
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import Any, Final, NoReturn
 
@@ -143,34 +142,58 @@ def utf8(text: str) -> str:
 # -- conversion ---------------------------------------------------------------------------------
 
 
-def timestamp(ts: float) -> Timestamp:
+def _split(ts: float) -> tuple[int, int]:
+    """Epoch seconds as a Timestamp's (seconds, nanos)."""
     seconds = int(ts // 1)
     nanos = round((ts - seconds) * 1e9)
     if nanos >= 1_000_000_000:
         seconds, nanos = seconds + 1, nanos - 1_000_000_000
+    return seconds, nanos
+
+
+def timestamp(ts: float) -> Timestamp:
+    seconds, nanos = _split(ts)
     return Timestamp(seconds=seconds, nanos=nanos)
 
 
+def _set_time(out: Timestamp, ts: float) -> None:
+    out.seconds, out.nanos = _split(ts)
+
+
+def _fill_task(out: pb.Task, task: Task) -> None:
+    """``out`` (empty) made ``task``, in place: set field by field, the messages inside it
+    included, which is twice as fast as building each and copying it in."""
+    out.id = task.id
+    out.payload = task.payload
+    out.attempts = task.attempts
+    out.max_attempts = task.max_attempts
+    _set_time(out.created_at, task.created_at)
+    if task.available_at == task.created_at:
+        out.available_at.CopyFrom(out.created_at)
+    else:
+        _set_time(out.available_at, task.available_at)
+    if task.last_error is not None:
+        out.last_error = utf8(task.last_error)
+    out.queue = task.queue
+    out.priority = task.priority
+
+
+def _fill_delivery(out: pb.Delivery, delivery: Delivery) -> None:
+    _fill_task(out.task, delivery.task)
+    out.lease_id = delivery.lease_id
+    _set_time(out.deadline, delivery.deadline)
+
+
 def task_pb(task: Task) -> pb.Task:
-    return pb.Task(
-        id=task.id,
-        payload=task.payload,
-        attempts=task.attempts,
-        max_attempts=task.max_attempts,
-        created_at=timestamp(task.created_at),
-        available_at=timestamp(task.available_at),
-        last_error=None if task.last_error is None else utf8(task.last_error),
-        queue=task.queue,
-        priority=task.priority,
-    )
+    out = pb.Task()
+    _fill_task(out, task)
+    return out
 
 
 def delivery_pb(delivery: Delivery) -> pb.Delivery:
-    return pb.Delivery(
-        task=task_pb(delivery.task),
-        lease_id=delivery.lease_id,
-        deadline=timestamp(delivery.deadline),
-    )
+    out = pb.Delivery()
+    _fill_delivery(out, delivery)
+    return out
 
 
 def queue_pb(queue: QueueStats, oldest_ready: float | None = None) -> pb.QueueInfo:
@@ -547,18 +570,27 @@ def stream_responses(
 ) -> list[pb.StreamJobsResponse]:
     """The outcomes, then the deliveries, packed into responses of at most ``limit`` bytes
     each, by their encoded size (a delivery or outcome larger than that comes alone). The
-    outcomes go first: they freed the slots these deliveries fill."""
+    outcomes go first: they freed the slots these deliveries fill. (Deliveries are made in
+    place, in the response that carries them.)"""
     responses = [pb.StreamJobsResponse()]
     size = 0
-    entries: Iterable[tuple[str, pb.Settled | pb.Delivery]] = chain(
-        (("settled", s) for s in settled), (("deliveries", delivery_pb(d)) for d in deliveries)
-    )
-    for field, entry in entries:
-        n = _entry_size(entry)
+    for outcome in settled:
+        n = _entry_size(outcome)
         if size and size + n > limit:
             responses.append(pb.StreamJobsResponse())
             size = 0
-        getattr(responses[-1], field).append(entry)
+        responses[-1].settled.append(outcome)
+        size += n
+    for delivery in deliveries:
+        entries = responses[-1].deliveries
+        entry = entries.add()
+        _fill_delivery(entry, delivery)
+        n = _entry_size(entry)
+        if size and size + n > limit:
+            del entries[-1]
+            responses.append(pb.StreamJobsResponse())
+            _fill_delivery(responses[-1].deliveries.add(), delivery)
+            size = 0
         size += n
     return responses
 
