@@ -168,14 +168,23 @@ def _loads(data: bytes) -> Any:
         ) from None
 
 
+_UNRESERVED = re.compile(r"[A-Za-z0-9_.~-]*")  # what quote() leaves as it is (ids, leases)
+
+
 def _q(value: str) -> str:
-    return quote(value, safe="")
+    return value if _UNRESERVED.fullmatch(value) else quote(value, safe="")
 
 
 def _query(**params: object) -> str:
     """``?name=value&...`` of the parameters that are not None ("" if none is)."""
     given = {name: str(value) for name, value in params.items() if value is not None}
     return "?" + urlencode(given, quote_via=quote, safe=",") if given else ""
+
+
+@functools.lru_cache(maxsize=64)
+def _claim_path(wait_ms: int | None, lease_ms: int | None, queue: str | None) -> str:
+    """A claim's path (a worker asks the same one every time)."""
+    return "/jobs/next" + _query(wait_ms=wait_ms, lease_ms=lease_ms, queue=queue)
 
 
 _JSON_BODY: Final = {"Content-Type": "application/json"}
@@ -318,8 +327,8 @@ class HttpTransport:
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
     ) -> Delivery | None:
         queue = ",".join(queues) if queues else None
-        query = _query(wait_ms=wait_ms, lease_ms=lease_ms, queue=queue)
-        status, data = await self._call("GET", "/jobs/next" + query, timeout=poll_timeout(wait_ms))
+        path = _claim_path(wait_ms, lease_ms, queue)
+        status, data = await self._call("GET", path, timeout=poll_timeout(wait_ms))
         if status == 204:
             return None
         return Delivery.from_mapping(_loads(data))
