@@ -37,9 +37,13 @@ from hypothesis import strategies as st
 from tests.helpers import invariant_holds, make_store, running_broker, settle, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
+from wqbroker.errors import NotFound
 from wqbroker.grpc.server import (
     MAX_DETAILS_BYTES,
     TRUNCATED,
+    _bound,
+    _Outcome,
+    _settled,
     _StreamCall,
     delivery_pb,
     details,
@@ -528,13 +532,13 @@ def test_stream_responses_are_packed_by_encoded_size(
 ) -> None:
     """Outcomes, then deliveries, in order; each response at most ``limit`` bytes encoded unless
     it carries a single entry larger than that."""
-    outcomes = [pb.Settled(id="i" * n, message="m" * m, code=5) for n, m in settled]
+    outcomes = [_Outcome("i" * n, "l", NotFound("m" * m) if m else None) for n, m in settled]
     tasks = [
         Delivery(Task(f"{i}", b"p" * p, 1, 3, 0.0, 0.0, "e" * e if e else None), "lease", 30.0)
         for i, (p, e) in enumerate(deliveries)
     ]
     responses = stream_responses(tasks, outcomes, limit)
-    assert [s for r in responses for s in r.settled] == outcomes
+    assert [s for r in responses for s in r.settled] == [_settled(o) for o in outcomes]
     assert [d.task.id for r in responses for d in r.deliveries] == [t.task.id for t in tasks]
     seen_delivery = False
     for r in responses:
@@ -595,6 +599,46 @@ def test_a_delivery_made_in_place_is_the_one_built_from_its_fields(
     assert list(response.deliveries) == [expected]
     ns = timestamp(deadline).ToNanoseconds()
     assert abs(ns - deadline * 1e9) <= max(1.0, deadline * 1e9 * 2**-52)
+
+
+# Error texts may hold lone surrogates (JSON sent to the HTTP API can smuggle them in); ids,
+# leases and queue names never do.
+_texts = st.text(max_size=30)
+_errors = _texts | st.text(st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), max_size=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    deliveries=st.lists(
+        st.tuples(
+            _texts,
+            st.binary(max_size=300),
+            st.integers(-(2**31), 2**31 - 1),
+            st.none() | _errors,
+            _texts,
+            st.integers(-(2**31), 2**31 - 1),
+            st.floats(-1e10, 1e10),
+        ),
+        max_size=5,
+    ),
+    outcomes=st.lists(
+        st.tuples(_texts, _texts, st.none() | _errors, st.booleans(), st.none() | _times),
+        max_size=5,
+    ),
+)
+def test_the_bound_of_a_response_is_never_below_its_size(
+    deliveries: list[tuple[str, bytes, int, str | None, str, int, float]],
+    outcomes: list[tuple[str, str, str | None, bool, float | None]],
+) -> None:
+    """stream_responses sends everything in one response, sizes untaken, when the bound says it
+    fits: the bound must hold for any text (lone surrogates grow sixfold), number and time."""
+    made = [Delivery(Task(i, p, a, a, t, t, e, q, pr), i, t) for i, p, a, e, q, pr, t in deliveries]
+    told = [
+        _Outcome(i, lease, None if e is None else NotFound(e), nack, deadline is not None, deadline)
+        for i, lease, e, nack, deadline in outcomes
+    ]
+    [response] = stream_responses(made, told, limit=2**40)
+    assert _bound(made, told) >= response.ByteSize()
 
 
 async def test_a_next_job_whose_answer_a_default_client_would_refuse_hands_out_nothing(

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from types import TracebackType
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NamedTuple, NoReturn
 
 import grpc
 from google.protobuf.message import Message
@@ -208,19 +208,35 @@ def queue_pb(queue: QueueStats, oldest_ready: float | None = None) -> pb.QueueIn
     )
 
 
-def _settled(
-    task_id: str, lease_id: str, error: WqError | None, *, nack: bool, extend: bool = False
-) -> pb.Settled:
-    if error is None:
-        return pb.Settled(id=task_id, lease_id=lease_id, nack=nack, extend=extend)
-    return pb.Settled(
-        id=task_id,
-        lease_id=lease_id,
-        nack=nack,
-        extend=extend,
-        code=code_for(error).value[0],
-        message=details(error.message),
-    )
+class _Outcome(NamedTuple):
+    """How one ack, nack or extension went (a Settled before it is written)."""
+
+    id: str
+    lease_id: str
+    error: WqError | None
+    nack: bool = False
+    extend: bool = False
+    deadline: float | None = None  # an extension's new deadline
+
+
+def _fill_settled(out: pb.Settled, outcome: _Outcome) -> None:
+    out.id = outcome.id
+    out.lease_id = outcome.lease_id
+    if outcome.nack:
+        out.nack = True
+    if outcome.extend:
+        out.extend = True
+    if outcome.error is not None:
+        out.code = code_for(outcome.error).value[0]
+        out.message = details(outcome.error.message)
+    if outcome.deadline is not None:
+        _set_time(out.deadline, outcome.deadline)
+
+
+def _settled(outcome: _Outcome) -> pb.Settled:
+    out = pb.Settled()
+    _fill_settled(out, outcome)
+    return out
 
 
 def _refused_for(response: pb.NextJobResponse) -> bool:
@@ -268,33 +284,30 @@ def _nack_item(n: pb.NackRequest) -> tuple[str, str, str | None, int | None, boo
     return (n.id, n.lease_id, _error(n), _optional(n, "delay_ms"), _terminal(n))
 
 
-async def _extend(service: Service, extends: Sequence[pb.ExtendLeaseRequest]) -> list[pb.Settled]:
+async def _extend(service: Service, extends: Sequence[pb.ExtendLeaseRequest]) -> list[_Outcome]:
     """Extend each lease, in order; their outcomes, with the new deadlines."""
     outcomes = []
     for e in extends:
         try:
             deadline = await service.extend(e.id, e.lease_id, _optional(e, "lease_ms"))
         except WqError as error:
-            outcomes.append(_settled(e.id, e.lease_id, error, nack=False, extend=True))
+            outcomes.append(_Outcome(e.id, e.lease_id, error, extend=True))
         else:
-            outcome = _settled(e.id, e.lease_id, None, nack=False, extend=True)
-            outcome.deadline.CopyFrom(timestamp(deadline))
-            outcomes.append(outcome)
+            outcomes.append(_Outcome(e.id, e.lease_id, None, extend=True, deadline=deadline))
     return outcomes
 
 
 async def _settle(
     service: Service, acks: Sequence[pb.AckRequest], nacks: Sequence[pb.NackRequest] = ()
-) -> list[pb.Settled]:
+) -> list[_Outcome]:
     """Settle acks, then nacks, at once; their outcomes, in that order."""
     ack_errors, nack_errors = await service.settle_many(
         [(a.id, a.lease_id) for a in acks], [_nack_item(n) for n in nacks]
     )
     return [
-        _settled(a.id, a.lease_id, error, nack=False)
-        for a, error in zip(acks, ack_errors, strict=True)
+        _Outcome(a.id, a.lease_id, error) for a, error in zip(acks, ack_errors, strict=True)
     ] + [
-        _settled(n.id, n.lease_id, error, nack=True)
+        _Outcome(n.id, n.lease_id, error, nack=True)
         for n, error in zip(nacks, nack_errors, strict=True)
     ]
 
@@ -342,7 +355,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 queues=_queues(request.queues),
             )
             settled = [
-                _settled(a.id, a.lease_id, error, nack=False)
+                _settled(_Outcome(a.id, a.lease_id, error))
                 for a, error in zip(acks, outcomes, strict=True)
             ]
             if delivery is None:
@@ -467,7 +480,7 @@ class _StreamCall:
         self._service = service
         self._stream = stream
         self._context = context
-        self._settled: list[pb.Settled] = []  # outcomes not yet taken by the writer
+        self._settled: list[_Outcome] = []  # outcomes not yet taken by the writer
         self._taken = asyncio.Event()  # set when the writer takes them
         self._applying = False  # the reader is between reading a request and queuing its outcomes
         self._drain_asked = False  # the worker sent drain (the first one is answered)
@@ -566,33 +579,60 @@ class _StreamCall:
 
 
 def stream_responses(
-    deliveries: list[Delivery], settled: list[pb.Settled], limit: int = STREAM_CHUNK_BYTES
+    deliveries: Sequence[Delivery], outcomes: Sequence[_Outcome], limit: int = STREAM_CHUNK_BYTES
 ) -> list[pb.StreamJobsResponse]:
     """The outcomes, then the deliveries, packed into responses of at most ``limit`` bytes
     each, by their encoded size (a delivery or outcome larger than that comes alone). The
-    outcomes go first: they freed the slots these deliveries fill. (Deliveries are made in
-    place, in the response that carries them.)"""
-    responses = [pb.StreamJobsResponse()]
+    outcomes go first: they freed the slots these deliveries fill. Each entry is made in place,
+    in the response that carries it; its size is taken only when all of them might not fit in
+    one response (:func:`_bound`)."""
+    response = pb.StreamJobsResponse()
+    if _bound(deliveries, outcomes) <= limit:
+        add_settled, add_delivery = response.settled.add, response.deliveries.add
+        for outcome in outcomes:
+            _fill_settled(add_settled(), outcome)
+        for delivery in deliveries:
+            _fill_delivery(add_delivery(), delivery)
+        return [response]
+    responses = [response]
     size = 0
-    for outcome in settled:
-        n = _entry_size(outcome)
+    entries: list[tuple[str, Callable[[Any, Any], None], Any]] = [
+        ("settled", _fill_settled, outcome) for outcome in outcomes
+    ]
+    entries += [("deliveries", _fill_delivery, delivery) for delivery in deliveries]
+    for field, fill, item in entries:
+        added = getattr(responses[-1], field)
+        fill(added.add(), item)
+        n = _entry_size(added[-1])
         if size and size + n > limit:
+            del added[-1]
             responses.append(pb.StreamJobsResponse())
-            size = 0
-        responses[-1].settled.append(outcome)
-        size += n
-    for delivery in deliveries:
-        entries = responses[-1].deliveries
-        entry = entries.add()
-        _fill_delivery(entry, delivery)
-        n = _entry_size(entry)
-        if size and size + n > limit:
-            del entries[-1]
-            responses.append(pb.StreamJobsResponse())
-            _fill_delivery(responses[-1].deliveries.add(), delivery)
+            fill(getattr(responses[-1], field).add(), item)
             size = 0
         size += n
     return responses
+
+
+# What an entry may take at most beside its texts and payload: tags, lengths, numbers (a
+# negative int32 takes ten bytes) and timestamps, with room to spare. A text is counted at six
+# bytes a character: a lone surrogate is sent as its six-character escape (``utf8``).
+_DELIVERY_FRAME: Final = 256
+_OUTCOME_FRAME: Final = 64
+
+
+def _bound(deliveries: Sequence[Delivery], outcomes: Sequence[_Outcome]) -> int:
+    """At least the encoded size of one response carrying all of these (cheaper to add up than
+    the sizes themselves: no message is made)."""
+    total = 0
+    for d in deliveries:
+        t = d.task
+        texts = len(t.id) + len(d.lease_id) + len(t.queue) + len(t.last_error or "")
+        total += len(t.payload) + 6 * texts + _DELIVERY_FRAME
+    for o in outcomes:
+        total += 6 * (len(o.id) + len(o.lease_id)) + _OUTCOME_FRAME
+        if o.error is not None:
+            total += MAX_DETAILS_BYTES
+    return total
 
 
 def _entry_size(message: Message) -> int:
