@@ -1,8 +1,8 @@
 """A fake :class:`wqclient.clock.Clock`: time stands still until a test moves it on.
 
-``await clock.sleep(s)`` parks until :meth:`FakeClock.advance` carries the time past its end;
-:meth:`FakeClock.sleeping` waits until so many sleeps are parked, so a test moves time only once
-the code under test is waiting for it.
+``await clock.sleep(s)`` (and a timer, ``clock.call_later(s, f)``) parks until
+:meth:`FakeClock.advance` carries the time past its end; :meth:`FakeClock.sleeping` waits until
+so many sleeps are parked, so a test moves time only once the code under test is waiting for it.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections.abc import Callable
 
 
 class FakeClock:
@@ -29,6 +30,15 @@ class FakeClock:
         heapq.heappush(self._parked, (self.now + max(0.0, seconds), next(self._seq), future))
         self._poke()
         await future
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> asyncio.Future[None]:
+        """A timer: parked (and counted in ``sleeps``) as a sleep is, until cancelled."""
+        self.sleeps.append(seconds)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda f: None if f.cancelled() else callback())
+        heapq.heappush(self._parked, (self.now + max(0.0, seconds), next(self._seq), future))
+        self._poke()
+        return future
 
     @property
     def parked(self) -> int:

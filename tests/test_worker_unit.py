@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from tests.fake_clock import FakeClock
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
 from wqclient import AsyncClient, Overloaded, StreamingTransport, Task, Unavailable, WqError
+from wqclient.clock import Clock, SystemClock, call_later
 from wqclient.worker import TaskFailed, Worker
 
 pytestmark = pytest.mark.timeout(30)
@@ -286,3 +288,66 @@ async def test_a_busy_broker_is_waited_out_as_it_asks_and_said_once(
     assert busy.levelno == logging.WARNING
     assert "consumers are already waiting" in busy.getMessage()
     assert not logged(caplog, "broker unavailable")
+
+
+# -- timers: the clock's own, or a task that sleeps -------------------------------------------
+
+
+class _SleepOnly:
+    """A clock as the Clock protocol asks, no more (no call_later of its own)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self._clock = clock
+
+    def monotonic(self) -> float:
+        return self._clock.monotonic()
+
+    async def sleep(self, seconds: float) -> None:
+        await self._clock.sleep(seconds)
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["own timer", "sleeping task"])
+async def test_call_later_calls_back_once_the_time_has_passed_unless_cancelled(own: bool) -> None:
+    fake = FakeClock()
+    clock: Clock = fake if own else _SleepOnly(fake)
+    called: list[str] = []
+    kept = call_later(clock, 10, lambda: called.append("kept"))
+    dropped = call_later(clock, 10, lambda: called.append("dropped"))
+    await fake.sleeping(2)
+    dropped.cancel()
+    await fake.advance(9.9)
+    assert called == []
+    await fake.advance(0.2)
+    assert called == ["kept"]
+    assert kept is not None
+
+
+async def test_the_system_clock_calls_back_on_the_event_loop() -> None:
+    called = asyncio.Event()
+    dropped: list[int] = []
+    SystemClock().call_later(60, lambda: dropped.append(1)).cancel()
+    call_later(SystemClock(), 0, called.set)
+    await asyncio.wait_for(called.wait(), 5)
+    assert dropped == []
+
+
+async def test_a_handler_that_ends_before_half_the_lease_sets_no_keeper_going() -> None:
+    # The lease keeper starts only when its timer fires: a quick handler cancels the timer, and
+    # nothing is left parked on the clock (no sleeping task per task, as there used to be).
+    clock = FakeClock()
+    transport = FakeStreamingTransport()
+    async with AsyncClient(transport=transport) as client:
+        for i in range(20):
+            await client.enqueue({"n": i})
+        done: list[int] = []
+
+        async def handler(task: Task) -> None:
+            done.append(task.payload["n"])
+            if len(done) == 20:
+                worker.stop()
+
+        worker = Worker(client, handler, clock=clock, concurrency=4)
+        await asyncio.wait_for(worker.run(), 10)
+    assert sorted(done) == list(range(20))
+    assert clock.parked == 0
+    assert len(clock.sleeps) == 20  # one timer per task, every one cancelled

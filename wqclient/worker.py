@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from wqclient.client import ENV_CA_FILE, ENV_TOKEN, AsyncClient
-from wqclient.clock import Clock, SystemClock
+from wqclient.clock import Clock, SystemClock, call_later
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -441,16 +441,28 @@ class Worker:
     async def _process(self, delivery: Delivery, settler: _Settler) -> None:
         """Run the handler on a delivery, keeping its lease alive, then settle it."""
         lease = _Lease(delivery.deadline)
-        keeper = asyncio.ensure_future(self._keep(delivery, settler, lease))
+        span = min(self.lease_ms, MAX_LEASE_MS) / 1000  # the broker caps leases
+        expires = self._clock.monotonic() + span
+        keeper: asyncio.Task[None] | None = None
+
+        def keep() -> None:
+            # Half the lease has gone by and the handler still runs: keep the lease from now on.
+            nonlocal keeper
+            keeper = asyncio.ensure_future(self._keep(delivery, settler, lease, expires))
+
+        # A timer, not a task that sleeps: most handlers end long before it would fire.
+        timer = call_later(self._clock, span / 2, keep)
         try:
             error = await self._handle(delivery.task)
         finally:
             lease.done = True
-            if lease.extending:  # an extension on its way is let finish (it may lose the lease)
-                await asyncio.wait((keeper,))
-            else:
-                keeper.cancel()  # it is asleep: nothing of it is left to wait for
-            keeper.add_done_callback(functools.partial(_kept, delivery))
+            timer.cancel()
+            if keeper is not None:
+                if lease.extending:  # an extension on its way is let finish (it may lose it)
+                    await asyncio.wait((keeper,))
+                else:
+                    keeper.cancel()  # it is asleep: nothing of it is left to wait for
+                keeper.add_done_callback(functools.partial(_kept, delivery))
         if lease.lost:
             self.discarded += 1
             log.warning(
@@ -528,15 +540,13 @@ class Worker:
 
         await self._settle(delivery, lease, nack)
 
-    async def _keep(self, delivery: Delivery, settler: _Settler, lease: _Lease) -> None:
-        """While the handler runs, extend the lease each time half of it has gone by."""
+    async def _keep(
+        self, delivery: Delivery, settler: _Settler, lease: _Lease, expires: float
+    ) -> None:
+        """While the handler runs, extend the lease (which runs out at ``expires``) now, and then
+        each time half of it has gone by."""
         span = min(self.lease_ms, MAX_LEASE_MS) / 1000  # the broker caps leases
-        expires = self._clock.monotonic() + span
-        wait = span / 2
-        while True:
-            await self._clock.sleep(wait)
-            if lease.done:
-                return
+        while not lease.done:
             lease.extending = True
             asked = self._clock.monotonic()
             try:
@@ -553,10 +563,11 @@ class Worker:
                 return
             except WqError as e:
                 wait = self._extend_failed(delivery, e, expires - asked, span)
-                continue
+            else:
+                expires, wait = asked + span, span / 2
             finally:
                 lease.extending = False
-            expires, wait = asked + span, span / 2
+            await self._clock.sleep(wait)
 
     def _extend_failed(self, delivery: Delivery, error: WqError, left: float, span: float) -> float:
         """An extension failed (not for a lost lease): say so; how long to wait to try again."""
