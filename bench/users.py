@@ -50,8 +50,11 @@ _QUEUE = "wqbench"  # the peers' queue (stream, tube); the caller may name anoth
 async def produce(url: str, mode: str, n: int, concurrency: int) -> dict[str, Any]:
     from wqclient import AsyncClient
 
-    first = time.time()
     async with AsyncClient(url) as wq:
+        # Connected before the clock starts, as the peers' producers are (their connect, and
+        # NATS' stream or RabbitMQ's channel, come first).
+        await wq.stats()
+        first = time.time()
         if mode == "one":
             counter = iter(range(n))
 
@@ -70,7 +73,8 @@ async def produce(url: str, mode: str, n: int, concurrency: int) -> dict[str, An
             await asyncio.gather(*(many() for _ in range(concurrency)))
         else:
             raise SystemExit(f"unknown producer mode {mode!r}")
-    return {"first": first, "last": time.time(), "n": n}
+        last = time.time()  # (before the client closes, as the peers' producers take theirs)
+    return {"first": first, "last": last, "n": n}
 
 
 async def consume(url: str, mode: str, n: int, concurrency: int) -> dict[str, Any]:

@@ -157,6 +157,19 @@ def body_refusal(request: web.BaseRequest, rules: BodyRules) -> web.Response | N
     413: Content-Length over the limit), or None."""
     if not request.body_exists:
         return None
+    headers = request.headers
+    if "Content-Encoding" in headers or "Transfer-Encoding" in headers:
+        refusal = _coding_refusal(request)
+        if refusal is not None:
+            return refusal
+    length = request.content_length
+    if length is not None and length > rules.max_bytes:
+        return error_response(413, _too_large(rules.max_bytes))
+    return None
+
+
+def _coding_refusal(request: web.BaseRequest) -> web.Response | None:
+    """415 for a body sent compressed (or in a transfer-coding other than chunked), or None."""
     encoding = _codings(request, "Content-Encoding", "identity")
     transfer = _codings(request, "Transfer-Encoding", "chunked")
     if encoding is not None or transfer is not None:
@@ -167,9 +180,6 @@ def body_refusal(request: web.BaseRequest, rules: BodyRules) -> web.Response | N
         response = error_response(415, f"{problem}: send the request body uncompressed")
         response.headers["Accept-Encoding"] = "identity"
         return response
-    length = request.content_length
-    if length is not None and length > rules.max_bytes:
-        return error_response(413, _too_large(rules.max_bytes))
     return None
 
 
