@@ -886,7 +886,7 @@ def _report_users(
         ),
     }
     for name, (rate, cpu) in medians.items():
-        figure = f"{rate:,.0f}/s" + ("" if cpu is None else f"; {cpu * 1000:.2f} ms CPU/task")
+        figure = f"{rate:,.0f}/s" + ("" if cpu is None else f"; {cpu * 1000:.3f} ms CPU/task")
         more, target, ok = checks.get(name, ("", "", None))
         add("users", name, figure + more, target, ok)
     raw, null = medians[RAW_HTTP], medians[NULL_HTTP]
