@@ -682,14 +682,15 @@ async def _dribble(conn: Any, data: bytes) -> None:
 # -- answers written in one piece are the bytes aiohttp would write ------------------------------
 
 
-def _answer_app() -> web.Application:
+def _answer_app(hook: bool = False) -> web.Application:
     """``/{kind}/{status}``: the same answer made as the broker makes it (``answer``) or as a
     plain aiohttp Response (``plain``); ``?close`` forces the connection shut, ``?header`` adds a
-    header (as a middleware might), ``?hook`` registers a response hook."""
+    header (as a middleware might), ``?empty`` sends an empty body, ``?bytearray`` a body that
+    is not bytes; with ``hook``, a response hook adds a header to every answer."""
 
     async def handle(request: web.Request) -> web.StreamResponse:
         status = int(request.match_info["status"])
-        body = b'{"id":"abc"}'
+        body = b"" if "empty" in request.query else b'{"id":"abc"}'
         response: web.Response
         if request.match_info["kind"] == "answer":
             response = no_content() if status == 204 else json_response(body, status)
@@ -701,10 +702,17 @@ def _answer_app() -> web.Application:
             response.force_close()
         if "header" in request.query:
             response.headers["Retry-After"] = "1"
+        if "bytearray" in request.query and status != 204:
+            response.body = bytearray(body)
         return response
+
+    async def stamp(request: web.Request, response: web.StreamResponse) -> None:
+        response.headers["X-Hooked"] = "yes"
 
     app = web.Application()
     app.router.add_route("*", "/{kind}/{status}", handle)
+    if hook:
+        app.on_response_prepare.append(stamp)
     return app
 
 
@@ -736,6 +744,8 @@ async def _bytes_of(port: int, head: bytes) -> bytes:
         b"GET /{kind}/{status} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
         b"GET /{kind}/{status}?close HTTP/1.1\r\nHost: x\r\n\r\n",
         b"GET /{kind}/{status}?header HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /{kind}/{status}?empty HTTP/1.1\r\nHost: x\r\n\r\n",
+        b"GET /{kind}/{status}?bytearray HTTP/1.1\r\nHost: x\r\n\r\n",
         b"GET /{kind}/{status} HTTP/1.0\r\n\r\n",
         b"GET /{kind}/{status} HTTP/1.0\r\nConnection: keep-alive\r\n\r\n",
         b"HEAD /{kind}/{status} HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -744,7 +754,19 @@ async def _bytes_of(port: int, head: bytes) -> bytes:
 async def test_an_answer_in_one_piece_is_what_aiohttp_would_send(
     status: int, request_head: bytes
 ) -> None:
-    runner = web.AppRunner(_answer_app())
+    await _same_answers(_answer_app(), status, request_head)
+
+
+async def test_a_response_hook_is_honoured() -> None:
+    head = b"GET /{kind}/{status} HTTP/1.1\r\nHost: x\r\n\r\n"
+    answer = await _same_answers(_answer_app(hook=True), 201, head)
+    assert b"X-Hooked: yes\r\n" in answer
+
+
+async def _same_answers(app: web.Application, status: int, request_head: bytes) -> bytes:
+    """The answer made as the broker makes it; asserted to be the plain Response's, byte for
+    byte (but the Date)."""
+    runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -758,5 +780,6 @@ async def test_an_answer_in_one_piece_is_what_aiohttp_would_send(
         ]
         assert answers[0] == answers[1]
         assert answers[0].startswith(b"HTTP/1.")
+        return answers[0]
     finally:
         await runner.cleanup()
