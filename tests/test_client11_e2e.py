@@ -317,6 +317,31 @@ async def test_the_worker_extends_a_long_task_past_many_leases(
     assert (await client.stats()).totals.reclaimed == 0
 
 
+async def test_on_real_clocks_the_worker_keeps_leases_shorter_than_its_tasks(
+    transport: str,
+) -> None:
+    """The production path end to end: the broker's clock and the worker's are the system's
+    (event-loop timers start the lease keepers). Handlers that run twice as long as their one-second
+    leases are kept, their tasks acked once and never reclaimed; quick ones set no keeper going."""
+    async with running_broker() as real, AsyncClient(url_for(real, transport)) as wq:
+        await wq.enqueue_many([{"slow": True}] * 2 + [{"slow": False}] * 20)
+        done: list[bool] = []
+
+        async def handler(task: Task) -> None:
+            if task.payload["slow"]:
+                await asyncio.sleep(2.2)
+            done.append(task.payload["slow"])
+            if len(done) == 22:
+                worker.stop()
+
+        worker = Worker(wq, handler, concurrency=4, lease_ms=1_000)
+        await asyncio.wait_for(worker.run(), 20)
+        stats = await wq.stats()
+    assert sorted(done) == [False] * 20 + [True] * 2
+    assert (worker.succeeded, worker.discarded) == (22, 0)
+    assert (stats.totals.acked, stats.totals.reclaimed, stats.totals.delivered) == (22, 0, 22)
+
+
 async def test_the_worker_discards_the_result_of_a_lost_lease(
     client: AsyncClient, clock: FakeClock
 ) -> None:
