@@ -344,6 +344,7 @@ class HttpCall:
 
 HTTP_CALLS = [
     HttpCall("POST", "/jobs", 201, {"payload": {"line": "hi"}}),
+    HttpCall("POST", "/jobs/batch", 201, {"tasks": [{"payload": 1}, {"payload": 2}]}),
     HttpCall("GET", "/jobs/next", 204),
     HttpCall("POST", "/jobs/{id}/ack", 204),
     HttpCall("POST", "/jobs/{id}/nack", 204, {"error": "bad"}),

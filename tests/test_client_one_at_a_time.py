@@ -1,4 +1,5 @@
-"""The library used one task at a time, over gRPC: concurrent one-task enqueues go to the broker
+"""The library used one task at a time, over gRPC (and over HTTP, where the broker has POST
+/jobs/batch): concurrent one-task enqueues go to the broker
 together (wqclient's coalescer), each caller keeping the answer its own call would have had; a
 sequential stream loop's acks go out together, without a round trip each, and a caller who must
 know an ack landed still can. Real brokers, real clients; the calls the client makes are counted
@@ -12,6 +13,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from aiohttp import web
 from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given
 from hypothesis import strategies as st
@@ -31,6 +33,7 @@ from wqclient import (
     Unavailable,
 )
 from wqclient._grpc import GrpcStream, GrpcTransport, _delivery, _Fields
+from wqclient._http import HttpTransport
 from wqclient.pb import broker_pb2 as pb
 
 
@@ -93,9 +96,11 @@ async def test_a_lone_caller_sends_one_task_per_call(broker: Broker) -> None:
         assert calls == Counter({"Enqueue": 5})
 
 
-async def test_a_bad_task_fails_only_its_caller(broker: Broker) -> None:
-    async with AsyncClient("grpc://" + broker.grpc_target) as wq:
-        calls = counted(wq)
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+async def test_a_bad_task_fails_only_its_caller(broker: Broker, transport: str) -> None:
+    url = "grpc://" + broker.grpc_target if transport == "grpc" else broker.http_url
+    async with AsyncClient(url) as wq:
+        calls = counted(wq) if transport == "grpc" else http_calls(wq)
         results = await asyncio.gather(
             *(wq.enqueue({"i": i}) for i in range(5)),
             wq.enqueue({"big": "x" * 5000}),  # over the broker's 4096 bytes
@@ -108,7 +113,8 @@ async def test_a_bad_task_fails_only_its_caller(broker: Broker) -> None:
         assert "queue" in results[6].message
         good = [r for r in results if isinstance(r, str)]
         assert len(good) == len(set(good)) == 9
-        assert calls["EnqueueBatch"] >= 1  # tried together first, then one by one
+        # tried together first, then one by one
+        assert calls["EnqueueBatch" if transport == "grpc" else "POST /jobs/batch"] >= 1
         stats = await wq.stats()
         assert stats.ready == 9
 
@@ -294,3 +300,103 @@ def test_a_delivery_missing_a_field_is_a_protocol_error() -> None:
         cut(d)
         with pytest.raises(ProtocolError):
             _delivery(d)
+
+
+# -- over HTTP: concurrent enqueues in one POST /jobs/batch ---------------------------------------
+
+
+def http_calls(client: AsyncClient) -> Counter[str]:
+    """Counts the client's POST /jobs and POST /jobs/batch requests (tasks per batch under
+    'tasks')."""
+    transport = client.transport
+    assert isinstance(transport, HttpTransport)
+    calls: Counter[str] = Counter()
+    call = transport._call
+
+    async def counting(method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
+        if (method, path) == ("POST", "/jobs"):
+            calls["POST /jobs"] += 1
+        elif (method, path) == ("POST", "/jobs/batch"):
+            calls["POST /jobs/batch"] += 1
+            calls["tasks"] += kwargs["body"].count(b'{"payload":')
+        return await call(method, path, **kwargs)
+
+    transport._call = counting  # type: ignore[method-assign]
+    return calls
+
+
+async def test_over_http_concurrent_enqueues_go_in_one_request_each_with_its_own_id() -> None:
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        calls = http_calls(wq)
+        ids = await asyncio.gather(
+            *(
+                wq.enqueue({"n": i}, priority=i % 10, idempotency_key=f"k{i % 150}")
+                for i in range(200)
+            )
+        )
+        assert calls == Counter({"POST /jobs/batch": 1, "tasks": 200})
+        assert len(set(ids)) == 150
+        assert [i.duplicate for i in ids] == [False] * 150 + [True] * 50
+        for i, task_id in enumerate(ids[:150]):
+            task = await wq.get_task(task_id)
+            assert (task.payload, task.priority) == ({"n": i}, i % 10)
+
+
+async def test_over_http_a_lone_caller_posts_one_task_per_request() -> None:
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        calls = http_calls(wq)
+        for i in range(5):
+            await wq.enqueue({"i": i})
+        assert calls == Counter({"POST /jobs": 5})
+
+
+async def test_over_http_enqueue_many_is_one_request_or_parts_of_it_when_too_large() -> None:
+    async with (
+        running_broker(grpc_addr="off", max_body=4096) as broker,
+        AsyncClient(broker.http_url) as wq,
+    ):
+        calls = http_calls(wq)
+        ids = await wq.enqueue_many([{"i": i} for i in range(10)])
+        assert calls == Counter({"POST /jobs/batch": 1, "tasks": 10})
+        calls.clear()
+        # 20 tasks of 1 KB: a body over the broker's 4096 bytes, sent in parts (each a batch).
+        more = await wq.enqueue_many([{"i": i, "pad": "x" * 1000} for i in range(20)])
+        assert calls["POST /jobs"] == 0
+        assert calls["POST /jobs/batch"] > 1
+        for i, task_id in enumerate(ids + more):
+            assert (await wq.get_task(task_id)).payload["i"] == (i if i < 10 else i - 10)
+        order = [(await wq.claim(wait_ms=0)) for _ in range(30)]
+        assert [d.id for d in order if d is not None] == ids + more  # in the order given
+
+
+async def test_over_http_an_older_broker_without_batches_gets_one_task_per_request() -> None:
+    # A broker from before POST /jobs/batch: it answers it as aiohttp does a path it has under
+    # another method (405), and takes POST /jobs.
+    taken: list[bytes] = []
+
+    async def enqueue(request: web.Request) -> web.Response:
+        taken.append(await request.read())
+        return web.json_response({"id": f"t{len(taken)}"}, status=201)
+
+    async def lookup(request: web.Request) -> web.Response:
+        return web.json_response({"error": "no"}, status=404)
+
+    app = web.Application()
+    app.router.add_post("/jobs", enqueue)
+    app.router.add_get("/jobs/{id}", lookup)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{runner.addresses[0][1]}") as wq:
+            calls = http_calls(wq)
+            ids = await asyncio.gather(*(wq.enqueue({"i": i}) for i in range(5)))
+            assert sorted(ids) == [f"t{i}" for i in range(1, 6)]
+            assert calls == Counter({"POST /jobs/batch": 1, "tasks": 5, "POST /jobs": 5})
+            calls.clear()
+            assert await wq.enqueue_many([1, 2, 3]) == ["t6", "t7", "t8"]
+            assert calls == Counter({"POST /jobs": 3})  # it is not asked again
+        assert taken[-3:] == [b'{"payload":1}', b'{"payload":2}', b'{"payload":3}']
+    finally:
+        await runner.cleanup()

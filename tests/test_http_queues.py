@@ -19,6 +19,7 @@ from tests.helpers import Http, http_client, invariant_holds, running_broker, se
 from tests.rawhttp import exchange, request
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
+from wqbroker.limits import MAX_BATCH
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -885,3 +886,98 @@ async def test_unknown_paths_near_the_new_routes_get_404(http: Http, path: str) 
     status, body = await http.request("POST", path)
     assert status == 404
     assert body["error"]
+
+
+# -- POST /jobs/batch (an extension) ---------------------------------------------------------
+
+
+async def test_a_batch_enqueues_in_order_each_task_with_its_own_options(http: Http) -> None:
+    raw = (
+        b'{"tasks": [{"payload": {"n": 1.10}}, {"payload": [1e400], "queue": "mail", '
+        b'"priority": 7, "max_attempts": 5}, {"payload": null, "delay_ms": 60000}], "x": 1}'
+    )
+    status, body = await http.request("POST", "/jobs/batch", data=raw)
+    assert status == 201, body
+    assert set(body) == {"ids", "duplicates"}
+    assert body["duplicates"] == [False, False, False]
+    first, mail, delayed = body["ids"]
+    assert len({first, mail, delayed}) == 3
+    one = await take(http)
+    assert (one["task"]["id"], one["task"]["payload"]) == (first, {"n": 1.1})
+    two = await take(http, "queue=mail")
+    assert (two["task"]["id"], two["task"]["priority"], two["task"]["max_attempts"]) == (
+        mail,
+        7,
+        5,
+    )
+    assert await take(http) is None  # the third waits out its delay
+    stats = await http.stats()
+    assert (stats["totals"]["enqueued"], gauges(stats)) == (3, (0, 2, 1, 0))
+
+
+async def test_a_batch_keeps_each_payload_byte_for_byte(http: Http) -> None:
+    status, body = await http.request(
+        "POST", "/jobs/batch", data=b'{"tasks":[{"payload":{"b": 2,  "a": [1.10, 1e400]}}]}'
+    )
+    assert status == 201, body
+    async with http.session.get(http.base + "/jobs/next?wait_ms=0") as resp:
+        text = await resp.read()
+    assert b'"payload":{"b": 2,  "a": [1.10, 1e400]},' in text
+
+
+async def test_a_batch_answers_each_idempotency_key(http: Http) -> None:
+    first = await put(http, 1, key="k1")
+    status, body = await http.request(
+        "POST",
+        "/jobs/batch",
+        json={"tasks": [{"payload": 2, "idempotency_key": "k1"}, {"payload": 3}]},
+    )
+    assert status == 201, body
+    assert body["ids"][0] == first
+    assert body["duplicates"] == [True, False]
+    assert (await http.stats())["totals"]["enqueued"] == 2
+
+
+async def test_an_empty_batch_enqueues_nothing(http: Http) -> None:
+    status, body = await http.request("POST", "/jobs/batch", json={"tasks": []})
+    assert (status, body) == (201, {"ids": [], "duplicates": []})
+
+
+@pytest.mark.parametrize(
+    ("body", "named"),
+    [
+        (b"", "empty"),
+        (b"[]", "must be a JSON object"),
+        (b"{}", "tasks is required"),
+        (b'{"tasks": {"payload": 1}}', "tasks must be an array"),
+        (b'{"tasks": [{"payload": 1}, 2]}', "tasks[1] must be a JSON object"),
+        (b'{"tasks": [{"payload": 1}, {}]}', "tasks[1].payload"),
+        (b'{"tasks": [{"payload": 1}, {"payload": NaN}]}', "not valid JSON"),
+        (b'{"tasks": [{"payload": 1}, {"payload": 2, "priority": 10}]}', "tasks[1].priority"),
+        (b'{"tasks": [{"payload": 1, "idempotency_key": 5}]}', "tasks[0].idempotency key"),
+        (b'{"tasks": [{"payload": 1, "max_attempts": 3.0}]}', "tasks[0].max_attempts"),
+        (b'{"tasks": [{"payload": 1, "queue": "no such/queue"}]}', "tasks[0].queue"),
+        (b'{"tasks": [{"payload": 1}]', "not valid JSON"),
+        (b'{"tasks": [{"payload": "\xff"}]}', "UTF-8"),
+    ],
+)
+async def test_a_bad_batch_is_refused_whole_naming_the_task(
+    http: Http, body: bytes, named: str
+) -> None:
+    await refused(http, "POST", "/jobs/batch", named, data=body)
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_a_batch_of_more_than_the_limit_is_refused(http: Http, broker: Broker) -> None:
+    tasks = b",".join([b'{"payload":1}'] * (MAX_BATCH + 1))
+    await refused(
+        http, "POST", "/jobs/batch", f"at most {MAX_BATCH}", data=b'{"tasks":[' + tasks + b"]}"
+    )
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
+async def test_batch_is_no_task_id(http: Http) -> None:
+    # /jobs/batch is a route of its own: GET is not the lookup of a task called "batch".
+    status, body = await http.request("GET", "/jobs/batch")
+    assert status == 405, body
+    assert "POST" in body["error"]

@@ -124,6 +124,9 @@ async def test_the_producer_waits_out_the_task_limit_and_loses_nothing() -> None
         out, err = io.StringIO(), io.StringIO()
         producing = asyncio.ensure_future(produce(args, out, err))
         async with http_client(broker.http_url) as http:
+            # Nothing is taken until the producer has been told the broker is full.
+            await wait_until(lambda: "retrying" in err.getvalue(), what="the limit's refusal")
+            assert (await http.stats())["ready"] == 5
             acked = 0
             while acked < 12:
                 delivery = await http.claim(wait_ms=5000)

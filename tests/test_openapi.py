@@ -214,22 +214,30 @@ def integers_as_integers(case: Case) -> None:
     """JSON Schema's integers include ``3.0``, which Schemathesis sends for them; the broker
     refuses it (as the document says in words): a body's integers are sent as integers."""
     if isinstance(case.body, dict):
-        case.body = {
-            name: int(value) if isinstance(value, float) and value.is_integer() else value
-            for name, value in case.body.items()
-        }
+        body = _integral(case.body)
+        tasks = body.get("tasks")
+        if isinstance(tasks, list):  # POST /jobs/batch: each task's too
+            body["tasks"] = [_integral(t) if isinstance(t, dict) else t for t in tasks]
+        case.body = body
+
+
+def _integral(members: dict[str, Any]) -> dict[str, Any]:
+    return {
+        name: int(value) if isinstance(value, float) and value.is_integer() else value
+        for name, value in members.items()
+    }
 
 
 # Concrete paths that a templated one would also match: the concrete one is another operation.
-FIXED_WORDS = {"/jobs/{id}": "next", "/dlq/{id}": "requeue"}
+FIXED_WORDS = {"/jobs/{id}": ("next", "batch"), "/dlq/{id}": ("requeue",)}
 
 
 def not_another_operation(case: Case) -> None:
     """``GET /jobs/{id}`` with the id ``next`` is ``GET /jobs/next`` (a claim), as OpenAPI matches
     a concrete path before a templated one: such an id is sent as another one."""
-    word = FIXED_WORDS.get(case.operation.path)
-    if word is not None and case.path_parameters and case.path_parameters.get("id") == word:
-        case.path_parameters = {**case.path_parameters, "id": word + "-"}
+    words = FIXED_WORDS.get(case.operation.path, ())
+    if case.path_parameters and case.path_parameters.get("id") in words:
+        case.path_parameters = {**case.path_parameters, "id": case.path_parameters["id"] + "-"}
 
 
 def bound_the_wait(case: Case) -> None:

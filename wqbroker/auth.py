@@ -50,7 +50,7 @@ _BROKER: Final = "/wq.v1.Broker/"
 # none implies another. A new scope is one more entry (the token file accepts every key here).
 SCOPES: Final[Mapping[str, Routes]] = {
     "produce": Routes(
-        http=("POST /jobs",),
+        http=("POST /jobs", "POST /jobs/batch"),
         grpc=(_BROKER + "Enqueue", _BROKER + "EnqueueBatch"),
     ),
     # NextJob settles its acks as well as claiming, all of it the consumer's business.

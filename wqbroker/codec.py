@@ -175,6 +175,39 @@ def parse_object(
     return out
 
 
+def parse_objects(
+    body: bytes, member: str, raw: frozenset[str] = frozenset(), *, what: str = "request body"
+) -> list[dict[str, Any]]:
+    """The objects of the array ``member`` of a JSON object (``{"tasks": [{...}, ...]}``), each
+    parsed as :func:`parse_object` parses one (members in ``raw`` kept as their text). Other
+    members of the outer object are ignored. Raises InvalidArgument naming the problem
+    (``tasks[2] must be a JSON object``)."""
+    outer = parse_object(body, frozenset({member}), what=what)
+    if member not in outer:
+        raise InvalidArgument(f"{member} is required")
+    text = outer[member].decode("utf-8")  # (JsonText: one JSON value, checked)
+    if not text.startswith("["):
+        raise InvalidArgument(f"{member} must be an array")
+    objects: list[dict[str, Any]] = []
+    idx = _skip(text, 1)
+    if text.startswith("]", idx):
+        return objects
+    while True:
+        if not text.startswith("{", idx):
+            raise InvalidArgument(f"{member}[{len(objects)}] must be a JSON object")
+        out: dict[str, Any] = {}
+        try:
+            idx = _members(text, idx + 1, raw, out)
+        except (ValueError, StopIteration, RecursionError):  # (the whole was checked)
+            raise _invalid_json(text, member) from None
+        objects.append(out)
+        idx = _skip(text, idx)
+        if text.startswith(",", idx):
+            idx = _skip(text, idx + 1)
+        else:
+            return objects  # "]": the whole array was checked as JSON
+
+
 def validate_json(data: bytes, what: str = "payload") -> JsonText:
     """Check that ``data`` is one JSON value (any type); return it unchanged."""
     text = decode_text(data, what)

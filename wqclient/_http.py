@@ -13,6 +13,7 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 
+from wqclient._coalesce import Coalescer, Unbatched
 from wqclient._tls import CERT_HINT
 from wqclient.errors import (
     InvalidArgument,
@@ -188,6 +189,7 @@ def _claim_path(wait_ms: int | None, lease_ms: int | None, queue: str | None) ->
 
 
 _JSON_BODY: Final = {"Content-Type": "application/json"}
+BATCH_PATH: Final = "/jobs/batch"  # the broker's extension: many tasks in one request
 
 
 @functools.lru_cache(maxsize=64)
@@ -216,6 +218,8 @@ class HttpTransport:
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self._session: aiohttp.ClientSession | None = None
+        self._batches = True  # POST /jobs/batch is there (until a broker says it is not)
+        self._coalescer = Coalescer(self._enqueue, self._enqueue_batch)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -234,7 +238,10 @@ class HttpTransport:
         body: bytes | None = None,
         timeout: float | None = None,
         headers: dict[str, str] | None = None,
+        keep: tuple[int, ...] = (),
     ) -> tuple[int, bytes]:
+        """The answer's status and body; an error status raises its WqError, but for those in
+        ``keep``, which are returned."""
         session = self._http()
         sent = _JSON_BODY if body is not None else None
         if headers:
@@ -248,7 +255,7 @@ class HttpTransport:
                 timeout=_timeout(timeout or self._timeout),
             ) as resp:
                 data = await resp.read()
-                if resp.status >= 400:
+                if resp.status >= 400 and resp.status not in keep:
                     self._raise(resp.status, data, resp.headers.get("Retry-After"))
                 return resp.status, data
         except aiohttp.ClientConnectorCertificateError as e:
@@ -282,8 +289,12 @@ class HttpTransport:
             raise ProtocolError(f"the broker sent invalid JSON: {data[:200]!r}") from None
 
     @staticmethod
-    def _enqueue_body(item: EnqueueItem) -> bytes:
+    def _enqueue_body(item: EnqueueItem, key: bool = False) -> bytes:
+        """POST /jobs's body for ``item``; with ``key``, its idempotency key too (as a task of
+        POST /jobs/batch gives it)."""
         parts = [b'{"payload":', item.payload_json]
+        if key and item.idempotency_key is not None:
+            parts.append(b',"idempotency_key":' + json.dumps(item.idempotency_key).encode())
         if item.max_attempts is not None:
             parts.append(b',"max_attempts":%d' % item.max_attempts)
         if item.delay_ms is not None:
@@ -314,14 +325,51 @@ class HttpTransport:
         priority: int | None = None,
         idempotency_key: str | None = None,
     ) -> Enqueued:
-        return await self._enqueue(
-            EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
-        )
+        """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
+        to the broker together, in one POST /jobs/batch, each caller getting its own answer
+        (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is, as POST /jobs."""
+        item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        return await self._coalescer.add(item)
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
-        # The HTTP API has one task per request: send them in order (each says whether its key
-        # matched).
+        """One POST /jobs/batch (all or none), in parts if the broker finds it too large; one
+        POST /jobs per task, in order, to a broker without batches."""
+        if not items:
+            return []
+        if self._batches:
+            try:
+                return await self._enqueue_batch(items)
+            except Unbatched:
+                pass
+            except PayloadTooLarge as e:
+                # The request over the broker's body limit (not one task over its payload
+                # limit, which refuses the batch whole): send it in parts.
+                if len(items) == 1 or not e.message.startswith("request body"):
+                    raise
+                half = len(items) // 2
+                return await self.enqueue_many(items[:half]) + await self.enqueue_many(items[half:])
         return [await self._enqueue(item) for item in items]
+
+    async def _enqueue_batch(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
+        """POST /jobs/batch: the tasks' answers, in order. Unbatched if the broker has no such
+        route (one older than it: 404 or 405; nothing was enqueued), and from then on."""
+        if not self._batches:
+            raise Unbatched("the broker takes no batches over HTTP")
+        body = b'{"tasks":[' + b",".join(self._enqueue_body(i, key=True) for i in items) + b"]}"
+        status, data = await self._call("POST", BATCH_PATH, body=body, keep=(404, 405))
+        if status in (404, 405):
+            self._batches = False
+            raise Unbatched("the broker takes no batches over HTTP")
+        answer = self._json(data)
+        try:
+            ids, duplicates = answer["ids"], answer["duplicates"]
+            if len(ids) != len(items) or len(duplicates) != len(items):
+                raise ValueError(f"{len(ids)} ids and {len(duplicates)} duplicates")
+            return [Enqueued(str(i), bool(d)) for i, d in zip(ids, duplicates, strict=True)]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(
+                f"the broker's answer to a batch of {len(items)} is not one ({e}): {data[:200]!r}"
+            ) from None
 
     async def claim(
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None

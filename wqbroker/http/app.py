@@ -51,7 +51,7 @@ from wqbroker.http.transport import (
 from wqbroker.metrics import ROUTE as METRICS_ROUTE
 from wqbroker.metrics import Metrics
 from wqbroker.models import Delivery, Enqueued, QueueStats, Stats, Task, TaskState
-from wqbroker.service import Service
+from wqbroker.service import Service, Submission
 
 log = logging.getLogger("wqbroker.http")
 
@@ -78,7 +78,8 @@ IDEMPOTENCY_KEY: Final = "Idempotency-Key"
 # is called so). Else a method the fixed route does not take would fall through to the task's
 # route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
 # DELETE /dlq/requeue to the purge of a task "requeue".
-_JOB_ID: Final = "{id:(?!next$)[^{}/]+}"
+_JOB_ID: Final = "{id:(?!next$|batch$)[^{}/]+}"
+BATCH_ROUTE: Final = "/jobs/batch"  # an extension: many tasks in one request
 _DEAD_ID: Final = "{id:(?!requeue$)[^{}/]+}"
 
 
@@ -208,6 +209,30 @@ async def enqueue(request: web.Request) -> web.Response:
         key=key,
     )
     return render_enqueued(enqueued)
+
+
+async def enqueue_batch(request: web.Request) -> web.Response:
+    """An extension: ``{"tasks": [...]}``, each task as POST /jobs takes one (its idempotency key
+    as the member ``idempotency_key``), all enqueued or none (an invalid one is named by its
+    index); 201 ``{"ids": [...], "duplicates": [...]}`` in order, as gRPC's EnqueueBatch."""
+    items = codec.parse_objects(await read_body(request), "tasks", _ENQUEUE_RAW)
+    results = await request.app[SERVICE].enqueue_many(
+        [
+            Submission(
+                fields.get("payload"),
+                fields.get("max_attempts"),
+                fields.get("delay_ms"),
+                fields.get("queue"),
+                fields.get("priority"),
+                fields.get("idempotency_key"),
+            )
+            for fields in items
+        ],
+        what="tasks",
+    )
+    ids = ",".join(f'"{r.id}"' for r in results)
+    duplicates = ",".join("true" if r.duplicate else "false" for r in results)
+    return json_response(f'{{"ids":[{ids}],"duplicates":[{duplicates}]}}'.encode(), 201)
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
@@ -390,6 +415,7 @@ def create_app(
     routes = app.router
     expect = expect_continue
     routes.add_post("/jobs", enqueue, expect_handler=expect)
+    routes.add_post(BATCH_ROUTE, enqueue_batch, expect_handler=expect)
     routes.add_get("/jobs/next", claim, allow_head=False, expect_handler=expect)
     routes.add_get(f"/jobs/{_JOB_ID}", lookup_task, expect_handler=expect)
     routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)

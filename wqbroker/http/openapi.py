@@ -255,6 +255,45 @@ _SCHEMAS: Final[Json] = {
     },
 }
 
+# A task of a batch: as POST /jobs takes one, its idempotency key as a member (there is one header
+# per request, not per task).
+_SCHEMAS["BatchTask"] = {
+    **_SCHEMAS["EnqueueRequest"],
+    "properties": {
+        **_SCHEMAS["EnqueueRequest"]["properties"],
+        "idempotency_key": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "maxLength": limits.MAX_KEY_CHARS,
+            "pattern": "^[^\\x00-\\x1f\\x7f]*$",
+            "description": "As the Idempotency-Key header of POST /jobs.",
+        },
+    },
+    "examples": [{"payload": {"line": "hello"}, "priority": 5, "idempotency_key": "order-17"}],
+}
+_SCHEMAS["EnqueueBatchRequest"] = {
+    "type": "object",
+    "required": ["tasks"],
+    "description": _MEMBERS,
+    "properties": {
+        # (At most MAX_BATCH tasks, said in words: as a maxItems it would invite arrays that are
+        # refused for their size first, with 413.)
+        "tasks": {"type": "array", "items": _schema("BatchTask")}
+    },
+}
+_SCHEMAS["EnqueuedBatch"] = _object(
+    {
+        "ids": {"type": "array", "items": {"type": "string", "minLength": 1}},
+        "duplicates": {
+            "type": "array",
+            "items": {"type": "boolean"},
+            "description": "For each task, whether its idempotency key matched (its id is then "
+            "the first task's).",
+        },
+    },
+    description="The tasks' ids, in the order they were sent.",
+)
+
 # -- responses ----------------------------------------------------------------------------------
 
 _ERROR: Final = _schema("Error")
@@ -484,6 +523,30 @@ def _paths(public: Collection[str]) -> Json:
                 _ERROR,
                 "A bad body or key: invalid JSON or UTF-8, not an object, no `payload`, a "
                 "member of the wrong type or out of range (or malformed HTTP).",
+            ),
+            "413": _response("PayloadTooLarge"),
+            "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "post",
+        "/jobs/batch",
+        summary="enqueueBatch",
+        tag="tasks",
+        description=(
+            "An extension (not in the specification): enqueue many tasks in one request, all "
+            "or none, as gRPC's EnqueueBatch. Each task is what POST /jobs takes, its "
+            "idempotency key as the member `idempotency_key`. An invalid task is named by its "
+            f"index (`tasks[3].priority ...`) and nothing is enqueued. At most {limits.MAX_BATCH} "
+            "tasks, and the body within the broker's body limit."
+        ),
+        body={"required": True, "content": {JSON: {"schema": _schema("EnqueueBatchRequest")}}},
+        answers={
+            "201": _json(_schema("EnqueuedBatch"), "Enqueued (or matched), in order."),
+            "400": _json(
+                _ERROR,
+                "A bad body: invalid JSON or UTF-8, no `tasks` array, a task that is not an "
+                "object or that POST /jobs would refuse (named by its index), too many tasks.",
             ),
             "413": _response("PayloadTooLarge"),
             "429": _response("TooManyRequests"),
