@@ -145,10 +145,11 @@ async def test_a_full_broker_refuses_only_the_tasks_that_do_not_fit() -> None:
         assert all(isinstance(r, Overloaded) for r in refused)
 
 
-async def test_an_unreachable_broker_fails_every_caller() -> None:
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+async def test_an_unreachable_broker_fails_every_caller(transport: str) -> None:
     async with running_broker() as broker:
-        target = broker.grpc_target
-    async with AsyncClient("grpc://" + target, timeout=2) as wq:
+        url = "grpc://" + broker.grpc_target if transport == "grpc" else broker.http_url
+    async with AsyncClient(url, timeout=2) as wq:
         results = await asyncio.gather(
             *(wq.enqueue({"i": i}) for i in range(10)), return_exceptions=True
         )
