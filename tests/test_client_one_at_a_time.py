@@ -131,14 +131,15 @@ async def test_duplicate_keys_in_one_batch_are_answered_as_duplicates(broker: Br
         assert all(results[i] == firsts[i % 3] for i in range(9))
 
 
-async def test_a_full_broker_refuses_only_the_tasks_that_do_not_fit() -> None:
-    async with (
-        running_broker(max_tasks=5) as broker,
-        AsyncClient("grpc://" + broker.grpc_target) as wq,
-    ):
-        results = await asyncio.gather(
-            *(wq.enqueue({"i": i}) for i in range(8)), return_exceptions=True
-        )
+@pytest.mark.parametrize("transport", ["grpc", "http"])
+async def test_a_full_broker_refuses_only_the_tasks_that_do_not_fit(transport: str) -> None:
+    async with running_broker(max_tasks=5) as broker:
+        url = "grpc://" + broker.grpc_target if transport == "grpc" else broker.http_url
+        wq = AsyncClient(url)
+        async with wq:
+            results = await asyncio.gather(
+                *(wq.enqueue({"i": i}) for i in range(8)), return_exceptions=True
+            )
         assert sum(isinstance(r, str) for r in results) == 5
         refused = [r for r in results if not isinstance(r, str)]
         assert len(refused) == 3
