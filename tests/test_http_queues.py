@@ -938,6 +938,20 @@ async def test_a_batch_answers_each_idempotency_key(http: Http) -> None:
     assert (await http.stats())["totals"]["enqueued"] == 2
 
 
+async def test_a_batch_refuses_the_idempotency_key_header(http: Http) -> None:
+    # One header cannot key many tasks: refused, not ignored (nothing is enqueued unkeyed).
+    message = await refused(
+        http,
+        "POST",
+        "/jobs/batch",
+        "idempotency_key member",
+        json={"tasks": [{"payload": 1}]},
+        headers={"Idempotency-Key": "k1"},
+    )
+    assert "Idempotency-Key" in message
+    assert (await http.stats())["totals"]["enqueued"] == 0
+
+
 async def test_an_empty_batch_enqueues_nothing(http: Http) -> None:
     status, body = await http.request("POST", "/jobs/batch", json={"tasks": []})
     assert (status, body) == (201, {"ids": [], "duplicates": []})
@@ -968,7 +982,7 @@ async def test_a_bad_batch_is_refused_whole_naming_the_task(
     assert (await http.stats())["totals"]["enqueued"] == 0
 
 
-async def test_a_batch_of_more_than_the_limit_is_refused(http: Http, broker: Broker) -> None:
+async def test_a_batch_of_more_than_the_limit_is_refused(http: Http) -> None:
     tasks = b",".join([b'{"payload":1}'] * (MAX_BATCH + 1))
     await refused(
         http, "POST", "/jobs/batch", f"at most {MAX_BATCH}", data=b'{"tasks":[' + tasks + b"]}"

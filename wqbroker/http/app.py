@@ -214,7 +214,13 @@ async def enqueue(request: web.Request) -> web.Response:
 async def enqueue_batch(request: web.Request) -> web.Response:
     """An extension: ``{"tasks": [...]}``, each task as POST /jobs takes one (its idempotency key
     as the member ``idempotency_key``), all enqueued or none (an invalid one is named by its
-    index); 201 ``{"ids": [...], "duplicates": [...]}`` in order, as gRPC's EnqueueBatch."""
+    index); 201 ``{"ids": [...], "duplicates": [...]}`` in order, as gRPC's EnqueueBatch. The
+    ``Idempotency-Key`` header is refused rather than ignored: it cannot say which task it keys."""
+    if IDEMPOTENCY_KEY in request.headers:
+        raise InvalidArgument(
+            f"the {IDEMPOTENCY_KEY} header is not taken by {BATCH_ROUTE}: give each task its "
+            "own idempotency_key member"
+        )
     items = codec.parse_objects(await read_body(request), "tasks", _ENQUEUE_RAW)
     results = await request.app[SERVICE].enqueue_many(
         [

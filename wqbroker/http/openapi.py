@@ -538,7 +538,8 @@ def _paths(public: Collection[str]) -> Json:
             "or none, as gRPC's EnqueueBatch. Each task is what POST /jobs takes, its "
             "idempotency key as the member `idempotency_key`. An invalid task is named by its "
             f"index (`tasks[3].priority ...`) and nothing is enqueued. At most {limits.MAX_BATCH} "
-            "tasks, and the body within the broker's body limit."
+            "tasks, and the body within the broker's body limit. The `Idempotency-Key` header is "
+            "refused (400): it cannot say which task it keys."
         ),
         body={"required": True, "content": {JSON: {"schema": _schema("EnqueueBatchRequest")}}},
         answers={
