@@ -64,7 +64,7 @@ import logging
 import random
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import asyncpg
@@ -627,6 +627,14 @@ _EXPIRED: Final = (
     "AND deadline <= coalesce($1, extract(epoch FROM clock_timestamp())::float8)"
 )
 _DB_NOW: Final = "SELECT extract(epoch FROM clock_timestamp())::float8"
+# Whether ready tasks are left in these queues (not paused) after a claim came back short: rows
+# it skipped because another transaction held them locked.
+_READY_LEFT: Final = (
+    "SELECT EXISTS (SELECT 1 FROM wq.tasks t WHERE t.state = 0 AND t.queue = ANY($1) "
+    "AND NOT EXISTS (SELECT 1 FROM wq.queues p WHERE p.name = t.queue AND p.paused))"
+)
+# How long after such a claim the queues are looked at again.
+LOOK_AGAIN_AFTER: Final = 0.05
 # Every function of the schema, to drop before an upgrade recreates them.
 _OUR_FUNCTIONS: Final = (
     "SELECT p.oid::regprocedure::text FROM pg_catalog.pg_proc p "
@@ -745,7 +753,7 @@ class PostgresStore:
         self._enqueues = _Grouped(self._enqueue_group)
         self._settles = _Grouped(self._settle_group)
         self._claims = _Grouped(self._claim_group, self._unclaim)
-        self._unclaiming: set[asyncio.Task[None]] = set()
+        self._side_tasks: set[asyncio.Task[None]] = set()  # hand-backs, second looks (kept alive)
         # Wake-ups between brokers: queues with tasks made ready here, to announce (one NOTIFY in
         # flight at a time, carrying every queue gathered meanwhile); who to tell when another
         # broker announces some.
@@ -1108,12 +1116,30 @@ class PostgresStore:
         if promoted:  # for the others, and for this broker's consumers of other queues
             self._announce(promoted)
             self._tell(promoted)
+        if len(got) < len(leases):
+            self._spawn(self._look_again(queues))
         out: list[list[Delivery]] = []
         at = 0
         for call in calls:
             out.append([got[i] for i in range(at, at + len(call)) if i in got])
             at += len(call)
         return out
+
+    async def _look_again(self, queues: tuple[str, ...]) -> None:
+        """After a claim that came back short: if ready tasks are left in its queues, they were
+        locked when it looked (claims skip locked rows), and may be free a moment later. Rows
+        stay locked until their transaction ends even when it does not take them: another
+        broker's sweep or claim that met a task just promoted re-checks it, locked. Nobody
+        announces such a task again, so this broker's consumers are told to look again."""
+        with contextlib.suppress(StoreError):
+            if await self._fetchval(_READY_LEFT, list(queues)):
+                loop = asyncio.get_running_loop()
+                loop.call_later(LOOK_AGAIN_AFTER, self._tell, queues)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
 
     def _unclaim(self, deliveries: list[Delivery]) -> None:
         """Hand back what was claimed for a caller that went away before it got it."""
@@ -1125,9 +1151,7 @@ class PostgresStore:
             self._tell({d.task.queue for d in deliveries})  # this broker's consumers, too
 
         if deliveries:
-            task = asyncio.get_running_loop().create_task(release())
-            self._unclaiming.add(task)
-            task.add_done_callback(self._unclaiming.discard)
+            self._spawn(release())
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
         acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now)
