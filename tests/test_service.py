@@ -1418,6 +1418,40 @@ async def test_a_stream_drained_while_a_claim_for_it_commits_gets_nothing_new(
         await svc.close()
 
 
+async def test_a_stream_whose_caller_goes_away_while_it_opens_is_closed(
+    clock: FakeClock,
+) -> None:
+    """The caller of open_stream is cancelled while the store claims for the new stream (a
+    gRPC client that cancels at once, on PostgreSQL): it never gets the stream, so the broker
+    closes it. Before, the stream stayed open and went on taking tasks nobody would read."""
+    store = GatedStore()
+    svc = Service(store, clock)
+    await svc.start()
+    try:
+        await svc.enqueue(PAYLOAD)
+        store.gate = gate = asyncio.Event()
+        opening = asyncio.ensure_future(svc.open_stream(4, None))
+        await wait_until(lambda: store.held_up, what="the claim for the new stream to commit")
+        assert svc.open_streams == 1
+        opening.cancel()
+        await wait_until(opening.done, what="the cancelled open_stream to end")
+        assert opening.cancelled()
+        assert svc.open_streams == 0
+        gate.set()  # the claim commits: its task goes back, to be handed out again
+        store.gate = None
+        await wait_until(
+            lambda: gauges(svc), lambda g: g == (1, 0, 0, 0), what="the task to be ready again"
+        )
+        later = await svc.open_stream(4, None)
+        delivery = await asyncio.wait_for(later.next(), 5)
+        assert delivery is not None
+        await svc.ack(delivery.task.id, delivery.lease_id)
+        await later.close()
+        assert svc.open_streams == 0
+    finally:
+        await svc.close()
+
+
 async def test_the_dedup_window_comes_from_the_constructor(store: Store, clock: FakeClock) -> None:
     svc = Service(store, clock, dedup_window=2.0)
     await svc.start()

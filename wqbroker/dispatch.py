@@ -448,7 +448,14 @@ class Dispatcher:
         stream = Stream(self, prefetch, lease, queues)
         self._streams.add(stream)
         self._join(stream)
-        await self.pump(queues)
+        try:
+            await self.pump(queues)
+        except BaseException:
+            # The caller went away while a store that suspends claimed for the new stream: it
+            # never gets the stream, so it could never close it, and the stream would go on
+            # taking tasks that nobody reads. Close it here, whatever else gets cancelled.
+            await asyncio.shield(self.close_stream(stream))
+            raise
         return stream
 
     async def close_stream(self, stream: Stream) -> None:
