@@ -12,9 +12,10 @@ What is measured, and where:
   that delegates every call of the contract to the real one: the wait of each task handed out
   (from when it became ready to its hand-out), the time from each hand-out to its ack or nack, and
   the latency of every store call that writes (a commit, in a durable store).
-- HTTP requests by route and status: one aiohttp middleware (:meth:`Metrics.middleware`), outside
-  every other, so it counts refusals (auth, bodies) too. gRPC calls by method and code: one server
-  interceptor (:class:`MetricsInterceptor`), outside the auth interceptor.
+- HTTP requests by route and status: :meth:`Metrics.count_http`, called by the application's
+  one middleware (``wqbroker.http.app``) for every answer, refusals (auth, bodies) included.
+- gRPC calls by method and code: one server interceptor (:class:`MetricsInterceptor`), outside
+  the auth interceptor.
 
 Every broker has a registry of its own (never the process-wide default), so several brokers in one
 process (the tests) do not share series. Counters never go down while the broker runs: the store's
@@ -108,8 +109,6 @@ _STORE_BUCKETS: Final = (
 _MAX_LEASES: Final = 1_000_000
 _METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
 
 class Metrics:
     """The registry of one broker and everything that feeds it."""
@@ -200,18 +199,8 @@ class Metrics:
 
     # -- HTTP -------------------------------------------------------------------------------
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        """Counts every answer by method, route and status (outermost: refusals count too)."""
-        try:
-            response = await handler(request)
-        except web.HTTPException as e:
-            self._count_http(request, e.status)
-            raise
-        self._count_http(request, response.status)
-        return response
-
-    def _count_http(self, request: web.Request, status: int) -> None:
+    def count_http(self, request: web.Request, status: int) -> None:
+        """Counts an answer by method, route and status."""
         # Labels come only from bounded sets: the routes registered, a few methods.
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"

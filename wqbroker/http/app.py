@@ -8,7 +8,6 @@ cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -16,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import Final
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from wqbroker import codec
 from wqbroker.auth import Tokens
@@ -33,7 +33,7 @@ from wqbroker.errors import (
     lookup,
 )
 from wqbroker.http import dashboard, openapi
-from wqbroker.http.auth import auth_middleware
+from wqbroker.http.auth import token_check
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
     BODY,
@@ -41,9 +41,10 @@ from wqbroker.http.transport import (
     DEFAULT_READ_BODY_TIMEOUT,
     BodyRules,
     RequestTimeout,
+    body_refusal,
     error_response,
     expect_continue,
-    guard_body,
+    finish_body,
     json_response,
     no_content,
     read_body,
@@ -363,32 +364,66 @@ def error_answer(error: WqError) -> web.Response:
     return response
 
 
-@web.middleware
-async def errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except WqError as e:
-        return error_answer(e)
-    except web.HTTPMethodNotAllowed as e:
-        allowed = ", ".join(sorted(e.allowed_methods))
+def _error_answer(request: web.Request, error: Exception) -> web.Response | None:
+    """The JSON answer to an exception a handler (or the token check) raised, or None for one
+    that must go on up (a cancellation, a lost connection, an HTTP exception below 400)."""
+    if isinstance(error, WqError):
+        return error_answer(error)
+    if isinstance(error, web.HTTPMethodNotAllowed):
+        allowed = ", ".join(sorted(error.allowed_methods))
         response = error_response(
             405, f"method {request.method} is not allowed on {request.path}; use {allowed}"
         )
-        response.headers["Allow"] = ",".join(sorted(e.allowed_methods))
+        response.headers["Allow"] = ",".join(sorted(error.allowed_methods))
         return response
-    except web.HTTPNotFound:
+    if isinstance(error, web.HTTPNotFound):
         return error_response(404, f"no such endpoint: {request.method} {request.path}")
-    except web.HTTPException as e:
-        if e.status_code < 400:
+    if isinstance(error, web.HTTPException):
+        return None if error.status_code < 400 else error_response(error.status_code, error.reason)
+    if isinstance(error, RequestTimeout):
+        return error_response(408, error.message)
+    if isinstance(error, ConnectionError):
+        return None
+    log.error("unexpected error in %s %s", request.method, request.path, exc_info=error)
+    return error_response(500, "internal error")
+
+
+def middleware(
+    metrics: Metrics, rules: BodyRules, check_token: Callable[[web.Request], None] | None
+) -> Middleware:
+    """The application's one middleware, around every handler (one layer rather than four: it
+    runs on every request). In order:
+
+    - a body the headers already rule out is refused (415, 413), before anything else;
+    - the token is checked (``auth.py``), when the broker has tokens;
+    - every error the check or the handler raises is answered in JSON (``_error_answer``);
+    - whatever of the body the handler left unread is dealt with (``transport.finish_body``);
+    - every answer is counted by method, route and status (refusals included), as is an HTTP
+      exception that goes on up.
+    """
+
+    @web.middleware
+    async def handle(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            response: web.StreamResponse | None = body_refusal(request, rules)
+            if response is None:
+                try:
+                    if check_token is not None:
+                        check_token(request)
+                    response = await handler(request)
+                except Exception as e:
+                    response = _error_answer(request, e)
+                    if response is None:
+                        raise
+            if not request.content.is_eof():
+                response = await finish_body(request, response)
+        except web.HTTPException as e:
+            metrics.count_http(request, e.status)
             raise
-        return error_response(e.status_code, e.reason)
-    except RequestTimeout as e:
-        return error_response(408, e.message)
-    except (asyncio.CancelledError, ConnectionError):
-        raise
-    except Exception:
-        log.exception("unexpected error in %s %s", request.method, request.path)
-        return error_response(500, "internal error")
+        metrics.count_http(request, response.status)
+        return response
+
+    return handle
 
 
 def create_app(
@@ -407,15 +442,13 @@ def create_app(
         metrics = Metrics(SystemClock())
         metrics.watch(service)
     public = (f"GET {METRICS_ROUTE}",) if metrics_public else ()
-    auth = () if tokens is None else (auth_middleware(tokens, public),)
-    # guard_body is outermost but for the count of answers: it sees every answer, errors
-    # included, before it is sent.
+    check_token = None if tokens is None else token_check(tokens, public)
+    rules = BodyRules(max_body, read_body_timeout)
     app = web.Application(
-        middlewares=[metrics.middleware, guard_body, errors_as_json, *auth],
-        client_max_size=max_body,
+        middlewares=[middleware(metrics, rules, check_token)], client_max_size=max_body
     )
     app[SERVICE] = service
-    app[BODY] = BodyRules(max_body, read_body_timeout)
+    app[BODY] = rules
     # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
     # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
     routes = app.router

@@ -1,4 +1,5 @@
-"""Bearer tokens on the HTTP API: one middleware, before every handler.
+"""Bearer tokens on the HTTP API: one check, before every handler (the application's one middleware
+makes it, see ``app.py``).
 
 It looks up the rule of the route the request matched (``wqbroker.auth``) and checks the
 ``Authorization`` header against it; a refusal is raised as ``Unauthenticated`` (401, with
@@ -9,15 +10,14 @@ its 404 or 405 unchecked: there is nothing behind it.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Collection
+from collections.abc import Callable, Collection
 
 from aiohttp import hdrs, web
 
 from wqbroker.auth import Access, Tokens, http_rule
 from wqbroker.errors import Unauthenticated
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-Middleware = Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]
+Check = Callable[[web.Request], None]
 
 
 def authorization(request: web.Request) -> str | None:
@@ -28,12 +28,12 @@ def authorization(request: web.Request) -> str | None:
     return values[0] if values else None
 
 
-def auth_middleware(tokens: Tokens, public: Collection[str] = ()) -> Middleware:
-    """The middleware that checks every request against ``tokens`` (which SIGHUP may reload).
-    ``public``: routes (``"GET /metrics"``) opened to everyone, whatever their rule says."""
+def token_check(tokens: Tokens, public: Collection[str] = ()) -> Check:
+    """The check of every request against ``tokens`` (which SIGHUP may reload): it raises
+    Unauthenticated or PermissionDenied. ``public``: routes (``"GET /metrics"``) opened to
+    everyone, whatever their rule says."""
 
-    @web.middleware
-    async def authenticate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def authenticate(request: web.Request) -> None:
         match = request.match_info
         if match.http_exception is None:
             path = match.route.resource.canonical if match.route.resource is not None else ""
@@ -43,6 +43,5 @@ def auth_middleware(tokens: Tokens, public: Collection[str] = ()) -> Middleware:
             ):
                 rule = Access.OPEN
             tokens.check(authorization(request), rule, f"{request.method} {path}")
-        return await handler(request)
 
     return authenticate

@@ -5,14 +5,16 @@
 - ``auto_decompress=False``: a body is never inflated (a compressed one is refused, see
   ``transport.py``).
 - ``lingering_time=0``: aiohttp never drains an unread body after an answer (it would, for up to
-  ten seconds, whatever it costs); ``transport.guard_body`` skips a bounded amount of it first,
-  and the connection is closed if more is left.
+  ten seconds, whatever it costs); ``transport.finish_body`` skips a bounded amount of it
+  first, and the connection is closed if more is left.
 - Time-outs (Go's net/http has the same three): a request's line and headers must arrive within
   the head time-out of its first byte (of the connection's start, for its first request), else
   408 and the connection is closed; a kept connection is closed, without an answer, when the
   next request has not begun within the idle time-out of the last answer; the body time-out is
   in ``transport.py``. None runs while the application works on a request, so a long-poll is
   never cut off.
+- The requests producers and workers make all day take the express lane (``express.py``): the
+  same routes, handlers and middleware, without aiohttp's router.
 - Whatever escapes the application (an HTTP error raised before the middlewares run, such as
   aiohttp's own ``Expect`` handling on an unknown path) is answered in JSON.
 - What aiohttp's parser rejects (an oversized line or header, too many headers, Content-Length
@@ -40,6 +42,7 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
+from wqbroker.http.express import Express
 from wqbroker.http.transport import error_body, error_response
 
 log = logging.getLogger("wqbroker.http")
@@ -351,7 +354,7 @@ class Runner(web.AppRunner):
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()  # starts and freezes the application
         return _Server(
-            made.request_handler,
+            Express(self.app, made.request_handler),
             made.request_factory,
             loop=asyncio.get_running_loop(),
             read_header_timeout=self._read_header_timeout,

@@ -19,7 +19,6 @@ and after its answer.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Final, cast
 
@@ -226,7 +225,7 @@ async def _skip(payload: StreamReader, budget: int) -> bool:
 _CLOSING: Final = {413: True, 415: True, 408: False, 417: False}
 
 
-async def _finish(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+async def finish_body(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """After the answer to a request whose body was not read to its end: send the answer, then
     skip the rest of the body if it is small, or have aiohttp close the connection (it closes
     one whose answer says so, or whose body is unfinished: it is run with ``lingering_time=0``)."""
@@ -239,20 +238,6 @@ async def _finish(request: web.Request, response: web.StreamResponse) -> web.Str
     if skip:
         await _skip(request.content, request.app[BODY].max_bytes)
     return response
-
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-@web.middleware
-async def guard_body(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The outermost middleware: refuse what the headers already rule out, and deal with whatever
-    of the body the handler left unread."""
-    refusal = body_refusal(request, request.app[BODY])
-    response = refusal if refusal is not None else await handler(request)
-    if request.content.is_eof():
-        return response
-    return await _finish(request, response)
 
 
 async def expect_continue(request: web.Request) -> web.StreamResponse | None:
