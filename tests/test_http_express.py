@@ -183,6 +183,27 @@ async def enqueue_no_body(b: Broker, v: Variant) -> RawResponse:
     return await send(b, "POST", v("/jobs"))
 
 
+async def enqueue_http10(b: Broker, v: Variant) -> RawResponse:
+    body = _json({"payload": "old"})
+    data = f"POST {v('/jobs')} HTTP/1.0\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    return await exchange(address(b), data)
+
+
+async def enqueue_closing(b: Broker, v: Variant) -> RawResponse:
+    return await send(b, "POST", v("/jobs"), _json({"payload": 1}), Connection="close")
+
+
+async def enqueue_pipelined(b: Broker, v: Variant) -> RawResponse:
+    """Three requests in one write: the answers come in order, the last one compared."""
+    one = request("POST", v("/jobs"), _json({"payload": 1}))
+    bad = request("POST", v("/jobs"), b"[]")
+    async with raw_connection(address(b)) as conn:
+        await conn.send(one + bad + one)
+        statuses = [(await conn.response()).status for _ in range(2)]
+        assert statuses == [201, 400]
+        return await conn.response()
+
+
 async def batch_ok(b: Broker, v: Variant) -> RawResponse:
     tasks = [{"payload": i, "idempotency_key": f"{tag(v)}-{i % 2}"} for i in range(3)]
     return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
@@ -258,6 +279,9 @@ CASES: list[Case] = [
     enqueue_too_large,
     enqueue_chunked,
     enqueue_no_body,
+    enqueue_http10,
+    enqueue_closing,
+    enqueue_pipelined,
     batch_ok,
     batch_bad_task,
     batch_with_key_header,
