@@ -364,7 +364,7 @@ def error_answer(error: WqError) -> web.Response:
     return response
 
 
-def _error_answer(request: web.Request, error: Exception) -> web.Response | None:
+def _answer_to_exception(request: web.Request, error: Exception) -> web.Response | None:
     """The JSON answer to an exception a handler (or the token check) raised, or None for one
     that must go on up (a cancellation, a lost connection, an HTTP exception below 400)."""
     if isinstance(error, WqError):
@@ -396,7 +396,7 @@ def middleware(
 
     - a body the headers already rule out is refused (415, 413), before anything else;
     - the token is checked (``auth.py``), when the broker has tokens;
-    - every error the check or the handler raises is answered in JSON (``_error_answer``);
+    - every error the check or the handler raises is answered in JSON (``_answer_to_exception``);
     - whatever of the body the handler left unread is dealt with (``transport.finish_body``);
     - every answer is counted by method, route and status (refusals included), as is an HTTP
       exception that goes on up.
@@ -412,7 +412,7 @@ def middleware(
                         check_token(request)
                     response = await handler(request)
                 except Exception as e:
-                    response = _error_answer(request, e)
+                    response = _answer_to_exception(request, e)
                     if response is None:
                         raise
             if not request.content.is_eof():
