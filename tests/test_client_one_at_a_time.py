@@ -166,9 +166,10 @@ def ack_requests(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     flush = GrpcStream._flush
 
     def counting(self: GrpcStream) -> None:
-        if self._acks:
+        batch = self._batch  # the request being gathered, about to be queued
+        if batch is not None and batch.acks:
             sent["requests"] += 1
-            sent["acks"] += len(self._acks)
+            sent["acks"] += len(batch.acks)
         flush(self)
 
     monkeypatch.setattr(GrpcStream, "_flush", counting)

@@ -792,7 +792,12 @@ async def test_streams_and_parked_claims_share_tasks_fairly(service: Service) ->
     ids = []
     for n in range(5):
         ids.append((await service.enqueue(payload(n))).id)
-        await settle()
+        # Handed out before the next comes (on a shared store the hand-out runs in the background
+        # and takes round trips: a few turns of the loop are not always enough under load).
+        def all_out(s: Stats, count: int = n + 1) -> bool:
+            return s.handed_out == count
+
+        await wait_until(service.stats, all_out, what=f"task {n} handed out")
     d1, d2 = await answer(c1), await answer(c2)
     assert d1 is not None
     assert d2 is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Final
@@ -594,6 +595,8 @@ class Dispatcher:
 
     async def _hand_out(self, slots: list[Consumer], deliveries: list[Delivery]) -> None:
         served: dict[Consumer, None] = {}
+        stream_leases = self._stream_leases
+        earliest = math.inf  # the sweeper must look by the first deadline handed out
         for consumer, delivery in zip(slots, deliveries, strict=False):
             if consumer.gone():
                 # It went away while the store was working; nobody saw the task.
@@ -603,9 +606,12 @@ class Dispatcher:
             served.pop(consumer, None)  # in the order of their last delivery: round robin goes on
             served[consumer] = None
             if isinstance(consumer, Stream):
-                self._stream_leases[delivery.lease_id] = consumer
+                stream_leases[delivery.lease_id] = consumer
             consumer.deliver(delivery)
-            self._wake_by(delivery.deadline)
+            if delivery.deadline < earliest:
+                earliest = delivery.deadline
+        if earliest < math.inf:
+            self._wake_by(earliest)
         for consumer in served:  # served ones go to the back of their line: round robin
             self._leave(consumer)
             if consumer.room > 0 and not consumer.gone():
@@ -630,6 +636,17 @@ class Dispatcher:
         round_ = 0
         while front and len(slots) < limit:
             front = [c for c in front if c.room > round_]
-            slots.extend(front[: limit - len(slots)])
-            round_ += 1
+            if not front:
+                break
+            # Every round until the one whose consumer has least room has the same consumers:
+            # those rounds at once (a stream with room for 64 is not 64 rounds of one).
+            rounds = min(c.room for c in front) - round_
+            left = limit - len(slots)
+            whole = min(rounds, left // len(front))
+            if whole > 0:
+                slots.extend(front * whole)
+                round_ += whole
+            else:
+                slots.extend(front[:left])
+                round_ += 1
         return slots

@@ -143,6 +143,8 @@ def text_value(name: str, value: str) -> str:
     """Text a client sent, which the broker keeps or echoes: it must be valid Unicode (encodable
     as UTF-8 in every protocol and every store). JSON can spell a lone surrogate (``"\ud800"``),
     which is not: it is refused here, before anything is stored."""
+    if value.isascii():  # (most text: nothing to look for)
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -476,19 +476,31 @@ class MeteredStore:
         finally:
             self._ops[op].observe(time.perf_counter() - started)
 
-    def _out(self, delivery: Delivery) -> None:
+    def _out(self, deliveries: Iterable[Delivery]) -> None:
         now = self._clock.now()
-        self._wait.observe(max(0.0, now - delivery.task.available_at))
+        observe = self._wait.observe
         held = self._handed_out
-        if len(held) >= _MAX_LEASES:
-            del held[next(iter(held))]
-        held[delivery.lease_id] = now
+        for delivery in deliveries:
+            observe(max(0.0, now - delivery.task.available_at))
+            if len(held) >= _MAX_LEASES:
+                del held[next(iter(held))]
+            held[delivery.lease_id] = now
 
     def _settled(self, lease_id: str, acked: bool) -> None:
         at = self._handed_out.pop(lease_id, None)
         if at is not None:
             histogram = self._acked if acked else self._nacked
             histogram.observe(max(0.0, self._clock.now() - at))
+
+    def _acks_settled(self, lease_ids: Iterable[str]) -> None:
+        """As ``_settled`` for acks, with one reading of the clock for all."""
+        pop = self._handed_out.pop
+        now = self._clock.now()
+        observe = self._acked.observe
+        for lease_id in lease_ids:
+            at = pop(lease_id, None)
+            if at is not None:
+                observe(max(0.0, now - at))
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -500,7 +512,7 @@ class MeteredStore:
     ) -> Delivery | None:
         delivery = await self._timed("claim", self.inner.claim(lease=lease, now=now, queues=queues))
         if delivery is not None:
-            self._out(delivery)
+            self._out((delivery,))
         return delivery
 
     async def claim_many(
@@ -509,8 +521,8 @@ class MeteredStore:
         deliveries = await self._timed(
             "claim", self.inner.claim_many(leases, now=now, queues=queues)
         )
-        for delivery in deliveries:
-            self._out(delivery)
+        if deliveries:
+            self._out(deliveries)
         return deliveries
 
     async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
@@ -521,9 +533,9 @@ class MeteredStore:
         self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         acked, nacked = await self._timed("settle", self.inner.settle_many(acks, nacks, now=now))
-        for (_, lease_id), error in zip(acks, acked, strict=True):
-            if error is None:
-                self._settled(lease_id, True)
+        self._acks_settled(
+            lease_id for (_, lease_id), error in zip(acks, acked, strict=True) if error is None
+        )
         for item, outcome in zip(nacks, nacked, strict=True):
             if isinstance(outcome, Failure):
                 self._settled(item.lease_id, False)

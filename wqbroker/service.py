@@ -210,9 +210,10 @@ class Service:
         tasks or of queues. Duplicates (by idempotency key) take no room."""
         store = self._store
         if self.max_queues:
-            new = [t.queue for t in tasks if store.queue_hint(t.queue) is False]
+            # (Each queue named once: a batch's tasks mostly go to one.)
+            new = [q for q in dict.fromkeys(t.queue for t in tasks) if store.queue_hint(q) is False]
             if new:
-                self._room_for_queues(list(dict.fromkeys(new)))
+                self._room_for_queues(new)
         n = len(tasks)
         keys: set[tuple[str, str]] = set()
         for t in tasks:

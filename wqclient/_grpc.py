@@ -7,6 +7,7 @@ import logging
 from collections import deque
 from collections.abc import (
     AsyncIterator,
+    Awaitable,
     Iterable,
     Iterator,
     Mapping,
@@ -87,6 +88,22 @@ def _ts(ts: Timestamp) -> datetime:
     return datetime.fromtimestamp(ts.seconds + ts.nanos / 1e9, UTC)
 
 
+# The datetimes of recent times, by (seconds, nanos): the deliveries of one message mostly share
+# their creation time (enqueued together) and their deadline (claimed together).
+_TIMES_KEPT = 256
+_times: dict[tuple[int, int], datetime] = {}
+
+
+def _time_of(ts: Timestamp) -> datetime:
+    key = (ts.seconds, ts.nanos)
+    when = _times.get(key)
+    if when is None:
+        if len(_times) >= _TIMES_KEPT:
+            _times.clear()
+        when = _times[key] = datetime.fromtimestamp(key[0] + key[1] / 1e9, UTC)
+    return when
+
+
 class _Fields(Mapping[str, Any]):
     """A message seen as the mapping of its fields that the models' ``from_mapping``
     constructors read: a Timestamp field as an aware datetime, another message field as such a
@@ -134,24 +151,35 @@ def _delivery(d: pb.Delivery) -> Delivery:
         t.payload,
         t.attempts,
         t.max_attempts,
-        _ts(t.created_at),
-        _ts(t.available_at),
+        _time_of(t.created_at),
+        _time_of(t.available_at),
         t.last_error if t.HasField("last_error") else None,
         t.queue or DEFAULT_QUEUE,
         t.priority,
     )
-    return Delivery(task, d.lease_id, _ts(d.deadline))
+    return Delivery(task, d.lease_id, _time_of(d.deadline))
 
 
 def _enqueue_request(item: EnqueueItem) -> pb.EnqueueRequest:
-    return pb.EnqueueRequest(
-        payload=item.payload_json,
-        max_attempts=item.max_attempts,
-        delay_ms=item.delay_ms,
-        queue=item.queue or "",
-        priority=item.priority,
-        idempotency_key=item.idempotency_key or "",
-    )
+    out = pb.EnqueueRequest()
+    _fill_enqueue(out, item)
+    return out
+
+
+def _fill_enqueue(out: pb.EnqueueRequest, item: EnqueueItem) -> None:
+    """``out`` (empty) made the task ``item``, in place: only what is set (a batch's tasks are
+    set this way, rather than built and copied in)."""
+    out.payload = item.payload_json
+    if item.max_attempts is not None:
+        out.max_attempts = item.max_attempts
+    if item.delay_ms is not None:
+        out.delay_ms = item.delay_ms
+    if item.queue:
+        out.queue = item.queue
+    if item.priority is not None:
+        out.priority = item.priority
+    if item.idempotency_key:
+        out.idempotency_key = item.idempotency_key
 
 
 def _nack_request(
@@ -188,33 +216,46 @@ class GrpcStream:
         queues: Sequence[str] | None = None,
     ) -> None:
         opening = pb.StreamOpen(prefetch=prefetch, lease_ms=lease_ms, queues=queues or ())
+        self._loop = asyncio.get_running_loop()
         self._outbox: list[pb.StreamJobsRequest] = [pb.StreamJobsRequest(open=opening)]
-        self._extends: list[pb.ExtendLeaseRequest] = []
-        self._acks: list[pb.AckRequest] = []
-        self._nacks: list[pb.NackRequest] = []
+        # The request being gathered (settlements are set in it field by field), and what it
+        # holds: a settlement of a kind the broker applies before one already in it starts the
+        # next request.
+        self._batch: pb.StreamJobsRequest | None = None
+        self._batch_settles = False  # it has acks or nacks
+        self._batch_nacks = False  # it has nacks
         self._wake = asyncio.Event()
         self._wake.set()
         self._closing = False
         # Futures for settlements in the order the broker will answer them.
         self._settling: deque[asyncio.Future[Any]] = deque()
-        self._deliveries: asyncio.Queue[Delivery | BaseException | None] = asyncio.Queue()
+        # Deliveries received and not yet taken; then, once the call is over, how it ended.
+        self._ready: deque[Delivery] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # an __anext__ waiting for one
+        self._over = False
+        self._end: BaseException | None = None  # the error the iteration ends with, if any
         self._opened = asyncio.Event()
         self._drained: asyncio.Future[int] | None = None  # the answer to our drain, once sent
         # Unconfirmed acks and nacks the broker refused, until flush() hands them over.
         self._refused: list[tuple[Delivery, WqError]] = []
         self._call = stub.StreamJobs(self._requests(), metadata=metadata)
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        self._reader = self._loop.create_task(self._read())
 
     def _batched(self) -> bool:
-        return bool(self._extends or self._acks or self._nacks)
+        return self._batch is not None
+
+    def _gathering(self) -> pb.StreamJobsRequest:
+        batch = self._batch
+        if batch is None:
+            batch = self._batch = pb.StreamJobsRequest()
+        return batch
 
     def _flush(self) -> None:
         """Queue the batch being gathered as one request."""
-        if self._batched():
-            self._outbox.append(
-                pb.StreamJobsRequest(extends=self._extends, acks=self._acks, nacks=self._nacks)
-            )
-            self._extends, self._acks, self._nacks = [], [], []
+        if self._batch is not None:
+            self._outbox.append(self._batch)
+            self._batch = None
+            self._batch_settles = self._batch_nacks = False
 
     async def _requests(self) -> AsyncIterator[pb.StreamJobsRequest]:
         while True:
@@ -236,8 +277,10 @@ class GrpcStream:
         try:
             async for response in self._call:
                 self._opened.set()
-                self._settled(response.settled)
-                self._received(response.deliveries)
+                if response.settled:
+                    self._settled(response.settled)
+                if response.deliveries:
+                    self._received(response.deliveries)
                 if response.HasField("drained") and self._drained and not self._drained.done():
                     self._drained.set_result(response.drained.unsettled)
         except grpc.aio.AioRpcError as e:
@@ -252,8 +295,9 @@ class GrpcStream:
 
     def _settled(self, outcomes: Iterable[pb.Settled]) -> None:
         """Resolve the waiting settlements with the broker's outcomes, oldest first."""
+        settling = self._settling
         for outcome in outcomes:
-            future = self._settling.popleft() if self._settling else None
+            future = settling.popleft() if settling else None
             if future is None or future.done():
                 continue
             if outcome.code == 0:
@@ -263,8 +307,17 @@ class GrpcStream:
                 future.set_exception(kind(outcome.message))
 
     def _received(self, deliveries: Iterable[pb.Delivery]) -> None:
-        for delivery in deliveries:
-            self._deliveries.put_nowait(_delivery(delivery))
+        ready = self._ready
+        try:
+            for delivery in deliveries:
+                ready.append(_delivery(delivery))
+        finally:  # (the ones read before one that cannot be are handed over)
+            self._wake_taker()
+
+    def _wake_taker(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def _why_broken(self, e: grpc.aio.AioRpcError) -> WqError | None:
         """The error a call that failed with ``e`` ends the stream with: None if close()
@@ -287,20 +340,25 @@ class GrpcStream:
             if not future.done():
                 future.set_exception(failure)
                 future.exception()  # retrieved: nobody may be waiting for a drain's answer
-        self._deliveries.put_nowait(end)
+        self._over, self._end = True, end
+        self._wake_taker()
 
     def __aiter__(self) -> GrpcStream:
         return self
 
     async def __anext__(self) -> Delivery:
-        item = await self._deliveries.get()
-        if item is None:
-            self._deliveries.put_nowait(None)  # stay ended for every later call
-            raise StopAsyncIteration
-        if isinstance(item, BaseException):
-            self._deliveries.put_nowait(item)
-            raise item
-        return item
+        ready = self._ready
+        while not ready:
+            if self._over:  # (the deliveries received before the end come first)
+                if self._end is not None:
+                    raise self._end
+                raise StopAsyncIteration
+            waiter = self._waiter = self._loop.create_future()
+            try:
+                await waiter
+            finally:
+                self._waiter = None
+        return ready.popleft()
 
     async def wait_open(self, timeout: float) -> None:
         """Return once the broker has accepted the stream; raise if it ended first."""
@@ -310,15 +368,14 @@ class GrpcStream:
             self._call.cancel()
             raise Unavailable("the broker did not accept the stream in time") from None
         if self._reader.done():
-            item = self._deliveries.get_nowait() if not self._deliveries.empty() else None
-            if isinstance(item, WqError):
-                raise item
+            if isinstance(self._end, WqError):
+                raise self._end
             raise StreamEnded("the stream ended as it opened")
 
     def _settle(self) -> asyncio.Future[Any]:
         if self._reader.done() or self._closing:
             raise StreamEnded("the stream has ended")
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Any] = self._loop.create_future()
         self._settling.append(future)
         self._wake.set()
         return future
@@ -330,23 +387,34 @@ class GrpcStream:
     async def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
         self._check_open()
         # Extends go first in a request: one after acks or nacks starts a new request.
-        if self._acks or self._nacks:
+        if self._batch_settles:
             self._flush()
-        self._extends.append(
-            pb.ExtendLeaseRequest(
-                id=delivery.task.id, lease_id=delivery.lease_id, lease_ms=lease_ms
-            )
-        )
+        added = self._gathering().extends.add()
+        added.id = delivery.task.id
+        added.lease_id = delivery.lease_id
+        if lease_ms is not None:
+            added.lease_ms = lease_ms
         deadline: datetime = await self._settle()
         return deadline
 
-    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+    def _ack(self, delivery: Delivery) -> asyncio.Future[Any]:
+        """Gather an ack; the future of its outcome."""
         self._check_open()
         # The broker settles a request's acks before its nacks: keep the futures in that order.
-        if self._nacks:
+        if self._batch_nacks:
             self._flush()
-        self._acks.append(pb.AckRequest(id=delivery.task.id, lease_id=delivery.lease_id))
-        await self._outcome(delivery, "ack", self._settle(), confirm)
+        added = self._gathering().acks.add()
+        added.id = delivery.task.id
+        added.lease_id = delivery.lease_id
+        self._batch_settles = True
+        return self._settle()
+
+    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+        future = self._ack(delivery)
+        if confirm:
+            await future
+        else:
+            self._later(delivery, "ack", future)
 
     async def nack(
         self,
@@ -358,19 +426,19 @@ class GrpcStream:
         confirm: bool = False,
     ) -> None:
         self._check_open()
-        self._nacks.append(
+        self._gathering().nacks.append(
             _nack_request(delivery.task.id, delivery.lease_id, error, delay_ms, terminal)
         )
-        await self._outcome(delivery, "nack", self._settle(), confirm)
-
-    async def _outcome(
-        self, delivery: Delivery, what: str, future: asyncio.Future[Any], confirm: bool
-    ) -> None:
-        """Wait for a settlement's outcome (``confirm``), or let it come later: a refusal is
-        then logged and kept for :meth:`flush`."""
+        self._batch_settles = self._batch_nacks = True
+        future = self._settle()
         if confirm:
             await future
-            return
+        else:
+            self._later(delivery, "nack", future)
+
+    def _later(self, delivery: Delivery, what: str, future: asyncio.Future[Any]) -> None:
+        """Let a settlement's outcome come later (no ``confirm``): a refusal is then logged and
+        kept for :meth:`flush`."""
 
         def landed(done: asyncio.Future[Any]) -> None:
             error = None if done.cancelled() else done.exception()
@@ -397,7 +465,7 @@ class GrpcStream:
 
     def _send_drain(self) -> asyncio.Future[int]:
         if self._drained is None:
-            self._drained = asyncio.get_running_loop().create_future()
+            self._drained = self._loop.create_future()
             if self._reader.done():
                 self._drained.set_exception(StreamEnded("the stream has ended"))
                 self._drained.exception()
@@ -483,7 +551,7 @@ class GrpcTransport:
                 error = self._unreachable(error)
             raise error from None
 
-    async def enqueue(
+    def enqueue(
         self,
         payload_json: bytes,
         max_attempts: int | None,
@@ -491,25 +559,31 @@ class GrpcTransport:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
-    ) -> Enqueued:
+    ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, in one EnqueueBatch call, each caller getting its own answer
         (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is, with one
-        Enqueue call."""
+        Enqueue call. (The answer's future itself: no coroutine of its own per task.)"""
         item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
-        return await self._coalescer.add(item)
+        return self._coalescer.add(item)
 
     async def _enqueue_one(self, item: EnqueueItem) -> Enqueued:
         response = await self._unary(self._stub.Enqueue, _enqueue_request(item))
         return Enqueued(str(response.id), bool(response.duplicate))
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
-        request = pb.EnqueueBatchRequest(tasks=[_enqueue_request(item) for item in items])
+        request = pb.EnqueueBatchRequest()
+        add = request.tasks.add
+        for item in items:
+            _fill_enqueue(add(), item)
         response = await self._unary(self._stub.EnqueueBatch, request)
-        duplicates = list(response.duplicates) or [False] * len(response.ids)
-        if len(duplicates) != len(response.ids):
+        ids = response.ids
+        duplicates = response.duplicates
+        if not duplicates:
+            return [Enqueued(i) for i in ids]
+        if len(duplicates) != len(ids):
             raise ProtocolError("the broker answered a batch with not as many duplicates as ids")
-        return [Enqueued(str(i), bool(d)) for i, d in zip(response.ids, duplicates, strict=True)]
+        return [Enqueued(i, d) for i, d in zip(ids, duplicates, strict=True)]
 
     async def claim(
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None

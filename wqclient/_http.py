@@ -6,7 +6,7 @@ import functools
 import json
 import re
 import ssl
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import datetime
 from typing import Any, Final, NoReturn, cast
 from urllib.parse import quote, urlencode
@@ -316,7 +316,7 @@ class HttpTransport:
         )
         return Enqueued.from_mapping(self._json(data))
 
-    async def enqueue(
+    def enqueue(
         self,
         payload_json: bytes,
         max_attempts: int | None,
@@ -324,12 +324,13 @@ class HttpTransport:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
-    ) -> Enqueued:
+    ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, in one POST /jobs/batch, each caller getting its own answer
-        (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is, as POST /jobs."""
+        (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is, as POST /jobs.
+        (The answer's future itself: no coroutine of its own per task.)"""
         item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
-        return await self._coalescer.add(item)
+        return self._coalescer.add(item)
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
         """One POST /jobs/batch (all or none), in parts if the broker finds it too large; one

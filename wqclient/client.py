@@ -272,6 +272,14 @@ class AsyncClient:
         with the same key to the same queue creates nothing and returns the first task's id.
         The id is an :class:`~wqclient.Enqueued`, a ``str`` whose ``duplicate`` says which
         happened."""
+        if (
+            max_attempts is None
+            and delay_ms is None
+            and queue is None
+            and priority is None
+            and idempotency_key is None
+        ):  # (the usual call: nothing to check or pass but the payload)
+            return await self._transport.enqueue(encode_payload(payload), None, None)
         return await self._transport.enqueue(
             encode_payload(payload),
             _option("max_attempts", max_attempts),

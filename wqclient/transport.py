@@ -16,7 +16,7 @@ that leave them unset.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from datetime import datetime
 from typing import Protocol, runtime_checkable
 
@@ -77,7 +77,7 @@ class Transport(Protocol):
     meaning). ``None`` for an option leaves it to the broker's default; ``queues`` of a claim is
     the list of queues to take from, in order of preference (None: ``["default"]``)."""
 
-    async def enqueue(
+    def enqueue(
         self,
         payload_json: bytes,
         max_attempts: int | None,
@@ -85,7 +85,7 @@ class Transport(Protocol):
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
-    ) -> Enqueued: ...
+    ) -> Awaitable[Enqueued]: ...
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]: ...
 

@@ -39,7 +39,7 @@ from datetime import UTC, datetime
 from typing import Any, Protocol
 
 from wqclient.client import ENV_CA_FILE, ENV_TOKEN, AsyncClient
-from wqclient.clock import Clock, SystemClock, call_later
+from wqclient.clock import Clock, SystemClock, Timer, call_later
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -135,17 +135,17 @@ class _Settler(Protocol):
     """Where a delivery is settled and its lease extended: the client (claim loops) or the
     stream it came on."""
 
-    async def ack(self, delivery: Delivery) -> None: ...
+    def ack(self, delivery: Delivery) -> Awaitable[None]: ...
 
-    async def nack(
+    def nack(
         self,
         delivery: Delivery,
         error: str | None = None,
         delay_ms: int | None = None,
         terminal: bool = False,
-    ) -> None: ...
+    ) -> Awaitable[None]: ...
 
-    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime: ...
+    def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]: ...
 
 
 class _Unary:
@@ -154,20 +154,20 @@ class _Unary:
     def __init__(self, client: AsyncClient) -> None:
         self._client = client
 
-    async def ack(self, delivery: Delivery) -> None:
-        await self._client.ack(delivery)
+    def ack(self, delivery: Delivery) -> Awaitable[None]:
+        return self._client.ack(delivery)
 
-    async def nack(
+    def nack(
         self,
         delivery: Delivery,
         error: str | None = None,
         delay_ms: int | None = None,
         terminal: bool = False,
-    ) -> None:
-        await self._client.nack(delivery, error=error, delay_ms=delay_ms, terminal=terminal)
+    ) -> Awaitable[None]:
+        return self._client.nack(delivery, error=error, delay_ms=delay_ms, terminal=terminal)
 
-    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
-        return await self._client.extend(delivery, lease_ms)
+    def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]:
+        return self._client.extend(delivery, lease_ms)
 
 
 def _kept(delivery: Delivery, keeper: asyncio.Future[None]) -> None:
@@ -188,20 +188,21 @@ class _Confirmed:
     def __init__(self, stream: AsyncStream) -> None:
         self._stream = stream
 
-    async def ack(self, delivery: Delivery) -> None:
-        await self._stream.ack(delivery, confirm=True)
+    # (Each hands over the stream's own awaitable: no coroutine of its own per task.)
+    def ack(self, delivery: Delivery) -> Awaitable[None]:
+        return self._stream.ack(delivery, confirm=True)
 
-    async def nack(
+    def nack(
         self,
         delivery: Delivery,
         error: str | None = None,
         delay_ms: int | None = None,
         terminal: bool = False,
-    ) -> None:
-        await self._stream.nack(delivery, error, delay_ms, terminal, confirm=True)
+    ) -> Awaitable[None]:
+        return self._stream.nack(delivery, error, delay_ms, terminal, confirm=True)
 
-    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
-        return await self._stream.extend(delivery, lease_ms)
+    def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]:
+        return self._stream.extend(delivery, lease_ms)
 
 
 @dataclass(slots=True)
@@ -255,6 +256,11 @@ class Worker:
         self.lease_ms = lease_ms
         self.queues = queues
         self._clock: Clock = clock or SystemClock()
+        # The clock's own timers if it has them (looked up once: the worker sets one per task).
+        timer = getattr(self._clock, "call_later", None)
+        self._call_later: Callable[[float, Callable[[], None]], Timer] = (
+            timer if timer is not None else functools.partial(call_later, self._clock)
+        )
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = asyncio.Event()
         self._claims: set[asyncio.Task[Delivery | None]] = set()
@@ -406,8 +412,9 @@ class Worker:
         settler = _Confirmed(stream)
 
         async def receive() -> WqError | None:
+            create_task, process = asyncio.get_running_loop().create_task, self._process
             async for delivery in stream:
-                task = asyncio.ensure_future(self._process(delivery, settler))
+                task = create_task(process(delivery, settler))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             return None
@@ -451,9 +458,17 @@ class Worker:
             keeper = asyncio.ensure_future(self._keep(delivery, settler, lease, expires))
 
         # A timer, not a task that sleeps: most handlers end long before it would fire.
-        timer = call_later(self._clock, span / 2, keep)
+        timer = self._call_later(span / 2, keep)
+        error: Exception | None = None
         try:
-            error = await self._handle(delivery.task)
+            try:  # (the handler is run here, not in a coroutine of its own: this is per task)
+                if self._is_async:
+                    await self._handler(delivery.task)
+                else:
+                    loop = asyncio.get_running_loop()
+                    await loop.run_in_executor(self._executor, self._handler, delivery.task)
+            except Exception as e:
+                error = e
         finally:
             lease.done = True
             timer.cancel()
@@ -477,18 +492,6 @@ class Worker:
             return
         self.failed += 1
         await self._settle_failure(delivery, lease, settler, error)
-
-    async def _handle(self, task: Task) -> Exception | None:
-        """Run the handler; what it raised, or None."""
-        try:
-            if self._is_async:
-                await self._handler(task)
-            else:
-                loop = asyncio.get_running_loop()
-                await loop.run_in_executor(self._executor, self._handler, task)
-        except Exception as e:
-            return e
-        return None
 
     async def _settle_failure(
         self, delivery: Delivery, lease: _Lease, settler: _Settler, error: Exception

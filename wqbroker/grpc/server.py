@@ -156,8 +156,19 @@ def timestamp(ts: float) -> Timestamp:
     return Timestamp(seconds=seconds, nanos=nanos)
 
 
+# The (seconds, nanos) of recent times: the tasks of a batch share their creation time, and the
+# deliveries of a claim their deadline, so most entries are found here.
+_SPLIT_KEPT: Final = 256
+_splits: dict[float, tuple[int, int]] = {}
+
+
 def _set_time(out: Timestamp, ts: float) -> None:
-    out.seconds, out.nanos = _split(ts)
+    split = _splits.get(ts)
+    if split is None:
+        if len(_splits) >= _SPLIT_KEPT:
+            _splits.clear()
+        split = _splits[ts] = _split(ts)
+    out.seconds, out.nanos = split
 
 
 def _fill_task(out: pb.Task, task: Task) -> None:

@@ -1098,7 +1098,7 @@ class PostgresStore:
         calls are served first."""
         queues, now = key
         leases = [lease for call in calls for lease in call]
-        lease_ids = [f"{self._rng.getrandbits(64):016x}" for _ in leases]
+        lease_ids = ["%016x" % self._rng.getrandbits(64) for _ in leases]  # noqa: UP031
         rows = await self._fetch(
             "SELECT * FROM wq.claim($1, $2, $3, $4)", self._now(now), leases, lease_ids, queues
         )
