@@ -1,7 +1,7 @@
 """One error tree for the whole broker.
 
 The service and the stores raise these; each protocol adapter maps them with one table (``STATUS``
-in ``wqbroker.http.app`` for HTTP status codes, ``CODES`` in ``wqbroker.grpc.server`` for gRPC
+in ``wqbroker.http.core`` for HTTP status codes, ``CODES`` in ``wqbroker.grpc.server`` for gRPC
 status codes), looked up with :func:`lookup`, so a new subclass maps as its parent does unless the
 table names it. Every error carries a message meant for the client, naming the offending field
 where there is one.

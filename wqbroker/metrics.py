@@ -13,7 +13,9 @@ What is measured, and where:
   (from when it became ready to its hand-out), the time from each hand-out to its ack or nack, and
   the latency of every store call that writes (a commit, in a durable store).
 - HTTP requests by route and status: :meth:`Metrics.count_http`, called by the application's
-  one middleware (``wqbroker.http.app``) for every answer, refusals (auth, bodies) included.
+  one middleware (``wqbroker.http.app``) for every answer, refusals (auth, bodies) included, and
+  :meth:`Metrics.count_answer` by the fast lane (``wqbroker.http.fast``) for the requests it
+  serves itself.
 - gRPC calls by method and code: one server interceptor (:class:`MetricsInterceptor`), outside
   the auth interceptor.
 
@@ -204,8 +206,11 @@ class Metrics:
         # Labels come only from bounded sets: the routes registered, a few methods.
         resource = request.match_info.route.resource
         route = resource.canonical if resource is not None else "unmatched"
-        method = request.method if request.method in _METHODS else "other"
-        self.http_requests.add((method, route, str(status)))
+        self.count_answer(request.method, route, status)
+
+    def count_answer(self, method: str, route: str, status: int) -> None:
+        """Counts an answer to ``method`` on ``route`` (as registered: ``/jobs/{id}/ack``)."""
+        self.http_requests.add((method if method in _METHODS else "other", route, str(status)))
 
     # -- gRPC -------------------------------------------------------------------------------
 

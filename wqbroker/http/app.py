@@ -1,6 +1,7 @@
-"""aiohttp application: routes, handlers and the error -> status table.
+"""aiohttp application: routes and handlers.
 
-Handlers parse the request, call the service and render the answer; every rule lives in the
+Handlers parse the request, call the service and render the answer (what each route does with
+what a request carries is in ``core.py``, shared with the fast lane); every rule lives in the
 service. Every error answer is JSON, ``{"error": "<message naming the problem>"}``, including the
 ones aiohttp produces itself (unknown path, wrong method, body too large). What any request may
 cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport.py``.
@@ -8,9 +9,7 @@ cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 from collections.abc import Awaitable, Callable
 from typing import Final
 
@@ -20,20 +19,29 @@ from aiohttp.typedefs import Middleware
 from wqbroker import codec
 from wqbroker.auth import Tokens
 from wqbroker.clock import SystemClock
-from wqbroker.errors import (
-    InvalidArgument,
-    LeaseLost,
-    NotFound,
-    Overloaded,
-    PayloadTooLarge,
-    PermissionDenied,
-    Unauthenticated,
-    Unavailable,
-    WqError,
-    lookup,
-)
+from wqbroker.errors import WqError
 from wqbroker.http import dashboard, openapi
 from wqbroker.http.auth import token_check
+from wqbroker.http.core import (
+    BATCH_ROUTE,
+    IDEMPOTENCY_KEY,
+    STATUS,
+    enqueue_answer,
+    enqueue_batch_answer,
+    error_parts,
+    extend_answer,
+    idempotency_key,
+    int_value,
+    nack_task,
+    one_value,
+    render_delivery,
+    render_queue,
+    render_stats,
+    render_task,
+    render_task_state,
+    required_lease_id,
+)
+from wqbroker.http.fast import LANE, Lane
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
     BODY,
@@ -51,148 +59,40 @@ from wqbroker.http.transport import (
 )
 from wqbroker.metrics import ROUTE as METRICS_ROUTE
 from wqbroker.metrics import Metrics
-from wqbroker.models import Delivery, Enqueued, QueueStats, Stats, Task, TaskState
-from wqbroker.service import Service, Submission
+from wqbroker.models import Delivery
+from wqbroker.service import Service
+
+__all__ = ["STATUS", "create_app", "error_answer", "make_runner"]
 
 log = logging.getLogger("wqbroker.http")
 
-# The one table from the error tree to HTTP status codes (a subclass maps as its parent).
-STATUS: Final[dict[type[WqError], int]] = {
-    WqError: 400,
-    InvalidArgument: 400,
-    NotFound: 404,
-    LeaseLost: 409,
-    PayloadTooLarge: 413,
-    Unavailable: 503,  # StoreError is one
-    Unauthenticated: 401,
-    PermissionDenied: 403,
-    Overloaded: 429,
-}
-
 SERVICE: Final = web.AppKey("service", Service)
-
-_ENQUEUE_RAW: Final = frozenset({"payload"})
-
-IDEMPOTENCY_KEY: Final = "Idempotency-Key"
 
 # A task id in a path where a fixed word sits at the same place: anything but that word (no task
 # is called so). Else a method the fixed route does not take would fall through to the task's
 # route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
 # DELETE /dlq/requeue to the purge of a task "requeue".
 _JOB_ID: Final = "{id:(?!next$|batch$)[^{}/]+}"
-BATCH_ROUTE: Final = "/jobs/batch"  # an extension: many tasks in one request
 _DEAD_ID: Final = "{id:(?!requeue$)[^{}/]+}"
-
-
-# -- rendering ----------------------------------------------------------------------------------
-
-
-def render_task(task: Task) -> bytes:
-    ts = codec.rfc3339
-    error = "null" if task.last_error is None else codec.dumps(task.last_error).decode("utf-8")
-    return b"".join(
-        (
-            f'{{"id":"{task.id}","payload":'.encode(),
-            task.payload,
-            (
-                f',"attempts":{task.attempts},"max_attempts":{task.max_attempts},'
-                f'"created_at":"{ts(task.created_at)}","available_at":"{ts(task.available_at)}",'
-                f'"last_error":{error},"queue":"{task.queue}","priority":{task.priority}}}'
-            ).encode(),
-        )
-    )
-
-
-def render_task_state(found: TaskState) -> bytes:
-    """The task view plus its ``state`` (never a lease id)."""
-    return render_task(found.task)[:-1] + f',"state":"{found.state}"}}'.encode()
-
-
-def render_enqueued(enqueued: Enqueued) -> web.Response:
-    """201 {"id"} for a new task; 200 {"id", "duplicate": true} when a key matched."""
-    if enqueued.duplicate:
-        return json_response(f'{{"id":"{enqueued.id}","duplicate":true}}'.encode(), 200)
-    return json_response(f'{{"id":"{enqueued.id}"}}'.encode(), 201)
-
-
-def render_queue(queue: QueueStats, oldest_ready: float | None = None) -> bytes:
-    return codec.dumps(
-        {
-            "name": queue.name,
-            "ready": queue.ready,
-            "handed_out": queue.handed_out,
-            "delayed": queue.delayed,
-            "dead": queue.dead,
-            "paused": queue.paused,
-            # When the oldest ready task (at the head of a priority lane) became ready.
-            "oldest_ready_at": None if oldest_ready is None else codec.rfc3339(oldest_ready),
-        }
-    )
-
-
-def render_delivery(delivery: Delivery) -> bytes:
-    return b"".join(
-        (
-            b'{"task":',
-            render_task(delivery.task),
-            f',"lease_id":"{delivery.lease_id}","deadline":"{codec.rfc3339(delivery.deadline)}"}}'.encode(),
-        )
-    )
-
-
-def render_stats(stats: Stats) -> bytes:
-    return codec.dumps(stats.as_dict())
 
 
 # -- request parsing ----------------------------------------------------------------------------
 
 
 def _query_str(request: web.Request, name: str) -> str | None:
-    values = request.query.getall(name, [])
-    if len(values) > 1:
-        raise InvalidArgument(f"{name} is given more than once")
-    return values[0] if values else None
-
-
-def _quoted(text: str) -> str:
-    """What a client sent, quoted for an error message (JSON-escaped, cut short if long)."""
-    if len(text) <= 40:
-        return json.dumps(text)
-    return f'{json.dumps(text[:16])[:-1]}..." ({len(text)} characters)'
+    return one_value(name, request.query.getall(name, []))
 
 
 def _query_int(request: web.Request, name: str) -> int | None:
-    raw = _query_str(request, name)
-    if raw is None:
-        return None
-    text = raw.strip()
-    digits = text[1:] if text[:1] in ("+", "-") else text
-    # Plain ASCII digits only: int() would also take "1_000" and other scripts' digits.
-    if not (digits.isascii() and digits.isdigit()):
-        raise InvalidArgument(f"{name} must be an integer, got {_quoted(raw)}")
-    return codec.parse_int(text)  # never converts more than int64's 19 digits
+    return int_value(name, _query_str(request, name))
 
 
 def _lease_id(request: web.Request) -> str:
-    lease_id = _query_str(request, "lease_id")
-    if lease_id is None:
-        raise InvalidArgument("lease_id is required (a query parameter)")
-    return lease_id
+    return required_lease_id(_query_str(request, "lease_id"))
 
 
 def _idempotency_key(request: web.Request) -> str | None:
-    """The ``Idempotency-Key`` header as sent (the service checks it), or None."""
-    values = request.headers.getall(IDEMPOTENCY_KEY, [])
-    if len(values) > 1:
-        raise InvalidArgument(f"the {IDEMPOTENCY_KEY} header is given more than once")
-    return values[0] if values else None
-
-
-def _optional_object(body: bytes) -> dict[str, object]:
-    """A body that may be empty (nothing but whitespace) or a JSON object."""
-    if not body.strip(b" \t\r\n"):
-        return {}
-    return codec.parse_object(body)
+    return idempotency_key(request.headers.getall(IDEMPOTENCY_KEY, []))
 
 
 # -- handlers -----------------------------------------------------------------------------------
@@ -200,16 +100,8 @@ def _optional_object(body: bytes) -> dict[str, object]:
 
 async def enqueue(request: web.Request) -> web.Response:
     key = _idempotency_key(request)
-    fields = codec.parse_object(await read_body(request), _ENQUEUE_RAW)
-    enqueued = await request.app[SERVICE].enqueue(
-        fields.get("payload"),
-        fields.get("max_attempts"),
-        fields.get("delay_ms"),
-        queue=fields.get("queue"),
-        priority=fields.get("priority"),
-        key=key,
-    )
-    return render_enqueued(enqueued)
+    status, body = await enqueue_answer(request.app[SERVICE], await read_body(request), key)
+    return json_response(body, status)
 
 
 async def enqueue_batch(request: web.Request) -> web.Response:
@@ -217,29 +109,9 @@ async def enqueue_batch(request: web.Request) -> web.Response:
     as the member ``idempotency_key``), all enqueued or none (an invalid one is named by its
     index); 201 ``{"ids": [...], "duplicates": [...]}`` in order, as gRPC's EnqueueBatch. The
     ``Idempotency-Key`` header is refused rather than ignored: it cannot say which task it keys."""
-    if IDEMPOTENCY_KEY in request.headers:
-        raise InvalidArgument(
-            f"the {IDEMPOTENCY_KEY} header is not taken by {BATCH_ROUTE}: give each task its "
-            "own idempotency_key member"
-        )
-    items = codec.parse_objects(await read_body(request), "tasks", _ENQUEUE_RAW)
-    results = await request.app[SERVICE].enqueue_many(
-        [
-            Submission(
-                fields.get("payload"),
-                fields.get("max_attempts"),
-                fields.get("delay_ms"),
-                fields.get("queue"),
-                fields.get("priority"),
-                fields.get("idempotency_key"),
-            )
-            for fields in items
-        ],
-        what="tasks",
-    )
-    ids = ",".join(f'"{r.id}"' for r in results)
-    duplicates = ",".join("true" if r.duplicate else "false" for r in results)
-    return json_response(f'{{"ids":[{ids}],"duplicates":[{duplicates}]}}'.encode(), 201)
+    keyed = IDEMPOTENCY_KEY in request.headers
+    body = b"" if keyed else await read_body(request)
+    return json_response(await enqueue_batch_answer(request.app[SERVICE], body, keyed), 201)
 
 
 async def claim(request: web.Request) -> web.StreamResponse:
@@ -275,22 +147,15 @@ async def ack(request: web.Request) -> web.Response:
 async def nack(request: web.Request) -> web.Response:
     task_id = request.match_info["id"]
     lease_id = _lease_id(request)
-    fields = _optional_object(await read_body(request))
-    await request.app[SERVICE].nack(
-        task_id,
-        lease_id,
-        fields.get("error"),
-        delay_ms=fields.get("delay_ms"),
-        terminal=fields.get("terminal"),
-    )
+    await nack_task(request.app[SERVICE], task_id, lease_id, await read_body(request))
     return no_content()
 
 
 async def extend(request: web.Request) -> web.Response:
     task_id = request.match_info["id"]
     lease_id = _lease_id(request)
-    deadline = await request.app[SERVICE].extend(task_id, lease_id, _query_int(request, "lease_ms"))
-    return json_response(f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode())
+    lease_ms = _query_int(request, "lease_ms")
+    return json_response(await extend_answer(request.app[SERVICE], task_id, lease_id, lease_ms))
 
 
 async def lookup_task(request: web.Request) -> web.Response:
@@ -356,11 +221,10 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def error_answer(error: WqError) -> web.Response:
     """The JSON answer for an error of the tree, with the headers its status calls for."""
-    response = error_response(lookup(STATUS, error), error.message)
-    if isinstance(error, Overloaded):
-        response.headers["Retry-After"] = str(max(1, math.ceil(error.retry_after)))
-    elif isinstance(error, Unauthenticated):
-        response.headers["WWW-Authenticate"] = 'Bearer realm="wq"'
+    status, headers = error_parts(error)
+    response = error_response(status, error.message)
+    for name, value in headers:
+        response.headers[name] = value
     return response
 
 
@@ -444,11 +308,11 @@ def create_app(
     public = (f"GET {METRICS_ROUTE}",) if metrics_public else ()
     check_token = None if tokens is None else token_check(tokens, public)
     rules = BodyRules(max_body, read_body_timeout)
-    app = web.Application(
-        middlewares=[middleware(metrics, rules, check_token)], client_max_size=max_body
-    )
+    handle = middleware(metrics, rules, check_token)
+    app = web.Application(middlewares=[handle], client_max_size=max_body)
     app[SERVICE] = service
     app[BODY] = rules
+    app[LANE] = Lane(service, metrics, tokens, max_body, read_body_timeout, handle)
     # The documented methods, and HEAD on the read-only GETs (it changes nothing); aiohttp adds
     # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
     routes = app.router

@@ -10,7 +10,7 @@ its 404 or 405 unchecked: there is nothing behind it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 
 from aiohttp import hdrs, web
 
@@ -22,7 +22,11 @@ Check = Callable[[web.Request], None]
 
 def authorization(request: web.Request) -> str | None:
     """The request's one Authorization header, or None; two of them are refused."""
-    values = request.headers.getall(hdrs.AUTHORIZATION, [])
+    return one_authorization(request.headers.getall(hdrs.AUTHORIZATION, []))
+
+
+def one_authorization(values: Sequence[str]) -> str | None:
+    """The one Authorization header of ``values`` (all a request has), or None."""
     if len(values) > 1:
         raise Unauthenticated("more than one Authorization header")
     return values[0] if values else None

@@ -13,8 +13,8 @@
   next request has not begun within the idle time-out of the last answer; the body time-out is
   in ``transport.py``. None runs while the application works on a request, so a long-poll is
   never cut off.
-- The requests producers and workers make all day take the express lane (``express.py``): the
-  same routes, handlers and middleware, without aiohttp's router.
+- The requests producers and workers make all day take the fast lane (``fast.py``): the same
+  answers, without aiohttp's per-request machinery; every other request is aiohttp's.
 - Whatever escapes the application (an HTTP error raised before the middlewares run, such as
   aiohttp's own ``Expect`` handling on an unknown path) is answered in JSON.
 - What aiohttp's parser rejects (an oversized line or header, too many headers, Content-Length
@@ -42,13 +42,16 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
-from wqbroker.http.express import Express
-from wqbroker.http.transport import error_body, error_response
+from wqbroker.http.fast import LANE, FastProtocol, Lane
+from wqbroker.http.transport import error_response, header_timeout_answer
 
 log = logging.getLogger("wqbroker.http")
 
 DEFAULT_READ_HEADER_TIMEOUT: Final = 10.0
 DEFAULT_IDLE_TIMEOUT: Final = 75.0
+
+# aiohttp's keep-alive time-out for a connection the fast lane keeps: never (the lane keeps it).
+_NEVER: Final = 10.0**9
 
 # Rejected requests are logged at INFO at most once in this many seconds; the others at DEBUG.
 REPORT_EVERY: Final = 10.0
@@ -146,17 +149,6 @@ class _Reporter:
 # -- connections ----------------------------------------------------------------------------------
 
 
-def _raw_answer(status: int, reason: str, message: str) -> bytes:
-    """A whole JSON error answer that closes the connection, for when there is no request to
-    answer through aiohttp (its head never arrived)."""
-    body = error_body(message)
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-    )
-    return head.encode("ascii") + body
-
-
 class Protocol(web.RequestHandler):
     """aiohttp's handler of one connection, with the head and idle time-outs, answering the
     requests its parser rejects in JSON.
@@ -175,12 +167,15 @@ class Protocol(web.RequestHandler):
         read_header_timeout: float,
         idle_timeout: float,
         reporter: _Reporter,
+        lane: FastProtocol | None = None,
         **kwargs: Any,
     ) -> None:
         # aiohttp's own keep-alive timer (from an answer until the next request is complete)
-        # stays as a backstop, later than ours ever is.
+        # stays as a backstop, later than ours ever is; none while the fast lane keeps the
+        # connection (it keeps the time-outs then).
         backstop = 2 * (idle_timeout + read_header_timeout) + 1
-        super().__init__(manager, loop=loop, keepalive_timeout=backstop, **kwargs)
+        keepalive = backstop if lane is None else _NEVER
+        super().__init__(manager, loop=loop, keepalive_timeout=keepalive, **kwargs)
         self._event_loop = loop
         self._reporter = reporter
         self._header_timeout = read_header_timeout
@@ -189,12 +184,26 @@ class Protocol(web.RequestHandler):
         self._due: float | None = None  # when the connection times out (None: busy)
         self._timer: asyncio.TimerHandle | None = None
         self._begun = False  # bytes of the next request have arrived
+        # The fast lane whose connection this is (it gives this handler the requests it passes
+        # on, one at a time), until it hands the connection over (``take_over``).
+        self._lane = lane
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
+        if self._lane is None:
+            self._wait(self._header_timeout)
+
+    def take_over(self) -> None:
+        """The connection is this handler's from now on (the fast lane has let it go): its
+        bytes come straight from the transport, and the time-outs are kept here."""
+        self._lane = None
+        self._phase = "idle" if self._phase == "busy" else self._phase
         self._wait(self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
+        if self._lane is not None:  # (a request the fast lane passed on: no time-out of ours)
+            super().data_received(data)
+            return
         if data and not self._begun and self._phase != "busy":
             self._begun = True
             if self._phase == "idle":  # the first byte of the next request: its head is due
@@ -221,7 +230,10 @@ class Protocol(web.RequestHandler):
             return await super().finish_response(request, resp, start_time)
         finally:
             self._phase = "idle"  # until the next request's first byte
-            self._wait(self._idle_timeout)
+            if self._lane is not None:
+                self._lane.slow_done()  # the fast lane goes on with what follows
+            else:
+                self._wait(self._idle_timeout)
 
     def _wait(self, timeout: float) -> None:
         self._due = self._event_loop.time() + timeout
@@ -248,10 +260,8 @@ class Protocol(web.RequestHandler):
             return
         peer = transport.get_extra_info("peername")
         if self._begun:
-            ms = round(self._header_timeout * 1000)
-            message = f"request line and headers not received within {ms} ms"
-            transport.write(_raw_answer(408, "Request Timeout", message))
-            log.debug("closing the connection from %s: %s", peer, message)
+            transport.write(header_timeout_answer(self._header_timeout))
+            log.debug("closing the connection from %s: no request head in time", peer)
         else:
             log.debug("closing the idle connection from %s", peer)
         self.force_close()
@@ -285,8 +295,9 @@ RequestFactory = Callable[
 
 
 class _Server(web.Server):
-    """aiohttp's Server, making a :class:`Protocol` for each connection, and telling it when a
-    request reaches the application."""
+    """aiohttp's Server, making a :class:`~wqbroker.http.fast.FastProtocol` for each connection
+    (with ``lane``; else a :class:`Protocol`), and telling a Protocol when a request reaches the
+    application."""
 
     def __init__(
         self,
@@ -296,6 +307,7 @@ class _Server(web.Server):
         loop: asyncio.AbstractEventLoop,
         read_header_timeout: float,
         idle_timeout: float,
+        lane: Lane | None = None,
         **protocol_kwargs: Any,
     ) -> None:
         def make_request(
@@ -325,9 +337,37 @@ class _Server(web.Server):
             reporter=_Reporter(),
             **protocol_kwargs,
         )
+        self._fast: set[FastProtocol] = set()  # the connections the fast lane keeps
+        self._new_fast = (
+            None
+            if lane is None
+            else functools.partial(
+                FastProtocol,
+                lane,
+                lambda owner: self._new_protocol(lane=owner),
+                loop=loop,
+                read_header_timeout=read_header_timeout,
+                idle_timeout=idle_timeout,
+                connections=self._fast,
+            )
+        )
 
-    def __call__(self) -> web.RequestHandler:
+    def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if self._new_fast is not None:
+            return self._new_fast()
         return self._new_protocol()
+
+    def pre_shutdown(self) -> None:
+        """The server stops taking connections: each closes once the request it is answering is
+        answered (an idle one at once)."""
+        super().pre_shutdown()
+        for conn in list(self._fast):
+            conn.close_when_done()
+
+    async def shutdown(self, timeout: float | None = None) -> None:
+        await asyncio.gather(
+            super().shutdown(timeout), *(conn.shutdown(timeout) for conn in list(self._fast))
+        )
 
 
 class Runner(web.AppRunner):
@@ -353,11 +393,17 @@ class Runner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()  # starts and freezes the application
+        # The fast lane, unless requests are to be logged (aiohttp's access log sees only its
+        # own), or the application has none, or has more to it than the lane does.
+        lane = self.app.get(LANE) if self._protocol_kwargs["access_log"] is None else None
+        if lane is not None and not lane.serves(self.app):
+            lane = None
         return _Server(
-            Express(self.app, made.request_handler),
+            made.request_handler,
             made.request_factory,
             loop=asyncio.get_running_loop(),
             read_header_timeout=self._read_header_timeout,
             idle_timeout=self._idle_timeout,
+            lane=lane,
             **self._protocol_kwargs,
         )

@@ -118,6 +118,25 @@ def error_response(status: int, message: str) -> web.Response:
     return json_response(error_body(message), status)
 
 
+def raw_answer(status: int, reason: str, message: str) -> bytes:
+    """A whole JSON error answer that closes the connection, for when there is no request to
+    answer (its head never arrived)."""
+    body = error_body(message)
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+def header_timeout_answer(timeout: float) -> bytes:
+    """408 for a request whose line and headers did not arrive within ``timeout`` seconds."""
+    ms = round(timeout * 1000)
+    return raw_answer(
+        408, "Request Timeout", f"request line and headers not received within {ms} ms"
+    )
+
+
 # -- bodies -------------------------------------------------------------------------------------
 
 

@@ -1,15 +1,17 @@
-"""The express lane (``wqbroker/http/express.py``): the hot requests skip aiohttp's router, and get
-the very answers the router would give them.
+"""The fast lane (``wqbroker/http/fast.py``): the hot requests are served without aiohttp, and get
+the very answers aiohttp's way gives them; every other request (and the rest of a connection the
+lane gives up) is aiohttp's.
 
-Each request is sent twice, to a real broker over a bare socket: as is (the express lane takes
-it) and with one letter of its path percent-encoded (``/jobs/%6Eext``: the same route once
-aiohttp decodes it, but the express lane leaves it to the router). The two answers must be the
-same, once ids, lease ids and times are put aside: status, headers and body. A spy on
-``Application._handle`` (the router's way in) shows which way each request went.
+Each request is sent twice, to a real broker over a bare socket: as is (the fast lane takes it)
+and with one letter of its path percent-encoded (``/jobs/%6Eext``: the same route once aiohttp
+decodes it, but the fast lane passes it to aiohttp). The two answers must be the same, byte for
+byte once ids, lease ids and times are put aside: status, headers in order and body. A spy on
+``Application._handle`` (aiohttp's way in) shows which way each request went.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -22,17 +24,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.authkit import ONLY, ROOT, bearer, write_token_file
-from tests.helpers import running_broker
+from tests.helpers import running_broker, wait_until
 from tests.rawhttp import RawResponse, exchange, raw_connection, request
 from wqbroker.broker import Broker
 
 MAX_BODY = 4096
 
-# The same route, not taken by the express lane: the first letter of the last segment encoded.
+# The same route, passed to aiohttp by the fast lane: the first letter of the last segment encoded.
 Variant = Callable[[str], str]
 
 
-def express(path: str) -> str:
+def fast(path: str) -> str:
     return path
 
 
@@ -41,7 +43,7 @@ def routed(path: str) -> str:
     return f"{head}/%{ord(last[0]):02X}{last[1:]}"
 
 
-VARIANTS = (express, routed)
+VARIANTS = (fast, routed)
 
 
 def tag(variant: Variant) -> str:
@@ -113,7 +115,7 @@ Case = Callable[[Broker, Variant], Awaitable[RawResponse]]
 
 async def same_both_ways(broker: Broker, case: Case, router_calls: list[str]) -> RawResponse:
     """Run ``case`` both ways; assert the answers match and that only the routed one went
-    through the router; return the express lane's answer."""
+    aiohttp's way; return the fast lane's answer."""
     answers = []
     for variant in VARIANTS:
         before = len(router_calls)
@@ -204,6 +206,27 @@ async def enqueue_pipelined(b: Broker, v: Variant) -> RawResponse:
         return await conn.response()
 
 
+async def enqueue_without_host(b: Broker, v: Variant) -> RawResponse:
+    body = _json({"payload": 1})
+    data = f"POST {v('/jobs')} HTTP/1.1\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body
+    return await exchange(address(b), data)
+
+
+def enqueue_with(*extra: str) -> Case:
+    """POST /jobs with these header lines as well."""
+
+    async def case(b: Broker, v: Variant) -> RawResponse:
+        body = _json({"payload": 1})
+        lines = "".join(f"{line}\r\n" for line in extra)
+        data = (
+            f"POST {v('/jobs')} HTTP/1.1\r\nHost: wq\r\n{lines}Content-Length: {len(body)}\r\n\r\n"
+        )
+        return await exchange(address(b), data.encode() + body)
+
+    case.__name__ = f"enqueue_with_{len(extra)}_{extra[0].split(':')[0] if extra else ''}"
+    return case
+
+
 async def batch_ok(b: Broker, v: Variant) -> RawResponse:
     tasks = [{"payload": i, "idempotency_key": f"{tag(v)}-{i % 2}"} for i in range(3)]
     return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
@@ -282,6 +305,11 @@ CASES: list[Case] = [
     enqueue_http10,
     enqueue_closing,
     enqueue_pipelined,
+    enqueue_with(*(f"X-H{i}: {i}" for i in range(126))),  # 128 in all, with Host and the length
+    enqueue_with("Content-Encoding: identity"),
+    enqueue_with("Connection: keep-alive, Close"),
+    enqueue_with("X-Spaced:   padded value   \t"),
+    enqueue_with("X-Empty:"),
     batch_ok,
     batch_bad_task,
     batch_with_key_header,
@@ -307,14 +335,35 @@ CASES: list[Case] = [
 ]
 
 
+# Requests aiohttp's parser refuses (400) before any route: the lane leaves them to it.
+REFUSED: list[Case] = [
+    enqueue_without_host,
+    enqueue_with("Host: again"),
+    enqueue_with("Content-Type: a", "Content-Type: b"),
+    enqueue_with("User-Agent: a", "User-Agent: b"),
+    enqueue_with(*(f"X-H{i}: {i}" for i in range(127))),  # 129 in all
+    enqueue_with("Sec-WebSocket-Key1: x"),
+]
+
+
+@pytest.mark.parametrize("case", REFUSED, ids=lambda c: c.__name__)
+async def test_what_aiohttps_parser_refuses_is_refused_the_same_way(
+    broker: Broker, router_calls: list[str], case: Case
+) -> None:
+    answers = [await case(broker, variant) for variant in VARIANTS]
+    assert normal(answers[0]) == normal(answers[1])
+    assert answers[0].status == 400
+    assert router_calls == []
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
-async def test_the_express_lane_answers_as_the_router_does(
+async def test_the_fast_lane_answers_as_aiohttp_does(
     broker: Broker, router_calls: list[str], case: Case
 ) -> None:
     await same_both_ways(broker, case, router_calls)
 
 
-async def test_the_hot_requests_never_reach_the_router(
+async def test_the_hot_requests_never_reach_aiohttp(
     broker: Broker, router_calls: list[str]
 ) -> None:
     await enqueue(broker)
@@ -325,7 +374,7 @@ async def test_the_hot_requests_never_reach_the_router(
     task_id, lease_id = await claim(broker)
     assert (await send(broker, "POST", f"/jobs/{task_id}/ack?lease_id={lease_id}")).status == 204
     assert router_calls == []
-    # Anything else goes the router's way, unchanged.
+    # Anything else goes aiohttp's way, unchanged.
     others = [
         ("GET", "/stats"),
         ("GET", f"/jobs/{task_id}"),
@@ -346,9 +395,7 @@ async def test_the_hot_requests_never_reach_the_router(
     assert router_calls == [f"{m} {t}" for m, t in others]
 
 
-async def test_an_expect_header_goes_the_routers_way(
-    broker: Broker, router_calls: list[str]
-) -> None:
+async def test_an_expect_header_goes_aiohttps_way(broker: Broker, router_calls: list[str]) -> None:
     body = _json({"payload": 1})
     async with raw_connection(address(broker)) as conn:
         await conn.send(
@@ -388,9 +435,7 @@ async def test_any_task_id_gets_the_same_answer_both_ways(
     assert answers[0] == answers[1]
 
 
-async def test_tokens_are_checked_on_the_express_lane(
-    tmp_path: Path, router_calls: list[str]
-) -> None:
+async def test_tokens_are_checked_on_the_fast_lane(tmp_path: Path, router_calls: list[str]) -> None:
     tokens = write_token_file(tmp_path)
     async with running_broker(grpc_addr="off", token_file=str(tokens)) as b:
 
@@ -410,7 +455,7 @@ async def test_tokens_are_checked_on_the_express_lane(
         assert forbidden.status == 403
 
 
-async def test_express_requests_are_counted_by_route(broker: Broker) -> None:
+async def test_fast_lane_requests_are_counted_by_route(broker: Broker) -> None:
     await enqueue(broker)
     await send(broker, "POST", "/j%6Fbs", _json({"payload": 1}))
     task_id, lease_id = await claim(broker)
@@ -424,3 +469,234 @@ async def test_express_requests_are_counted_by_route(broker: Broker) -> None:
     assert counted['wq_http_requests_total{method="POST",route="/jobs",status="201"}'] == 2
     assert counted['wq_http_requests_total{method="GET",route="/jobs/next",status="200"}'] == 1
     assert counted['wq_http_requests_total{method="POST",route="/jobs/{id}/ack",status="204"}'] == 1
+
+
+# -- the lane's own handling of a connection ------------------------------------------------------
+
+
+async def test_a_connection_goes_on_in_the_lane_after_a_request_passed_to_aiohttp(
+    broker: Broker, router_calls: list[str]
+) -> None:
+    """Pipelined: fast, passed (another route), fast, passed (HTTP/1.0 with keep-alive), fast:
+    the answers come in order, and only the two passed requests go aiohttp's way."""
+    one = request("POST", "/jobs", _json({"payload": 1}))
+    stats = request("GET", "/stats")
+    old = (
+        b'POST /jobs HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: 14\r\n\r\n{"payload": 2}'
+    )
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(one + stats + one + old + one)
+        answers = [await conn.response() for _ in range(5)]
+        assert [a.status for a in answers] == [201, 200, 201, 201, 201]
+        assert answers[1].json()["ready"] == 1  # (answered after the first, before the rest)
+        assert not any(a.closes for a in answers)
+        await conn.send(one)  # and the connection is still the lane's
+        assert (await conn.response()).status == 201
+    assert router_calls == ["GET /stats", "POST /jobs"]
+
+
+async def test_a_request_whose_end_needs_a_parser_hands_the_connection_over_for_good(
+    broker: Broker, router_calls: list[str]
+) -> None:
+    chunked = (
+        b"POST /jobs HTTP/1.1\r\nHost: wq\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"e\r\n" + b'{"payload": 3}' + b"\r\n0\r\n\r\n"
+    )
+    one = request("POST", "/jobs", _json({"payload": 1}))
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(one + chunked + one)
+        assert [(await conn.response()).status for _ in range(3)] == [201, 201, 201]
+    # The fast lane answered the first; aiohttp the chunked one and all that followed.
+    assert router_calls == ["POST /jobs", "POST /jobs"]
+    assert (await send(broker, "GET", "/stats")).json()["ready"] == 3
+
+
+async def test_bytes_that_are_no_head_are_aiohttps_to_refuse_at_once(broker: Broker) -> None:
+    for data in (b"\x16\x03\x01\x02\x00", b"GET /jobs/next HTTP/1.1\nHost: wq\n\n"):
+        async with raw_connection(address(broker)) as conn:
+            await conn.send(data)
+            answer = await conn.response(timeout=2)  # (not the head time-out's 408)
+            assert answer.status == 400, answer
+            assert await conn.closed()
+
+
+async def test_a_body_that_does_not_come_gets_408_and_the_connection_is_closed() -> None:
+    async with running_broker(grpc_addr="off", read_body_timeout=0.3) as b:
+        async with raw_connection(b.http_addresses[0]) as conn:
+            await conn.send(b"POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: 50\r\n\r\n{")
+            answer = await conn.response()
+            assert answer.status == 408
+            assert answer.json() == {"error": "request body not received within 300 ms"}
+            assert answer.closes
+            assert await conn.closed()
+        stats = (await send(b, "GET", "/stats")).json()
+        assert stats["totals"]["enqueued"] == 0
+        metrics = (await send(b, "GET", "/metrics")).body.decode()
+        assert 'wq_http_requests_total{method="POST",route="/jobs",status="408"} 1.0' in metrics
+
+
+async def test_a_body_sent_in_pieces_is_read_whole(broker: Broker, router_calls: list[str]) -> None:
+    body = _json({"payload": {"pieces": "x" * 3000}})
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(request("POST", "/jobs", body)[: -len(body) + 5])
+        for start in range(5, len(body), 700):
+            await asyncio.sleep(0.01)
+            await conn.send(body[start : start + 700])
+        assert (await conn.response()).status == 201
+    assert router_calls == []
+
+
+async def test_an_ack_with_a_body_still_to_come_is_answered_at_once(
+    broker: Broker, router_calls: list[str]
+) -> None:
+    """An ack reads no body: with one on its way it is passed to aiohttp, which answers without
+    waiting for it (and skips it), as it always has."""
+    await enqueue(broker)
+    task_id, lease_id = await claim(broker)
+    target = f"/jobs/{task_id}/ack?lease_id={lease_id}"
+    head = f"POST {target} HTTP/1.1\r\nHost: wq\r\nContent-Length: 10\r\n\r\n"
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(head.encode() + b"12345")
+        assert (await conn.response(timeout=2)).status == 204
+        await conn.send(b"67890" + request("POST", "/jobs", _json({"payload": 1})))
+        assert (await conn.response()).status == 201
+    assert router_calls == [f"POST /jobs/{task_id}/ack?lease_id={lease_id}"]
+
+
+async def test_a_request_head_that_does_not_come_gets_408() -> None:
+    async with running_broker(grpc_addr="off", read_header_timeout=0.3) as b:
+        async with raw_connection(b.http_addresses[0]) as conn:
+            await conn.send(request("POST", "/jobs", _json({"payload": 1})))
+            assert (await conn.response()).status == 201
+            await conn.send(b"POST /jobs HTTP/1.1\r\nHost")
+            answer = await conn.response()
+            assert answer.status == 408
+            assert "request line and headers not received within 300 ms" in answer.json()["error"]
+            assert await conn.closed()
+
+
+async def test_an_idle_connection_is_closed_and_a_busy_one_is_not() -> None:
+    async with running_broker(grpc_addr="off", idle_timeout=0.3) as b:
+        async with (
+            raw_connection(b.http_addresses[0]) as idle,
+            raw_connection(b.http_addresses[0]) as polling,
+        ):
+            await idle.send(request("POST", "/jobs", _json({"payload": 1})))
+            assert (await idle.response()).status == 201
+            await polling.send(request("GET", "/jobs/next?wait_ms=1000&queue=none-yet"))
+            assert await idle.closed(timeout=3)
+            # The long-poll outlived the idle time-out: nothing times out while it is answered.
+            assert (await polling.response()).status == 204
+
+
+async def test_a_client_that_goes_away_mid_body_enqueues_nothing(broker: Broker) -> None:
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(
+            b'POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: 100\r\n\r\n{"payload":'
+        )
+    await asyncio.sleep(0.05)
+    stats = (await send(broker, "GET", "/stats")).json()
+    assert (stats["ready"], stats["totals"]["enqueued"]) == (0, 0)
+
+
+async def test_a_long_poll_whose_client_went_away_is_handed_nothing(broker: Broker) -> None:
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(request("GET", "/jobs/next?wait_ms=10000&queue=gone"))
+        await wait_until(lambda: broker.service.parked_polls == 1, what="the poll to park")
+    await wait_until(lambda: broker.service.parked_polls == 0, what="the poll to leave")
+    await send(broker, "POST", "/jobs", _json({"payload": 1, "queue": "gone"}))
+    answer = await send(broker, "GET", "/jobs/next?wait_ms=0&queue=gone")
+    assert answer.status == 200
+    assert answer.json()["task"]["attempts"] == 1  # the first to be handed it
+
+
+async def test_a_flood_of_pipelined_requests_is_answered_in_order(broker: Broker) -> None:
+    n = 400
+    data = b"".join(request("POST", "/jobs", _json({"payload": i})) for i in range(n))
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(data)
+        ids = [(await conn.response()).json()["id"] for _ in range(n)]
+    assert len(set(ids)) == n
+    got = []
+    for _ in range(n):
+        answer = await send(broker, "GET", "/jobs/next?wait_ms=0")
+        got.append(answer.json()["task"]["payload"])
+    assert got == list(range(n))
+
+
+async def test_a_client_that_reads_no_answers_is_not_buffered_without_end(
+    broker: Broker,
+) -> None:
+    """Pipelined requests from a client that reads nothing: once its answers wait to be
+    written, the lane stops reading (rather than parsing, and answering, without end), so the
+    client's own writes stop going out; and the broker serves others meanwhile."""
+    one = request("GET", "/jobs/next?wait_ms=0&queue=nothing-here")
+    host, _, port = address(broker).rpartition(":")
+    _, writer = await asyncio.open_connection(host, int(port))
+    sent = 0
+
+    async def flood() -> None:
+        nonlocal sent
+        while sent < 50_000_000:
+            writer.write(one * 1000)
+            await writer.drain()
+            sent += 1000 * len(one)
+
+    try:
+        done, _ = await asyncio.wait([asyncio.ensure_future(flood())], timeout=3)
+        assert not done  # held back: the broker stopped reading
+        assert sent < 20_000_000, sent  # what the sockets' buffers hold, give or take
+        assert (await send(broker, "GET", "/healthz")).status == 200
+    finally:
+        writer.transport.abort()
+
+
+async def test_an_application_with_another_middleware_is_served_all_aiohttps_way() -> None:
+    from aiohttp import web as aioweb
+
+    from wqbroker.clock import FakeClock
+    from wqbroker.http import create_app, make_runner
+    from wqbroker.service import Service
+    from wqbroker.store.memory import MemoryStore
+
+    seen: list[str] = []
+
+    @aioweb.middleware
+    async def note(
+        request: aioweb.Request,
+        handler: Callable[[aioweb.Request], Awaitable[aioweb.StreamResponse]],
+    ) -> aioweb.StreamResponse:
+        seen.append(request.path)
+        return await handler(request)
+
+    app = create_app(Service(MemoryStore(), FakeClock()))
+    app.middlewares.append(note)
+    runner = make_runner(app)
+    await runner.setup()
+    try:
+        site = aioweb.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        answer = await exchange(f"{host}:{port}", request("POST", "/jobs", _json({"payload": 1})))
+        assert answer.status == 201
+        assert seen == ["/jobs"]  # the added middleware saw it: the lane did not take it
+    finally:
+        await runner.cleanup()
+
+
+async def test_the_broker_stops_with_connections_in_the_lane() -> None:
+    async with running_broker(grpc_addr="off") as b:
+        idle = raw_connection(b.http_addresses[0])
+        conn = await idle.__aenter__()
+        await conn.send(request("POST", "/jobs", _json({"payload": 1})))
+        assert (await conn.response()).status == 201
+        polling = raw_connection(b.http_addresses[0])
+        poll = await polling.__aenter__()
+        await poll.send(request("GET", "/jobs/next?wait_ms=30000&queue=later"))
+        await wait_until(lambda: b.service.parked_polls == 1, what="the poll to park")
+    # Stopped: the parked poll was answered (nothing came), both connections closed.
+    assert (await poll.response()).status == 204
+    assert await conn.closed(timeout=5)
+    assert await poll.closed(timeout=5)
+    await idle.__aexit__(None, None, None)
+    await polling.__aexit__(None, None, None)

@@ -1,0 +1,820 @@
+"""The fast lane: the requests producers and workers make all day, served without aiohttp's
+per-request machinery, and every other request handed to aiohttp.
+
+Each HTTP connection starts with a :class:`FastProtocol`. It reads each request's head itself,
+strictly (a request line and header lines of printable ASCII, nothing a parser could read two
+ways), and:
+
+- **serves it** if it is one of the hot requests in its plain form: HTTP/1.1 ``POST /jobs``,
+  ``POST /jobs/batch``, ``GET /jobs/next``, ``POST /jobs/{id}/ack|nack|extend`` with an id of
+  letters, digits, ``_``, ``-`` and ``~``, a query of such characters (plus ``.`` and ``,``), a
+  body of at most the limit by ``Content-Length``, and none of ``Expect``,
+  ``Content-Encoding``, ``Transfer-Encoding`` or ``Upgrade``. The answer is the very one
+  aiohttp's way gives (``app.py`` does the work for both; ``tests/test_http_fast.py`` sends
+  each case both ways and compares the bytes): the token check, the errors as JSON, the
+  metrics, the time-outs, keep-alive and ``Connection: close``, pipelining in order;
+- **passes it to aiohttp**, for this request only, if its head reads cleanly but it is anything
+  else (another route or method, HTTP/1.0, a percent-encoded path, a body over the limit, a
+  compressed one, ``Expect``, a token the check refuses): an aiohttp handler of the connection
+  (``server.Protocol``) is given exactly that request's bytes, answers it, and says when it is
+  done; the fast lane then goes on with what follows;
+- **hands the connection to aiohttp for good** if the head cannot be read that strictly, or its
+  end cannot be known without a parser's judgement (``Transfer-Encoding``, ``Content-Length``
+  twice or unreadable, ``Upgrade``, a head over 8 KiB): from that request on, aiohttp reads the
+  bytes and answers as it always has (with the JSON errors of ``server.py``).
+
+A lane request's body is read whole before its handler runs (aiohttp's handlers read theirs
+first thing); one that does not come within the body time-out gets 408 and the connection is
+closed, as aiohttp's way does. A route that reads no body (ack, extend, a claim) with a body still
+to come is passed to aiohttp, which answers at once and skips it. Time-outs (head, body, idle)
+are kept by one timer per connection, re-armed only when it fires early.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Final
+
+from aiohttp import web
+from aiohttp.helpers import rfc822_formatted_time
+from aiohttp.http import SERVER_SOFTWARE
+from aiohttp.tcp_helpers import tcp_keepalive
+
+from wqbroker.auth import Tokens, http_rule
+from wqbroker.errors import WqError
+from wqbroker.http import core as routes
+from wqbroker.http.auth import one_authorization
+from wqbroker.http.transport import error_body, header_timeout_answer
+from wqbroker.metrics import Metrics
+from wqbroker.models import Delivery
+from wqbroker.service import Service
+
+if TYPE_CHECKING:
+    from wqbroker.http.server import Protocol
+
+log = logging.getLogger("wqbroker.http")
+
+# A head longer than this is aiohttp's to judge (its limit is 8190 bytes a line: no line of a
+# head this long can be over it).
+MAX_HEAD: Final = 8190
+# A request with more header lines than this is aiohttp's to refuse (its own limit).
+MAX_HEADERS: Final = 128
+# Requests read ahead of the one being answered before reading stops (pipelining).
+MAX_PIPELINED: Final = 16
+
+_TOKEN: Final = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+# A head read strictly: a request line, then header lines of printable ASCII (no obs-fold, no
+# bare CR or LF, no control bytes, no bytes above 0x7E).
+_HEAD: Final = re.compile(
+    rb"(" + _TOKEN + rb") ([!-~]*) HTTP/1\.([01])((?:\r\n" + _TOKEN + rb":[\t -~]*)*)"
+)
+# What the bytes of a head not yet all in may be, as far as they go: a request line, header lines,
+# and the start of the next line (a parser says at once what is wrong with anything else).
+_REQUEST_LINE: Final = re.compile(rb"(?:" + _TOKEN + rb") [!-~]* HTTP/1\.[01]")
+_HEADER_LINE: Final = re.compile(_TOKEN + rb":[\t -~]*")
+_VERSION_START: Final = rb"(?:H(?:T(?:T(?:P(?:/(?:1(?:\.[01]?)?)?)?)?)?)?)?"  # of "HTTP/1.x"
+_LINE_START: Final = re.compile(
+    rb"[!#$%&'*+.^_`|~0-9A-Za-z-]*(?: [!-~]*(?: " + _VERSION_START + rb")?)?\r?"
+)
+_HEADER_START: Final = re.compile(rb"(?:[!#$%&'*+.^_`|~0-9A-Za-z-]+(?::[\t -~]*)?)?\r?")
+
+
+def _could_be_head(data: bytes) -> bool:
+    """Whether ``data`` (no end of head in it yet) may be the start of a head read strictly."""
+    lines = data.split(b"\r\n")
+    if len(lines) == 1:
+        return _LINE_START.fullmatch(lines[0]) is not None
+    if _REQUEST_LINE.fullmatch(lines[0]) is None:
+        return False
+    if any(_HEADER_LINE.fullmatch(line) is None for line in lines[1:-1]):
+        return False
+    return _HEADER_START.fullmatch(lines[-1]) is not None
+
+
+_PLAIN: Final = {
+    ("POST", "/jobs"): "/jobs",
+    ("POST", routes.BATCH_ROUTE): routes.BATCH_ROUTE,
+    ("GET", "/jobs/next"): "/jobs/next",
+}
+_TASK_ROUTE: Final = re.compile(r"/jobs/([A-Za-z0-9_~-]+)/(ack|nack|extend)")
+_PARAM: Final = r"[A-Za-z0-9_.~-]+=[A-Za-z0-9_.,~-]*"  # (nothing a URL parser would decode)
+_QUERY: Final = re.compile(f"{_PARAM}(?:&{_PARAM})*")
+# Headers aiohttp refuses to see twice in a request (its parser's list).
+_SINGLETONS: Final = frozenset(
+    {
+        b"content-length",
+        b"content-location",
+        b"content-range",
+        b"content-type",
+        b"etag",
+        b"host",
+        b"max-forwards",
+        b"server",
+        b"transfer-encoding",
+        b"user-agent",
+    }
+)
+# Answers after which the connection is closed (a body not read to its end behind them).
+_CLOSING: Final = frozenset({408, 413, 415, 417})
+
+
+@dataclass(frozen=True, slots=True)
+class Lane:
+    """What the fast lane serves with (the application's own: ``app.create_app`` makes it)."""
+
+    service: Service
+    metrics: Metrics
+    tokens: Tokens | None
+    max_body: int
+    read_body_timeout: float
+    # The application's own middleware: the lane does what it does, and serves only while the
+    # application has no other (one added would be bypassed), nor a response hook.
+    middleware: object
+
+    def serves(self, app: web.Application) -> bool:
+        return list(app.middlewares) == [self.middleware] and not app.on_response_prepare
+
+
+LANE: Final = web.AppKey("lane", Lane)
+
+
+class _Request:
+    """A request the lane serves."""
+
+    __slots__ = (
+        "method",
+        "route",
+        "task_id",
+        "params",
+        "keys",
+        "auth",
+        "close",
+        "body",
+        "left",
+        "head_at",
+    )
+
+    def __init__(
+        self,
+        method: str,
+        route: str,
+        task_id: str | None,
+        params: dict[str, list[str]],
+        keys: list[str],
+        auth: list[str],
+        close: bool,
+        length: int,
+    ) -> None:
+        self.method = method
+        self.route = route  # as registered: /jobs/{id}/ack
+        self.task_id = task_id
+        self.params = params
+        self.keys = keys  # the Idempotency-Key headers
+        self.auth = auth  # the Authorization headers
+        self.close = close  # the client asked for Connection: close
+        self.body = bytearray()
+        self.left = length  # body bytes still to come
+        self.head_at = 0.0  # when its head was in (its body is due a time-out after)
+
+    def param(self, name: str) -> str | None:
+        return routes.one_value(name, self.params.get(name, ()))
+
+
+class _Passed:
+    """A request passed to aiohttp: its bytes, and how many of its body's are still to come."""
+
+    __slots__ = ("raw", "left", "active")
+
+    def __init__(self, head: bytes, length: int) -> None:
+        self.raw = bytearray(head)
+        self.left = length
+        self.active = False  # its bytes are being given to aiohttp (the rest as they come)
+
+
+_Item = _Request | _Passed
+
+
+def _reason(status: int) -> str:
+    return HTTPStatus(status).phrase
+
+
+_OK_REASONS: Final = {200: "OK", 201: "Created"}
+_SERVER: Final = f"Server: {SERVER_SOFTWARE}\r\n\r\n".encode()
+_CLOSE_SERVER: Final = f"Server: {SERVER_SOFTWARE}\r\nConnection: close\r\n\r\n".encode()
+
+
+def render(
+    status: int, body: bytes | None, close: bool, headers: tuple[tuple[str, str], ...] = ()
+) -> bytes:
+    """An answer's bytes, as aiohttp writes them for the handlers' answers (``transport.Answer``
+    for 200, 201 and 204; aiohttp's own way, with the error's headers after Content-Length, for
+    the others)."""
+    tail = _CLOSE_SERVER if close else _SERVER
+    if body is None:  # 204
+        return f"HTTP/1.1 204 No Content\r\nDate: {rfc822_formatted_time()}\r\n".encode() + tail
+    reason = _OK_REASONS.get(status) or _reason(status)
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}Date: {rfc822_formatted_time()}\r\n"
+    )
+    return head.encode() + tail + body
+
+
+class _Fields:
+    """What the lane reads of a request's header lines."""
+
+    __slots__ = ("length", "lengths", "close", "keys", "auth", "hosts", "plain", "for_good", "seen")
+
+    def __init__(self) -> None:
+        self.length: int | None = 0  # Content-Length (None: unreadable)
+        self.close = False  # Connection: close
+        self.keys: list[str] = []  # Idempotency-Key
+        self.auth: list[str] = []  # Authorization
+        self.hosts = 0
+        self.plain = True  # nothing in them that is aiohttp's to deal with
+        self.for_good = False  # ... nor to read the rest of the connection from
+        self.seen: set[bytes] = set()  # the singletons seen
+
+    def add(self, name: bytes, raw: bytes) -> None:
+        if name in _SINGLETONS:
+            if name in self.seen:
+                self.plain = False
+                if name in (b"content-length", b"transfer-encoding"):
+                    self.for_good = True
+            self.seen.add(name)
+        reader = _READERS.get(name)  # (the headers the lane looks at; any other is let be)
+        if reader is not None:
+            reader(self, raw.strip(b" \t"))
+
+    def _length(self, value: bytes) -> None:
+        self.length = int(value) if value.isdigit() else None
+
+    def _host(self, value: bytes) -> None:
+        self.hosts += 1
+
+    def _connection(self, value: bytes) -> None:
+        self.close = self.close or b"close" in [t.strip().lower() for t in value.split(b",")]
+
+    def _authorization(self, value: bytes) -> None:
+        self.auth.append(value.decode("ascii"))
+
+    def _key(self, value: bytes) -> None:
+        self.keys.append(value.decode("ascii"))
+
+    def _switch(self, value: bytes) -> None:
+        self.for_good = True  # Transfer-Encoding, Upgrade: where the request ends, or what follows
+
+    def _aiohttps(self, value: bytes) -> None:
+        self.plain = False  # Content-Encoding, Expect, Sec-WebSocket-Key1: aiohttp's rules
+
+
+# The headers the lane looks at (lower case), and what it does with each; any other is let be.
+_READERS: Final[dict[bytes, Callable[[_Fields, bytes], None]]] = {
+    b"content-length": _Fields._length,
+    b"host": _Fields._host,
+    b"connection": _Fields._connection,
+    b"authorization": _Fields._authorization,
+    b"idempotency-key": _Fields._key,
+    b"transfer-encoding": _Fields._switch,
+    b"upgrade": _Fields._switch,
+    b"content-encoding": _Fields._aiohttps,
+    b"expect": _Fields._aiohttps,
+    b"sec-websocket-key1": _Fields._aiohttps,
+}
+
+
+class _BodyLate(Exception):
+    """The body time-out ran out."""
+
+
+# Routes whose handler reads the body (the others answer without it).
+_READS_BODY: Final = frozenset({"/jobs", routes.BATCH_ROUTE, "/jobs/{id}/nack"})
+
+
+class FastProtocol(asyncio.Protocol):
+    """One HTTP connection, served by the fast lane while its requests are the hot ones (see the
+    module's text). ``slow`` makes the aiohttp handler that requests are passed to."""
+
+    def __init__(
+        self,
+        lane: Lane,
+        slow: Callable[[FastProtocol], Protocol],
+        *,
+        loop: asyncio.AbstractEventLoop,
+        read_header_timeout: float,
+        idle_timeout: float,
+        connections: set[FastProtocol],
+    ) -> None:
+        self._lane = lane
+        self._make_slow = slow
+        self._loop = loop
+        self._header_timeout = read_header_timeout
+        self._idle_timeout = idle_timeout
+        self._connections = connections
+        # Bytes buffered beyond this (a body not yet passed on, what aiohttp is to read) stop
+        # the reading until they are dealt with.
+        self._max_buffered = lane.max_body + 2 * MAX_HEAD
+        self._transport: asyncio.Transport | None = None
+        self._buf = bytearray()  # read, not yet parsed
+        self._pending: deque[_Item] = deque()  # parsed, not yet answered (the first: now)
+        self._open: _Item | None = None  # the last of them, while its body is still to come
+        self._for_good: bytearray | None = None  # the bytes from which aiohttp reads on its own
+        self._slow: Protocol | None = None
+        self._slow_done: asyncio.Future[None] | None = None
+        self._server: asyncio.Task[None] | None = None  # the task answering, while it runs
+        self._wake: asyncio.Future[None] | None = None  # it waits for a request
+        self._body_wait: asyncio.Future[None] | None = None  # it waits for a body
+        self._writing_paused = False
+        self._drain: asyncio.Future[None] | None = None
+        self._reading_paused = False
+        self._closed = False
+        self._stopping = False  # the server stops: no request after the one being answered
+        # The time-outs (one timer): when the connection times out (None: never, while a request
+        # is answered), and what it then does.
+        self._due: float | None = None
+        self._timeout = "head"
+        self._timer: asyncio.TimerHandle | None = None
+        self._head_from = 0.0  # the first byte of the head awaited (or the connection's start)
+
+    # -- asyncio's calls -----------------------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]  # (a stream's transport)
+        tcp_keepalive(self._transport)  # type: ignore[arg-type]
+        self._connections.add(self)
+        self._head_from = self._loop.time()  # the first request's head is due from now
+        self._timeout = "head"
+        self._set_due(self._head_from + self._header_timeout)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closed or self._stopping:
+            return
+        if not self._buf and self._timeout == "idle":
+            self._head_from = self._loop.time()  # the first byte of the next request
+        if self._open is not None:
+            data = self._fill(self._open, data)
+        if self._for_good is not None:
+            self._for_good += data
+        elif data:
+            self._buf += data
+            self._read()
+        self._flow()
+        self._watch()
+
+    def eof_received(self) -> bool | None:
+        return None  # (the transport closes, as aiohttp's does)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._closed = True
+        self._connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._server is not None:
+            self._server.cancel()  # a long-poll leaves its line (a store call runs to its end)
+        for waiter in (self._drain, self._slow_done):
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(ConnectionResetError("the connection was lost"))
+                waiter.exception()
+        if self._slow is not None:
+            self._slow.connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+        if self._slow is not None:
+            self._slow.pause_writing()
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        if self._slow is not None:
+            self._slow.resume_writing()
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _fill(self, item: _Item, data: bytes) -> bytes:
+        """Give ``item`` the body bytes of ``data`` it still waits for; the rest of ``data``."""
+        take = data[: item.left]
+        item.left -= len(take)
+        if isinstance(item, _Request):
+            item.body += take
+        elif item.active:
+            assert self._slow is not None
+            self._slow.data_received(take)
+        else:
+            item.raw += take
+        if item.left == 0:
+            self._open = None
+            if self._pending and item is self._pending[0]:
+                self._wake_body()
+        return data[len(take) :]
+
+    def _read(self) -> None:
+        """Parse the requests whose heads are in (up to MAX_PIPELINED waiting), until one's body
+        is still to come."""
+        buf = self._buf
+        pending = self._pending
+        while buf and self._open is None and self._for_good is None:
+            if len(pending) >= MAX_PIPELINED:
+                break  # (parsed on as answers go out)
+            end = buf.find(b"\r\n\r\n", 0, MAX_HEAD + 4)
+            if end < 0:
+                if len(buf) > MAX_HEAD or not _could_be_head(bytes(buf)):
+                    self._give_up()  # (aiohttp says what is wrong with it, now)
+                break
+            item = self._item(bytes(buf[:end]), len(buf) - end - 4)
+            if item is None:
+                self._give_up()
+                break
+            del buf[: end + 4]
+            if item.left:
+                rest = self._fill(item, bytes(buf))
+                buf[:] = rest
+                if item.left:
+                    self._open = item
+            pending.append(item)
+            self._head_from = self._loop.time()
+        if pending or self._for_good is not None:
+            self._start()
+
+    def _give_up(self) -> None:
+        """From the request at the head of the buffer on, the connection is aiohttp's (once the
+        requests before it are answered)."""
+        self._for_good = bytearray(self._buf)
+        self._buf.clear()
+
+    def _item(self, head: bytes, buffered: int) -> _Item | None:
+        """What to do with the request of this head (``buffered``: the bytes in after it): serve
+        it (a _Request), pass it to aiohttp (a _Passed), or (None) leave the connection to
+        aiohttp from it on."""
+        match = _HEAD.fullmatch(head)
+        if match is None:
+            return None
+        method, target, minor, lines = match.groups()
+        headers = lines.split(b"\r\n")[1:] if lines else []
+        fields = _Fields()
+        for line in headers:
+            name, _, value = line.partition(b":")
+            fields.add(name.lower(), value)
+        if fields.for_good or fields.length is None:
+            return None  # where the request ends (or what follows) is a parser's judgement
+        length = fields.length
+        # What aiohttp refuses or treats its own way (a request without Host, too many headers,
+        # a header twice that may be there once, an Expect, a Content-Encoding) is its to answer.
+        plain = minor == b"1" and fields.plain and fields.hosts == 1 and len(headers) <= MAX_HEADERS
+        request = self._request(method, target, length) if plain else None
+        if (
+            request is None
+            or (length > buffered and request.route not in _READS_BODY)
+            or not self._admitted(request, fields.auth)
+        ):
+            # (A route that reads no body answers at once aiohttp's way, and skips the body.)
+            return _Passed(head + b"\r\n\r\n", length)
+        request.keys, request.auth, request.close = fields.keys, fields.auth, fields.close
+        return request
+
+    def _request(self, method_bytes: bytes, target_bytes: bytes, length: int) -> _Request | None:
+        """The request, if its method, target and length are ones the lane serves."""
+        if length > self._lane.max_body:
+            return None  # (aiohttp answers 413 and closes)
+        method = method_bytes.decode("ascii")
+        path, _, query = target_bytes.decode("ascii").partition("?")
+        task_id = None
+        route = _PLAIN.get((method, path))
+        if route is None:
+            task = _TASK_ROUTE.fullmatch(path) if method == "POST" else None
+            if task is None:
+                return None
+            task_id = task[1]
+            route = _TASK_ROUTES[task[2]]
+        params: dict[str, list[str]] = {}
+        if query:
+            if _QUERY.fullmatch(query) is None:
+                return None
+            for part in query.split("&"):
+                name, _, value = part.partition("=")
+                params.setdefault(name, []).append(value)
+        return _Request(method, route, task_id, params, [], [], False, length)
+
+    def _admitted(self, request: _Request, auth: list[str]) -> bool:
+        """Whether the token lets the request through (a refusal is aiohttp's to answer, with
+        the request's body, read or not, dealt with as aiohttp deals with it)."""
+        tokens = self._lane.tokens
+        if tokens is None:
+            return True
+        rule = http_rule(request.method, request.route)
+        try:
+            tokens.check(one_authorization(auth), rule, f"{request.method} {request.route}")
+        except WqError:
+            return False
+        return True
+
+    def _flow(self) -> None:
+        """Stop reading while too much is buffered or waiting; go on once it is not."""
+        transport = self._transport
+        if transport is None or self._closed:
+            return
+        held = len(self._buf) + (len(self._for_good) if self._for_good is not None else 0)
+        if isinstance(self._open, _Passed) and not self._open.active:
+            held += len(self._open.raw)
+        stop = held > self._max_buffered or len(self._pending) >= MAX_PIPELINED
+        if stop and not self._reading_paused:
+            self._reading_paused = True
+            transport.pause_reading()
+        elif not stop and self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+
+    # -- answering -----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._server is None:
+            self._server = self._loop.create_task(self._serve())
+        elif self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def _wake_body(self) -> None:
+        if self._body_wait is not None and not self._body_wait.done():
+            self._body_wait.set_result(None)
+
+    async def _serve(self) -> None:
+        """Answer the requests parsed, in order; then hand the connection over if it is to be."""
+        pending = self._pending
+        try:
+            while not self._closed:
+                if not pending:
+                    if self._for_good is not None:
+                        self._hand_over()
+                        return
+                    self._wake = self._loop.create_future()
+                    try:
+                        await self._wake
+                    finally:
+                        self._wake = None
+                    continue
+                item = pending[0]
+                if isinstance(item, _Passed):
+                    await self._pass(item)
+                else:
+                    await self._answer(item)
+                pending.popleft()
+                if self._stopping:
+                    self._close()
+                if self._closed:
+                    return
+                self._head_from = self._loop.time()  # (a head begun meanwhile: from now)
+                if self._buf and self._open is None:
+                    self._read()  # what waited behind the queue
+                self._flow()
+                self._watch()
+        except ConnectionError:
+            self._close()
+        finally:
+            self._server = None
+
+    async def _pass(self, item: _Passed) -> None:
+        """Have aiohttp answer the request (its bytes as they come), and wait until it has."""
+        slow = self._slow_handler()
+        self._slow_done = self._loop.create_future()
+        item.active = True
+        raw, item.raw = item.raw, bytearray()
+        slow.data_received(bytes(raw))
+        try:
+            await self._slow_done
+        finally:
+            self._slow_done = None
+        while item.left and not self._closed:  # the body aiohttp did not wait for
+            await self._body_ready()
+
+    def _slow_handler(self) -> Protocol:
+        slow = self._slow
+        if slow is None:
+            slow = self._slow = self._make_slow(self)
+            slow.connection_made(self._transport)  # type: ignore[arg-type]
+            if self._writing_paused:
+                slow.pause_writing()
+        return slow
+
+    def slow_done(self) -> None:
+        """aiohttp has answered the request passed to it (``server.Protocol`` says so)."""
+        if self._slow_done is not None and not self._slow_done.done():
+            self._slow_done.set_result(None)
+
+    def _hand_over(self) -> None:
+        """Give the connection to aiohttp for good, with the bytes it is to read from."""
+        transport = self._transport
+        rest, self._for_good = self._for_good or bytearray(), None
+        if transport is None or self._closed:
+            return
+        slow = self._slow_handler()
+        self._closed = True  # (nothing more of this connection is the lane's)
+        self._connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        slow.take_over()
+        transport.set_protocol(slow)
+        if self._reading_paused:
+            self._reading_paused = False
+            transport.resume_reading()
+        if rest:
+            slow.data_received(bytes(rest))
+
+    async def _body_ready(self) -> None:
+        self._body_wait = self._loop.create_future()
+        self._watch()
+        try:
+            await self._body_wait
+        finally:
+            self._body_wait = None
+
+    async def _answer(self, request: _Request) -> None:
+        lane = self._lane
+        status = 500
+        close = request.close
+        counted = True
+        try:
+            try:
+                if request.left:
+                    request.head_at = self._head_from
+                    while request.left:
+                        await self._body_ready()
+                status, body = await self._handle(request)
+                if body is not None or status == 204:
+                    await self._write(render(status, body, close))
+            except asyncio.CancelledError:
+                counted = False  # (the client went away: aiohttp's way counts nothing either)
+                raise
+            except ConnectionError:
+                raise
+            except Exception as e:
+                status, message, headers = self._failed(request, e)
+                close = close or status == 408
+                await self._write(render(status, error_body(message), close, headers))
+        finally:
+            if counted:
+                lane.metrics.count_answer(request.method, request.route, status)
+        if close or status in _CLOSING:
+            self._close()
+
+    def _failed(
+        self, request: _Request, error: Exception
+    ) -> tuple[int, str, tuple[tuple[str, str], ...]]:
+        """The answer to an error: its status, message and the headers it calls for."""
+        if isinstance(error, WqError):
+            status, headers = routes.error_parts(error)
+            return status, error.message, headers
+        if isinstance(error, _BodyLate):
+            ms = round(self._lane.read_body_timeout * 1000)
+            return 408, f"request body not received within {ms} ms", ()
+        log.error("unexpected error in %s %s", request.method, request.route, exc_info=error)
+        return 500, "internal error", ()
+
+    async def _handle(self, request: _Request) -> tuple[int, bytes | None]:
+        """The route's work: the answer's status and body (None: no body, or written already)."""
+        service = self._lane.service
+        route = request.route
+        if route == "/jobs":
+            key = routes.idempotency_key(request.keys)
+            return await routes.enqueue_answer(service, bytes(request.body), key)
+        if route == "/jobs/next":
+            return await self._claim(request)
+        if route == routes.BATCH_ROUTE:
+            body = bytes(request.body)
+            return 201, await routes.enqueue_batch_answer(service, body, bool(request.keys))
+        task_id = request.task_id
+        assert task_id is not None
+        lease_id = routes.required_lease_id(request.param("lease_id"))
+        if route == _ACK:
+            await service.ack(task_id, lease_id)
+            return 204, None
+        if route == _NACK:
+            await routes.nack_task(service, task_id, lease_id, bytes(request.body))
+            return 204, None
+        lease_ms = routes.int_value("lease_ms", request.param("lease_ms"))
+        return 200, await routes.extend_answer(service, task_id, lease_id, lease_ms)
+
+    async def _claim(self, request: _Request) -> tuple[int, bytes | None]:
+        written = False
+
+        async def hand_over(delivery: Delivery) -> None:
+            # Written here, before the service lets go of the task: if the client is gone or
+            # the answer cannot be written, nobody saw the task and the service hands it back.
+            nonlocal written
+            await self._write(render(200, routes.render_delivery(delivery), request.close))
+            written = True
+
+        await self._lane.service.claim(
+            routes.int_value("wait_ms", request.param("wait_ms")),
+            routes.int_value("lease_ms", request.param("lease_ms")),
+            hand_over,
+            queues=request.param("queue"),
+        )
+        return (200, None) if written else (204, None)
+
+    async def _write(self, data: bytes) -> None:
+        transport = self._transport
+        if transport is None or self._closed or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        transport.write(data)
+        if self._writing_paused:
+            self._drain = self._loop.create_future()
+            try:
+                await self._drain
+            finally:
+                self._drain = None
+
+    def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            if self._transport is not None:
+                self._transport.close()
+
+    def close_when_done(self) -> None:
+        """Take no further request: close once the one being answered is (at once if none)."""
+        self._stopping = True
+        if not self._pending or self._server is None:
+            self._close()
+
+    async def shutdown(self, timeout: float | None) -> None:
+        """The server stops: let the request being answered finish (within ``timeout``
+        seconds), then close."""
+        server = self._server
+        if server is not None and self._pending:
+            try:
+                await asyncio.wait_for(asyncio.shield(server), timeout)
+            except Exception:  # (a time-out, or however the request ended)
+                pass
+        self._close()
+
+    # -- time-outs -----------------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Set when the connection times out, for what it waits for now: a request's head, the
+        body of the request being answered, or (idle) the next request."""
+        if self._closed:
+            return
+        if self._pending:
+            front = self._pending[0]
+            if self._body_wait is not None and isinstance(front, _Request):
+                self._timeout = "body"
+                self._set_due(front.head_at + self._lane.read_body_timeout)
+            else:
+                self._due = None  # busy: no time-out while a request is answered
+        elif self._buf or self._for_good:
+            self._timeout = "head"
+            self._set_due(self._head_from + self._header_timeout)
+        else:
+            self._timeout = "idle"
+            self._set_due(self._loop.time() + self._idle_timeout)
+
+    def _set_due(self, due: float) -> None:
+        self._due = due
+        timer = self._timer
+        if timer is not None and timer.when() > due:  # sooner than the timer is set for
+            timer.cancel()
+            timer = None
+        if timer is None:
+            self._timer = self._loop.call_at(due, self._check)
+
+    def _check(self) -> None:
+        self._timer = None
+        due = self._due
+        if due is None or self._closed:
+            return
+        if self._loop.time() < due:  # the deadline moved later: wait for the new one
+            self._timer = self._loop.call_at(due, self._check)
+            return
+        self._loop.call_soon(self._time_out)  # (a head parsed in this very turn goes first)
+
+    def _time_out(self) -> None:
+        due, transport = self._due, self._transport
+        if due is None or self._closed or transport is None or self._loop.time() < due:
+            return
+        if self._timeout == "body":
+            if self._body_wait is not None and not self._body_wait.done():
+                self._body_wait.set_exception(_BodyLate())
+            return
+        peer = transport.get_extra_info("peername")
+        if self._timeout == "head":
+            transport.write(header_timeout_answer(self._header_timeout))
+            log.debug("closing the connection from %s: no request head in time", peer)
+        else:
+            log.debug("closing the idle connection from %s", peer)
+        self._close()
+
+
+_TASK_ROUTES: Final = {action: f"/jobs/{{id}}/{action}" for action in ("ack", "nack", "extend")}
+_ACK: Final = _TASK_ROUTES["ack"]
+_NACK: Final = _TASK_ROUTES["nack"]
