@@ -12,6 +12,7 @@ byte once ids, lease ids and times are put aside: status, headers in order and b
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -700,3 +701,100 @@ async def test_the_broker_stops_with_connections_in_the_lane() -> None:
     assert await poll.closed(timeout=5)
     await idle.__aexit__(None, None, None)
     await polling.__aexit__(None, None, None)
+
+
+@pytest.mark.parametrize("digits", [16, 5000])
+async def test_a_content_length_of_very_many_digits_is_aiohttps_to_refuse(
+    broker: Broker, digits: int
+) -> None:
+    data = b"POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: " + b"9" * digits + b"\r\n\r\n{}"
+    answer = await exchange(address(broker), data)
+    assert answer.status in (400, 413), answer
+    assert "error" in answer.json()
+    assert (await send(broker, "GET", "/healthz")).status == 200
+
+
+# -- the same bytes, the same answers -------------------------------------------------------------
+
+_POOL: list[bytes] = [
+    request("POST", "/jobs", _json({"payload": {"n": 1}})),
+    request("POST", "/jobs", b'{"payload": '),
+    request("POST", "/jobs", _json({"payload": 1, "priority": 42})),
+    request("POST", "/jobs/batch", _json({"tasks": [{"payload": 1}, {"payload": 2}]})),
+    request("GET", "/jobs/next?wait_ms=0"),
+    request("GET", "/jobs/next?wait_ms=zero"),
+    request("POST", "/jobs/0123456789abcdef/ack?lease_id=x"),
+    request("POST", "/jobs/0123456789abcdef/nack?lease_id=x", b"{not json"),
+    request("POST", "/jobs/0123456789abcdef/extend?lease_id=x&lease_ms=-1"),
+    request("GET", "/stats"),
+    request("GET", "/j%6Fbs/next?wait_ms=0"),
+    request("POST", "/jobs", _json({"payload": 1}), {"Connection": "close"}),
+    request("POST", "/jobs", _json({"payload": 1}), {"Content-Encoding": "gzip"}),
+    b"POST /jobs HTTP/1.0\r\nContent-Length: 14\r\n\r\n" + b'{"payload": 3}',
+    b"POST /jobs HTTP/1.1\r\nHost: wq\r\nTransfer-Encoding: chunked\r\n\r\n"
+    b'e\r\n{"payload": 4}\r\n0\r\n\r\n',
+]
+# What aiohttp's parser refuses: when that comes in the same read as requests before it, aiohttp
+# answers the 400 alone (the requests before are lost with it); the lane answers them first.
+# So it is sent last, on its own, after the others are read.
+_MALFORMED: list[bytes] = [
+    b"GET /stats HTTP/1.1\nHost: wq\n\n",
+    b"\x00\x01garbage\r\n\r\n",
+    b"POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n{}",
+]
+_CLOSING_PICKS = frozenset({11, 12, 13})  # Connection: close, a 415, HTTP/1.0 (in _POOL)
+
+
+async def _all_answers(addr: str, data: bytes, cuts: list[int], tail: bytes) -> list[Any]:
+    """Send ``data`` in pieces (cut at ``cuts``), then ``tail`` on its own; read every answer
+    until the connection ends or a second passes without one; their normal forms."""
+    answers: list[Any] = []
+    async with raw_connection(addr) as conn:
+        start = 0
+        for cut in [*sorted(set(cuts)), len(data)]:
+            if cut > start:
+                with contextlib.suppress(ConnectionError):
+                    await conn.send(data[start:cut])
+                await asyncio.sleep(0.001)
+                start = cut
+        if tail:
+            await asyncio.sleep(0.05)
+            with contextlib.suppress(ConnectionError):
+                await conn.send(tail)
+        while True:
+            try:
+                answer = await conn.response(timeout=1.0)
+            except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
+                break
+            answers.append(normal(answer))
+    return answers
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    picks=st.lists(st.integers(0, len(_POOL) - 1), min_size=1, max_size=6),
+    cuts=st.lists(st.integers(0, 4000), max_size=6),
+    tail=st.sampled_from([b"", *_MALFORMED]),
+)
+async def test_any_bytes_get_the_answers_aiohttp_alone_gives(
+    picks: list[int], cuts: list[int], tail: bytes
+) -> None:
+    """The same bytes, in the same pieces, to a broker with the fast lane and to one without it
+    (access logging on: every request is aiohttp's): the same answers, in the same order.
+
+    Nothing follows a request that ends the connection (``Connection: close``, HTTP/1.0): the
+    lane answers it and reads no further (RFC 9112, section 9.6), where aiohttp's parser
+    answers 400 when more bytes came in the same read as the request, and not otherwise."""
+    closing = [i for i, pick in enumerate(picks) if pick in _CLOSING_PICKS]
+    if closing:
+        picks, tail = picks[: closing[0] + 1], b""
+    data = b"".join(_POOL[i] for i in picks)
+    async with (
+        running_broker(grpc_addr="off") as lane,
+        running_broker(grpc_addr="off", access_log=True) as plain,
+    ):
+        got = await _all_answers(lane.http_addresses[0], data, cuts, tail)
+        expected = await _all_answers(plain.http_addresses[0], data, cuts, tail)
+    assert got == expected
