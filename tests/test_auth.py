@@ -334,7 +334,11 @@ class HttpCall:
         if "{name}" in self.route:
             return self.route.replace("{name}", "mail")
         if "{id}" not in self.route:
-            concrete = {"/jobs/next": "/jobs/next?wait_ms=0", "/ui/{file}": "/ui/app.js"}
+            concrete = {
+                "/jobs/next": "/jobs/next?wait_ms=0",
+                "/jobs/next/batch": "/jobs/next/batch?wait_ms=0",
+                "/ui/{file}": "/ui/app.js",
+            }
             return concrete.get(self.route, self.route)
         if self.route.startswith("/dlq/"):
             return self.route.replace("{id}", await _dead(root))
@@ -346,6 +350,8 @@ HTTP_CALLS = [
     HttpCall("POST", "/jobs", 201, {"payload": {"line": "hi"}}),
     HttpCall("POST", "/jobs/batch", 201, {"tasks": [{"payload": 1}, {"payload": 2}]}),
     HttpCall("GET", "/jobs/next", 204),
+    HttpCall("GET", "/jobs/next/batch", 204),
+    HttpCall("POST", "/jobs/settle", 200, {"acks": []}),
     HttpCall("POST", "/jobs/{id}/ack", 204),
     HttpCall("POST", "/jobs/{id}/nack", 204, {"error": "bad"}),
     HttpCall("GET", "/stats", 200),

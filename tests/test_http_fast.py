@@ -284,6 +284,34 @@ def settle(
     return case
 
 
+def claim_batch(query: str, tasks: int = 0) -> Case:
+    async def case(b: Broker, v: Variant) -> RawResponse:
+        queue = f"batch-{len(query)}-{tasks}"
+        for n in range(tasks):
+            await send(b, "POST", "/jobs", _json({"payload": n, "queue": queue}))
+        answer = await send(b, "GET", v("/jobs/next/batch") + f"?queue={queue}&wait_ms=0{query}")
+        # What is left goes too: the other variant finds the queue as this one did.
+        await send(b, "GET", f"/jobs/next/batch?queue={queue}&wait_ms=0&max=100")
+        return answer
+
+    case.__name__ = f"claim_batch{query}-{tasks}"
+    return case
+
+
+def settle_many(body: Callable[[str, str], Any]) -> Case:
+    """POST /jobs/settle with the body ``body(task_id, lease_id)`` makes of a task just claimed."""
+
+    async def case(b: Broker, v: Variant) -> RawResponse:
+        queue = f"settle-{tag(v)}"
+        await send(b, "POST", "/jobs", _json({"payload": 1, "queue": queue}))
+        task_id, lease_id = await claim(b, queue)
+        made = body(task_id, lease_id)
+        data = made if isinstance(made, bytes) else _json(made)
+        return await send(b, "POST", v("/jobs/settle"), data)
+
+    return case
+
+
 async def ack_unknown_task(b: Broker, v: Variant) -> RawResponse:
     return await send(b, "POST", v("/jobs/0123456789abcdef/ack") + "?lease_id=x")
 
@@ -333,6 +361,23 @@ CASES: list[Case] = [
     settle("extend", lease="nope"),
     ack_unknown_task,
     ack_without_lease,
+    claim_batch("&max=3", tasks=5),
+    claim_batch("&max=3", tasks=1),
+    claim_batch("&max=3"),
+    claim_batch("&max=0"),
+    claim_batch("&max=many"),
+    claim_batch("&max=2&max=3"),
+    claim_batch("&max=" + "9" * 30, tasks=2),
+    claim_batch("&lease_ms=5000", tasks=2),
+    settle_many(lambda t, lease: {"acks": [{"id": t, "lease_id": lease}]}),
+    settle_many(lambda t, lease: {"acks": [{"id": t, "lease_id": "x"}], "nacks": []}),
+    settle_many(lambda t, lease: {"nacks": [{"id": t, "lease_id": lease, "error": "e"}]}),
+    settle_many(lambda t, lease: {"nacks": [{"id": t, "lease_id": lease, "terminal": True}]}),
+    settle_many(lambda t, lease: {"acks": [{"id": t, "lease_id": lease}, {"id": t}]}),
+    settle_many(lambda t, lease: {"acks": {"id": t}}),
+    settle_many(lambda t, lease: {"acks": [], "nacks": [7]}),
+    settle_many(lambda t, lease: b"{not json"),
+    settle_many(lambda t, lease: b""),
 ]
 
 
@@ -374,6 +419,11 @@ async def test_the_hot_requests_never_reach_aiohttp(
     await send(broker, "POST", f"/jobs/{task_id}/nack?lease_id={lease_id}", b"{}")
     task_id, lease_id = await claim(broker)
     assert (await send(broker, "POST", f"/jobs/{task_id}/ack?lease_id={lease_id}")).status == 204
+    await enqueue(broker)
+    batch = (await send(broker, "GET", "/jobs/next/batch?wait_ms=0&max=5")).json()["deliveries"]
+    acks = [{"id": d["task"]["id"], "lease_id": d["lease_id"]} for d in batch]
+    settled = await send(broker, "POST", "/jobs/settle", _json({"acks": acks}))
+    assert settled.json() == {"acks": [None], "nacks": []}
     assert router_calls == []
     # Anything else goes aiohttp's way, unchanged.
     others = [
@@ -733,6 +783,9 @@ _POOL: list[bytes] = [
     b"POST /jobs HTTP/1.0\r\nContent-Length: 14\r\n\r\n" + b'{"payload": 3}',
     b"POST /jobs HTTP/1.1\r\nHost: wq\r\nTransfer-Encoding: chunked\r\n\r\n"
     b'e\r\n{"payload": 4}\r\n0\r\n\r\n',
+    request("GET", "/jobs/next/batch?wait_ms=0&max=3"),
+    request("POST", "/jobs/settle", _json({"acks": [{"id": "0123456789abcdef", "lease_id": "x"}]})),
+    request("POST", "/jobs/settle", _json({"nacks": [{"id": 1}]})),
 ]
 # What aiohttp's parser refuses: when that comes in the same read as requests before it, aiohttp
 # answers the 400 alone (the requests before are lost with it); the lane answers them first.

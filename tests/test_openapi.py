@@ -215,9 +215,11 @@ def integers_as_integers(case: Case) -> None:
     refuses it (as the document says in words): a body's integers are sent as integers."""
     if isinstance(case.body, dict):
         body = _integral(case.body)
-        tasks = body.get("tasks")
-        if isinstance(tasks, list):  # POST /jobs/batch: each task's too
-            body["tasks"] = [_integral(t) if isinstance(t, dict) else t for t in tasks]
+        # POST /jobs/batch: each task's too; POST /jobs/settle: each nack's.
+        for name in ("tasks", "nacks"):
+            items = body.get(name)
+            if isinstance(items, list):
+                body[name] = [_integral(t) if isinstance(t, dict) else t for t in items]
         case.body = body
 
 
@@ -229,7 +231,7 @@ def _integral(members: dict[str, Any]) -> dict[str, Any]:
 
 
 # Concrete paths that a templated one would also match: the concrete one is another operation.
-FIXED_WORDS = {"/jobs/{id}": ("next", "batch"), "/dlq/{id}": ("requeue",)}
+FIXED_WORDS = {"/jobs/{id}": ("next", "batch", "settle"), "/dlq/{id}": ("requeue",)}
 
 
 def not_another_operation(case: Case) -> None:
@@ -242,7 +244,7 @@ def not_another_operation(case: Case) -> None:
 
 def bound_the_wait(case: Case) -> None:
     """A claim's long poll cut to a few milliseconds (default 20 s, generated up to any size)."""
-    if case.operation.path != "/jobs/next":
+    if case.operation.path not in ("/jobs/next", "/jobs/next/batch"):
         return
     query = dict(case.query or {})
     wait = query.get("wait_ms", 0)

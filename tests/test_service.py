@@ -17,7 +17,7 @@ import pytest
 
 from tests.helpers import invariant_holds, settle, wait_until
 from wqbroker.clock import FakeClock
-from wqbroker.dispatch import Poller, Stream
+from wqbroker.dispatch import BatchPoller, Poller, Stream
 from wqbroker.errors import InvalidArgument, LeaseLost, NotFound, Overloaded
 from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, Stats, Task
 from wqbroker.service import Service, Submission
@@ -792,6 +792,7 @@ async def test_streams_and_parked_claims_share_tasks_fairly(service: Service) ->
     ids = []
     for n in range(5):
         ids.append((await service.enqueue(payload(n))).id)
+
         # Handed out before the next comes (on a shared store the hand-out runs in the background
         # and takes round trips: a few turns of the loop are not always enough under load).
         def all_out(s: Stats, count: int = n + 1) -> bool:
@@ -1519,3 +1520,151 @@ async def test_new_queues_past_the_limit_are_refused_and_existing_ones_still_wor
     service.max_queues = 0  # no limit
     await service.enqueue(PAYLOAD, queue="c")
     assert len(await service.queues()) == 4
+
+
+# -- batch claims (GET /jobs/next/batch) -----------------------------------------------------------
+
+
+async def park_batch(service: Service, **kw: Any) -> asyncio.Task[list[Delivery]]:
+    """Start a batch claim and let it park."""
+    before = service.waiting
+    task = asyncio.ensure_future(service.claim_batch(**kw))
+    await wait_until(lambda: task.done() or service.waiting > before, what="the claim to park")
+    assert not task.done(), "the claim should be parked, waiting for a task"
+    return task
+
+
+async def batch_answer(claim: asyncio.Task[list[Delivery]]) -> list[Delivery]:
+    await wait_until(claim.done, what="an answer")
+    return claim.result()
+
+
+async def test_a_batch_claim_takes_up_to_max_of_what_is_ready(service: Service) -> None:
+    ids = [e.id for e in await service.enqueue_many([Submission(payload(n)) for n in range(5)])]
+    got = await service.claim_batch(wait_ms=0, max_tasks=3)
+    assert [d.task.id for d in got] == ids[:3]
+    assert all(d.task.attempts == 1 for d in got)
+    assert len({d.lease_id for d in got}) == 3
+    rest = await service.claim_batch(wait_ms=0, max_tasks=10)
+    assert [d.task.id for d in rest] == ids[3:]
+    assert await service.claim_batch(wait_ms=0, max_tasks=10) == []
+    assert await gauges(service) == (0, 5, 0, 0)
+
+
+async def test_a_batch_claim_takes_by_priority_and_queue_order(service: Service) -> None:
+    low = (await service.enqueue(payload(1), queue="b")).id
+    high = (await service.enqueue(payload(2), queue="b", priority=9)).id
+    other = (await service.enqueue(payload(3), queue="a")).id
+    got = await service.claim_batch(wait_ms=0, max_tasks=5, queues="a,b")
+    assert [d.task.id for d in got] == [other, high, low]
+
+
+async def test_a_parked_batch_claim_takes_what_comes_with_the_first(service: Service) -> None:
+    claim = await park_batch(service, wait_ms=20_000, max_tasks=3)
+    ids = [e.id for e in await service.enqueue_many([Submission(payload(n)) for n in range(5)])]
+    got = await batch_answer(claim)
+    assert [d.task.id for d in got] == ids[:3]  # no more than max, in order
+    assert await gauges(service) == (2, 3, 0, 0)
+
+
+async def test_a_parked_batch_claim_answers_with_one_that_comes_alone(service: Service) -> None:
+    claim = await park_batch(service, wait_ms=20_000, max_tasks=10)
+    view = await service.enqueue(PAYLOAD)
+    got = await batch_answer(claim)
+    assert [d.task.id for d in got] == [view.id]  # it does not wait for company
+
+
+async def test_a_parked_batch_claim_times_out_with_none(service: Service, clock: FakeClock) -> None:
+    claim = await park_batch(service, wait_ms=1000, max_tasks=4)
+    clock.advance(1.0)
+    assert await wait_until(claim.done, what="the time-out")
+    assert claim.result() == []
+    assert service.waiting == 0
+
+
+async def test_a_cancelled_batch_claim_gives_back_what_it_was_handed(
+    service: Service, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    claim = await park_batch(service, wait_ms=20_000, max_tasks=5)
+    deliver = BatchPoller.deliver
+
+    def deliver_then_disconnect(self: BatchPoller, delivery: Delivery) -> None:
+        deliver(self, delivery)
+        claim.cancel()  # its client goes away as its tasks are handed to it
+
+    monkeypatch.setattr(BatchPoller, "deliver", deliver_then_disconnect)
+    ids = [e.id for e in await service.enqueue_many([Submission(payload(n)) for n in range(3)])]
+    await wait_until(claim.done, what="the claim to end")
+    assert claim.cancelled()
+    stats = await wait_until(service.stats, lambda s: s.ready == 3, what="the tasks back")
+    assert (stats.handed_out, stats.totals.delivered) == (0, 0)
+    again = await service.claim_batch(wait_ms=0, max_tasks=5)
+    assert [(d.task.id, d.task.attempts) for d in again] == [(i, 1) for i in ids]
+
+
+async def test_a_batch_claim_whose_answer_cannot_be_written_gives_all_back(
+    service: Service,
+) -> None:
+    ids = [e.id for e in await service.enqueue_many([Submission(payload(n)) for n in range(3)])]
+
+    async def broken(deliveries: list[Delivery]) -> None:
+        raise ConnectionResetError("the client went away")
+
+    assert await service.claim_batch(wait_ms=0, max_tasks=5, hand_over=broken) == []
+    stats = await wait_until(service.stats, lambda s: s.ready == 3, what="the tasks back")
+    assert stats.handed_out == 0
+    again = await service.claim_batch(wait_ms=0, max_tasks=5)
+    assert [d.task.id for d in again] == ids
+
+
+async def test_batch_claims_share_tasks_with_single_ones_in_turn(service: Service) -> None:
+    batch = await park_batch(service, wait_ms=20_000, max_tasks=2)
+    single = await park(service, wait_ms=20_000)
+    ids = [e.id for e in await service.enqueue_many([Submission(payload(n)) for n in range(3)])]
+    got = await batch_answer(batch)
+    one = await answer(single)
+    assert one is not None
+    # Round robin: the batch claim (first in line), then the single one, then the batch again.
+    assert [d.task.id for d in got] == [ids[0], ids[2]]
+    assert one.task.id == ids[1]
+
+
+@pytest.mark.parametrize("value", [0, -1, "3", True, 2.5])
+async def test_a_batch_claim_refuses_a_bad_max(service: Service, value: object) -> None:
+    with pytest.raises(InvalidArgument, match="max"):
+        await service.claim_batch(wait_ms=0, max_tasks=value)
+
+
+async def test_a_batch_claim_clamps_a_huge_max(service: Service) -> None:
+    await service.enqueue_many([Submission(payload(n)) for n in range(3)])
+    assert len(await service.claim_batch(wait_ms=0, max_tasks=10**30)) == 3
+
+
+async def test_a_closing_service_answers_parked_batch_claims_with_none(service: Service) -> None:
+    claim = await park_batch(service, wait_ms=20_000, max_tasks=3)
+    await service.close()
+    assert await wait_until(claim.done, what="an answer")
+    assert claim.result() == []
+    assert await service.claim_batch(wait_ms=20_000, max_tasks=3) == []
+
+
+# -- strict settles (POST /jobs/settle) ------------------------------------------------------------
+
+
+async def test_a_strict_settle_refuses_all_for_one_malformed(service: Service) -> None:
+    await service.enqueue_many([Submission(payload(n)) for n in range(2)])
+    a, b = await service.claim_batch(wait_ms=0, max_tasks=2)
+    with pytest.raises(InvalidArgument, match=r"^nacks\[0\]\.error must be a string"):
+        await service.settle_many(
+            [(a.task.id, a.lease_id)], [(b.task.id, b.lease_id, 12)], strict=True
+        )
+    with pytest.raises(InvalidArgument, match=r"^acks\[1\]\.lease_id must be a string"):
+        await service.settle_many([(a.task.id, a.lease_id), ("x", None)], [], strict=True)
+    assert await gauges(service) == (0, 2, 0, 0)  # nothing was settled
+    acked, nacked = await service.settle_many(
+        [(a.task.id, a.lease_id), (a.task.id, a.lease_id)], [(b.task.id, "other", "e")], strict=True
+    )
+    assert acked[0] is None
+    assert isinstance(acked[1], NotFound)  # settled once: a refusal, not a malformed one
+    assert isinstance(nacked[0], LeaseLost)
+    assert await gauges(service) == (0, 1, 0, 0)

@@ -60,6 +60,8 @@ SCOPES: Final[Mapping[str, Routes]] = {
             "POST /jobs/{id}/ack",
             "POST /jobs/{id}/nack",
             "POST /jobs/{id}/extend",
+            "GET /jobs/next/batch",
+            "POST /jobs/settle",
         ),
         grpc=(
             _BROKER + "NextJob",

@@ -36,6 +36,8 @@ RECLAIM_STREAM_ENDED: Final = "worker stream ended"
 #: Puts a delivery in the hands of its consumer (writes the answer). If it raises, nobody saw the
 #: task, and it is handed back.
 HandOver = Callable[[Delivery], Awaitable[None]]
+#: The same for a batch claim's deliveries, all at once.
+HandOverMany = Callable[[list[Delivery]], Awaitable[None]]
 
 # How many tasks the pump claims from the store in one call (one commit in a durable store).
 _PUMP_BATCH: Final = 128
@@ -104,6 +106,41 @@ class Poller(Consumer):
         self.closed = True
         if not self.future.done():
             self.future.set_result(None)
+
+
+class BatchPoller(Consumer):
+    """One long-polling claim of up to ``room`` tasks: its future is answered with the first
+    delivery, and the ones the same hand-out (or another before its caller runs) brings are
+    added to what it answered."""
+
+    __slots__ = ("future", "deliveries")
+
+    def __init__(
+        self,
+        lease: float,
+        future: asyncio.Future[list[Delivery]],
+        room: int,
+        queues: Queues = _DEFAULT_QUEUES,
+    ) -> None:
+        super().__init__(lease, room, queues)
+        self.future = future
+        self.deliveries: list[Delivery] = []
+
+    def gone(self) -> bool:
+        # Its future is cancelled once its caller went away (or done empty: timed out).
+        return (
+            self.closed or self.future.cancelled() or (self.future.done() and not self.deliveries)
+        )
+
+    def deliver(self, delivery: Delivery) -> None:
+        self.deliveries.append(delivery)
+        if not self.future.done():
+            self.future.set_result(self.deliveries)
+
+    def shutdown(self) -> None:
+        self.closed = True
+        if not self.future.done():
+            self.future.set_result([])
 
 
 class Stream(Consumer):
@@ -362,6 +399,85 @@ class Dispatcher:
         self._wake_by(delivery.deadline)
         return delivery if hand_over is None else await self._hand_over(delivery, hand_over)
 
+    async def claim_batch(
+        self,
+        wait: float,
+        lease: float,
+        count: int,
+        hand_over: HandOverMany | None = None,
+        queues: Queues = _DEFAULT_QUEUES,
+    ) -> list[Delivery]:
+        """Up to ``count`` ready tasks of ``queues``, waiting up to ``wait`` seconds for the
+        first (then as many as are ready with it: it does not wait for more); none if none
+        came. ``hand_over`` puts them in the consumer's hands, as for :meth:`claim` (if it
+        fails, all of them are handed back)."""
+        if self._closing:
+            return []
+        queued_behind = queues in self._lines
+        got = [] if queued_behind else await self._claim_now_many(lease, count, queues)
+        if not got and wait > 0:
+            got = await self._park_batch(wait, lease, count, queues)
+        if not got:
+            return []
+        self._wake_by(min(d.deadline for d in got))
+        return got if hand_over is None else await self._hand_over_many(got, hand_over)
+
+    async def _park_batch(
+        self, wait: float, lease: float, count: int, queues: Queues
+    ) -> list[Delivery]:
+        self._room_for_a_waiter()
+        future: asyncio.Future[list[Delivery]] = asyncio.get_running_loop().create_future()
+        poller = BatchPoller(lease, future, count, queues)
+        queued_behind = queues in self._lines
+        self._join(poller)
+        self._parked += 1
+        timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
+        try:
+            if queued_behind:
+                await self.pump(queues)
+            await future
+        except asyncio.CancelledError:
+            # The caller went away: whatever was handed to it meanwhile, nobody saw.
+            poller.closed = True
+            self.give_back_all_later(poller.deliveries)
+            raise
+        finally:
+            timer.cancel()
+            poller.closed = True
+            self._leave(poller)
+            self._parked -= 1
+        return list(poller.deliveries)  # (closed: nothing more is added)
+
+    async def _hand_over_many(
+        self, deliveries: list[Delivery], hand_over: HandOverMany
+    ) -> list[Delivery]:
+        try:
+            await hand_over(deliveries)
+        except asyncio.CancelledError:
+            self.give_back_all_later(deliveries)
+            raise
+        except Exception as e:
+            log.debug("%d tasks could not be handed over (%r)", len(deliveries), e)
+            self.give_back_all_later(deliveries)
+            return []
+        return deliveries
+
+    async def _claim_now_many(self, lease: float, count: int, queues: Queues) -> list[Delivery]:
+        claimed = self._store.claim_many([lease] * count, now=self._clock.now(), queues=queues)
+        if self._store.never_suspends:
+            return await claimed
+        task = asyncio.get_running_loop().create_task(claimed)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            # The caller went away while the store committed the hand-outs: undo them once done.
+            def undo(done: asyncio.Task[list[Delivery]]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self.give_back_all_later(done.result())
+
+            task.add_done_callback(undo)
+            raise
+
     async def _hand_over(self, delivery: Delivery, hand_over: HandOver) -> Delivery | None:
         try:
             await hand_over(delivery)
@@ -420,6 +536,16 @@ class Dispatcher:
         """Hand back in the background (from a callback, or a caller being cancelled)."""
         if delivery is not None:
             self._background.spawn(self._give_back_quietly(delivery))
+
+    def give_back_all_later(self, deliveries: list[Delivery]) -> None:
+        """Hand back deliveries in the background, one after the other: each goes to the head of
+        its lane, so the last first, and they are back in their order."""
+        if deliveries:
+            self._background.spawn(self._give_back_all(list(reversed(deliveries))))
+
+    async def _give_back_all(self, deliveries: list[Delivery]) -> None:
+        for delivery in deliveries:
+            await self._give_back_quietly(delivery)
 
     async def _give_back_quietly(self, delivery: Delivery) -> None:
         try:

@@ -33,6 +33,7 @@ MAX_MAX_ATTEMPTS: Final = 2**31 - 1
 MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000
 MAX_BATCH: Final = 10_000  # tasks per batch enqueue, settlements per batch
+MAX_CLAIM_BATCH: Final = 1_000  # tasks per batch claim (more is clamped)
 MAX_ERROR_BYTES: Final = 8 * 1024  # a nack's error text is cut to this (UTF-8), saying so
 
 # Queues, priorities, idempotency keys (issue 11).
@@ -127,6 +128,16 @@ def prefetch_value(value: object | None) -> int:
     if n < 1:
         raise InvalidArgument(f"prefetch must be at least 1, got {n}")
     return min(n, MAX_PREFETCH)
+
+
+def claim_count_value(value: object | None) -> int:
+    """A batch claim's ``max``: at least 1 (default 1); above MAX_CLAIM_BATCH, clamped to it."""
+    if value is None:
+        return 1
+    n = integer("max", value)
+    if n < 1:
+        raise InvalidArgument(f"max must be at least 1, got {n}")
+    return min(n, MAX_CLAIM_BATCH)
 
 
 def limit_value(value: object | None) -> int | None:

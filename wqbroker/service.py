@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from wqbroker import limits
 from wqbroker.clock import Clock
-from wqbroker.dispatch import Dispatcher, HandOver, Stream
+from wqbroker.dispatch import Dispatcher, HandOver, HandOverMany, Stream
 from wqbroker.errors import (
     InvalidArgument,
     NotFound,
@@ -284,6 +284,24 @@ class Service:
         names = limits.queues_value(queues)
         return self._dispatch.claim(wait, lease, hand_over, names)
 
+    def claim_batch(
+        self,
+        wait_ms: object | None = None,
+        lease_ms: object | None = None,
+        max_tasks: object | None = None,
+        hand_over: HandOverMany | None = None,
+        *,
+        queues: object | None = None,
+    ) -> Coroutine[Any, Any, list[Delivery]]:
+        """Claim up to ``max_tasks`` (default 1, at most limits.MAX_CLAIM_BATCH: more is clamped)
+        ready tasks of ``queues``, waiting up to ``wait_ms`` for the first one (then taking as
+        many as are ready with it). ``hand_over``: as for :meth:`claim`, for all of them."""
+        wait = limits.wait_seconds(wait_ms)
+        lease = limits.lease_seconds(lease_ms)
+        count = limits.claim_count_value(max_tasks)
+        names = limits.queues_value(queues)
+        return self._dispatch.claim_batch(wait, lease, count, hand_over, names)
+
     async def next_job(
         self,
         wait_ms: object | None,
@@ -355,13 +373,21 @@ class Service:
 
     @follow_through
     async def settle_many(
-        self, acks: Sequence[AckItem], nacks: Sequence[NackRequest]
+        self, acks: Sequence[AckItem], nacks: Sequence[NackRequest], *, strict: bool = False
     ) -> tuple[list[WqError | None], list[WqError | None]]:
         """Acks, then nacks, all at once (one transaction in a durable store). Returns, for each,
-        None on success or the error the single call would have raised."""
+        None on success or the error the single call would have raised. ``strict``: one that
+        is malformed (not one that is refused: an unknown task, another lease) refuses them
+        all, as ``acks[i].field problem``, and nothing is settled."""
         limits.batch_size("acks and nacks", len(acks) + len(nacks))
-        ack_items, ack_errors = _parse_each(acks, _ack_item)
-        nack_items, nack_errors = _parse_each(nacks, _nack_item)
+        if strict:
+            ack_items = [_named(_ack_item, a, f"acks[{i}]") for i, a in enumerate(acks)]
+            nack_items = [_named(_nack_item, n, f"nacks[{i}]") for i, n in enumerate(nacks)]
+            ack_errors: list[WqError | None] = [None] * len(acks)
+            nack_errors: list[WqError | None] = [None] * len(nacks)
+        else:
+            ack_items, ack_errors = _parse_each(acks, _ack_item)
+            nack_items, nack_errors = _parse_each(nacks, _nack_item)
         acked, nacked = await self._store.settle_many(ack_items, nack_items, now=self._clock.now())
         finished = [lid for (_, lid), error in zip(ack_items, acked, strict=True) if error is None]
         for item, result in zip(nack_items, nacked, strict=True):
@@ -488,6 +514,14 @@ def _nack_item(item: NackRequest) -> NackItem:
             "terminal and delay_ms cannot both be given: a buried task is not retried"
         )
     return NackItem(tid, lid, limits.error_value(error), delay, bury)
+
+
+def _named(parse: Callable[[Any], T], item: object, where: str) -> T:
+    """``parse(item)``, its refusal naming where the item is (``acks[2].id must be ...``)."""
+    try:
+        return parse(item)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{where}.{e.message}") from None
 
 
 def _parse_each(

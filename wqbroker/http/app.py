@@ -24,7 +24,9 @@ from wqbroker.http import dashboard, openapi
 from wqbroker.http.auth import token_check
 from wqbroker.http.core import (
     BATCH_ROUTE,
+    CLAIM_BATCH_ROUTE,
     IDEMPOTENCY_KEY,
+    SETTLE_ROUTE,
     STATUS,
     enqueue_answer,
     enqueue_batch_answer,
@@ -34,12 +36,14 @@ from wqbroker.http.core import (
     int_value,
     nack_task,
     one_value,
+    render_deliveries,
     render_delivery,
     render_queue,
     render_stats,
     render_task,
     render_task_state,
     required_lease_id,
+    settle_answer,
 )
 from wqbroker.http.fast import LANE, Lane
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
@@ -72,7 +76,7 @@ SERVICE: Final = web.AppKey("service", Service)
 # is called so). Else a method the fixed route does not take would fall through to the task's
 # route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
 # DELETE /dlq/requeue to the purge of a task "requeue".
-_JOB_ID: Final = "{id:(?!next$|batch$)[^{}/]+}"
+_JOB_ID: Final = "{id:(?!next$|batch$|settle$)[^{}/]+}"
 _DEAD_ID: Final = "{id:(?!requeue$)[^{}/]+}"
 
 
@@ -135,6 +139,35 @@ async def claim(request: web.Request) -> web.StreamResponse:
         queues=_query_str(request, "queue"),
     )
     return answer if answer is not None else no_content()
+
+
+async def claim_batch(request: web.Request) -> web.StreamResponse:
+    """An extension: up to ``max`` tasks in one long-poll (see Service.claim_batch):
+    200 ``{"deliveries": [...]}``, or 204 if none came within ``wait_ms``."""
+    answer: web.StreamResponse | None = None
+
+    async def hand_over(deliveries: list[Delivery]) -> None:
+        nonlocal answer  # (written before the service lets go of the tasks, as for claim)
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        answer = json_response(render_deliveries(deliveries))
+        await answer.prepare(request)
+        await answer.write_eof()
+
+    await request.app[SERVICE].claim_batch(
+        _query_int(request, "wait_ms"),
+        _query_int(request, "lease_ms"),
+        _query_int(request, "max"),
+        hand_over,
+        queues=_query_str(request, "queue"),
+    )
+    return answer if answer is not None else no_content()
+
+
+async def settle(request: web.Request) -> web.Response:
+    """An extension: many acks and nacks in one request (see core.settle_answer)."""
+    return json_response(await settle_answer(request.app[SERVICE], await read_body(request)))
 
 
 async def ack(request: web.Request) -> web.Response:
@@ -320,6 +353,8 @@ def create_app(
     routes.add_post("/jobs", enqueue, expect_handler=expect)
     routes.add_post(BATCH_ROUTE, enqueue_batch, expect_handler=expect)
     routes.add_get("/jobs/next", claim, allow_head=False, expect_handler=expect)
+    routes.add_get(CLAIM_BATCH_ROUTE, claim_batch, allow_head=False, expect_handler=expect)
+    routes.add_post(SETTLE_ROUTE, settle, expect_handler=expect)
     routes.add_get(f"/jobs/{_JOB_ID}", lookup_task, expect_handler=expect)
     routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)
     routes.add_post("/jobs/{id}/nack", nack, expect_handler=expect)

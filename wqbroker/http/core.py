@@ -46,6 +46,8 @@ _ENQUEUE_RAW: Final = frozenset({"payload"})
 IDEMPOTENCY_KEY: Final = "Idempotency-Key"
 
 BATCH_ROUTE: Final = "/jobs/batch"  # an extension: many tasks in one request
+CLAIM_BATCH_ROUTE: Final = "/jobs/next/batch"  # an extension: up to max tasks in one claim
+SETTLE_ROUTE: Final = "/jobs/settle"  # an extension: many acks and nacks in one request
 
 
 # -- rendering ----------------------------------------------------------------------------------
@@ -95,6 +97,11 @@ def render_delivery(delivery: Delivery) -> bytes:
             f',"lease_id":"{delivery.lease_id}","deadline":"{codec.rfc3339(delivery.deadline)}"}}'.encode(),
         )
     )
+
+
+def render_deliveries(deliveries: Sequence[Delivery]) -> bytes:
+    """A batch claim's answer: ``{"deliveries": [...]}``."""
+    return b'{"deliveries":[' + b",".join(render_delivery(d) for d in deliveries) + b"]}"
 
 
 def render_stats(stats: Stats) -> bytes:
@@ -214,6 +221,50 @@ async def extend_answer(
 ) -> bytes:
     deadline = await service.extend(task_id, lease_id, lease_ms)
     return f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode()
+
+
+async def settle_answer(service: Service, body: bytes) -> bytes:
+    """POST /jobs/settle (200): ``{"acks": [{"id", "lease_id"}...], "nacks": [{"id", "lease_id",
+    "error", "delay_ms", "terminal"}...]}``, all at once (acks, then nacks); each one's outcome
+    in order: null, or ``{"error", "status"}`` as its own request would have been answered
+    (404, 409). A malformed one (as its own request would have been refused: 400) refuses them
+    all, and nothing is settled."""
+    fields = codec.parse_object(body)
+    acks = _settlements(fields, "acks")
+    nacks = _settlements(fields, "nacks")
+    acked, nacked = await service.settle_many(
+        [(a.get("id"), a.get("lease_id")) for a in acks],
+        [
+            (n.get("id"), n.get("lease_id"), n.get("error"), n.get("delay_ms"), n.get("terminal"))
+            for n in nacks
+        ],
+        strict=True,
+    )
+    return b"".join(
+        (
+            b'{"acks":[',
+            b",".join(_settled(e) for e in acked),
+            b'],"nacks":[',
+            b",".join(_settled(e) for e in nacked),
+            b"]}",
+        )
+    )
+
+
+def _settlements(fields: dict[str, object], name: str) -> list[dict[str, object]]:
+    items = fields.get(name, [])
+    if not isinstance(items, list):
+        raise InvalidArgument(f"{name} must be an array")
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"{name}[{i}] must be an object")
+    return items
+
+
+def _settled(error: WqError | None) -> bytes:
+    if error is None:
+        return b"null"
+    return codec.dumps({"error": error.message, "status": lookup(STATUS, error)})
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ strictly (a request line and header lines of printable ASCII, nothing a parser c
 ways), and:
 
 - **serves it** if it is one of the hot requests in its plain form: HTTP/1.1 ``POST /jobs``,
-  ``POST /jobs/batch``, ``GET /jobs/next``, ``POST /jobs/{id}/ack|nack|extend`` with an id of
+  ``POST /jobs/batch``, ``GET /jobs/next``, ``GET /jobs/next/batch``, ``POST /jobs/settle``,
+  ``POST /jobs/{id}/ack|nack|extend`` with an id of
   letters, digits, ``_``, ``-`` and ``~``, a query of such characters (plus ``.`` and ``,``), a
   body of at most the limit by ``Content-Length``, and none of ``Expect``,
   ``Content-Encoding``, ``Transfer-Encoding`` or ``Upgrade``. The answer is the very one
@@ -107,6 +108,8 @@ _PLAIN: Final = {
     ("POST", "/jobs"): "/jobs",
     ("POST", routes.BATCH_ROUTE): routes.BATCH_ROUTE,
     ("GET", "/jobs/next"): "/jobs/next",
+    ("GET", routes.CLAIM_BATCH_ROUTE): routes.CLAIM_BATCH_ROUTE,
+    ("POST", routes.SETTLE_ROUTE): routes.SETTLE_ROUTE,
 }
 _TASK_ROUTE: Final = re.compile(r"/jobs/([A-Za-z0-9_~-]+)/(ack|nack|extend)")
 _PARAM: Final = r"[A-Za-z0-9_.~-]+=[A-Za-z0-9_.,~-]*"  # (nothing a URL parser would decode)
@@ -302,7 +305,9 @@ class _BodyLate(Exception):
 
 
 # Routes whose handler reads the body (the others answer without it).
-_READS_BODY: Final = frozenset({"/jobs", routes.BATCH_ROUTE, "/jobs/{id}/nack"})
+_READS_BODY: Final = frozenset(
+    {"/jobs", routes.BATCH_ROUTE, routes.SETTLE_ROUTE, "/jobs/{id}/nack"}
+)
 
 
 class FastProtocol(asyncio.Protocol):
@@ -697,6 +702,10 @@ class FastProtocol(asyncio.Protocol):
             return await routes.enqueue_answer(service, bytes(request.body), key)
         if route == "/jobs/next":
             return await self._claim(request)
+        if route == routes.SETTLE_ROUTE:
+            return 200, await routes.settle_answer(service, bytes(request.body))
+        if route == routes.CLAIM_BATCH_ROUTE:
+            return await self._claim_batch(request)
         if route == routes.BATCH_ROUTE:
             body = bytes(request.body)
             return 201, await routes.enqueue_batch_answer(service, body, bool(request.keys))
@@ -725,6 +734,23 @@ class FastProtocol(asyncio.Protocol):
         await self._lane.service.claim(
             routes.int_value("wait_ms", request.param("wait_ms")),
             routes.int_value("lease_ms", request.param("lease_ms")),
+            hand_over,
+            queues=request.param("queue"),
+        )
+        return (200, None) if written else (204, None)
+
+    async def _claim_batch(self, request: _Request) -> tuple[int, bytes | None]:
+        written = False
+
+        async def hand_over(deliveries: list[Delivery]) -> None:
+            nonlocal written  # (as for a claim: written before the service lets go of them)
+            await self._write(render(200, routes.render_deliveries(deliveries), request.close))
+            written = True
+
+        await self._lane.service.claim_batch(
+            routes.int_value("wait_ms", request.param("wait_ms")),
+            routes.int_value("lease_ms", request.param("lease_ms")),
+            routes.int_value("max", request.param("max")),
             hand_over,
             queues=request.param("queue"),
         )

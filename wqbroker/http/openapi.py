@@ -294,6 +294,58 @@ _SCHEMAS["EnqueuedBatch"] = _object(
     description="The tasks' ids, in the order they were sent.",
 )
 
+_SCHEMAS["Deliveries"] = _object(
+    {"deliveries": {"type": "array", "items": _schema("Delivery"), "minItems": 1}},
+    description="The tasks claimed, each yours until its deadline.",
+)
+# A settlement of POST /jobs/settle: the task and the lease, as the path and query of an ack.
+_SETTLEMENT: Final[Json] = {
+    "id": {"type": "string", "minLength": 1, "description": "The task's id."},
+    "lease_id": {"type": "string", "minLength": 1, "description": "The delivery's lease."},
+}
+_SCHEMAS["SettleRequest"] = {
+    "type": "object",
+    "description": _MEMBERS,
+    "properties": {
+        "acks": {
+            "type": "array",
+            "items": {"type": "object", "required": ["id", "lease_id"], "properties": _SETTLEMENT},
+        },
+        "nacks": {
+            "type": "array",
+            "items": {
+                **_SCHEMAS["NackRequest"],
+                "required": ["id", "lease_id"],
+                "properties": {**_SETTLEMENT, **_SCHEMAS["NackRequest"]["properties"]},
+                "examples": [{"id": "0123456789abcdef", "lease_id": "f49cbe1ef2e4fdb1"}],
+            },
+        },
+    },
+    "examples": [{"acks": [{"id": "0123456789abcdef", "lease_id": "f49cbe1ef2e4fdb1"}]}],
+}
+_OUTCOME: Final[Json] = {
+    "anyOf": [
+        {"type": "null", "description": "Done."},
+        _object(
+            {
+                "error": {"type": "string", "description": "Why it was refused."},
+                "status": {
+                    "type": "integer",
+                    "description": "The status its own request (POST /jobs/{id}/ack or nack) "
+                    "would have been answered with: 404 or 409.",
+                },
+            }
+        ),
+    ]
+}
+_SCHEMAS["Settled"] = _object(
+    {
+        "acks": {"type": "array", "items": _OUTCOME},
+        "nacks": {"type": "array", "items": _OUTCOME},
+    },
+    description="Each ack's and each nack's outcome, in the order they were sent.",
+)
+
 # -- responses ----------------------------------------------------------------------------------
 
 _ERROR: Final = _schema("Error")
@@ -586,6 +638,68 @@ def _paths(public: Collection[str]) -> Json:
             ),
             "204": _empty("The wait elapsed with nothing available: ask again."),
             "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "get",
+        "/jobs/next/batch",
+        summary="claimBatch",
+        tag="tasks",
+        description=(
+            "An extension (not in the specification): claim up to `max` ready tasks in one "
+            "long-poll, as GET /jobs/next claims one. It waits up to `wait_ms` for the first, "
+            "then answers with as many as are ready with it (it does not wait for more). "
+            "`HEAD` is refused (405): it would claim."
+        ),
+        parameters=[
+            _query(
+                "max",
+                {"type": "integer", "minimum": 1, "default": 1},
+                f"At most this many tasks; values above {limits.MAX_CLAIM_BATCH} are clamped "
+                f"to {limits.MAX_CLAIM_BATCH}.",
+            ),
+            _query(
+                "wait_ms",
+                {"type": "integer", "minimum": 0, "default": limits.DEFAULT_WAIT_MS},
+                f"How long to wait for a task, in ms; values above {limits.MAX_WAIT_MS} are "
+                f"clamped to {limits.MAX_WAIT_MS}; 0 answers at once.",
+            ),
+            _LEASE_MS,
+            _query(
+                "queue",
+                {"type": "string", "pattern": _QUEUE_LIST_PATTERN},
+                f"The queues to claim from, comma-separated, at most "
+                f"{limits.MAX_QUEUES_PER_CLAIM} (default: `default`).",
+            ),
+        ],
+        answers={
+            "200": _json(_schema("Deliveries"), "One task or more, yours until their deadlines."),
+            "204": _empty("The wait elapsed with nothing available: ask again."),
+            "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "post",
+        "/jobs/settle",
+        summary="settle",
+        tag="tasks",
+        description=(
+            "An extension (not in the specification): many acks and nacks in one request, as "
+            "a gRPC stream settles them: the acks, then the nacks, each as its own request would "
+            "settle it (a nack's members as POST /jobs/{id}/nack takes them). Each one's outcome "
+            "comes back in order; a refused one (404, 409) changes nothing. A malformed one "
+            "(what its own request would answer 400) refuses the request, naming it "
+            f"(`nacks[2].delay_ms ...`), and nothing is settled. At most {limits.MAX_BATCH} in all."
+        ),
+        body={"required": True, "content": {JSON: {"schema": _schema("SettleRequest")}}},
+        answers={
+            "200": _json(_schema("Settled"), "Each one's outcome, in order."),
+            "400": _json(
+                _ERROR,
+                "A bad body: invalid JSON or UTF-8, not an object, `acks` or `nacks` not an "
+                "array of objects, one of them malformed (named), too many (or malformed HTTP).",
+            ),
+            "413": _response("PayloadTooLarge"),
         },
     )
     add(
