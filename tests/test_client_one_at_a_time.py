@@ -30,7 +30,9 @@ from wqclient import (
     Overloaded,
     PayloadTooLarge,
     ProtocolError,
+    Task,
     Unavailable,
+    Worker,
 )
 from wqclient._grpc import GrpcStream, GrpcTransport, _delivery, _Fields
 from wqclient._http import HttpTransport
@@ -401,5 +403,146 @@ async def test_over_http_an_older_broker_without_batches_gets_one_task_per_reque
             assert await wq.enqueue_many([1, 2, 3]) == ["t6", "t7", "t8"]
             assert calls == Counter({"POST /jobs": 3})  # it is not asked again
         assert taken[-3:] == [b'{"payload":1}', b'{"payload":2}', b'{"payload":3}']
+    finally:
+        await runner.cleanup()
+
+
+# -- over HTTP: acks and nacks together, claims for many ------------------------------------------
+
+
+def settle_calls(client: AsyncClient) -> Counter[str]:
+    """Counts the client's settling and claiming requests, by route."""
+    transport = client.transport
+    assert isinstance(transport, HttpTransport)
+    calls: Counter[str] = Counter()
+    call = transport._call
+
+    async def counting(method: str, path: str, **kwargs: Any) -> tuple[int, bytes]:
+        route = path.partition("?")[0]
+        if route.endswith(("/ack", "/nack")):
+            route = "/jobs/{id}/" + route.rsplit("/", 1)[1]
+        calls[f"{method} {route}"] += 1
+        return await call(method, path, **kwargs)
+
+    transport._call = counting  # type: ignore[method-assign]
+    return calls
+
+
+async def test_over_http_concurrent_acks_and_nacks_go_in_one_request_each_with_its_outcome() -> (
+    None
+):
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        await wq.enqueue_many([{"i": i} for i in range(30)])
+        held = await wq.claim_many(30, wait_ms=0)
+        assert len(held) == 30
+        calls = settle_calls(wq)
+        stale = held[0]
+        await wq.ack(stale)  # (alone: its own request)
+        assert calls == Counter({"POST /jobs/{id}/ack": 1})
+        calls.clear()
+        results = await asyncio.gather(
+            wq.ack(stale),  # a second time: refused, for this caller only
+            *(wq.ack(d) for d in held[1:20]),
+            *(wq.nack(d, error="boom", delay_ms=0) for d in held[20:]),
+            return_exceptions=True,
+        )
+        assert calls == Counter({"POST /jobs/settle": 1})
+        assert isinstance(results[0], NotFound)
+        assert results[1:] == [None] * 29
+        stats = await wq.stats()
+        assert (stats.totals.acked, stats.totals.nacked) == (20, 10)
+
+
+async def test_over_http_claim_many_takes_up_to_max_in_one_request() -> None:
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        ids = await wq.enqueue_many([{"i": i} for i in range(7)])
+        calls = settle_calls(wq)
+        got = await wq.claim_many(5, wait_ms=0)
+        assert [d.id for d in got] == ids[:5]
+        assert [d.id for d in await wq.claim_many(5, wait_ms=0)] == ids[5:]
+        assert await wq.claim_many(5, wait_ms=0) == []
+        assert calls == Counter({"GET /jobs/next/batch": 3})
+        with pytest.raises(InvalidArgument):
+            await wq.claim_many(0)
+
+
+async def test_over_grpc_claim_many_takes_one() -> None:
+    async with running_broker() as broker, AsyncClient("grpc://" + broker.grpc_target) as wq:
+        ids = await wq.enqueue_many([1, 2])
+        assert not wq.claims_many
+        assert [d.id for d in await wq.claim_many(5, wait_ms=0)] == ids[:1]
+
+
+async def test_over_http_a_worker_claims_for_all_its_free_slots_at_once() -> None:
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        await wq.enqueue_many([{"i": i} for i in range(200)])
+        calls = settle_calls(wq)
+        seen: list[int] = []
+        worker: Worker | None = None
+
+        async def handler(task: Task) -> None:
+            seen.append(task.payload["i"])
+            if len(seen) == 200 and worker is not None:
+                worker.stop()
+
+        worker = Worker(wq, handler, concurrency=20, wait_ms=1000)
+        await asyncio.wait_for(worker.run(), 30)
+        assert sorted(seen) == list(range(200))
+        stats = await wq.stats()
+        assert (stats.totals.acked, stats.handed_out, stats.ready) == (200, 0, 0)
+        # Far fewer requests than tasks: claims for many, acks together.
+        assert calls["GET /jobs/next/batch"] < 100
+        assert calls["POST /jobs/settle"] + calls["POST /jobs/{id}/ack"] < 100
+        assert calls["GET /jobs/next"] == 0
+
+
+async def test_over_http_an_older_broker_without_batch_claims_gets_the_claim_loops() -> None:
+    # A broker from before GET /jobs/next/batch and POST /jobs/settle: both answered 404.
+    tasks = {f"t{i}": {"payload": i} for i in range(6)}
+    acked: list[str] = []
+    when = "2026-12-01T00:00:00.000000Z"
+
+    async def claim(request: web.Request) -> web.Response:
+        if not tasks:
+            await asyncio.sleep(0.05)
+            return web.Response(status=204)
+        task_id, task = tasks.popitem()
+        body = {
+            "task": {"id": task_id, **task, "attempts": 1, "max_attempts": 3,
+                     "created_at": when, "available_at": when, "last_error": None},
+            "lease_id": "l" + task_id,
+            "deadline": "2099-01-01T00:00:00.000000Z",
+        }  # fmt: skip
+        return web.json_response(body)
+
+    async def ack(request: web.Request) -> web.Response:
+        acked.append(request.match_info["id"])
+        return web.Response(status=204)
+
+    app = web.Application()
+    app.router.add_get("/jobs/next", claim)
+    app.router.add_post("/jobs/{id}/ack", ack)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        async with AsyncClient(f"http://127.0.0.1:{runner.addresses[0][1]}") as wq:
+            calls = settle_calls(wq)
+            done: list[str] = []
+            worker: Worker | None = None
+
+            async def handler(task: Task) -> None:
+                done.append(task.id)
+                if len(done) == 6 and worker is not None:
+                    worker.stop()
+
+            worker = Worker(wq, handler, concurrency=3, wait_ms=100)
+            await asyncio.wait_for(worker.run(), 20)
+            assert sorted(done) == sorted(f"t{i}" for i in range(6))
+            assert sorted(acked) == sorted(done)
+            assert not wq.claims_many
+            assert calls["GET /jobs/next/batch"] == 1  # asked once
+            assert calls["POST /jobs/settle"] <= 1
     finally:
         await runner.cleanup()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import re
@@ -188,8 +189,28 @@ def _claim_path(wait_ms: int | None, lease_ms: int | None, queue: str | None) ->
     return "/jobs/next" + _query(wait_ms=wait_ms, lease_ms=lease_ms, queue=queue)
 
 
+@functools.lru_cache(maxsize=64)
+def _claim_many_path(
+    count: int, wait_ms: int | None, lease_ms: int | None, queue: str | None
+) -> str:
+    return CLAIM_BATCH_PATH + _query(max=count, wait_ms=wait_ms, lease_ms=lease_ms, queue=queue)
+
+
 _JSON_BODY: Final = {"Content-Type": "application/json"}
-BATCH_PATH: Final = "/jobs/batch"  # the broker's extension: many tasks in one request
+BATCH_PATH: Final = "/jobs/batch"  # the broker's extensions: many tasks in one request,
+CLAIM_BATCH_PATH: Final = "/jobs/next/batch"  # up to so many claimed in one long-poll,
+SETTLE_PATH: Final = "/jobs/settle"  # many acks and nacks in one request
+_OLDER: Final = (404, 405)  # what a broker without an extension answers its route
+
+
+class _Settlement:
+    """An ack (no ``fields``) or a nack (its members) waiting to go in a POST /jobs/settle."""
+
+    __slots__ = ("fields", "future")
+
+    def __init__(self, fields: dict[str, object], future: asyncio.Future[None]) -> None:
+        self.fields = fields
+        self.future = future
 
 
 @functools.lru_cache(maxsize=64)
@@ -220,6 +241,12 @@ class HttpTransport:
         self._session: aiohttp.ClientSession | None = None
         self._batches = True  # POST /jobs/batch is there (until a broker says it is not)
         self._coalescer = Coalescer(self._enqueue, self._enqueue_batch)
+        self._batch_claims = True  # GET /jobs/next/batch and POST /jobs/settle are there (...)
+        self._settles = True
+        # Acks and nacks made in the same turn of the loop, to go in one POST /jobs/settle.
+        self._acks: list[_Settlement] = []
+        self._nacks: list[_Settlement] = []
+        self._settling: set[asyncio.Task[None]] = set()  # (the loop keeps weak references only)
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -382,26 +409,148 @@ class HttpTransport:
             return None
         return Delivery.from_mapping(_loads(data))
 
-    async def ack(self, task_id: str, lease_id: str) -> None:
-        await self._call("POST", f"/jobs/{_q(task_id)}/ack?lease_id={_q(lease_id)}")
+    @property
+    def claims_many(self) -> bool:
+        """Whether the broker takes batch claims, as far as this transport knows (until one
+        answered that it does not)."""
+        return self._batch_claims
 
-    async def nack(
+    async def claim_many(
+        self,
+        count: int,
+        wait_ms: int | None,
+        lease_ms: int | None,
+        queues: Sequence[str] | None = None,
+    ) -> list[Delivery]:
+        """Up to ``count`` tasks in one long-poll (GET /jobs/next/batch): it waits for the
+        first, then takes as many as are ready with it. A broker without the route is asked
+        one task at a time (GET /jobs/next) from then on."""
+        if not self._batch_claims:
+            claimed = await self.claim(wait_ms, lease_ms, queues)
+            return [] if claimed is None else [claimed]
+        queue = ",".join(queues) if queues else None
+        path = _claim_many_path(count, wait_ms, lease_ms, queue)
+        status, data = await self._call("GET", path, timeout=poll_timeout(wait_ms), keep=_OLDER)
+        if status in _OLDER:
+            self._batch_claims = False
+            return await self.claim_many(count, wait_ms, lease_ms, queues)
+        if status == 204:
+            return []
+        answer = _loads(data)
+        try:
+            rows = answer["deliveries"]
+            if not isinstance(rows, list):
+                raise TypeError("deliveries is not a list")
+        except (KeyError, TypeError) as e:
+            raise ProtocolError(f"the broker's batch claim has no deliveries ({e})") from None
+        return [Delivery.from_mapping(row) for row in rows]
+
+    def ack(self, task_id: str, lease_id: str) -> Awaitable[None]:
+        """Acks (and nacks) made in the same turn of the event loop (concurrent callers) go to
+        the broker together, in one POST /jobs/settle, each caller getting its own outcome; a
+        lone one goes as it is, as POST /jobs/{id}/ack."""
+        return self._settle({"id": task_id, "lease_id": lease_id}, self._acks)
+
+    async def _ack(self, task_id: object, lease_id: object) -> None:
+        await self._call("POST", f"/jobs/{_q(str(task_id))}/ack?lease_id={_q(str(lease_id))}")
+
+    def _settle(self, fields: dict[str, object], into: list[_Settlement]) -> Awaitable[None]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        if not self._acks and not self._nacks:
+            loop.call_soon(self._send_settlements)
+        into.append(_Settlement(fields, future))
+        return future
+
+    def _send_settlements(self) -> None:
+        acks, self._acks = self._acks, []
+        nacks, self._nacks = self._nacks, []
+        task = asyncio.get_running_loop().create_task(self._settle_all(acks, nacks))
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+    async def _settle_all(self, acks: list[_Settlement], nacks: list[_Settlement]) -> None:
+        """Send the settlements together (one alone: its own request), and give each caller
+        its outcome; every caller the error if the request failed."""
+        everyone = [*acks, *nacks]
+        try:
+            if len(everyone) > 1 and self._settles:
+                outcomes = await self._settle_together(acks, nacks)
+                if outcomes is not None:
+                    for settlement, outcome in zip(everyone, outcomes, strict=True):
+                        _answer(settlement.future, outcome)
+                    return
+            await asyncio.gather(*(self._settle_alone(one, one in nacks) for one in everyone))
+        except BaseException as e:
+            error = e if isinstance(e, Exception) else Unavailable("the client is closing")
+            for settlement in everyone:
+                if not settlement.future.done():
+                    settlement.future.set_exception(error)
+            if error is not e:
+                raise
+
+    async def _settle_together(
+        self, acks: list[_Settlement], nacks: list[_Settlement]
+    ) -> list[WqError | None] | None:
+        """POST /jobs/settle: each one's outcome, in order (None: the broker has no such route,
+        and is asked one by one from now on)."""
+        body = json.dumps(
+            {"acks": [a.fields for a in acks], "nacks": [n.fields for n in nacks]},
+            separators=(",", ":"),
+        ).encode()
+        status, data = await self._call("POST", SETTLE_PATH, body=body, keep=_OLDER)
+        if status in _OLDER:
+            self._settles = False
+            return None
+        answer = self._json(data)
+        try:
+            rows = [*answer["acks"], *answer["nacks"]]
+            if len(rows) != len(acks) + len(nacks):
+                raise ValueError("not one outcome for each")
+            return [None if row is None else self._refusal(row) for row in rows]
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"the broker's answer to a settle is not one: {e}") from None
+
+    def _refusal(self, row: dict[str, Any]) -> WqError:
+        status = int(row["status"])
+        kind = _ERRORS.get(status) or (Unavailable if status >= 500 else WqError)
+        return kind(str(row["error"]))
+
+    async def _settle_alone(self, settlement: _Settlement, nack: bool) -> None:
+        fields = dict(settlement.fields)
+        task_id, lease_id = fields.pop("id"), fields.pop("lease_id")
+        try:
+            if nack:
+                await self._nack(task_id, lease_id, fields)
+            else:
+                await self._ack(task_id, lease_id)
+        except WqError as e:
+            _answer(settlement.future, e)
+        else:
+            _answer(settlement.future, None)
+
+    def nack(
         self,
         task_id: str,
         lease_id: str,
         error: str | None,
         delay_ms: int | None = None,
         terminal: bool = False,
-    ) -> None:
-        fields: dict[str, object] = {}
+    ) -> Awaitable[None]:
+        """As :meth:`ack`: together with the others made in the same turn of the loop."""
+        fields: dict[str, object] = {"id": task_id, "lease_id": lease_id}
         if error is not None:
             fields["error"] = error
         if delay_ms is not None:
             fields["delay_ms"] = delay_ms
         if terminal:
             fields["terminal"] = True
+        return self._settle(fields, self._nacks)
+
+    async def _nack(self, task_id: object, lease_id: object, fields: dict[str, object]) -> None:
         body = json.dumps(fields).encode() if fields else None
-        await self._call("POST", f"/jobs/{_q(task_id)}/nack?lease_id={_q(lease_id)}", body=body)
+        path = f"/jobs/{_q(str(task_id))}/nack?lease_id={_q(str(lease_id))}"
+        await self._call("POST", path, body=body)
 
     async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
         query = _query(lease_id=lease_id, lease_ms=lease_ms)
@@ -458,6 +607,17 @@ class HttpTransport:
         await self._call("POST", f"/queues/{_q(queue)}/resume")
 
     async def close(self) -> None:
+        if self._settling:  # (the settlements on their way are let land)
+            await asyncio.gather(*self._settling, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _answer(future: asyncio.Future[None], outcome: WqError | None) -> None:
+    if future.done():
+        return
+    if outcome is None:
+        future.set_result(None)
+    else:
+        future.set_exception(outcome)

@@ -337,9 +337,41 @@ class AsyncClient:
             **_given(queues=_queues(queues)),
         )
 
+    @property
+    def claims_many(self) -> bool:
+        """Whether :meth:`claim_many` takes its tasks in one call (over HTTP, from a broker
+        with GET /jobs/next/batch: until one answers that it has none); else it takes one."""
+        return bool(getattr(self._transport, "claims_many", False))
+
+    async def claim_many(
+        self,
+        max_tasks: int,
+        *,
+        wait_ms: int | None = None,
+        lease_ms: int | None = None,
+        queues: str | Sequence[str] | None = None,
+    ) -> list[Delivery]:
+        """Claim up to ``max_tasks`` ready tasks at once, waiting up to ``wait_ms`` for the first
+        (then taking as many as are ready with it: it does not wait for more); each held for
+        ``lease_ms``. ``queues``, and cancelling, as for :meth:`claim`. Over HTTP it is one
+        request (GET /jobs/next/batch); over gRPC (and from an HTTP broker without that route)
+        it takes one task, as :meth:`claim` does: a stream is the way to many there."""
+        count = _option("max_tasks", max_tasks)
+        if count is None or count < 1:
+            raise InvalidArgument("max_tasks must be at least 1")
+        wait, lease = _option("wait_ms", wait_ms), _option("lease_ms", lease_ms)
+        names = _queues(queues)
+        many = getattr(self._transport, "claim_many", None)
+        if many is not None:
+            claimed: list[Delivery] = await many(count, wait, lease, names)
+            return claimed
+        one = await self._transport.claim(wait, lease, **_given(queues=names))
+        return [] if one is None else [one]
+
     async def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
         """Report success. Raises LeaseLost if the lease is no longer yours, NotFound if nobody
-        holds the task any more."""
+        holds the task any more. (Over HTTP, the acks and nacks made in the same turn of the
+        event loop go to the broker in one request; each caller gets its own outcome.)"""
         await self._transport.ack(*_ids(task, lease_id))
 
     async def nack(

@@ -93,16 +93,16 @@ class Transport(Protocol):
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
     ) -> Delivery | None: ...
 
-    async def ack(self, task_id: str, lease_id: str) -> None: ...
+    def ack(self, task_id: str, lease_id: str) -> Awaitable[None]: ...
 
-    async def nack(
+    def nack(
         self,
         task_id: str,
         lease_id: str,
         error: str | None,
         delay_ms: int | None = None,
         terminal: bool = False,
-    ) -> None: ...
+    ) -> Awaitable[None]: ...
 
     async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
         """Extend a lease to now + ``lease_ms``; returns the new deadline."""

@@ -263,7 +263,8 @@ class Worker:
         )
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = asyncio.Event()
-        self._claims: set[asyncio.Task[Delivery | None]] = set()
+        self._claims: set[asyncio.Future[Any]] = set()
+        self._room: asyncio.Event | None = None  # a batch loop waits on it for a free slot
         self._down_since: float | None = None
         self._refusal: WqError | None = None
         self.succeeded = 0
@@ -287,6 +288,8 @@ class Worker:
     def _halt(self) -> None:
         if not self._stopping.is_set():
             self._stopping.set()
+            if self._room is not None:
+                self._room.set()  # (a batch loop waiting for room goes on, to stop)
             if self._claims:
                 asyncio.get_running_loop().call_later(_STOP_GRACE, self._cancel_claims)
 
@@ -311,7 +314,7 @@ class Worker:
         try:
             if self._client.can_stream:
                 await self._run_stream()
-            else:
+            elif not self._client.claims_many or await self._run_batches():
                 await asyncio.gather(*(self._poll_loop() for _ in range(self.concurrency)))
         finally:
             if self._executor is not None:
@@ -377,6 +380,74 @@ class Worker:
             self._broker_up(asked_at)
             if delivery is not None:
                 await self._process(delivery, _Unary(self._client))
+
+    # -- HTTP with batch claims: one claim at a time, for as many tasks as there is room --------
+
+    async def _run_batches(self) -> bool:
+        """Claim for every free slot at once (GET /jobs/next/batch), one claim at a time, and
+        work on what comes; acks and nacks go together (the client's doing). True if the
+        broker turned out to have no batch claims: the claim loops take over."""
+        in_flight: set[asyncio.Task[None]] = set()
+        room = self._room = asyncio.Event()
+        settler = _Unary(self._client)
+        create_task = asyncio.get_running_loop().create_task
+        failures = [0]
+
+        def finished(task: asyncio.Task[None]) -> None:
+            in_flight.discard(task)
+            room.set()
+
+        try:
+            while not self._stopping.is_set():
+                free = self.concurrency - len(in_flight)
+                if free <= 0:
+                    room.clear()
+                    await room.wait()
+                    continue
+                deliveries = await self._claim_batch(free, failures)
+                if deliveries is None:
+                    return False  # stopped, or the token was refused
+                for delivery in deliveries:
+                    task = create_task(self._process(delivery, settler))
+                    in_flight.add(task)
+                    task.add_done_callback(finished)
+                if not self._client.claims_many:
+                    return not self._stopping.is_set()  # an older broker: claim loops then
+            return False
+        finally:
+            self._room = None
+            if in_flight:  # the tasks in hand finish and are settled
+                await asyncio.gather(*in_flight, return_exceptions=True)
+
+    async def _claim_batch(self, free: int, failures: list[int]) -> list[Delivery] | None:
+        """One batch claim: what came (nothing, if the broker is down: after the backoff), or
+        None to stop (stop() cancelled it, or the token was refused)."""
+        asked_at = time.monotonic()
+        claim = asyncio.ensure_future(
+            self._client.claim_many(
+                free, wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues
+            )
+        )
+        self._claims.add(claim)
+        try:
+            deliveries = await claim
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise  # we are being cancelled ourselves
+            return None  # stop() cancelled the idle claim
+        except Unavailable as e:
+            await self._broker_down(e, failures[0])
+            failures[0] += 1
+            return []
+        except _REFUSED as e:
+            self._refused(e)
+            return None
+        finally:
+            self._claims.discard(claim)
+        failures[0] = 0
+        self._broker_up(asked_at)
+        return deliveries
 
     # -- gRPC: one stream --------------------------------------------------------------------------
 
