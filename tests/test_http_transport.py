@@ -296,3 +296,45 @@ def test_answers_that_are_not_json_are_protocol_errors_either_way() -> None:
     ):
         with pytest.raises(ProtocolError):
             _http._loads(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    payloads=st.lists(
+        st.sampled_from(['{"n":1}', " 1.10", '"\\u00e9"', "1e400", ' { "a" : [ 1 , 2 ] } ']),
+        max_size=4,
+    ),
+    extra=st.dictionaries(st.sampled_from(["attempts", "payload", "x", "task"]), _json_values),
+    tail=st.sampled_from(["]}", "]} ", '],"x":1}', "]", ",]}"]),
+)
+def test_batch_claims_read_quickly_are_read_as_the_general_parser_reads_them(
+    payloads: list[str], extra: dict[str, object], tail: str
+) -> None:
+    # GET /jobs/next/batch's answer as the broker writes it, and others besides.
+    members = "".join(f",{json.dumps(k)}:{json.dumps(v)}" for k, v in extra.items())
+    deliveries = [
+        f'{{"task":{{"id":"a{i}","payload":{p}{members}}},"lease_id":"l","deadline":"t"}}'
+        for i, p in enumerate(payloads)
+    ]
+    text = ('{"deliveries":[' + ",".join(deliveries) + tail).encode()
+    try:
+        expected = _general(text)
+        _http._skip(text.decode(), 0)
+    except (ValueError, StopIteration):
+        expected = None
+    if expected is None or _general_leaves_extra(text):
+        with pytest.raises(ProtocolError):
+            _http._loads(text)
+        return
+    got = _http._loads(text)
+    assert got == expected
+    if not {"payload", "task"} & set(extra) and tail == "]}":
+        assert [d["task"]["payload"] for d in got["deliveries"]] == [
+            p.strip().encode() for p in payloads
+        ]
+
+
+def _general_leaves_extra(data: bytes) -> bool:
+    text = data.decode()
+    _, end = _http._value(text, _http._skip(text, 0))
+    return _http._skip(text, end) != len(text)

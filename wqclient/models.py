@@ -28,9 +28,23 @@ def _unreadable(what: str, e: Exception) -> ProtocolError:
     )
 
 
+# The datetimes of recent RFC 3339 texts: a batch's deliveries mostly share their creation time
+# and their deadline.
+_TIMES_KEPT = 256
+_times: dict[str, datetime] = {}
+
+
 def _when(value: datetime | str) -> datetime:
     """A timestamp given as a datetime, or as RFC 3339 text (the HTTP API's)."""
-    return value if isinstance(value, datetime) else datetime.fromisoformat(value)
+    if isinstance(value, datetime):
+        return value
+    when = _times.get(value)
+    if when is None:
+        when = datetime.fromisoformat(value)  # (raises for what is not one: nothing is kept)
+        if len(_times) >= _TIMES_KEPT:
+            _times.clear()
+        _times[value] = when
+    return when
 
 
 @dataclass(frozen=True, slots=True)
