@@ -932,6 +932,12 @@ def _report_users(
                 ">= 1.0x",
                 ratio >= 1,
             )
+        # (Not a target of the issue: what the same code gets over HTTP, for comparison.)
+        add(
+            "users",
+            f"HTTP one per call vs the best peer {which} ({best[0]:,.0f}/s: {best[1][:20]})",
+            f"{http_one[0] / best[0]:.2f}x",
+        )
 
 
 SECTIONS = {

@@ -800,7 +800,7 @@ _CLOSING_PICKS = frozenset({11, 12, 13})  # Connection: close, a 415, HTTP/1.0 (
 
 async def _all_answers(addr: str, data: bytes, cuts: list[int], tail: bytes) -> list[Any]:
     """Send ``data`` in pieces (cut at ``cuts``), then ``tail`` on its own; read every answer
-    until the connection ends or a second passes without one; their normal forms."""
+    until the connection ends or half a second passes without one; their normal forms."""
     answers: list[Any] = []
     async with raw_connection(addr) as conn:
         start = 0
@@ -816,7 +816,7 @@ async def _all_answers(addr: str, data: bytes, cuts: list[int], tail: bytes) -> 
                 await conn.send(tail)
         while True:
             try:
-                answer = await conn.response(timeout=1.0)
+                answer = await conn.response(timeout=0.5)
             except (TimeoutError, asyncio.IncompleteReadError, ConnectionError):
                 break
             answers.append(normal(answer))
