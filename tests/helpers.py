@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol, TypeVar, overload
 
 import aiohttp
+from hypothesis import strategies as st
 
 from tests import pg
 from wqbroker.broker import Broker, Config
@@ -266,3 +267,17 @@ def invariant_holds(stats: Mapping[str, Any] | _WithTotals) -> bool:
         return bool(t["nacked"] + t["reclaimed"] == t["retried"] + t["buried"])
     totals = stats.totals
     return totals.nacked + totals.reclaimed == totals.retried + totals.buried
+
+
+# -- Hypothesis ---------------------------------------------------------------------------------
+
+#: Any JSON value (no NaN, no infinities: JSON has none), nested a little.
+json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=12,
+)

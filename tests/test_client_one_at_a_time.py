@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -307,6 +308,20 @@ def test_a_delivery_missing_a_field_is_a_protocol_error() -> None:
             _delivery(d)
 
 
+@asynccontextmanager
+async def serving(app: web.Application) -> AsyncIterator[str]:
+    """``app`` served on a port of its own (a broker of another kind: an older one, say); its
+    URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+    finally:
+        await runner.cleanup()
+
+
 # -- over HTTP: concurrent enqueues in one POST /jobs/batch ---------------------------------------
 
 
@@ -389,12 +404,8 @@ async def test_over_http_an_older_broker_without_batches_gets_one_task_per_reque
     app = web.Application()
     app.router.add_post("/jobs", enqueue)
     app.router.add_get("/jobs/{id}", lookup)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        async with AsyncClient(f"http://127.0.0.1:{runner.addresses[0][1]}") as wq:
+    async with serving(app) as url:
+        async with AsyncClient(url) as wq:
             calls = http_calls(wq)
             ids = await asyncio.gather(*(wq.enqueue({"i": i}) for i in range(5)))
             assert sorted(ids) == [f"t{i}" for i in range(1, 6)]
@@ -403,8 +414,6 @@ async def test_over_http_an_older_broker_without_batches_gets_one_task_per_reque
             assert await wq.enqueue_many([1, 2, 3]) == ["t6", "t7", "t8"]
             assert calls == Counter({"POST /jobs": 3})  # it is not asked again
         assert taken[-3:] == [b'{"payload":1}', b'{"payload":2}', b'{"payload":3}']
-    finally:
-        await runner.cleanup()
 
 
 # -- over HTTP: acks and nacks together, claims for many ------------------------------------------
@@ -522,12 +531,8 @@ async def test_over_http_an_older_broker_without_batch_claims_gets_the_claim_loo
     app = web.Application()
     app.router.add_get("/jobs/next", claim)
     app.router.add_post("/jobs/{id}/ack", ack)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        async with AsyncClient(f"http://127.0.0.1:{runner.addresses[0][1]}") as wq:
+    async with serving(app) as url:
+        async with AsyncClient(url) as wq:
             calls = settle_calls(wq)
             done: list[str] = []
             worker: Worker | None = None
@@ -544,5 +549,3 @@ async def test_over_http_an_older_broker_without_batch_claims_gets_the_claim_loo
             assert not wq.claims_many
             assert calls["GET /jobs/next/batch"] == 1  # asked once
             assert calls["POST /jobs/settle"] <= 1
-    finally:
-        await runner.cleanup()

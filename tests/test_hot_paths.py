@@ -11,6 +11,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.helpers import json_values
 from wqbroker import codec
 from wqbroker.dispatch import Consumer, Dispatcher
 from wqbroker.errors import InvalidArgument
@@ -18,15 +19,7 @@ from wqbroker.grpc import server as grpc_server
 
 # -- a payload's JSON check ------------------------------------------------------------------------
 
-_JSONISH = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-    max_leaves=12,
-)
+_JSONISH = json_values
 
 
 def _long_way(data: bytes) -> str | None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.helpers import running_broker, settle
+from tests.helpers import json_values, running_broker, settle
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqclient import _http
@@ -236,15 +236,7 @@ async def test_a_bad_priority_or_key_is_invalid_argument(wq: HttpTransport) -> N
 
 # -- reading answers: the quick way and the general one agree ------------------------------------
 
-_json_values = st.recursive(
-    st.none()
-    | st.booleans()
-    | st.integers()
-    | st.floats(allow_nan=False, allow_infinity=False)
-    | st.text(),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
-    max_leaves=12,
-)
+_json_values = json_values
 
 
 def _general(data: bytes) -> object:

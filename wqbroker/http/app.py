@@ -118,19 +118,24 @@ async def enqueue_batch(request: web.Request) -> web.Response:
     return json_response(await enqueue_batch_answer(request.app[SERVICE], body, keyed), 201)
 
 
+async def _written(request: web.Request, body: bytes) -> web.StreamResponse:
+    """A claim's answer, written now: before the service lets go of the tasks it carries (if
+    the client is gone or the answer cannot be written, nobody saw them: they go back)."""
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        raise ConnectionResetError("the client went away")
+    answer = json_response(body)
+    await answer.prepare(request)
+    await answer.write_eof()
+    return answer
+
+
 async def claim(request: web.Request) -> web.StreamResponse:
     answer: web.StreamResponse | None = None  # (none made while the poll is parked)
 
     async def hand_over(delivery: Delivery) -> None:
-        # Written here, before the service lets go of the task: if the client is gone or the
-        # answer cannot be written, nobody saw the task and the service hands it back.
         nonlocal answer
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        answer = json_response(render_delivery(delivery))
-        await answer.prepare(request)
-        await answer.write_eof()
+        answer = await _written(request, render_delivery(delivery))
 
     await request.app[SERVICE].claim(
         _query_int(request, "wait_ms"),
@@ -147,13 +152,8 @@ async def claim_batch(request: web.Request) -> web.StreamResponse:
     answer: web.StreamResponse | None = None
 
     async def hand_over(deliveries: list[Delivery]) -> None:
-        nonlocal answer  # (written before the service lets go of the tasks, as for claim)
-        transport = request.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client went away")
-        answer = json_response(render_deliveries(deliveries))
-        await answer.prepare(request)
-        await answer.write_eof()
+        nonlocal answer
+        answer = await _written(request, render_deliveries(deliveries))
 
     await request.app[SERVICE].claim_batch(
         _query_int(request, "wait_ms"),

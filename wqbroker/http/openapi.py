@@ -465,6 +465,23 @@ _LEASE_MS: Final = _query(
     f"How long the task is yours, in ms; values above {limits.MAX_LEASE_MS} (5 minutes) are "
     f"clamped to {limits.MAX_LEASE_MS}.",
 )
+
+# A claim's parameters (GET /jobs/next and GET /jobs/next/batch).
+_CLAIMING: Final = (
+    _query(
+        "wait_ms",
+        {"type": "integer", "minimum": 0, "default": limits.DEFAULT_WAIT_MS},
+        f"How long to wait for a task, in ms; values above {limits.MAX_WAIT_MS} are "
+        f"clamped to {limits.MAX_WAIT_MS}; 0 answers at once.",
+    ),
+    _LEASE_MS,
+    _query(
+        "queue",
+        {"type": "string", "pattern": _QUEUE_LIST_PATTERN},
+        f"The queues to claim from, comma-separated, at most "
+        f"{limits.MAX_QUEUES_PER_CLAIM} (default: `default`).",
+    ),
+)
 _ONE_QUEUE: Final = _query("queue", _schema("QueueName"), "Only this queue (default: all).")
 
 # -- operations ---------------------------------------------------------------------------------
@@ -616,19 +633,7 @@ def _paths(public: Collection[str]) -> Json:
             "is refused (405): it would claim."
         ),
         parameters=[
-            _query(
-                "wait_ms",
-                {"type": "integer", "minimum": 0, "default": limits.DEFAULT_WAIT_MS},
-                f"How long to wait for a task, in ms; values above {limits.MAX_WAIT_MS} are "
-                f"clamped to {limits.MAX_WAIT_MS}; 0 answers at once.",
-            ),
-            _LEASE_MS,
-            _query(
-                "queue",
-                {"type": "string", "pattern": _QUEUE_LIST_PATTERN},
-                f"The queues to claim from, comma-separated, at most "
-                f"{limits.MAX_QUEUES_PER_CLAIM} (default: `default`).",
-            ),
+            *_CLAIMING,
         ],
         answers={
             "200": _linked(
@@ -658,19 +663,7 @@ def _paths(public: Collection[str]) -> Json:
                 f"At most this many tasks; values above {limits.MAX_CLAIM_BATCH} are clamped "
                 f"to {limits.MAX_CLAIM_BATCH}.",
             ),
-            _query(
-                "wait_ms",
-                {"type": "integer", "minimum": 0, "default": limits.DEFAULT_WAIT_MS},
-                f"How long to wait for a task, in ms; values above {limits.MAX_WAIT_MS} are "
-                f"clamped to {limits.MAX_WAIT_MS}; 0 answers at once.",
-            ),
-            _LEASE_MS,
-            _query(
-                "queue",
-                {"type": "string", "pattern": _QUEUE_LIST_PATTERN},
-                f"The queues to claim from, comma-separated, at most "
-                f"{limits.MAX_QUEUES_PER_CLAIM} (default: `default`).",
-            ),
+            *_CLAIMING,
         ],
         answers={
             "200": _json(_schema("Deliveries"), "One task or more, yours until their deadlines."),
