@@ -7,28 +7,30 @@ ways), and:
 
 - **serves it** if it is one of the hot requests in its plain form: HTTP/1.1 ``POST /jobs``,
   ``POST /jobs/batch``, ``GET /jobs/next``, ``GET /jobs/next/batch``, ``POST /jobs/settle``,
-  ``POST /jobs/{id}/ack|nack|extend`` with an id of
-  letters, digits, ``_``, ``-`` and ``~``, a query of such characters (plus ``.`` and ``,``), a
-  body of at most the limit by ``Content-Length``, and none of ``Expect``,
-  ``Content-Encoding``, ``Transfer-Encoding`` or ``Upgrade``. The answer is the very one
-  aiohttp's way gives (``app.py`` does the work for both; ``tests/test_http_fast.py`` sends
-  each case both ways and compares the bytes): the token check, the errors as JSON, the
-  metrics, the time-outs, keep-alive and ``Connection: close``, pipelining in order;
+  ``POST /jobs/{id}/ack|nack|extend`` with an id of letters, digits, ``_``, ``-`` and ``~``, a
+  query of such characters (plus ``.`` and ``,``), one ``Host``, a body of at most the limit
+  by ``Content-Length``, none of ``Expect``, ``Content-Encoding``, ``Transfer-Encoding`` or
+  ``Upgrade``, no header aiohttp takes once seen twice, and at most 128 header lines. The answer
+  is the very one aiohttp's way gives (``core.py`` does the work for both;
+  ``tests/test_http_fast.py`` sends each case both ways and compares the bytes): the token
+  check, the errors as JSON, the metrics, the time-outs, keep-alive and ``Connection: close``,
+  pipelining in order;
 - **passes it to aiohttp**, for this request only, if its head reads cleanly but it is anything
   else (another route or method, HTTP/1.0, a percent-encoded path, a body over the limit, a
-  compressed one, ``Expect``, a token the check refuses): an aiohttp handler of the connection
-  (``server.Protocol``) is given exactly that request's bytes, answers it, and says when it is
-  done; the fast lane then goes on with what follows;
+  compressed one, ``Expect``, no ``Host``, a token the check refuses): an aiohttp handler of the
+  connection (``server.Protocol``) is given exactly that request's bytes, answers it, and says
+  when it is done; the fast lane then goes on with what follows;
 - **hands the connection to aiohttp for good** if the head cannot be read that strictly, or its
   end cannot be known without a parser's judgement (``Transfer-Encoding``, ``Content-Length``
   twice or unreadable, ``Upgrade``, a head over 8 KiB): from that request on, aiohttp reads the
   bytes and answers as it always has (with the JSON errors of ``server.py``).
 
-A request that ends the connection (``Connection: close``; HTTP/1.0, which aiohttp answers) is
-the last one read: nothing after it is (RFC 9112, section 9.6). aiohttp's parser answers 400
-instead when more bytes come in the same read as such a request, and drops the requests it parsed
-in a read that ends in bytes it refuses; the lane answers each request it read before those bytes
-(``tests/test_http_fast.py`` sends the same bytes to a broker with the lane and one without).
+A request that ends the connection (``Connection: close``; HTTP/1.0 without keep-alive, which
+aiohttp answers) is the last one read: nothing after it is (RFC 9112, section 9.6). aiohttp's
+parser answers 400 instead when more bytes come in the same read as such a request, and drops
+the requests it parsed in a read that ends in bytes it refuses; the lane answers each request it
+read before those bytes (``tests/test_http_fast.py`` sends the same bytes to a broker with the
+lane and one without).
 
 A lane request's body is read whole before its handler runs (aiohttp's handlers read theirs
 first thing); one that does not come within the body time-out gets 408 and the connection is
