@@ -25,6 +25,7 @@ from wqclient import (
     AsyncClient,
     Client,
     Delivery,
+    Enqueued,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -473,6 +474,22 @@ async def test_over_http_claim_many_takes_up_to_max_in_one_request() -> None:
         assert calls == Counter({"GET /jobs/next/batch": 3})
         with pytest.raises(InvalidArgument):
             await wq.claim_many(0)
+
+
+async def test_the_blocking_client_claims_many_too() -> None:
+    async with running_broker(grpc_addr="off") as broker:
+
+        def scenario() -> list[Enqueued]:
+            with Client(broker.http_url) as wq:
+                ids = wq.enqueue_many([1, 2, 3])
+                got = wq.claim_many(5, wait_ms=0)
+                for d in got:
+                    wq.ack(d)
+                assert wq.stats().totals.acked == 3
+                assert [d.id for d in got] == ids
+                return ids
+
+        assert len(await asyncio.to_thread(scenario)) == 3
 
 
 async def test_over_grpc_claim_many_takes_one() -> None:

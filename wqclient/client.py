@@ -675,6 +675,19 @@ class Client:
         """Claim the next ready task, or None (see AsyncClient.claim)."""
         return self._run(self._client.claim, wait_ms=wait_ms, lease_ms=lease_ms, queues=queues)
 
+    def claim_many(
+        self,
+        max_tasks: int,
+        *,
+        wait_ms: int | None = None,
+        lease_ms: int | None = None,
+        queues: str | Sequence[str] | None = None,
+    ) -> list[Delivery]:
+        """Claim up to ``max_tasks`` ready tasks at once (see AsyncClient.claim_many)."""
+        return self._run(
+            self._client.claim_many, max_tasks, wait_ms=wait_ms, lease_ms=lease_ms, queues=queues
+        )
+
     def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
         """Report success (see AsyncClient.ack)."""
         self._run(self._client.ack, task, lease_id)
