@@ -4,8 +4,10 @@ Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :clas
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
 with the exception's text (raise :class:`Retry` to retry after a delay of your choosing,
 :class:`Fail` to bury the task at once). Over a transport that can stream (gRPC) it consumes one
-stream whose prefetch is the concurrency; otherwise (HTTP) it long-polls, one claim loop per unit
-of concurrency. Synchronous handlers run in a thread pool of that size, so they may block.
+stream whose prefetch is the concurrency; over HTTP it claims for all its free slots at once
+(``claim_many``, one claim at a time), its acks and nacks going together; from a broker without
+batch claims it long-polls, one claim loop per unit of concurrency. Synchronous handlers run in a
+thread pool of that size, so they may block.
 
 A handler may run for as long as it needs: while it runs, the worker extends the task's lease
 (by ``lease_ms``) each time half of the current lease has gone by. If the broker answers that
