@@ -463,6 +463,41 @@ async def test_over_http_concurrent_acks_and_nacks_go_in_one_request_each_with_i
         assert (stats.totals.acked, stats.totals.nacked) == (20, 10)
 
 
+async def test_over_http_a_malformed_ack_among_concurrent_ones_fails_only_its_caller() -> None:
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        await wq.enqueue_many([{"i": i} for i in range(6)])
+        held = await wq.claim_many(6, wait_ms=0)
+        calls = settle_calls(wq)
+        results = await asyncio.gather(
+            wq.ack(held[0].id, ""),  # malformed: the broker refuses the whole batch for it
+            *(wq.ack(d) for d in held[1:4]),
+            *(wq.nack(d, error="boom", delay_ms=0) for d in held[4:]),
+            return_exceptions=True,
+        )
+        assert isinstance(results[0], InvalidArgument)
+        assert "lease_id" in str(results[0])
+        assert results[1:] == [None] * 5
+        # the batch, then each again alone
+        assert calls == Counter(
+            {"POST /jobs/settle": 1, "POST /jobs/{id}/ack": 4, "POST /jobs/{id}/nack": 2}
+        )
+        stats = await wq.stats()
+        assert (stats.totals.acked, stats.totals.nacked) == (3, 2)
+        assert stats.handed_out == 1  # the one whose ack was malformed is still held
+
+
+async def test_over_http_very_many_concurrent_acks_go_in_a_few_requests() -> None:
+    async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
+        await wq.enqueue_many([{"i": i} for i in range(1200)])
+        held = await wq.claim_many(1000, wait_ms=0)
+        held += await wq.claim_many(1000, wait_ms=0)
+        assert len(held) == 1200
+        calls = settle_calls(wq)
+        await asyncio.gather(*(wq.ack(d) for d in held))
+        assert calls == Counter({"POST /jobs/settle": 3})  # 500 at most, each
+        assert (await wq.stats()).totals.acked == 1200
+
+
 async def test_over_http_claim_many_takes_up_to_max_in_one_request() -> None:
     async with running_broker(grpc_addr="off") as broker, AsyncClient(broker.http_url) as wq:
         ids = await wq.enqueue_many([{"i": i} for i in range(7)])

@@ -237,6 +237,7 @@ _JSON_BODY: Final = {"Content-Type": "application/json"}
 BATCH_PATH: Final = "/jobs/batch"  # the broker's extensions: many tasks in one request,
 CLAIM_BATCH_PATH: Final = "/jobs/next/batch"  # up to so many claimed in one long-poll,
 SETTLE_PATH: Final = "/jobs/settle"  # many acks and nacks in one request
+_SETTLE_GROUP: Final = 500  # acks, and as many nacks, per POST /jobs/settle (the cap: 10,000)
 _OLDER: Final = (404, 405)  # what a broker without an extension answers its route
 
 
@@ -502,22 +503,33 @@ class HttpTransport:
     def _send_settlements(self) -> None:
         acks, self._acks = self._acks, []
         nacks, self._nacks = self._nacks, []
-        task = asyncio.get_running_loop().create_task(self._settle_all(acks, nacks))
-        self._settling.add(task)
-        task.add_done_callback(self._settling.discard)
+        loop = asyncio.get_running_loop()
+        n = _SETTLE_GROUP
+        for i in range(0, max(len(acks), len(nacks)), n):
+            task = loop.create_task(self._settle_all(acks[i : i + n], nacks[i : i + n]))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
 
     async def _settle_all(self, acks: list[_Settlement], nacks: list[_Settlement]) -> None:
         """Send the settlements together (one alone: its own request), and give each caller
-        its outcome; every caller the error if the request failed."""
+        its outcome. A batch the broker refuses as a whole (one malformed settlement, or too
+        large) is sent again one by one, so that each caller gets its own answer; any other
+        failure of the request is every caller's."""
         everyone = [*acks, *nacks]
         try:
             if len(everyone) > 1 and self._settles:
-                outcomes = await self._settle_together(acks, nacks)
+                try:
+                    outcomes = await self._settle_together(acks, nacks)
+                except InvalidArgument:  # one is malformed, or they are too many: each alone
+                    outcomes = None
                 if outcomes is not None:
                     for settlement, outcome in zip(everyone, outcomes, strict=True):
                         _answer(settlement.future, outcome)
                     return
-            await asyncio.gather(*(self._settle_alone(one, one in nacks) for one in everyone))
+            await asyncio.gather(
+                *(self._settle_alone(one, nack=False) for one in acks),
+                *(self._settle_alone(one, nack=True) for one in nacks),
+            )
         except BaseException as e:
             error = e if isinstance(e, Exception) else Unavailable("the client is closing")
             for settlement in everyone:
