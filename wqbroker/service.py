@@ -173,7 +173,7 @@ class Service:
         ``{what}[i].field problem`` and nothing is enqueued. Duplicates (by idempotency key)
         are answered per item."""
         limits.batch_size(what, len(items))
-        checked = [self._checked_item(item, f"{what}[{i}]") for i, item in enumerate(items)]
+        checked = [_named(self._checked, item, f"{what}[{i}]") for i, item in enumerate(items)]
         self._room_for(checked)
         now = self._clock.now()
         done = await self._store.enqueue_many(checked, now=now)
@@ -258,12 +258,6 @@ class Service:
             key,
             self._clock.now() + self.dedup_window if key is not None else 0.0,
         )
-
-    def _checked_item(self, item: Submission, where: str) -> NewTask:
-        try:
-            return self._checked(item)
-        except (InvalidArgument, PayloadTooLarge) as e:
-            raise type(e)(f"{where}.{e.message}") from None
 
     # -- consuming ---------------------------------------------------------------------------
 
@@ -520,8 +514,8 @@ def _named(parse: Callable[[Any], T], item: object, where: str) -> T:
     """``parse(item)``, its refusal naming where the item is (``acks[2].id must be ...``)."""
     try:
         return parse(item)
-    except InvalidArgument as e:
-        raise InvalidArgument(f"{where}.{e.message}") from None
+    except (InvalidArgument, PayloadTooLarge) as e:
+        raise type(e)(f"{where}.{e.message}") from None
 
 
 def _parse_each(
