@@ -20,16 +20,22 @@ from wqbroker.errors import Unauthenticated
 Check = Callable[[web.Request], None]
 
 
-def authorization(request: web.Request) -> str | None:
-    """The request's one Authorization header, or None; two of them are refused."""
-    return one_authorization(request.headers.getall(hdrs.AUTHORIZATION, []))
-
-
-def one_authorization(values: Sequence[str]) -> str | None:
-    """The one Authorization header of ``values`` (all a request has), or None."""
-    if len(values) > 1:
+def check_route(
+    tokens: Tokens,
+    authorizations: Sequence[str],
+    method: str,
+    route: str,
+    public: Collection[str] = (),
+) -> None:
+    """Check a request for ``route`` (its canonical path, ``/jobs/{id}/ack``) with these
+    Authorization headers (all it has; two are refused) against ``tokens``: raises
+    Unauthenticated or PermissionDenied. ``public``: as for :func:`token_check`."""
+    if len(authorizations) > 1:
         raise Unauthenticated("more than one Authorization header")
-    return values[0] if values else None
+    rule = http_rule(method, route)
+    if public and f"{'GET' if method == 'HEAD' else method} {route}" in public:
+        rule = Access.OPEN
+    tokens.check(authorizations[0] if authorizations else None, rule, f"{method} {route}")
 
 
 def token_check(tokens: Tokens, public: Collection[str] = ()) -> Check:
@@ -41,11 +47,7 @@ def token_check(tokens: Tokens, public: Collection[str] = ()) -> Check:
         match = request.match_info
         if match.http_exception is None:
             path = match.route.resource.canonical if match.route.resource is not None else ""
-            rule = http_rule(request.method, path)
-            if public and f"{'GET' if request.method == 'HEAD' else request.method} {path}" in (
-                public
-            ):
-                rule = Access.OPEN
-            tokens.check(authorization(request), rule, f"{request.method} {path}")
+            values = request.headers.getall(hdrs.AUTHORIZATION, [])
+            check_route(tokens, values, request.method, path, public)
 
     return authenticate

@@ -55,10 +55,10 @@ from aiohttp.helpers import rfc822_formatted_time
 from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from wqbroker.auth import Tokens, http_rule
+from wqbroker.auth import Tokens
 from wqbroker.errors import WqError
 from wqbroker.http import core as routes
-from wqbroker.http.auth import one_authorization
+from wqbroker.http.auth import check_route
 from wqbroker.http.transport import error_body, header_timeout_answer
 from wqbroker.metrics import Metrics
 from wqbroker.models import Delivery
@@ -524,9 +524,8 @@ class FastProtocol(asyncio.Protocol):
         tokens = self._lane.tokens
         if tokens is None:
             return True
-        rule = http_rule(request.method, request.route)
         try:
-            tokens.check(one_authorization(auth), rule, f"{request.method} {request.route}")
+            check_route(tokens, auth, request.method, request.route)
         except WqError:
             return False
         return True
