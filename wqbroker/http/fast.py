@@ -47,19 +47,22 @@ import re
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
-from aiohttp.helpers import rfc822_formatted_time
-from aiohttp.http import SERVER_SOFTWARE
 from aiohttp.tcp_helpers import tcp_keepalive
 
 from wqbroker.auth import Tokens
 from wqbroker.errors import WqError
 from wqbroker.http import core as routes
 from wqbroker.http.auth import check_route
-from wqbroker.http.transport import error_body, header_timeout_answer
+from wqbroker.http.transport import (
+    RequestTimeout,
+    answer_bytes,
+    body_late,
+    error_body,
+    header_timeout_answer,
+)
 from wqbroker.metrics import Metrics
 from wqbroker.models import Delivery
 from wqbroker.service import Service
@@ -131,8 +134,6 @@ _SINGLETONS: Final = frozenset(
         b"user-agent",
     }
 )
-# Answers after which the connection is closed (a body not read to its end behind them).
-_CLOSING: Final = frozenset({408, 413, 415, 417})
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,37 +212,10 @@ class _Passed:
 _Item = _Request | _Passed
 
 
-def _reason(status: int) -> str:
-    return HTTPStatus(status).phrase
-
-
-_OK_REASONS: Final = {200: "OK", 201: "Created"}
-_SERVER: Final = f"Server: {SERVER_SOFTWARE}\r\n\r\n".encode()
-_CLOSE_SERVER: Final = f"Server: {SERVER_SOFTWARE}\r\nConnection: close\r\n\r\n".encode()
-
-
-def render(
-    status: int, body: bytes | None, close: bool, headers: tuple[tuple[str, str], ...] = ()
-) -> bytes:
-    """An answer's bytes, as aiohttp writes them for the handlers' answers (``transport.Answer``
-    for 200, 201 and 204; aiohttp's own way, with the error's headers after Content-Length, for
-    the others)."""
-    tail = _CLOSE_SERVER if close else _SERVER
-    if body is None:  # 204
-        return f"HTTP/1.1 204 No Content\r\nDate: {rfc822_formatted_time()}\r\n".encode() + tail
-    reason = _OK_REASONS.get(status) or _reason(status)
-    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
-    head = (
-        f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(body)}\r\n{extra}Date: {rfc822_formatted_time()}\r\n"
-    )
-    return head.encode() + tail + body
-
-
 class _Fields:
     """What the lane reads of a request's header lines."""
 
-    __slots__ = ("length", "lengths", "close", "keys", "auth", "hosts", "plain", "for_good", "seen")
+    __slots__ = ("length", "close", "keys", "auth", "hosts", "plain", "for_good", "seen")
 
     def __init__(self) -> None:
         self.length: int | None = 0  # Content-Length (None: unreadable)
@@ -300,10 +274,6 @@ _READERS: Final[dict[bytes, Callable[[_Fields, bytes], None]]] = {
     b"expect": _Fields._aiohttps,
     b"sec-websocket-key1": _Fields._aiohttps,
 }
-
-
-class _BodyLate(Exception):
-    """The body time-out ran out."""
 
 
 # Routes whose handler reads the body (the others answer without it).
@@ -665,7 +635,7 @@ class FastProtocol(asyncio.Protocol):
                         await self._body_ready()
                 status, body = await self._handle(request)
                 if body is not None or status == 204:
-                    await self._write(render(status, body, close))
+                    await self._write(answer_bytes(status, body, close))
             except asyncio.CancelledError:
                 counted = False  # (the client went away: aiohttp's way counts nothing either)
                 raise
@@ -674,11 +644,11 @@ class FastProtocol(asyncio.Protocol):
             except Exception as e:
                 status, message, headers = self._failed(request, e)
                 close = close or status == 408
-                await self._write(render(status, error_body(message), close, headers))
+                await self._write(answer_bytes(status, error_body(message), close, headers))
         finally:
             if counted:
                 lane.metrics.count_answer(request.method, request.route, status)
-        if close or status in _CLOSING:
+        if close:
             self._close()
 
     def _failed(
@@ -688,9 +658,8 @@ class FastProtocol(asyncio.Protocol):
         if isinstance(error, WqError):
             status, headers = routes.error_parts(error)
             return status, error.message, headers
-        if isinstance(error, _BodyLate):
-            ms = round(self._lane.read_body_timeout * 1000)
-            return 408, f"request body not received within {ms} ms", ()
+        if isinstance(error, RequestTimeout):
+            return 408, error.message, ()
         log.error("unexpected error in %s %s", request.method, request.route, exc_info=error)
         return 500, "internal error", ()
 
@@ -729,7 +698,7 @@ class FastProtocol(asyncio.Protocol):
             # Written here, before the service lets go of the task: if the client is gone or
             # the answer cannot be written, nobody saw the task and the service hands it back.
             nonlocal written
-            await self._write(render(200, routes.render_delivery(delivery), request.close))
+            await self._write(answer_bytes(200, routes.render_delivery(delivery), request.close))
             written = True
 
         await self._lane.service.claim(
@@ -745,7 +714,9 @@ class FastProtocol(asyncio.Protocol):
 
         async def hand_over(deliveries: list[Delivery]) -> None:
             nonlocal written  # (as for a claim: written before the service lets go of them)
-            await self._write(render(200, routes.render_deliveries(deliveries), request.close))
+            await self._write(
+                answer_bytes(200, routes.render_deliveries(deliveries), request.close)
+            )
             written = True
 
         await self._lane.service.claim_batch(
@@ -841,7 +812,7 @@ class FastProtocol(asyncio.Protocol):
             return
         if self._timeout == "body":
             if self._body_wait is not None and not self._body_wait.done():
-                self._body_wait.set_exception(_BodyLate())
+                self._body_wait.set_exception(body_late(self._lane.read_body_timeout))
             return
         peer = transport.get_extra_info("peername")
         if self._timeout == "head":

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Final, cast
 
 from aiohttp import HttpVersion11, web
@@ -83,22 +84,32 @@ class Answer(web.Response):
             keep_alive = request.keep_alive
         self._keep_alive = keep_alive
         writer = request._payload_writer
-        body = cast(bytes, self._body or b"")  # (bytes, or None with 204: checked above)
-        tail = _SERVER if keep_alive else _CLOSE_SERVER
-        if self._status == 204:
-            head = f"HTTP/1.1 204 No Content\r\nDate: {rfc822_formatted_time()}\r\n"
-        else:
-            head = (
-                f"HTTP/1.1 {self._status} {_REASONS[self._status]}\r\n"
-                f"Content-Type: {_JSON}\r\nContent-Length: {len(body)}\r\n"
-                f"Date: {rfc822_formatted_time()}\r\n"
-            )
+        body = cast(bytes | None, self._body)  # (bytes, or None with 204: checked above)
         # StreamWriter's own write: it counts the bytes, and refuses a closing transport.
-        writer._write(head.encode() + tail + body)
+        writer._write(answer_bytes(self._status, body, close=not keep_alive))
         self._eof_sent = True
-        self._body_length = len(body)
+        self._body_length = len(body or b"")
         await writer.drain()
         return None
+
+
+def answer_bytes(
+    status: int, body: bytes | None, close: bool, headers: tuple[tuple[str, str], ...] = ()
+) -> bytes:
+    """A JSON answer's bytes (None: 204, no body), as aiohttp writes them: the status line;
+    Content-Type and Content-Length, then ``headers``; Date; Server; Connection: close when the
+    connection ends. (``Answer`` writes the handlers' answers with it, the fast lane all its
+    answers, errors included.)"""
+    tail = _CLOSE_SERVER if close else _SERVER
+    if body is None:
+        return f"HTTP/1.1 204 No Content\r\nDate: {rfc822_formatted_time()}\r\n".encode() + tail
+    reason = _REASONS.get(status) or HTTPStatus(status).phrase
+    extra = "".join(f"{name}: {value}\r\n" for name, value in headers)
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\nContent-Type: {_JSON}\r\n"
+        f"Content-Length: {len(body)}\r\n{extra}Date: {rfc822_formatted_time()}\r\n"
+    )
+    return head.encode() + tail + body
 
 
 def json_response(body: bytes, status: int = 200) -> web.Response:
@@ -219,8 +230,12 @@ async def read_body(request: web.Request) -> bytes:
     except web.HTTPRequestEntityTooLarge:
         raise PayloadTooLarge(_too_large(rules.max_bytes)) from None
     except TimeoutError:
-        ms = round(rules.read_timeout * 1000)
-        raise RequestTimeout(f"request body not received within {ms} ms") from None
+        raise body_late(rules.read_timeout) from None
+
+
+def body_late(read_timeout: float) -> RequestTimeout:
+    """The refusal of a body that did not arrive within ``read_timeout`` seconds."""
+    return RequestTimeout(f"request body not received within {round(read_timeout * 1000)} ms")
 
 
 async def _skip(payload: StreamReader, budget: int) -> bool:
