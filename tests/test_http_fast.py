@@ -28,6 +28,7 @@ from tests.authkit import ONLY, ROOT, bearer, write_token_file
 from tests.helpers import running_broker, wait_until
 from tests.rawhttp import RawResponse, exchange, raw_connection, request
 from wqbroker.broker import Broker
+from wqbroker.http.server import Runner
 
 MAX_BODY = 4096
 
@@ -640,12 +641,19 @@ async def test_an_idle_connection_is_closed_and_a_busy_one_is_not() -> None:
             assert (await polling.response()).status == 204
 
 
+def lane_connections(broker: Broker) -> int:
+    runner = broker._runner
+    assert isinstance(runner, Runner)
+    return runner.fast_connections
+
+
 async def test_a_client_that_goes_away_mid_body_enqueues_nothing(broker: Broker) -> None:
     async with raw_connection(address(broker)) as conn:
         await conn.send(
             b'POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: 100\r\n\r\n{"payload":'
         )
-    await asyncio.sleep(0.05)
+        await wait_until(lambda: lane_connections(broker) == 1, what="the lane to hold it")
+    await wait_until(lambda: lane_connections(broker) == 0, what="the lane to let it go")
     stats = (await send(broker, "GET", "/stats")).json()
     assert (stats["ready"], stats["totals"]["enqueued"]) == (0, 0)
 

@@ -391,6 +391,12 @@ class Runner(web.AppRunner):
             "auto_decompress": False,
         }
 
+    @property
+    def fast_connections(self) -> int:
+        """How many connections the fast lane keeps now."""
+        server = self.server
+        return len(server._fast) if isinstance(server, _Server) else 0
+
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()  # starts and freezes the application
         # The fast lane, unless requests are to be logged (aiohttp's access log sees only its
