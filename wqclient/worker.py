@@ -34,7 +34,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -355,33 +355,19 @@ class Worker:
     # -- HTTP / unary: claim loops ----------------------------------------------------------------
 
     async def _poll_loop(self) -> None:
-        failures = 0
+        failures = [0]
         while not self._stopping.is_set():
-            asked_at = time.monotonic()
-            claim = asyncio.ensure_future(
-                self._client.claim(wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues)
-            )
-            self._claims.add(claim)
-            try:
-                delivery = await claim
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise  # we are being cancelled ourselves
-                return  # stop() cancelled the idle claim
-            except Unavailable as e:
-                await self._broker_down(e, failures)
-                failures += 1
-                continue
-            except _REFUSED as e:
-                self._refused(e)
+            deliveries = await self._claimed(self._claim_one(), failures)
+            if deliveries is None:
                 return
-            finally:
-                self._claims.discard(claim)
-            failures = 0
-            self._broker_up(asked_at)
-            if delivery is not None:
+            for delivery in deliveries:
                 await self._process(delivery, _Unary(self._client))
+
+    async def _claim_one(self) -> list[Delivery]:
+        delivery = await self._client.claim(
+            wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues
+        )
+        return [] if delivery is None else [delivery]
 
     # -- HTTP with batch claims: one claim at a time, for as many tasks as there is room --------
 
@@ -406,7 +392,10 @@ class Worker:
                     room.clear()
                     await room.wait()
                     continue
-                deliveries = await self._claim_batch(free, failures)
+                many = self._client.claim_many(
+                    free, wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues
+                )
+                deliveries = await self._claimed(many, failures)
                 if deliveries is None:
                     return False  # stopped, or the token was refused
                 for delivery in deliveries:
@@ -421,15 +410,14 @@ class Worker:
             if in_flight:  # the tasks in hand finish and are settled
                 await asyncio.gather(*in_flight, return_exceptions=True)
 
-    async def _claim_batch(self, free: int, failures: list[int]) -> list[Delivery] | None:
-        """One batch claim: what came (nothing, if the broker is down: after the backoff), or
+    async def _claimed(
+        self, call: Coroutine[Any, Any, list[Delivery]], failures: list[int]
+    ) -> list[Delivery] | None:
+        """The answer to one claim (one task or none, or a batch): what came (nothing, if the
+        broker is down: after the backoff, ``failures[0]`` counting the failures in a row), or
         None to stop (stop() cancelled it, or the token was refused)."""
         asked_at = time.monotonic()
-        claim = asyncio.ensure_future(
-            self._client.claim_many(
-                free, wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues
-            )
-        )
+        claim = asyncio.ensure_future(call)
         self._claims.add(claim)
         try:
             deliveries = await claim
