@@ -122,22 +122,23 @@ def lease_seconds(value: object | None) -> float:
 
 
 def prefetch_value(value: object | None) -> int:
-    if value is None:
-        return 1
-    n = integer("prefetch", value)
-    if n < 1:
-        raise InvalidArgument(f"prefetch must be at least 1, got {n}")
-    return min(n, MAX_PREFETCH)
+    """A stream's ``prefetch``: as :func:`_count`, up to MAX_PREFETCH."""
+    return _count("prefetch", value, MAX_PREFETCH)
 
 
 def claim_count_value(value: object | None) -> int:
-    """A batch claim's ``max``: at least 1 (default 1); above MAX_CLAIM_BATCH, clamped to it."""
+    """A batch claim's ``max``: as :func:`_count`, up to MAX_CLAIM_BATCH."""
+    return _count("max", value, MAX_CLAIM_BATCH)
+
+
+def _count(name: str, value: object | None, cap: int) -> int:
+    """How many: at least 1 (default 1); above ``cap``, clamped to it."""
     if value is None:
         return 1
-    n = integer("max", value)
+    n = integer(name, value)
     if n < 1:
-        raise InvalidArgument(f"max must be at least 1, got {n}")
-    return min(n, MAX_CLAIM_BATCH)
+        raise InvalidArgument(f"{name} must be at least 1, got {n}")
+    return min(n, cap)
 
 
 def limit_value(value: object | None) -> int | None:
