@@ -38,7 +38,7 @@ from tests.helpers import Http, invariant_holds, wait_until
 from tests.procs import BrokerProcess, broker_process, free_port
 from wqbroker.broker import Broker, Config
 from wqbroker.clock import Clock, SystemClock, TimerHandle
-from wqclient import AsyncClient, LeaseLost, NotFound
+from wqclient import AsyncClient, LeaseLost, NotFound, Task, Worker
 
 # What "at once" means for a wake-up, a reclaim after its deadline, a promotion after its delay:
 # these take milliseconds; the bound is generous for a loaded two-core machine.
@@ -554,6 +554,72 @@ async def test_a_requeue_on_one_broker_wakes_a_long_poll_on_the_other(
     status, body = await answered(poll)
     assert status == 200
     assert (body["task"]["id"], body["task"]["attempts"]) == (task_id, 1)
+
+
+async def test_a_batch_enqueue_on_one_broker_wakes_a_batch_claim_on_the_other_and_settles_there(
+    waker_and_sleeper: tuple[Node, Node],
+) -> None:
+    a, b = waker_and_sleeper
+    before = b.waiting
+    poll = asyncio.ensure_future(b.get("/jobs/next/batch?max=3&wait_ms=20000"))
+    await wait_until(lambda: b.waiting > before, what="the batch claim to park on b")
+    tasks = [{"payload": {"n": n}} for n in range(5)]
+    status, body = await a.post("/jobs/batch", {"tasks": tasks})
+    assert status == 201
+    ids = body["ids"]
+    status, body = await answered(poll)
+    assert status == 200
+    got = body["deliveries"]
+    assert [d["task"]["id"] for d in got] == ids[:3]  # all five came at once: three of them
+    # settled through a, held through b: one refused (another lease), the others each applied
+    settle = {
+        "acks": [{"id": d["task"]["id"], "lease_id": d["lease_id"]} for d in got]
+        + [{"id": got[0]["task"]["id"], "lease_id": "0" * 16}],
+        "nacks": [],
+    }
+    status, body = await a.post("/jobs/settle", settle)
+    assert status == 200
+    outcomes = body["acks"]
+    assert outcomes[: len(got)] == [None] * len(got)
+    assert outcomes[-1]["status"] == 404  # acked already, just before, in the same request
+    stats = await same_stats([a, b])
+    assert (stats["totals"]["acked"], stats["ready"], stats["handed_out"]) == (
+        len(got),
+        5 - len(got),
+        0,
+    )
+
+
+async def test_workers_over_http_on_two_brokers_do_every_task_once(cluster: Cluster) -> None:
+    a, b = await cluster.add(), await cluster.add()
+    done: list[int] = []
+
+    async def handle(task: Task) -> None:
+        done.append(task.payload["n"])
+
+    async with AsyncClient(a.broker.http_url) as producer:
+        await producer.enqueue_many([{"n": n} for n in range(300)])
+    workers = []
+    for node in (a, b):
+        client = AsyncClient(node.broker.http_url)
+        workers.append((client, Worker(client, handle, concurrency=8, wait_ms=200)))
+    runs = [asyncio.ensure_future(w.run()) for _, w in workers]
+    try:
+        await wait_until(lambda: len(done) >= 300, what="every task done", timeout=30)
+        await wait_until(
+            lambda: a.get("/stats"),
+            lambda answer: answer[1]["totals"]["acked"] == 300,
+            what="every ack to land",
+        )
+        stats = await same_stats([a, b])
+    finally:
+        for _, worker in workers:
+            worker.stop()
+        await asyncio.gather(*runs)
+        for client, _ in workers:
+            await client.close()
+    assert sorted(done) == list(range(300))  # each once: none lost, none twice
+    assert (stats["ready"], stats["handed_out"], stats["totals"]["delivered"]) == (0, 0, 300)
 
 
 async def test_one_task_for_many_long_polls_on_two_brokers_goes_to_exactly_one(
