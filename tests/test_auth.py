@@ -528,6 +528,20 @@ async def _stream(stub: pb_grpc.BrokerAsyncStub) -> Callable[[Any], Awaitable[ob
     return invoke
 
 
+async def _produce(stub: pb_grpc.BrokerAsyncStub) -> Callable[[Any], Awaitable[object]]:
+    async def invoke(md: Any) -> object:
+        call: Any = stub.Produce(None, metadata=md)
+        await call.write(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")]))
+        response = await asyncio.wait_for(call.read(), 5)
+        assert response.code == 0, response
+        assert len(response.ids) == 1
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # type: ignore[attr-defined]
+        return response
+
+    return invoke
+
+
 async def _nothing(stub: pb_grpc.BrokerAsyncStub) -> None:
     return None
 
@@ -589,6 +603,7 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "ResumeQueue": _const(pb.ResumeQueueRequest(queue="q")),
     "RequeueAll": _const(pb.RequeueAllRequest()),
     "PurgeDead": _purge_request,
+    "Produce": _nothing,
 }
 
 
@@ -629,6 +644,8 @@ async def test_every_grpc_method_without_and_with_the_right_token(
 ) -> None:
     if name == "StreamJobs":
         invoke = await _stream(stub)
+    elif name == "Produce":
+        invoke = await _produce(stub)
     else:
         invoke = await _unary(stub, name, GRPC_CALLS[name])
     rule = GRPC_RULES[f"/wq.v1.Broker/{name}"]

@@ -48,12 +48,22 @@ async def broker() -> AsyncIterator[Broker]:
 
 
 def counted(client: AsyncClient) -> Counter[str]:
-    """Counts of the client's Enqueue and EnqueueBatch calls (tasks per batch under 'tasks')."""
+    """Counts of the client's Enqueue and EnqueueBatch calls and of the batches it sends over
+    its producing stream ('Produce'; the tasks of all batches under 'tasks')."""
     transport = client.transport
     assert isinstance(transport, GrpcTransport)
     stub: Any = transport._stub
     calls: Counter[str] = Counter()
-    one, many = stub.Enqueue, stub.EnqueueBatch
+    one, many, produce = stub.Enqueue, stub.EnqueueBatch, transport._produce
+
+    async def produced(request: Any) -> Any:
+        calls["Produce"] += 1
+        calls["tasks"] += len(request.tasks)
+        response = await produce(request)
+        if response is None:  # the broker has no Produce: an EnqueueBatch call follows
+            calls["Produce"] -= 1
+            calls["tasks"] -= len(request.tasks)
+        return response
 
     def enqueue(request: Any, **kwargs: Any) -> Any:
         calls["Enqueue"] += 1
@@ -65,6 +75,7 @@ def counted(client: AsyncClient) -> Counter[str]:
         return many(request, **kwargs)
 
     stub.Enqueue, stub.EnqueueBatch = enqueue, enqueue_batch
+    transport._produce = produced  # type: ignore[method-assign]
     return calls
 
 
@@ -73,7 +84,7 @@ async def test_concurrent_enqueues_go_in_few_batches_each_with_its_own_id(broker
         calls = counted(wq)
         ids = await asyncio.gather(*(wq.enqueue({"n": i}) for i in range(200)))
         assert len(set(ids)) == 200
-        assert calls == Counter({"EnqueueBatch": 1, "tasks": 200})  # one turn, one batch
+        assert calls == Counter({"Produce": 1, "tasks": 200})  # one turn, one batch
         # each id is its caller's task
         for i, task_id in enumerate(ids):
             assert (await wq.get_task(task_id)).payload == {"n": i}
@@ -88,7 +99,7 @@ async def test_producers_in_a_loop_keep_sending_batches(broker: Broker) -> None:
 
         ids = await asyncio.gather(*(producer(k) for k in range(32)))
         assert len({i for batch in ids for i in batch}) == 32 * 25
-        assert calls["Enqueue"] + calls["EnqueueBatch"] < 32 * 25 // 8
+        assert calls["Enqueue"] + calls["EnqueueBatch"] + calls["Produce"] < 32 * 25 // 8
         assert (await wq.stats()).ready == 32 * 25
 
 
@@ -118,7 +129,7 @@ async def test_a_bad_task_fails_only_its_caller(broker: Broker, transport: str) 
         good = [r for r in results if isinstance(r, str)]
         assert len(good) == len(set(good)) == 9
         # tried together first, then one by one
-        assert calls["EnqueueBatch" if transport == "grpc" else "POST /jobs/batch"] >= 1
+        assert calls["Produce" if transport == "grpc" else "POST /jobs/batch"] >= 1
         stats = await wq.stats()
         assert stats.ready == 9
 
@@ -129,7 +140,7 @@ async def test_duplicate_keys_in_one_batch_are_answered_as_duplicates(broker: Br
         results = await asyncio.gather(
             *(wq.enqueue({"i": i}, idempotency_key=f"k{i % 3}") for i in range(9))
         )
-        assert calls["EnqueueBatch"] == 1
+        assert calls["Produce"] == 1
         firsts = results[:3]
         assert [r.duplicate for r in results] == [False] * 3 + [True] * 6
         assert all(results[i] == firsts[i % 3] for i in range(9))

@@ -895,9 +895,12 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "ResumeQueue",
         "RequeueAll",
         "PurgeDead",
+        "Produce",
     }
     assert methods["StreamJobs"].client_streaming
     assert methods["StreamJobs"].server_streaming
+    assert methods["Produce"].client_streaming
+    assert methods["Produce"].server_streaming
     assert not methods["NextJob"].client_streaming
     assert not methods["NextJob"].server_streaming
     # A client can resolve every message type from what reflection returns.

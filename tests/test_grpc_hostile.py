@@ -250,6 +250,24 @@ UNDECODABLE_CASES = [
 async def _undecodable_answer(
     broker: Broker, clock: FakeClock, channel: grpc.aio.Channel, method: str, data: bytes
 ) -> tuple[Code, str]:
+    if method == "Produce":
+        # Answered like a refused batch, and the stream goes on: the batch after it is taken.
+        good = pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"7")])
+        call = open_raw_call(channel, "Produce")
+        await call.write(data)
+        await call.write(good.SerializeToString())
+        await call.done_writing()
+        answers = []
+        for _ in range(2):
+            raw: object = await asyncio.wait_for(call.read(), CALL_TIMEOUT)
+            assert isinstance(raw, bytes)
+            answers.append(pb.ProduceResponse.FromString(raw))
+        assert await asyncio.wait_for(call.read(), CALL_TIMEOUT) is EOF
+        assert await call.code() == Code.OK
+        assert answers[1].code == 0, answers[1]
+        assert len(answers[1].ids) == 1
+        assert not answers[0].ids
+        return next(c for c in Code if c.value[0] == answers[0].code), answers[0].message
     if method == "StreamJobs":
         code, details, responses = await raw_stream(channel, [data], half_close=False)
         assert responses == []

@@ -51,7 +51,7 @@ _BROKER: Final = "/wq.v1.Broker/"
 SCOPES: Final[Mapping[str, Routes]] = {
     "produce": Routes(
         http=("POST /jobs", "POST /jobs/batch"),
-        grpc=(_BROKER + "Enqueue", _BROKER + "EnqueueBatch"),
+        grpc=(_BROKER + "Enqueue", _BROKER + "EnqueueBatch", _BROKER + "Produce"),
     ),
     # NextJob settles its acks as well as claiming, all of it the consumer's business.
     "consume": Routes(

@@ -89,6 +89,7 @@ class Service:
             store, clock, self._sweeper.wake_by, self._background, max_waiters=max_waiters
         )
         self._closing = False
+        self._on_close: list[Callable[[], None]] = []
         # A shared store: other brokers make tasks ready too. They say so (on_ready); a poll now
         # and then (in the sweeper's ticks) covers a wake-up that got lost.
         self.poll_interval = poll_interval
@@ -129,9 +130,20 @@ class Service:
     async def start(self) -> None:
         self._sweeper.start()
 
+    @property
+    def closing(self) -> bool:
+        return self._closing
+
+    def on_close(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` when the broker starts shutting down (a protocol's own streams
+        end then)."""
+        self._on_close.append(callback)
+
     async def close(self) -> None:
         """Answer every parked long-poll (with nothing), end every stream, stop the sweeper."""
         self._closing = True
+        for callback in self._on_close:
+            callback()
         await self._dispatch.close()
         await self._sweeper.stop()
         await self._background.wait()

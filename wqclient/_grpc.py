@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import deque
 from collections.abc import (
@@ -60,6 +61,7 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
 }
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # (not in grpc-stubs)
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
 
 log = logging.getLogger("wqclient")
@@ -495,6 +497,104 @@ class GrpcStream:
             await asyncio.gather(self._reader, return_exceptions=True)
 
 
+# The largest batch sent over the producing stream (encoded): under the 4 MiB that every broker
+# receives, so the stream is never ended for a message's size (which would leave the batches
+# before it in doubt). A larger one goes in an EnqueueBatch call of its own.
+_PRODUCE_MAX_BYTES = 3 * 1024 * 1024
+
+
+class _NotTaken(Exception):
+    """The producing stream ended OK (the broker is shutting down) without answering this
+    batch: nothing of it was enqueued, it may be sent again."""
+
+
+class _NoProduce(Exception):
+    """The broker has no Produce method (an older one): nothing was enqueued."""
+
+
+def _refusal(response: pb.ProduceResponse) -> WqError:
+    """The error of a batch the broker refused, as its EnqueueBatch call would have raised."""
+    message = response.message or f"the broker refused the batch (code {response.code})"
+    if response.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and response.retry_after_ms:
+        return Overloaded(message, retry_after=response.retry_after_ms / 1000)
+    return _BY_NUMBER.get(response.code, WqError)(message)
+
+
+class _Producer:
+    """One Produce call: batches written in order, one at a time; each answer is the oldest
+    unanswered batch's (the broker answers in order)."""
+
+    def __init__(self, stub: pb_grpc.BrokerAsyncStub, metadata: Metadata | None) -> None:
+        self._loop = asyncio.get_running_loop()
+        # (write() and read(), not iterators: one message costs less that way.)
+        produce: Any = stub.Produce
+        self._call: Any = produce(metadata=metadata)
+        self._writing = asyncio.Lock()
+        self._waiting: deque[asyncio.Future[pb.ProduceResponse]] = deque()
+        self.over = False  # no batch may be sent on it any more
+        self._cancelled: Unavailable | None = None  # why cancel() cut it short
+        self._reader = self._loop.create_task(self._read())
+
+    async def send(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse:
+        """The broker's answer to ``request``; raises _NotTaken, _NoProduce, or the error the
+        stream ended with (Unavailable: the batch is in doubt)."""
+        future: asyncio.Future[pb.ProduceResponse] = self._loop.create_future()
+        async with self._writing:
+            if self.over:
+                raise _NotTaken("the producing stream has ended")
+            self._waiting.append(future)
+            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                # (If the call is over, the reader fails the batch with how it ended.)
+                await self._call.write(request)
+        return await future
+
+    async def _read(self) -> None:
+        end: BaseException = _NotTaken("the broker ended the producing stream")
+        try:
+            while True:
+                response = await self._call.read()
+                if response is _EOF:
+                    break
+                if not self._waiting:
+                    self._call.cancel()
+                    end = ProtocolError("the broker answered a batch that was not sent")
+                    break
+                future = self._waiting.popleft()
+                if not future.done():
+                    future.set_result(response)
+        except grpc.aio.AioRpcError as e:
+            end = self._why_ended(e)
+        except asyncio.CancelledError:  # (what read() raises once the call is cancelled)
+            end = self._cancelled or Unavailable("the client is closing")
+        finally:
+            self.over = True
+            waiting, self._waiting = self._waiting, deque()
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(end)
+
+    @staticmethod
+    def _why_ended(e: grpc.aio.AioRpcError) -> BaseException:
+        if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return _NoProduce(e.details() or "no Produce method")
+        error = _error(e)
+        if isinstance(error, Unauthenticated | PermissionDenied):
+            # (Checked before the broker reads a batch: the batches not answered were not read.)
+            return error
+        # Anything else may have cut a batch short, enqueued and not answered: in doubt.
+        return Unavailable(f"the producing stream broke: {error.message}")
+
+    def cancel(self, why: str) -> None:
+        """Cut the stream short: its unanswered batches fail (in doubt) with ``why``."""
+        self.over = True
+        self._cancelled = Unavailable(why)
+        self._call.cancel()
+
+    async def close(self) -> None:
+        self.cancel("the client is closing")
+        await asyncio.gather(self._reader, return_exceptions=True)
+
+
 _OPTIONS: list[tuple[str, Any]] = [
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
     ("grpc.max_send_message_length", _MAX_MESSAGE),
@@ -535,6 +635,8 @@ class GrpcTransport:
             self._channel = grpc.aio.secure_channel(target, credentials, options=_OPTIONS)
         self._stub = pb_grpc.BrokerStub(self._channel)
         self._coalescer = Coalescer(self._enqueue_one, self.enqueue_many)
+        self._producer: _Producer | None = None
+        self._produces = True  # until the broker turns out to have no Produce method
 
     def _unreachable(self, error: Unavailable) -> Unavailable:
         message = f"cannot reach the broker at {self._target}: {error.message}"
@@ -561,9 +663,10 @@ class GrpcTransport:
         idempotency_key: str | None = None,
     ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
-        to the broker together, in one EnqueueBatch call, each caller getting its own answer
-        (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is, with one
-        Enqueue call. (The answer's future itself: no coroutine of its own per task.)"""
+        to the broker together, as one batch (:meth:`enqueue_many`), each caller getting its
+        own answer (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is,
+        with one Enqueue call. (The answer's future itself: no coroutine of its own per
+        task.)"""
         item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
         return self._coalescer.add(item)
 
@@ -572,11 +675,17 @@ class GrpcTransport:
         return Enqueued(str(response.id), bool(response.duplicate))
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
+        """A batch, all or none: over the producing stream (one message each way, no call of
+        its own), or in an EnqueueBatch call if it is large or the broker has no Produce."""
         request = pb.EnqueueBatchRequest()
         add = request.tasks.add
         for item in items:
             _fill_enqueue(add(), item)
-        response = await self._unary(self._stub.EnqueueBatch, request)
+        response: pb.ProduceResponse | pb.EnqueueBatchResponse | None = None
+        if self._produces and request.ByteSize() <= _PRODUCE_MAX_BYTES:
+            response = await self._produce(request)
+        if response is None:
+            response = await self._unary(self._stub.EnqueueBatch, request)
         ids = response.ids
         duplicates = response.duplicates
         if not duplicates:
@@ -584,6 +693,39 @@ class GrpcTransport:
         if len(duplicates) != len(ids):
             raise ProtocolError("the broker answered a batch with not as many duplicates as ids")
         return [Enqueued(i, d) for i, d in zip(ids, duplicates, strict=True)]
+
+    async def _produce(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse | None:
+        """The broker's answer to a batch sent over the producing stream (opened when needed);
+        None if the broker has no Produce method (the batch was not enqueued)."""
+        again = True  # a batch the broker did not take is sent once more, on a new stream
+        while True:
+            producer = self._producer
+            if producer is None or producer.over:
+                producer = self._producer = _Producer(self._stub, self._metadata)
+            try:
+                async with asyncio.timeout(self._timeout):
+                    response = await producer.send(request)
+            except TimeoutError:
+                why = f"no answer to a batch in {self._timeout:g} s"
+                producer.cancel(why)  # (the batches behind this one would wait as long)
+                raise self._unreachable(Unavailable(why)) from None
+            except _NoProduce:
+                self._produces = False
+                return None
+            except _NotTaken:
+                if not again:
+                    raise self._unreachable(
+                        Unavailable(
+                            "the broker ended the producing stream without taking the batch"
+                        )
+                    ) from None
+                again = False
+                continue
+            except Unavailable as e:
+                raise (e if isinstance(e, Overloaded) else self._unreachable(e)) from None
+            if response.code:
+                raise _refusal(response)
+            return response
 
     async def claim(
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
@@ -662,4 +804,6 @@ class GrpcTransport:
         return stream
 
     async def close(self) -> None:
+        if self._producer is not None:
+            await self._producer.close()
         await self._channel.close(None)

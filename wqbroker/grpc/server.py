@@ -250,6 +250,14 @@ def _settled(outcome: _Outcome) -> pb.Settled:
     return out
 
 
+def _refused(error: WqError) -> pb.ProduceResponse:
+    """A Produce batch's refusal: the status its EnqueueBatch call would have ended with."""
+    response = pb.ProduceResponse(code=code_for(error).value[0], message=details(error.message))
+    if isinstance(error, Overloaded):
+        response.retry_after_ms = round(error.retry_after * 1000)
+    return response
+
+
 def _refused_for(response: pb.NextJobResponse) -> bool:
     """True if a client with default limits would refuse ``response`` for its outcomes (when
     its delivery alone is larger, the client must have raised its limit)."""
@@ -326,6 +334,8 @@ async def _settle(
 class BrokerServicer(pb_grpc.BrokerServicer):
     def __init__(self, service: Service) -> None:
         self._service = service
+        self._producing: set[asyncio.Task[Any]] = set()  # Produce calls between batches
+        service.on_close(self._end_producing)
 
     async def Enqueue(self, request: pb.EnqueueRequest, context: Context) -> pb.EnqueueResponse:
         async with _Errors(context):
@@ -344,11 +354,62 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         self, request: pb.EnqueueBatchRequest, context: Context
     ) -> pb.EnqueueBatchResponse:
         async with _Errors(context):
-            items = [_submission(item) for item in request.tasks]
-            results: list[Enqueued] = await self._service.enqueue_many(items, what="tasks")
+            results = await self._enqueue_batch(request)
             return pb.EnqueueBatchResponse(
                 ids=[r.id for r in results], duplicates=[r.duplicate for r in results]
             )
+
+    async def _enqueue_batch(self, request: pb.EnqueueBatchRequest) -> list[Enqueued]:
+        items = [_submission(item) for item in request.tasks]
+        return await self._service.enqueue_many(items, what="tasks")
+
+    async def Produce(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[pb.EnqueueBatchRequest], context: Context
+    ) -> None:
+        """Each batch read is enqueued (or refused) and answered before the next is read. Ends
+        OK when the client half-closes, or between batches when the broker shuts down (the
+        batches it did not answer were not enqueued: the client sends them again)."""
+        call = asyncio.current_task()
+        assert call is not None
+        requests = aiter(request_iterator)
+        while True:
+            self._producing.add(call)  # (only while it waits for the next batch)
+            try:
+                request: pb.EnqueueBatchRequest | WqError = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except InvalidArgument as e:  # a request that could not be decoded
+                request = e
+            except asyncio.CancelledError:
+                if not self._service.closing:
+                    raise
+                call.uncancel()  # cancelled by _end_producing, between batches: end OK
+                return
+            finally:
+                self._producing.discard(call)
+            if self._service.closing:
+                return  # (read just now: not enqueued, not answered)
+            if isinstance(request, WqError):
+                await context.write(_refused(request))
+            else:
+                await context.write(await self._produced(request))
+            if self._service.closing:
+                return
+
+    async def _produced(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse:
+        try:
+            results = await self._enqueue_batch(request)
+        except WqError as e:
+            return _refused(e)
+        return pb.ProduceResponse(
+            ids=[r.id for r in results], duplicates=[r.duplicate for r in results]
+        )
+
+    def _end_producing(self) -> None:
+        """The broker is shutting down: end the Produce calls waiting for their next batch (the
+        others end once the batch they are enqueueing is answered)."""
+        for call in list(self._producing):
+            call.cancel()
 
     async def NextJob(self, request: pb.NextJobRequest, context: Context) -> pb.NextJobResponse:
         async with _Errors(context):

@@ -269,6 +269,51 @@ class EnqueueBatchResponse(_message.Message):
 Global___EnqueueBatchResponse: _TypeAlias = EnqueueBatchResponse  # noqa: Y015
 
 @_typing.final
+class ProduceResponse(_message.Message):
+    """The answer to one Produce request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IDS_FIELD_NUMBER: _builtins.int
+    DUPLICATES_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """Otherwise the status code (google.rpc.Code) of the refusal, e.g. INVALID_ARGUMENT (message
+    names the task: "tasks[3].payload ..."), RESOURCE_EXHAUSTED or UNAVAILABLE: nothing of the
+    batch was enqueued.
+    """
+    message: _builtins.str
+    """Why, when code is not 0 (at most 1 KiB, as status messages)."""
+    retry_after_ms: _builtins.int
+    """With RESOURCE_EXHAUSTED for one of the broker's limits (not a size): how long to wait before
+    sending the batch again, as the retry-after-ms trailer of a call says; 0 otherwise.
+    """
+    @_builtins.property
+    def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """As EnqueueBatchResponse's, when code is 0 (the batch was enqueued)."""
+
+    @_builtins.property
+    def duplicates(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bool]: ...
+    def __init__(
+        self,
+        *,
+        ids: _abc.Iterable[_builtins.str] | None = ...,
+        duplicates: _abc.Iterable[_builtins.bool] | None = ...,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        retry_after_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "duplicates", b"duplicates", "ids", b"ids", "message", b"message", "retry_after_ms", b"retry_after_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProduceResponse: _TypeAlias = ProduceResponse  # noqa: Y015
+
+@_typing.final
 class NextJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -44,6 +44,11 @@ class BrokerStub:
                 request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
                 response_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
                 _registered_method=True)
+        self.Produce = channel.stream_stream(
+                '/wq.v1.Broker/Produce',
+                request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ProduceResponse.FromString,
+                _registered_method=True)
         self.NextJob = channel.unary_unary(
                 '/wq.v1.Broker/NextJob',
                 request_serializer=wqclient_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
@@ -132,6 +137,27 @@ class BrokerServicer:
         """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
         request is invalid nothing is enqueued and the error names its index. Idempotency keys work
         per item (EnqueueBatchResponse.duplicates).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Produce(self, request_iterator, context):
+        """A producing stream (an extension; no HTTP equivalent): EnqueueBatch without a call per batch.
+        Each request is a batch, enqueued all or none exactly as EnqueueBatch enqueues it, and
+        answered by one ProduceResponse; the broker takes a stream's batches one at a time, in the
+        order sent, and answers them in that order. A refused batch is answered with the status the
+        same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
+        does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
+        before the earlier ones are answered; the broker reads no further while its answers wait to
+        be read.
+
+        The stream ends with OK when the client half-closes (once every batch it sent is answered),
+        or when the broker shuts down: it then ends each stream after answering the batch it is
+        enqueueing, if any, and a batch sent that it never answered was not read, so not enqueued:
+        send it again (to another broker). Any other end (a broken connection, a cancelled call)
+        leaves the batches sent and not answered in doubt, as a failed EnqueueBatch call would be.
+        Tokens are checked when the stream opens and again at each request, as for StreamJobs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -276,6 +302,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
                     response_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.SerializeToString,
             ),
+            'Produce': grpc.stream_stream_rpc_method_handler(
+                    servicer.Produce,
+                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
+                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ProduceResponse.SerializeToString,
+            ),
             'NextJob': grpc.unary_unary_rpc_method_handler(
                     servicer.NextJob,
                     request_deserializer=wqclient_dot_pb_dot_broker__pb2.NextJobRequest.FromString,
@@ -401,6 +432,33 @@ class Broker:
             '/wq.v1.Broker/EnqueueBatch',
             wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
             wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Produce(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/wq.v1.Broker/Produce',
+            wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+            wqclient_dot_pb_dot_broker__pb2.ProduceResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -73,6 +73,23 @@ class BrokerStub:
     request is invalid nothing is enqueued and the error names its index. Idempotency keys work
     per item (EnqueueBatchResponse.duplicates).
     """
+    Produce: _grpc.StreamStreamMultiCallable[_broker_pb2.EnqueueBatchRequest, _broker_pb2.ProduceResponse]
+    """A producing stream (an extension; no HTTP equivalent): EnqueueBatch without a call per batch.
+    Each request is a batch, enqueued all or none exactly as EnqueueBatch enqueues it, and
+    answered by one ProduceResponse; the broker takes a stream's batches one at a time, in the
+    order sent, and answers them in that order. A refused batch is answered with the status the
+    same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
+    does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
+    before the earlier ones are answered; the broker reads no further while its answers wait to
+    be read.
+
+    The stream ends with OK when the client half-closes (once every batch it sent is answered),
+    or when the broker shuts down: it then ends each stream after answering the batch it is
+    enqueueing, if any, and a batch sent that it never answered was not read, so not enqueued:
+    send it again (to another broker). Any other end (a broken connection, a cancelled call)
+    leaves the batches sent and not answered in doubt, as a failed EnqueueBatch call would be.
+    Tokens are checked when the stream opens and again at each request, as for StreamJobs.
+    """
     NextJob: _grpc.UnaryUnaryMultiCallable[_broker_pb2.NextJobRequest, _broker_pb2.NextJobResponse]
     """Claim the next ready task of the queues asked for (highest priority first, then oldest),
     long-polling up to wait_ms for one (HTTP: GET /jobs/next).
@@ -150,6 +167,23 @@ class BrokerAsyncStub(BrokerStub):
     """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
     request is invalid nothing is enqueued and the error names its index. Idempotency keys work
     per item (EnqueueBatchResponse.duplicates).
+    """
+    Produce: _aio.StreamStreamMultiCallable[_broker_pb2.EnqueueBatchRequest, _broker_pb2.ProduceResponse]  # type: ignore[assignment]
+    """A producing stream (an extension; no HTTP equivalent): EnqueueBatch without a call per batch.
+    Each request is a batch, enqueued all or none exactly as EnqueueBatch enqueues it, and
+    answered by one ProduceResponse; the broker takes a stream's batches one at a time, in the
+    order sent, and answers them in that order. A refused batch is answered with the status the
+    same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
+    does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
+    before the earlier ones are answered; the broker reads no further while its answers wait to
+    be read.
+
+    The stream ends with OK when the client half-closes (once every batch it sent is answered),
+    or when the broker shuts down: it then ends each stream after answering the batch it is
+    enqueueing, if any, and a batch sent that it never answered was not read, so not enqueued:
+    send it again (to another broker). Any other end (a broken connection, a cancelled call)
+    leaves the batches sent and not answered in doubt, as a failed EnqueueBatch call would be.
+    Tokens are checked when the stream opens and again at each request, as for StreamJobs.
     """
     NextJob: _aio.UnaryUnaryMultiCallable[_broker_pb2.NextJobRequest, _broker_pb2.NextJobResponse]  # type: ignore[assignment]
     """Claim the next ready task of the queues asked for (highest priority first, then oldest),
@@ -237,6 +271,29 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
         request is invalid nothing is enqueued and the error names its index. Idempotency keys work
         per item (EnqueueBatchResponse.duplicates).
+        """
+
+    @_abc_1.abstractmethod
+    def Produce(
+        self,
+        request_iterator: _MaybeAsyncIterator[_broker_pb2.EnqueueBatchRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_broker_pb2.ProduceResponse], _abc.AsyncIterator[_broker_pb2.ProduceResponse]]:
+        """A producing stream (an extension; no HTTP equivalent): EnqueueBatch without a call per batch.
+        Each request is a batch, enqueued all or none exactly as EnqueueBatch enqueues it, and
+        answered by one ProduceResponse; the broker takes a stream's batches one at a time, in the
+        order sent, and answers them in that order. A refused batch is answered with the status the
+        same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
+        does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
+        before the earlier ones are answered; the broker reads no further while its answers wait to
+        be read.
+
+        The stream ends with OK when the client half-closes (once every batch it sent is answered),
+        or when the broker shuts down: it then ends each stream after answering the batch it is
+        enqueueing, if any, and a batch sent that it never answered was not read, so not enqueued:
+        send it again (to another broker). Any other end (a broken connection, a cancelled call)
+        leaves the batches sent and not answered in doubt, as a failed EnqueueBatch call would be.
+        Tokens are checked when the stream opens and again at each request, as for StreamJobs.
         """
 
     @_abc_1.abstractmethod
