@@ -444,6 +444,46 @@ async def test_refusals_over_the_stream_are_the_errors_enqueue_batch_raises() ->
             await transport.enqueue_many(items(2))
 
 
+def echo(data: bytes) -> bytes:
+    """An answer whose ids are the batch's payloads."""
+    tasks = pb.EnqueueBatchRequest.FromString(data).tasks
+    return pb.ProduceResponse(ids=[t.payload.decode() for t in tasks]).SerializeToString()
+
+
+async def test_a_caller_gone_before_its_answer_leaves_the_others_their_own() -> None:
+    first_read = asyncio.Event()
+    go_on = asyncio.Event()
+
+    async def produce(requests: AsyncIterator[bytes], context: Any) -> None:
+        async for request in requests:
+            if not first_read.is_set():
+                first_read.set()
+                await go_on.wait()
+            await context.write(echo(request))
+
+    async with fake_produce(produce) as url, AsyncClient(url) as wq:
+        transport = wq.transport
+        assert isinstance(transport, GrpcTransport)
+
+        def batch_of(*ids: str) -> list[EnqueueItem]:
+            return [EnqueueItem(i.encode(), None, None) for i in ids]
+
+        gone = asyncio.create_task(transport.enqueue_many(batch_of("1", "2")))
+        await asyncio.wait_for(first_read.wait(), WAIT)
+        behind = [
+            asyncio.create_task(transport.enqueue_many(batch_of(f"{k}a", f"{k}b")))
+            for k in range(3, 6)
+        ]
+        await asyncio.sleep(0.05)  # (the three written behind the first)
+        gone.cancel()
+        go_on.set()
+        for k, task in zip(range(3, 6), behind, strict=True):
+            assert await asyncio.wait_for(task, WAIT) == [f"{k}a", f"{k}b"]
+        assert await transport.enqueue_many(batch_of("9")) == ["9"]
+        with pytest.raises(asyncio.CancelledError):
+            await gone
+
+
 async def test_closing_the_client_fails_its_unanswered_batches_and_ends_the_stream() -> None:
     read_one = asyncio.Event()
     ended = asyncio.Event()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import deque
 from collections.abc import (
@@ -543,9 +542,15 @@ class _Producer:
             if self.over:
                 raise _NotTaken("the producing stream has ended")
             self._waiting.append(future)
-            with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                # (If the call is over, the reader fails the batch with how it ended.)
+            try:
                 await self._call.write(request)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # the call is over: the reader fails the batch with how it ended
+            except asyncio.CancelledError:
+                # Sent or not, nobody can tell: the answers could no longer be matched with
+                # their batches.
+                self.cancel("the sending of a batch was interrupted")
+                raise
         return await future
 
     async def _read(self) -> None:
