@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -20,7 +21,7 @@ from tests.fake_clock import FakeClock
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
 from wqclient import AsyncClient, Overloaded, StreamingTransport, Task, Unavailable, WqError
 from wqclient.clock import Clock, SystemClock, call_later
-from wqclient.worker import TaskFailed, Worker
+from wqclient.worker import TaskFailed, Worker, _Lease, _LeaseWatch
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -332,8 +333,9 @@ async def test_the_system_clock_calls_back_on_the_event_loop() -> None:
 
 
 async def test_a_handler_that_ends_before_half_the_lease_sets_no_keeper_going() -> None:
-    # The lease keeper starts only when its timer fires: a quick handler cancels the timer, and
-    # nothing is left parked on the clock (no sleeping task per task, as there used to be).
+    # The lease keeper starts only when the watch's timer finds the handler still running: quick
+    # handlers leave the watch as they end, and nothing is left parked on the clock (no sleeping
+    # task per task, as there used to be, nor a timer per task: one for all of them).
     clock = FakeClock()
     transport = FakeStreamingTransport()
     async with AsyncClient(transport=transport) as client:
@@ -350,4 +352,33 @@ async def test_a_handler_that_ends_before_half_the_lease_sets_no_keeper_going() 
         await asyncio.wait_for(worker.run(), 10)
     assert sorted(done) == list(range(20))
     assert clock.parked == 0
-    assert len(clock.sleeps) == 20  # one timer per task, every one cancelled
+    assert clock.sleeps == [15.0]  # one timer, for the first; cancelled when the worker ended
+
+
+async def test_the_lease_watch_keeps_each_handler_due_in_order_and_none_that_ended() -> None:
+    clock = FakeClock()
+    watch = _LeaseWatch(clock, clock.call_later)
+    kept: list[str] = []
+    leases = {name: _Lease(datetime.now(UTC)) for name in "abcd"}
+    watch.watch(leases["a"], 10, lambda: kept.append("a"))  # due at 10
+    await clock.advance(3)
+    watch.watch(leases["b"], 10, lambda: kept.append("b"))  # due at 13
+    watch.watch(leases["c"], 10, lambda: kept.append("c"))  # due at 13, then dropped
+    await clock.advance(3)
+    watch.watch(leases["d"], 10, lambda: kept.append("d"))  # due at 16
+    watch.drop(leases["c"])
+    assert clock.sleeps == [10]  # one timer so far, for the oldest
+    await clock.advance(4)  # t = 10
+    assert kept == ["a"]
+    assert clock.sleeps == [10, 3]  # set again, for b
+    await clock.advance(3)  # t = 13
+    assert kept == ["a", "b"]
+    watch.drop(leases["d"])  # ended before it was due
+    await clock.advance(10)
+    assert kept == ["a", "b"]
+    assert clock.parked == 0
+    watch.watch(leases["a"], 10, lambda: kept.append("a again"))  # a new timer: none was left
+    watch.close()
+    assert clock.parked == 0
+    await clock.advance(20)
+    assert kept == ["a", "b"]

@@ -207,7 +207,7 @@ class _Confirmed:
         return self._stream.extend(delivery, lease_ms)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Lease:
     """One delivery's lease while its handler runs."""
 
@@ -215,6 +215,50 @@ class _Lease:
     lost: bool = False  # the broker said it is no longer ours: discard the result
     done: bool = False  # the handler has finished: extend no more
     extending: bool = False  # an extension is on its way
+
+
+class _LeaseWatch:
+    """When each running handler's lease is half gone, with one timer for them all (a timer
+    per task costs more than the rest of a short task's bookkeeping). Every handler is watched
+    for the same span, so they come due in the order they started: the timer is set for the
+    oldest, and when it fires, each one due is kept (its ``keep`` called) and the timer set
+    for the next. A handler that ends is dropped from the watch at once."""
+
+    def __init__(
+        self, clock: Clock, call_later: Callable[[float, Callable[[], None]], Timer]
+    ) -> None:
+        self._clock = clock
+        self._call_later = call_later
+        # By lease, in the order watched: (when due, what to call then).
+        self._due: dict[_Lease, tuple[float, Callable[[], None]]] = {}
+        self._timer: Timer | None = None
+
+    def watch(self, lease: _Lease, after: float, keep: Callable[[], None]) -> None:
+        self._due[lease] = (self._clock.monotonic() + after, keep)
+        if self._timer is None:
+            self._timer = self._call_later(after, self._fire)
+
+    def drop(self, lease: _Lease) -> None:
+        self._due.pop(lease, None)
+
+    def _fire(self) -> None:
+        self._timer = None
+        due = self._due
+        now = self._clock.monotonic()
+        while due:
+            lease = next(iter(due))
+            when, keep = due[lease]
+            if when > now:
+                self._timer = self._call_later(when - now, self._fire)
+                return
+            del due[lease]
+            keep()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._due.clear()
 
 
 class Worker:
@@ -258,10 +302,10 @@ class Worker:
         self.lease_ms = lease_ms
         self.queues = queues
         self._clock: Clock = clock or SystemClock()
-        # The clock's own timers if it has them (looked up once: the worker sets one per task).
+        # The clock's own timers if it has them.
         timer = getattr(self._clock, "call_later", None)
-        self._call_later: Callable[[float, Callable[[], None]], Timer] = (
-            timer if timer is not None else functools.partial(call_later, self._clock)
+        self._leases = _LeaseWatch(
+            self._clock, timer if timer is not None else functools.partial(call_later, self._clock)
         )
         self._executor: ThreadPoolExecutor | None = None
         self._stopping = asyncio.Event()
@@ -319,6 +363,7 @@ class Worker:
             elif not self._client.claims_many or await self._run_batches():
                 await asyncio.gather(*(self._poll_loop() for _ in range(self.concurrency)))
         finally:
+            self._leases.close()  # (every handler has ended by now)
             if self._executor is not None:
                 self._executor.shutdown(wait=True)
             if self._own_client:
@@ -518,8 +563,8 @@ class Worker:
             nonlocal keeper
             keeper = asyncio.ensure_future(self._keep(delivery, settler, lease, expires))
 
-        # A timer, not a task that sleeps: most handlers end long before it would fire.
-        timer = self._call_later(span / 2, keep)
+        # Watched, not a task that sleeps: most handlers end long before it would be time.
+        self._leases.watch(lease, span / 2, keep)
         error: Exception | None = None
         try:
             try:  # (the handler is run here, not in a coroutine of its own: this is per task)
@@ -532,7 +577,7 @@ class Worker:
                 error = e
         finally:
             lease.done = True
-            timer.cancel()
+            self._leases.drop(lease)
             if keeper is not None:
                 if lease.extending:  # an extension on its way is let finish (it may lose it)
                     await asyncio.wait((keeper,))
