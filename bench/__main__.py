@@ -858,7 +858,14 @@ def users(q: bool) -> None:
                 rate = end_to_end(url, "http", n, 32)
                 cpu = (pg._ticks(pid)[1] - before) / pg.TICK / n
                 found.setdefault(name, []).append((rate, cpu))
+        # A lone task, the system otherwise idle: wqclient's enqueue() to the Worker's handler.
+        lone = str(300 if q else 2000)
+        latencies = {
+            kind: run_json("bench.users", "latency", url, "-", lone, "2")
+            for kind, url in (("gRPC", f"grpc://{b.grpc}"), ("HTTP", b.http))
+        }
     RESULTS["users"] = found
+    RESULTS["users_latency"] = latencies
     medians: dict[str, tuple[float, float | None]] = {}
     for name, runs in found.items():
         cpus = [c for _, c in runs if c is not None]
@@ -867,6 +874,15 @@ def users(q: bool) -> None:
             statistics.median(cpus) if cpus else None,
         )
     _report_users(medians, [r[0] for r in rows], [p[0] for p in peers])
+    for kind, figures in latencies.items():
+        p50, p99 = figures["p50_ms"], figures["p99_ms"]
+        add(
+            "users",
+            f"a lone task, enqueue() to the Worker's handler, {kind}: p50 / p99",
+            f"{p50:.2f} / {p99:.2f} ms",
+            "<= 1 / <= 3 ms" if kind == "gRPC" else "",
+            (p50 <= 1 and p99 <= 3) if kind == "gRPC" else None,
+        )
 
 
 def _report_users(

@@ -25,6 +25,13 @@ The peers (``URL`` is theirs; MODE is ignored but by NATS):
   threads, each with its own connection), put / reserve + delete.
 
 Each prints one JSON line: ``{"first", "last", "n"}`` (``time.time()``, so processes compare).
+
+    python -m bench.users latency URL - N GAP_MS
+
+A lone task's latency as a user sees it: ``await wq.enqueue(...)`` of one task at a time (each
+carrying the time it was sent), every GAP_MS, to a ``Worker`` in the same process that is
+waiting for it; the time from the call to the handler's start. Prints ``{"n", "p50_ms",
+"p99_ms"}``.
 """
 
 from __future__ import annotations
@@ -107,6 +114,36 @@ async def consume(url: str, mode: str, n: int, concurrency: int) -> dict[str, An
     else:
         raise SystemExit(f"unknown consumer mode {mode!r}")
     return {"last": last, "n": done}
+
+
+async def latency(url: str, n: int, gap_ms: float) -> dict[str, Any]:
+    from wqclient import AsyncClient, Task, Worker
+
+    samples: list[float] = []
+    started = asyncio.Event()
+
+    async def handler(task: Task) -> None:
+        samples.append(time.time() - task.payload["sent"])
+        started.set()
+
+    worker = Worker(url, handler, concurrency=1)
+    running = asyncio.ensure_future(worker.run())
+    async with AsyncClient(url) as wq:
+        await wq.stats()  # connected
+        await asyncio.sleep(0.5)  # the worker waiting
+        for _ in range(n):
+            started.clear()
+            await wq.enqueue({"sent": time.time()})
+            await asyncio.wait_for(started.wait(), 10)
+            await asyncio.sleep(gap_ms / 1000)
+    worker.stop()
+    await running
+    samples.sort()
+    return {
+        "n": len(samples),
+        "p50_ms": samples[len(samples) // 2] * 1000,
+        "p99_ms": samples[min(len(samples) - 1, int(len(samples) * 0.99))] * 1000,
+    }
 
 
 # -- NATS JetStream (nats-py) ----------------------------------------------------------------------
@@ -234,6 +271,7 @@ def main(argv: list[str]) -> None:
     runs: dict[str, Callable[[], Coroutine[Any, Any, dict[str, Any]]]] = {
         "produce": lambda: produce(url, mode, n, k),
         "consume": lambda: consume(url, mode, n, k),
+        "latency": lambda: latency(url, n, k),
         "rabbit-produce": lambda: rabbit.produce(url, _QUEUE, n, k),
         "rabbit-consume": lambda: rabbit.consume(url, _QUEUE, n, k),
         "nats-produce": lambda: nats_produce(url, mode, n, k),

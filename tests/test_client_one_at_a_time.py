@@ -103,12 +103,30 @@ async def test_producers_in_a_loop_keep_sending_batches(broker: Broker) -> None:
         assert (await wq.stats()).ready == 32 * 25
 
 
-async def test_a_lone_caller_sends_one_task_per_call(broker: Broker) -> None:
+async def test_a_lone_caller_sends_one_task_at_a_time_over_the_stream(broker: Broker) -> None:
     async with AsyncClient("grpc://" + broker.grpc_target) as wq:
         calls = counted(wq)
-        for i in range(5):
-            await wq.enqueue({"i": i})
-        assert calls == Counter({"Enqueue": 5})
+        ids = [await wq.enqueue({"i": i}) for i in range(5)]
+        assert calls == Counter({"Produce": 5, "tasks": 5})  # a batch of one each, no call
+        assert [(await wq.get_task(i)).payload for i in ids] == [{"i": i} for i in range(5)]
+        again = await wq.enqueue({"k": 1}, idempotency_key="k")
+        duplicate = await wq.enqueue({"k": 2}, idempotency_key="k")
+        assert duplicate == again
+        assert duplicate.duplicate
+
+
+async def test_a_lone_task_refused_gets_the_error_its_own_call_gives(broker: Broker) -> None:
+    async with AsyncClient("grpc://" + broker.grpc_target) as wq:
+        calls = counted(wq)
+        with pytest.raises(InvalidArgument) as e:
+            await wq.enqueue({"i": 1}, queue="no spaces allowed")
+        # Refused as a batch of one ("tasks[0].queue ..."), then sent again as an Enqueue call,
+        # whose answer is the caller's: as it always was.
+        assert e.value.message.startswith("queue ")
+        assert calls == Counter({"Produce": 1, "tasks": 1, "Enqueue": 1})
+        with pytest.raises(PayloadTooLarge):
+            await wq.enqueue({"big": "x" * 5000})
+        assert (await wq.stats()).totals.enqueued == 0
 
 
 @pytest.mark.parametrize("transport", ["grpc", "http"])

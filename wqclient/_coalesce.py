@@ -21,8 +21,10 @@ class Coalescer:
     Thirty-two coroutines each awaiting ``enqueue()`` in a loop resume together when the batch
     that carried their tasks is answered, and enqueue again in that same turn: their next tasks
     go together again. The broker takes a batch in one call (one commit in a durable store), so
-    the cost per task is that of ``enqueue_many``. A call made alone goes alone, as a one-task
-    call, a loop turn later than it would have (no timer, no waiting for company).
+    the cost per task is that of ``enqueue_many``. A call made alone goes alone, a loop turn later
+    than it would have (no timer, no waiting for company): as a one-task call, or (``lone``
+    "batch", where a batch of one costs less than the one-task call: gRPC's producing stream)
+    as a batch of one, sent again as a one-task call if it is refused, for that call's own error.
 
     A batch is all or nothing at the broker. If one is refused for something a task could cause
     by itself (invalid, too large, or the broker full: :class:`InvalidArgument`,
@@ -39,9 +41,12 @@ class Coalescer:
         self,
         one: Callable[[EnqueueItem], Awaitable[Enqueued]],
         many: Callable[[Sequence[EnqueueItem]], Awaitable[list[Enqueued]]],
+        *,
+        lone: str = "one",
     ) -> None:
         self._one = one
         self._many = many
+        self._lone_batched = lone == "batch"
         self._pending: list[tuple[EnqueueItem, asyncio.Future[Enqueued]]] = []
         self._sending: set[asyncio.Task[None]] = set()  # (the loop keeps weak references only)
         self._max_bytes = self.MAX_BYTES
@@ -74,7 +79,7 @@ class Coalescer:
         task.add_done_callback(self._sending.discard)
 
     async def _deliver(self, group: list[tuple[EnqueueItem, asyncio.Future[Enqueued]]]) -> None:
-        if len(group) == 1:
+        if len(group) == 1 and not self._lone_batched:
             await self._alone(*group[0])
             return
         try:

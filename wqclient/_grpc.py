@@ -639,7 +639,8 @@ class GrpcTransport:
         else:
             self._channel = grpc.aio.secure_channel(target, credentials, options=_OPTIONS)
         self._stub = pb_grpc.BrokerStub(self._channel)
-        self._coalescer = Coalescer(self._enqueue_one, self.enqueue_many)
+        # (A lone task too goes over the producing stream, a message rather than a call.)
+        self._coalescer = Coalescer(self._enqueue_one, self.enqueue_many, lone="batch")
         self._producer: _Producer | None = None
         self._produces = True  # until the broker turns out to have no Produce method
 
@@ -669,9 +670,9 @@ class GrpcTransport:
     ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, as one batch (:meth:`enqueue_many`), each caller getting its
-        own answer (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is,
-        with one Enqueue call. (The answer's future itself: no coroutine of its own per
-        task.)"""
+        own answer (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as a batch
+        of one (sent again with an Enqueue call if refused, for its own error). (The answer's
+        future itself: no coroutine of its own per task.)"""
         item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
         return self._coalescer.add(item)
 
