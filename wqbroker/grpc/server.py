@@ -320,11 +320,11 @@ async def _settle(
     service: Service, acks: Sequence[pb.AckRequest], nacks: Sequence[pb.NackRequest] = ()
 ) -> list[_Outcome]:
     """Settle acks, then nacks, at once; their outcomes, in that order."""
-    ack_errors, nack_errors = await service.settle_many(
-        [(a.id, a.lease_id) for a in acks], [_nack_item(n) for n in nacks]
-    )
+    pairs = [(a.id, a.lease_id) for a in acks]  # (each field read once: this is per task)
+    ack_errors, nack_errors = await service.settle_many(pairs, [_nack_item(n) for n in nacks])
     return [
-        _Outcome(a.id, a.lease_id, error) for a, error in zip(acks, ack_errors, strict=True)
+        _Outcome(task_id, lease_id, error)
+        for (task_id, lease_id), error in zip(pairs, ack_errors, strict=True)
     ] + [
         _Outcome(n.id, n.lease_id, error, nack=True)
         for n, error in zip(nacks, nack_errors, strict=True)
