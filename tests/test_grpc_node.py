@@ -160,3 +160,24 @@ async def test_node_client_uses_named_queues_extend_list_queues_and_drained(
     stats = await http.stats()
     assert (stats["totals"]["enqueued"], stats["totals"]["acked"]) == (2, 2)
     assert broker.service.waiting == 0
+
+
+async def test_node_client_produces_batches_on_one_stream_answered_in_order(
+    broker: Broker, http: Http
+) -> None:
+    result = await run_node(broker.grpc_target, "--produce", "4")
+    produce = result["produce"]
+    assert produce["status"] == 0  # OK, once every batch is answered
+    answers = produce["answers"]
+    assert [a["code"] for a in answers] == [0, 3, 0, 0]  # the second refused, all or none
+    assert answers[1]["ids"] == []
+    assert answers[1]["message"].startswith("tasks[2].payload")
+    ids = [a["ids"] for a in answers]
+    assert all(len(batch) == 3 for batch in ids[:1] + ids[2:])
+    for b, batch in ((0, ids[0]), (2, ids[2]), (3, ids[3])):
+        for i, task_id in enumerate(batch):
+            status, body = await http.request("GET", f"/jobs/{task_id}")
+            assert status == 200
+            assert body["task"]["payload"] == {"b": b, "i": i}
+    stats = result["stats"]
+    assert stats["totals"]["enqueued"] == 9

@@ -2,12 +2,15 @@
 // @grpc/proto-loader: the proof that workers in any language can use wq.
 //
 //   node client.mjs HOST:PORT [--enqueue N] [--consume M] [--prefetch P] [--fail-first] [--queues]
+//                   [--produce B]
 //
 // Enqueues N tasks (unary Enqueue), then consumes M tasks over the StreamJobs stream, acking each
 // on the stream (or, with --fail-first, nacking the first delivery), and prints one JSON line with
 // what happened. With --queues it also exercises the named queues of issue 11 (queue, priority,
 // idempotency_key, ExtendLease, ListQueues, a stream subscribed to a queue extending its lease,
-// and the Drained answer), under "queues" in the JSON.
+// and the Drained answer), under "queues" in the JSON. With --produce it first sends B batches on
+// one Produce stream, all before reading an answer, the second of them with an invalid task, then
+// half-closes; the answers, in order, are under "produce".
 import path from "node:path";
 import { fileURLToPath } from "node:url";
 import grpc from "@grpc/grpc-js";
@@ -25,6 +28,7 @@ function parseArgs(argv) {
     else if (a === "--prefetch") opts.prefetch = Number(argv[++i]);
     else if (a === "--fail-first") opts.failFirst = true;
     else if (a === "--queues") opts.queues = true;
+    else if (a === "--produce") opts.produce = Number(argv[++i]);
     else throw new Error(`unknown argument ${a}`);
   }
   if (!opts.target) throw new Error("usage: client.mjs HOST:PORT [--enqueue N] [--consume M]");
@@ -59,6 +63,28 @@ for (let i = 0; i < opts.enqueue; i++) {
   const payload = Buffer.from(JSON.stringify({ from: "node", i }));
   const { id } = await unary("Enqueue", { payload, max_attempts: 3 });
   result.enqueued.push(id);
+}
+
+if (opts.produce > 0) {
+  result.produce = await new Promise((resolve, reject) => {
+    const seen = { answers: [], status: null };
+    const call = client.Produce();
+    call.on("data", (r) =>
+      seen.answers.push({ ids: r.ids, duplicates: r.duplicates, code: r.code, message: r.message }),
+    );
+    call.on("status", (status) => {
+      seen.status = status.code;
+      resolve(seen);
+    });
+    call.on("error", reject);
+    for (let b = 0; b < opts.produce; b++) {
+      const tasks = [0, 1, 2].map((i) => ({
+        payload: Buffer.from(b === 1 && i === 2 ? "{not json" : JSON.stringify({ b, i })),
+      }));
+      call.write({ tasks });
+    }
+    call.end();
+  });
 }
 
 if (opts.consume > 0) {
