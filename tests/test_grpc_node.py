@@ -178,6 +178,6 @@ async def test_node_client_produces_batches_on_one_stream_answered_in_order(
         for i, task_id in enumerate(batch):
             status, body = await http.request("GET", f"/jobs/{task_id}")
             assert status == 200
-            assert body["task"]["payload"] == {"b": b, "i": i}
+            assert body["payload"] == {"b": b, "i": i}
     stats = result["stats"]
     assert stats["totals"]["enqueued"] == 9
