@@ -943,6 +943,81 @@ async def test_random_enqueues(
     await assert_healthy(any_channel)
 
 
+def _verdict(batch: list[tuple[bool | None, pb.EnqueueRequest]]) -> bool | None:
+    """A batch is valid if every task is, invalid if any is (None: it depends on the broker)."""
+    verdicts = [v for v, _ in batch]
+    return False if False in verdicts else (None if None in verdicts else True)
+
+
+@HOSTILE
+@given(
+    frames=st.lists(
+        st.one_of(
+            st.lists(enqueue_requests(), max_size=4).map(lambda b: (b, None)),
+            st.binary(max_size=32).map(lambda data: (None, data)),
+        ),
+        max_size=6,
+    )
+)
+async def test_random_batches_on_one_produce_stream(
+    any_broker: Broker,
+    any_channel: grpc.aio.Channel,
+    caplog: pytest.LogCaptureFixture,
+    frames: list[tuple[list[tuple[bool | None, pb.EnqueueRequest]] | None, bytes | None]],
+) -> None:
+    """Every frame, valid batch, invalid batch or random bytes, all sent before any answer is
+    read, gets one answer, in order: its ids, or a refusal with nothing of it enqueued; the
+    stream ends OK and only what was answered with ids is in the broker."""
+    stub = pb_grpc.BrokerStub(any_channel)
+    before = (await stub.Stats(pb.StatsRequest())).totals.enqueued
+    sent: list[tuple[list[tuple[bool | None, pb.EnqueueRequest]] | None, bytes]] = []
+    for batch, raw_bytes in frames:
+        if batch is None:
+            assert raw_bytes is not None
+            data = raw_bytes
+        else:
+            data = pb.EnqueueBatchRequest(tasks=[r for _, r in batch]).SerializeToString()
+            if len(data) > 3 * MIB:
+                continue  # (over the broker's receive limit gRPC ends the call: not this test)
+        sent.append((batch, data))
+    call = open_raw_call(any_channel, "Produce")
+    for _, data in sent:
+        await call.write(data)
+    await call.done_writing()
+    answers = []
+    while isinstance(raw := await asyncio.wait_for(call.read(), CALL_TIMEOUT), bytes):
+        answers.append(pb.ProduceResponse.FromString(raw))
+    assert await call.code() == Code.OK
+    assert len(answers) == len(sent)
+    taken = 0
+    for (batch, data), answer in zip(sent, answers, strict=True):
+        event(f"produce answer code {answer.code}")
+        if not decodes("Produce", data):
+            assert answer.code == Code.INVALID_ARGUMENT.value[0]
+            assert UNDECODABLE in answer.message
+            continue
+        n = len(pb.EnqueueBatchRequest.FromString(data).tasks)
+        verdict = None if batch is None else _verdict(batch)  # (random bytes: no model)
+        if answer.code == 0:
+            assert verdict is not False, batch
+            assert len(answer.ids) == len(answer.duplicates) == n
+            assert all(answer.ids)
+            taken += n
+        else:
+            assert verdict is not True, answer
+            assert not answer.ids
+            assert answer.code in (
+                Code.INVALID_ARGUMENT.value[0],
+                Code.RESOURCE_EXHAUSTED.value[0],
+            )
+            assert "tasks[" in answer.message, answer.message
+            assert_refusal(Code.INVALID_ARGUMENT, answer.message)
+    after = (await stub.Stats(pb.StatsRequest())).totals.enqueued
+    assert after - before == taken
+    assert_no_traceback(caplog)
+    await assert_healthy(any_channel)
+
+
 @st.composite
 def settle_ops(draw: st.DrawFn) -> tuple[str, str, int, str, str, str | None]:
     """(ack or nack, what it targets, which held task, an id, a lease id, an error)."""
