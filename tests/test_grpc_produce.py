@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 
+import wqclient._grpc
 from tests.authkit import ONLY, ROOT, metadata, rewrite, write_token_file
 from tests.helpers import running_broker, wait_until
 from wqbroker.broker import Broker, Config
@@ -248,17 +249,48 @@ def streams_opened(client: AsyncClient) -> list[int]:
     return opened
 
 
-async def test_the_client_sends_every_batch_over_one_stream(broker: Broker) -> None:
+async def test_the_client_sends_its_batches_round_a_few_streams(broker: Broker) -> None:
     async with AsyncClient("grpc://" + broker.grpc_target) as wq:
         opened = streams_opened(wq)
         ids = await wq.enqueue_many([{"b": 0, "i": i} for i in range(50)])
         more = await asyncio.gather(*(wq.enqueue({"one": i}) for i in range(40)))
-        for k in range(5):
+        for k in range(10):
             ids += await wq.enqueue_many([{"b": k + 1}])
-        assert len(set(ids + more)) == 50 + 40 + 5
-        assert opened == [1]
+        assert len(set(ids + more)) == 50 + 40 + 10
+        assert opened == [4]  # 12 batches, round four streams
         assert (await wq.get_task(more[7])).payload == {"one": 7}
-        assert (await wq.stats()).ready == 95
+        assert (await wq.stats()).ready == 100
+
+
+async def test_a_client_given_two_brokers_produces_to_both_and_outlives_one() -> None:
+    async with running_broker() as a, running_broker() as b:
+        async with AsyncClient(f"grpc://{a.grpc_target},{b.grpc_target}") as wq:
+            for i in range(40):
+                await wq.enqueue({"i": i})
+            got = [(await x.service.stats()).totals.enqueued for x in (a, b)]
+            assert sum(got) == 40
+            assert min(got) >= 10, got  # both served, as calls are (round robin)
+            await a.stop()
+            for i in range(10):  # the streams to the one gone end: the other takes every batch
+                await wq.enqueue({"after": i})
+            assert (await b.service.stats()).totals.enqueued == got[1] + 10
+
+
+async def test_a_producing_stream_is_replaced_once_it_is_old(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(wqclient._grpc, "_PRODUCE_STREAMS", 1)
+    monkeypatch.setattr(wqclient._grpc, "_PRODUCE_STREAM_AGE", 0.2)
+    async with AsyncClient("grpc://" + broker.grpc_target) as wq:
+        opened = streams_opened(wq)
+        await wq.enqueue(1)
+        await wq.enqueue(2)
+        assert opened == [1]
+        await asyncio.sleep(0.3)
+        pending = [asyncio.create_task(wq.enqueue_many([3, 4])) for _ in range(3)]
+        await asyncio.gather(*pending)
+        assert opened == [2]
+        assert (await wq.stats()).totals.enqueued == 8
 
 
 async def test_the_blocking_client_produces_over_the_stream_too(broker: Broker) -> None:
@@ -423,11 +455,13 @@ async def test_refusals_over_the_stream_are_the_errors_enqueue_batch_raises() ->
         pb.ProduceResponse(code=Code.UNAVAILABLE.value[0], message="store down"),
     ]
 
+    answered = 0  # (over every stream: the client's batches go round several)
+
     async def produce(requests: AsyncIterator[bytes], context: Any) -> None:
-        i = 0
+        nonlocal answered
         async for _ in requests:
-            await context.write(refusals[i].SerializeToString())
-            i += 1
+            answered += 1
+            await context.write(refusals[answered - 1].SerializeToString())
 
     async with fake_produce(produce) as url, AsyncClient(url) as wq:
         transport = wq.transport
@@ -450,7 +484,10 @@ def echo(data: bytes) -> bytes:
     return pb.ProduceResponse(ids=[t.payload.decode() for t in tasks]).SerializeToString()
 
 
-async def test_a_caller_gone_before_its_answer_leaves_the_others_their_own() -> None:
+async def test_a_caller_gone_before_its_answer_leaves_the_others_their_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(wqclient._grpc, "_PRODUCE_STREAMS", 1)  # every batch on the one stream
     first_read = asyncio.Event()
     go_on = asyncio.Event()
 

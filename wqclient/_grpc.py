@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
+    Callable,
     Iterable,
     Iterator,
     Mapping,
@@ -500,6 +501,12 @@ class GrpcStream:
 # receives, so the stream is never ended for a message's size (which would leave the batches
 # before it in doubt). A larger one goes in an EnqueueBatch call of its own.
 _PRODUCE_MAX_BYTES = 3 * 1024 * 1024
+# Batches go round this many producing streams, each a call the channel's balancer placed (so a
+# client given several brokers spreads its batches over them, as it does its calls)...
+_PRODUCE_STREAMS = 4
+# ... and each is replaced by a new call after this many seconds (a broker added since, or one
+# back from a restart, gets its share).
+_PRODUCE_STREAM_AGE = 60.0
 
 
 class _NotTaken(Exception):
@@ -531,8 +538,10 @@ class _Producer:
         self._writing = asyncio.Lock()
         self._waiting: deque[asyncio.Future[pb.ProduceResponse]] = deque()
         self.over = False  # no batch may be sent on it any more
+        self.born = self._loop.time()
         self._cancelled: Unavailable | None = None  # why cancel() cut it short
         self._reader = self._loop.create_task(self._read())
+        self._half_closing: asyncio.Task[None] | None = None
 
     async def send(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse:
         """The broker's answer to ``request``; raises _NotTaken, _NoProduce, or the error the
@@ -589,6 +598,23 @@ class _Producer:
         # Anything else may have cut a batch short, enqueued and not answered: in doubt.
         return Unavailable(f"the producing stream broke: {error.message}")
 
+    def ended(self, callback: Callable[[_Producer], None]) -> None:
+        """Call ``callback`` with this stream once its call is over."""
+        self._reader.add_done_callback(lambda _: callback(self))
+
+    def retire(self) -> None:
+        """Send no more batches on it: half-close once the last is written (the broker answers
+        every batch sent, then ends the call)."""
+        self.over = True
+        self._half_closing = self._loop.create_task(self._half_close())
+
+    async def _half_close(self) -> None:
+        async with self._writing:
+            try:
+                await self._call.done_writing()
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                pass  # already over
+
     def cancel(self, why: str) -> None:
         """Cut the stream short: its unanswered batches fail (in doubt) with ``why``."""
         self.over = True
@@ -641,7 +667,9 @@ class GrpcTransport:
         self._stub = pb_grpc.BrokerStub(self._channel)
         # (A lone task too goes over the producing stream, a message rather than a call.)
         self._coalescer = Coalescer(self._enqueue_one, self.enqueue_many, lone="batch")
-        self._producer: _Producer | None = None
+        self._producers: list[_Producer | None] = [None] * _PRODUCE_STREAMS
+        self._turn = 0  # the next batch's producing stream
+        self._retiring: set[_Producer] = set()  # replaced, and answering their last batches
         self._produces = True  # until the broker turns out to have no Produce method
 
     def _unreachable(self, error: Unavailable) -> Unavailable:
@@ -705,9 +733,7 @@ class GrpcTransport:
         None if the broker has no Produce method (the batch was not enqueued)."""
         again = True  # a batch the broker did not take is sent once more, on a new stream
         while True:
-            producer = self._producer
-            if producer is None or producer.over:
-                producer = self._producer = _Producer(self._stub, self._metadata)
+            producer = self._next_producer()
             try:
                 async with asyncio.timeout(self._timeout):
                     response = await producer.send(request)
@@ -732,6 +758,21 @@ class GrpcTransport:
             if response.code:
                 raise _refusal(response)
             return response
+
+    def _next_producer(self) -> _Producer:
+        """The producing stream whose turn it is: opened if it is not (or no longer) open, and
+        replaced by a new one once it is old."""
+        turn = self._turn
+        self._turn = (turn + 1) % _PRODUCE_STREAMS
+        producer = self._producers[turn]
+        if producer is not None and not producer.over:
+            if asyncio.get_running_loop().time() - producer.born < _PRODUCE_STREAM_AGE:
+                return producer
+            producer.retire()
+            self._retiring.add(producer)
+            producer.ended(self._retiring.discard)
+        producer = self._producers[turn] = _Producer(self._stub, self._metadata)
+        return producer
 
     async def claim(
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
@@ -810,6 +851,7 @@ class GrpcTransport:
         return stream
 
     async def close(self) -> None:
-        if self._producer is not None:
-            await self._producer.close()
+        producers = [p for p in self._producers if p is not None] + list(self._retiring)
+        self._producers = [None] * _PRODUCE_STREAMS
+        await asyncio.gather(*(p.close() for p in producers))
         await self._channel.close(None)
