@@ -382,3 +382,45 @@ async def test_the_lease_watch_keeps_each_handler_due_in_order_and_none_that_end
     assert clock.parked == 0
     await clock.advance(20)
     assert kept == ["a", "b"]
+
+
+# -- acks on a real gRPC stream: queued, not waited for, their answers judged -------------------
+
+
+async def test_a_worker_on_a_grpc_stream_does_not_wait_for_its_acks_and_judges_their_answers(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from tests.helpers import running_broker
+    from wqbroker.clock import FakeClock as BrokerClock
+
+    caplog.set_level(logging.INFO, logger=WORKER_LOG)
+    broker_clock = BrokerClock()
+    async with (
+        running_broker(clock=broker_clock) as broker,
+        AsyncClient("grpc://" + broker.grpc_target) as other,
+    ):
+        url = "grpc://" + broker.grpc_target
+        lost = await other.enqueue({"n": "lost"}, max_attempts=1)
+        ids = [await other.enqueue({"n": i}) for i in range(20)]
+        done: list[str] = []
+
+        async def handler(task: Task) -> None:
+            if task.id == lost:
+                # Meanwhile its lease runs out at the broker (the worker's own clock stands
+                # still, so it does not extend it): reclaimed, buried (one attempt).
+                broker_clock.advance(120)
+                await broker.service.sweep()
+            done.append(task.id)
+            if len(done) == 21:
+                worker.stop()
+
+        worker = Worker(url, handler, concurrency=1, clock=FakeClock())  # (one in hand)
+        await asyncio.wait_for(worker.run(), 15)
+        stats = await other.stats()
+        assert stats.totals.acked == 20
+        assert stats.dead == 1  # the lost one: reclaimed, out of attempts; its ack refused
+        assert stats.handed_out == stats.ready == 0
+        assert sorted(done) == sorted([lost, *ids])
+        [warning] = logged(caplog, "lease no longer valid")  # judged when its answer came
+        assert lost in warning.getMessage()
+        assert worker.succeeded == 21

@@ -411,6 +411,11 @@ class GrpcStream:
         self._batch_settles = True
         return self._settle()
 
+    def ack_soon(self, delivery: Delivery) -> asyncio.Future[Any]:
+        """Queue an ack (raising StreamEnded if the stream is over); the future of the broker's
+        answer, for the caller to judge (nothing is logged, nothing kept for :meth:`flush`)."""
+        return self._ack(delivery)
+
     async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
         future = self._ack(delivery)
         if confirm:

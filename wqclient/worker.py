@@ -7,7 +7,10 @@ with the exception's text (raise :class:`Retry` to retry after a delay of your c
 stream whose prefetch is the concurrency; over HTTP it claims for all its free slots at once
 (``claim_many``, one claim at a time), its acks and nacks going together; from a broker without
 batch claims it long-polls, one claim loop per unit of concurrency. Synchronous handlers run in a
-thread pool of that size, so they may block.
+thread pool of that size, so they may block. On a gRPC stream a handler's ack is queued on the
+stream and its slot is free at once: the broker's answer is judged when it comes (a refusal is
+logged, as one waited for would be), and ``run()`` returns only once the broker has answered every
+ack sent.
 
 A handler may run for as long as it needs: while it runs, the worker extends the task's lease
 (by ``lease_ms``) each time half of the current lease has gone by. If the broker answers that
@@ -34,7 +37,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -185,14 +188,33 @@ def _kept(delivery: Delivery, keeper: asyncio.Future[None]) -> None:
 
 
 class _Confirmed:
-    """Settling on a stream, each ack and nack confirmed (its refusal is logged per task)."""
+    """Settling on a stream, each ack and nack confirmed (its refusal is logged per task).
 
-    def __init__(self, stream: AsyncStream) -> None:
+    An ack on a stream that can queue one and hand back the future of its answer
+    (``ack_soon``: wqclient's gRPC stream) is not waited for: ``judge`` gets its answer when it
+    comes, and the handler's slot is free at once. (Waiting gains nothing there: a stream's ack
+    cannot be sent again elsewhere, and the stream is closed, at the end, only once the broker
+    has answered every ack sent on it.)"""
+
+    def __init__(
+        self,
+        stream: AsyncStream,
+        judge: Callable[[Delivery, asyncio.Future[Any]], None] | None = None,
+    ) -> None:
         self._stream = stream
+        self._ack_soon: Callable[[Delivery], asyncio.Future[Any]] | None = (
+            getattr(stream, "ack_soon", None) if judge is not None else None
+        )
+        self._judge = judge
 
     # (Each hands over the stream's own awaitable: no coroutine of its own per task.)
     def ack(self, delivery: Delivery) -> Awaitable[None]:
-        return self._stream.ack(delivery, confirm=True)
+        ack_soon = self._ack_soon
+        if ack_soon is None or self._judge is None:
+            return self._stream.ack(delivery, confirm=True)
+        answer = ack_soon(delivery)  # (raises StreamEnded at once if the stream is over)
+        answer.add_done_callback(functools.partial(self._judge, delivery))
+        return _DONE
 
     def nack(
         self,
@@ -205,6 +227,19 @@ class _Confirmed:
 
     def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]:
         return self._stream.extend(delivery, lease_ms)
+
+
+class _Done:
+    """An awaitable that is already done (an ack queued, its answer judged when it comes)."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return
+        yield  # (a generator that ends at once)
+
+
+_DONE = _Done()
 
 
 @dataclass(slots=True, eq=False)
@@ -515,7 +550,7 @@ class Worker:
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
-        settler = _Confirmed(stream)
+        settler = _Confirmed(stream, self._judge_ack)
 
         async def receive() -> WqError | None:
             create_task, process = asyncio.get_running_loop().create_task, self._process
@@ -702,24 +737,8 @@ class Worker:
             try:
                 await call()
                 return
-            except StreamEnded:
-                log.warning(
-                    "task %s: the stream ended before its outcome was sent; the broker has "
-                    "taken it back and will retry it",
-                    delivery.task.id,
-                    extra=_fields(delivery.task, "stream_ended"),
-                )
-                return
-            except (LeaseLost, NotFound) as e:
-                log.warning(
-                    "task %s: lease no longer valid (%s); it may run again elsewhere",
-                    delivery.task.id,
-                    e.message,
-                    extra=_fields(delivery.task, "lease_lost"),
-                )
-                return
-            except _REFUSED as e:
-                self._refused(e)
+            except (StreamEnded, LeaseLost, NotFound, *_REFUSED) as e:
+                self._not_settled(delivery, e)
                 return
             except Unavailable as e:
                 if datetime.now(UTC) >= lease.deadline:
@@ -732,6 +751,44 @@ class Worker:
                     return
                 await asyncio.sleep(min(_BACKOFF_MAX, _BACKOFF_START * 2**attempt))
                 attempt += 1
+
+    def _judge_ack(self, delivery: Delivery, answer: asyncio.Future[Any]) -> None:
+        """The broker's answer to an ack queued on a stream and not waited for."""
+        error = StreamEnded("cancelled") if answer.cancelled() else answer.exception()
+        if error is None:
+            return
+        if not isinstance(error, WqError):
+            error = StreamEnded(str(error))
+        if isinstance(error, Unavailable):  # (a stream's ack cannot go again elsewhere)
+            error = StreamEnded(error.message)
+        self._not_settled(delivery, error)
+
+    def _not_settled(self, delivery: Delivery, error: WqError) -> None:
+        """An ack or nack that did not land, for a reason worth no retry: say so."""
+        if isinstance(error, StreamEnded):
+            log.warning(
+                "task %s: the stream ended before its outcome was sent; the broker has "
+                "taken it back and will retry it",
+                delivery.task.id,
+                extra=_fields(delivery.task, "stream_ended"),
+            )
+        elif isinstance(error, LeaseLost | NotFound):
+            log.warning(
+                "task %s: lease no longer valid (%s); it may run again elsewhere",
+                delivery.task.id,
+                error.message,
+                extra=_fields(delivery.task, "lease_lost"),
+            )
+        elif isinstance(error, _REFUSED):
+            self._refused(error)
+        else:
+            log.warning(
+                "task %s: the broker refused its outcome (%s: %s)",
+                delivery.task.id,
+                type(error).__name__,
+                error.message,
+                extra=_fields(delivery.task, "refused"),
+            )
 
 
 # -- wq-worker ------------------------------------------------------------------------------------
