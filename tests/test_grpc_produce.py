@@ -7,6 +7,7 @@ broker without Produce, and exactly what a caller is told when the stream ends o
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -165,6 +166,25 @@ async def test_a_producer_gone_mid_stream_leaves_the_broker_whole(
     assert s.totals.enqueued in range(20, 31)
     assert s.ready == s.totals.enqueued
     assert len(await ready_payloads(stub)) == s.totals.enqueued
+
+
+async def test_a_producer_that_writes_and_never_reads_then_goes_leaves_no_trace(
+    broker: Broker, stub: pb_grpc.BrokerAsyncStub, caplog: pytest.LogCaptureFixture
+) -> None:
+    for wait in (0.0, 0.001, 0.005, 0.02) * 3:
+        call: Any = stub.Produce(None)
+        for _ in range(1000):  # no answer read, and the call cancelled while the broker answers
+            await call.write(batch(b"1"))
+        await asyncio.sleep(wait)
+        call.cancel()
+    await wait_until(
+        lambda: stub.Stats(pb.StatsRequest()),
+        lambda s: s.totals.enqueued == s.ready,
+        what="the broker to settle down",
+    )
+    loud = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+    assert (await stub.Enqueue(pb.EnqueueRequest(payload=b"1"))).id  # still serving
 
 
 async def test_shutting_down_ends_an_idle_stream_ok_at_once() -> None:
@@ -578,3 +598,24 @@ async def test_producers_through_a_broker_restart_lose_nothing_they_were_told_wa
         for task_id in [*told, after]:
             assert (await wq.get_task(task_id)).id == task_id
         await wq.close()
+
+
+class _Context:
+    """A servicer context whose write fails as grpc.aio's does once the call is over."""
+
+    def __init__(self, done: bool) -> None:
+        self._done = done
+
+    async def write(self, message: object) -> None:
+        raise RuntimeError("Failed execute_batch")  # (grpc.aio raises its ExecuteBatchError)
+
+    def done(self) -> bool:
+        return self._done
+
+
+async def test_a_write_on_a_call_that_is_over_ends_the_servicer_quietly() -> None:
+    from wqbroker.grpc.server import _written
+
+    assert await _written(_Context(done=True), pb.ProduceResponse()) is False  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError):  # a call still on: the failure is a real one
+        await _written(_Context(done=False), pb.ProduceResponse())  # type: ignore[arg-type]

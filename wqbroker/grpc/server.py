@@ -250,6 +250,18 @@ def _settled(outcome: _Outcome) -> pb.Settled:
     return out
 
 
+async def _written(context: Context, message: Message) -> bool:
+    """Write ``message`` on a stream; False if the call is over (its caller gone): grpc.aio then
+    raises from the write, and the servicer's error would be logged with a traceback."""
+    try:
+        await context.write(message)
+    except Exception:
+        if context.done():
+            return False
+        raise
+    return True
+
+
 def _refused(error: WqError) -> pb.ProduceResponse:
     """A Produce batch's refusal: the status its EnqueueBatch call would have ended with."""
     response = pb.ProduceResponse(code=code_for(error).value[0], message=details(error.message))
@@ -390,11 +402,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if self._service.closing:
                 return  # (read just now: not enqueued, not answered)
             if isinstance(request, WqError):
-                await context.write(_refused(request))
+                response = _refused(request)
             else:
-                await context.write(await self._produced(request))
-            if self._service.closing:
-                return
+                response = await self._produced(request)
+            if not await _written(context, response) or self._service.closing:
+                return  # (the caller gone: what it sent was taken, its answer lost with it)
 
     async def _produced(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse:
         try:
@@ -590,7 +602,8 @@ class _StreamCall:
                     self._drain_unanswered, self._drained = False, True
                     responses[-1].drained.CopyFrom(pb.Drained(unsettled=stream.unsettled))
                 for response in responses:
-                    await self._context.write(response)
+                    if not await _written(self._context, response):
+                        return  # the worker is gone: what it held is reclaimed as the call ends
                 continue
             if self._drained and not self._applying and stream.unsettled == 0:
                 return  # drained, every task settled and every outcome sent: the call ends OK
