@@ -80,8 +80,9 @@ class BrokerStub:
     order sent, and answers them in that order. A refused batch is answered with the status the
     same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
     does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
-    before the earlier ones are answered; the broker reads no further while its answers wait to
-    be read.
+    before the earlier ones are answered; the broker writes each answer before it reads the next
+    batch, so a client that never reads its answers is held back by gRPC's flow control once the
+    windows between them are full.
 
     The stream ends with OK when the client half-closes (once every batch it sent is answered),
     or when the broker shuts down: it then ends each stream after answering the batch it is
@@ -175,8 +176,9 @@ class BrokerAsyncStub(BrokerStub):
     order sent, and answers them in that order. A refused batch is answered with the status the
     same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
     does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
-    before the earlier ones are answered; the broker reads no further while its answers wait to
-    be read.
+    before the earlier ones are answered; the broker writes each answer before it reads the next
+    batch, so a client that never reads its answers is held back by gRPC's flow control once the
+    windows between them are full.
 
     The stream ends with OK when the client half-closes (once every batch it sent is answered),
     or when the broker shuts down: it then ends each stream after answering the batch it is
@@ -285,8 +287,9 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         order sent, and answers them in that order. A refused batch is answered with the status the
         same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
         does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
-        before the earlier ones are answered; the broker reads no further while its answers wait to
-        be read.
+        before the earlier ones are answered; the broker writes each answer before it reads the next
+        batch, so a client that never reads its answers is held back by gRPC's flow control once the
+        windows between them are full.
 
         The stream ends with OK when the client half-closes (once every batch it sent is answered),
         or when the broker shuts down: it then ends each stream after answering the batch it is
