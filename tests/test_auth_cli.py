@@ -133,7 +133,11 @@ def test_a_bad_token_file_is_one_line_and_exit_1(
 def test_sighup_reloads_the_token_file(tmp_path: Path) -> None:
     path = write_token_file(tmp_path, f"{ONLY['admin']} admin\n")
     with broker_process("-token-file", str(path)) as broker:
-        assert any("bearer tokens required: 1" in line for line in broker.log_lines)
+        # (Logged just after the listening lines, which are what broker_process waits for.)
+        wait_until_sync(
+            lambda: any("bearer tokens required: 1" in line for line in broker.log_lines),
+            what="the broker to say how many tokens it holds",
+        )
         assert request(broker.url + "/dlq", ONLY["admin"])[0] == 200
         assert request(broker.url + "/dlq", ROOT)[0] == 401
         assert request(broker.url + "/healthz")[0] == 200

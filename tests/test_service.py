@@ -864,8 +864,15 @@ async def test_2000_tasks_50_producers_3_workers(service: Service, clock: FakeCl
     await settle()
     await asyncio.gather(*(producer(p) for p in range(producers)))
     await wait_until(lambda: len(acked) == len(enqueued), what="every task to be acked")
-    clock.advance(20.0)  # the idle workers' long-polls run out
-    await asyncio.wait_for(asyncio.gather(*consumers), timeout=10)
+
+    def idle_polls_run_out() -> bool:
+        # (A worker whose claim was still on its way to the store when the clock moved parks
+        # afresh, on the moved clock: it needs the clock to move again.)
+        clock.advance(20.0)
+        return all(c.done() for c in consumers)
+
+    await wait_until(idle_polls_run_out, what="the idle workers' long-polls to run out")
+    await asyncio.gather(*consumers)
 
     total = producers * per_producer
     assert len(enqueued) == len(set(enqueued)) == total
