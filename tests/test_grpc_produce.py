@@ -300,16 +300,23 @@ async def test_a_producing_stream_is_replaced_once_it_is_old(
     broker: Broker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(wqclient._grpc, "_PRODUCE_STREAMS", 1)
-    monkeypatch.setattr(wqclient._grpc, "_PRODUCE_STREAM_AGE", 0.2)
     async with AsyncClient("grpc://" + broker.grpc_target) as wq:
+        transport = wq.transport
+        assert isinstance(transport, GrpcTransport)
         opened = streams_opened(wq)
         await wq.enqueue(1)
         await wq.enqueue(2)
-        assert opened == [1]
-        await asyncio.sleep(0.3)
-        pending = [asyncio.create_task(wq.enqueue_many([3, 4])) for _ in range(3)]
-        await asyncio.gather(*pending)
+        assert opened == [1]  # young: used again
+        first = asyncio.create_task(wq.enqueue_many([3, 4]))
+        await asyncio.sleep(0)  # (a turn of the loop: its batch is on the old stream)
+        old = transport._producers[0]
+        assert old is not None
+        old.born -= wqclient._grpc._PRODUCE_STREAM_AGE  # it has grown old (no clock waited on)
+        later = [asyncio.create_task(wq.enqueue_many([5, 6])) for _ in range(2)]
+        assert len(await first) == 2  # the old stream answers what it was sent, then ends
+        assert [len(ids) for ids in await asyncio.gather(*later)] == [2, 2]
         assert opened == [2]
+        assert old.over
         assert (await wq.stats()).totals.enqueued == 8
 
 
@@ -531,7 +538,11 @@ async def test_a_caller_gone_before_its_answer_leaves_the_others_their_own(
             asyncio.create_task(transport.enqueue_many(batch_of(f"{k}a", f"{k}b")))
             for k in range(3, 6)
         ]
-        await asyncio.sleep(0.05)  # (the three written behind the first)
+        producer = transport._producers[0]
+        assert producer is not None
+        await wait_until(
+            lambda: len(producer._waiting) == 4, what="the three behind the first to be written"
+        )
         gone.cancel()
         go_on.set()
         for k, task in zip(range(3, 6), behind, strict=True):

@@ -22,9 +22,9 @@ class Coalescer:
     that carried their tasks is answered, and enqueue again in that same turn: their next tasks
     go together again. The broker takes a batch in one call (one commit in a durable store), so
     the cost per task is that of ``enqueue_many``. A call made alone goes alone, a loop turn later
-    than it would have (no timer, no waiting for company): as a one-task call, or (``lone``
-    "batch", where a batch of one costs less than the one-task call: gRPC's producing stream)
-    as a batch of one, sent again as a one-task call if it is refused, for that call's own error.
+    than it would have (no timer, no waiting for company): as a one-task call, or (``lone_batched``,
+    where a batch of one costs less than the one-task call: gRPC's producing stream) as a batch
+    of one, sent again as a one-task call if it is refused, for that call's own error.
 
     A batch is all or nothing at the broker. If one is refused for something a task could cause
     by itself (invalid, too large, or the broker full: :class:`InvalidArgument`,
@@ -42,11 +42,11 @@ class Coalescer:
         one: Callable[[EnqueueItem], Awaitable[Enqueued]],
         many: Callable[[Sequence[EnqueueItem]], Awaitable[list[Enqueued]]],
         *,
-        lone: str = "one",
+        lone_batched: bool = False,
     ) -> None:
         self._one = one
         self._many = many
-        self._lone_batched = lone == "batch"
+        self._lone_batched = lone_batched
         self._pending: list[tuple[EnqueueItem, asyncio.Future[Enqueued]]] = []
         self._sending: set[asyncio.Task[None]] = set()  # (the loop keeps weak references only)
         self._max_bytes = self.MAX_BYTES

@@ -671,7 +671,7 @@ class GrpcTransport:
             self._channel = grpc.aio.secure_channel(target, credentials, options=_OPTIONS)
         self._stub = pb_grpc.BrokerStub(self._channel)
         # (A lone task too goes over the producing stream, a message rather than a call.)
-        self._coalescer = Coalescer(self._enqueue_one, self.enqueue_many, lone="batch")
+        self._coalescer = Coalescer(self._enqueue_one, self.enqueue_many, lone_batched=True)
         self._producers: list[_Producer | None] = [None] * _PRODUCE_STREAMS
         self._turn = 0  # the next batch's producing stream
         self._retiring: set[_Producer] = set()  # replaced, and answering their last batches

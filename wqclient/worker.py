@@ -187,32 +187,28 @@ def _kept(delivery: Delivery, keeper: asyncio.Future[None]) -> None:
         )
 
 
-class _Confirmed:
-    """Settling on a stream, each ack and nack confirmed (its refusal is logged per task).
-
-    An ack on a stream that can queue one and hand back the future of its answer
-    (``ack_soon``: wqclient's gRPC stream) is not waited for: ``judge`` gets its answer when it
+class _OnStream:
+    """Settling on a stream. Nacks are confirmed (a refusal is logged per task); so are acks,
+    but on a stream that can queue one and hand back the future of its answer (``ack_soon``:
+    wqclient's gRPC stream), where an ack is not waited for: ``judge`` gets its answer when it
     comes, and the handler's slot is free at once. (Waiting gains nothing there: a stream's ack
     cannot be sent again elsewhere, and the stream is closed, at the end, only once the broker
     has answered every ack sent on it.)"""
 
     def __init__(
-        self,
-        stream: AsyncStream,
-        judge: Callable[[Delivery, asyncio.Future[Any]], None] | None = None,
+        self, stream: AsyncStream, judge: Callable[[Delivery, asyncio.Future[Any]], None]
     ) -> None:
         self._stream = stream
-        self._ack_soon: Callable[[Delivery], asyncio.Future[Any]] | None = (
-            getattr(stream, "ack_soon", None) if judge is not None else None
+        self._ack_soon: Callable[[Delivery], asyncio.Future[Any]] | None = getattr(
+            stream, "ack_soon", None
         )
         self._judge = judge
 
-    # (Each hands over the stream's own awaitable: no coroutine of its own per task.)
+    # (Each hands over the stream's own awaitable, or one already done: no coroutine per task.)
     def ack(self, delivery: Delivery) -> Awaitable[None]:
-        ack_soon = self._ack_soon
-        if ack_soon is None or self._judge is None:
+        if self._ack_soon is None:
             return self._stream.ack(delivery, confirm=True)
-        answer = ack_soon(delivery)  # (raises StreamEnded at once if the stream is over)
+        answer = self._ack_soon(delivery)  # (raises StreamEnded at once if the stream is over)
         answer.add_done_callback(functools.partial(self._judge, delivery))
         return _DONE
 
@@ -550,7 +546,7 @@ class Worker:
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
-        settler = _Confirmed(stream, self._judge_ack)
+        settler = _OnStream(stream, self._judge_ack)
 
         async def receive() -> WqError | None:
             create_task, process = asyncio.get_running_loop().create_task, self._process
