@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -104,11 +105,39 @@ def spawn(cmd: Sequence[str], cwd: Path | None = None) -> subprocess.Popen[str]:
     )
 
 
+_handed_out: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on (at the moment of asking)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A TCP port on 127.0.0.1 that nothing is bound to (at the moment of asking), for a broker
+    started on it later.
+
+    It is taken from below the kernel's ephemeral range, never from it: a port the kernel handed
+    out for ``bind(0)`` is one it may give next to any outgoing connection (the tests' own clients
+    make hundreds), and a broker then cannot listen on it ("address already in use", seen in CI).
+    No port is handed out twice in one test run."""
+    rng = random.SystemRandom()
+    high = max(_ephemeral_low(), 20001)
+    for _ in range(1000):
+        port = rng.randrange(20000, high)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise AssertionError("no free port below the ephemeral range")
 
 
 def _flag_value(args: Sequence[str], name: str) -> str | None:

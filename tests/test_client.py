@@ -12,7 +12,6 @@ import asyncio
 import gc
 import json
 import logging
-import socket
 import threading
 import warnings
 from collections.abc import AsyncIterator, Callable
@@ -26,6 +25,7 @@ import pytest
 
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
 from tests.helpers import running_broker, wait_until
+from tests.procs import free_port
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqclient import (
@@ -62,10 +62,9 @@ def url_for(broker: Broker, transport: str) -> str:
 
 
 def closed_port() -> int:
-    """A port on 127.0.0.1 that was free a moment ago and where nothing listens now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port on 127.0.0.1 that was free a moment ago and where nothing listens now (from below
+    the ephemeral range, so no outgoing connection takes it meanwhile)."""
+    return free_port()
 
 
 async def next_delivery(stream: AsyncStream, timeout: float = 5.0) -> Delivery:
