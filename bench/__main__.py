@@ -119,6 +119,19 @@ def null_broker_process() -> Iterator[tuple[str, int]]:
 
 
 @contextlib.contextmanager
+def null_grpc_broker_process() -> Iterator[tuple[str, int]]:
+    """The null gRPC broker (:mod:`bench.nullgrpc`): its grpc:// URL and its pid."""
+    port = free_port()
+    proc = subprocess.Popen([PY, "-m", "bench.nullgrpc", str(port)], cwd=ROOT, env=env())
+    try:
+        wait_port(port)
+        yield f"grpc://127.0.0.1:{port}", proc.pid
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@contextlib.contextmanager
 def null_broker() -> Iterator[str]:
     with null_broker_process() as (url, _):
         yield url
@@ -830,6 +843,7 @@ def _peer_rows(n: int, bean: tuple[str, int] | None) -> list[Pair]:
     return peers
 
 
+NULL_GRPC = "gRPC: the same producer and Worker, the null gRPC broker (grpc.aio, a deque)"
 RAW_HTTP = "HTTP: the spec's API from a plain aiohttp client"
 NULL_HTTP = "HTTP: the same client, the null broker (aiohttp, canned answers)"
 
@@ -841,10 +855,21 @@ def users(q: bool) -> None:
     print("The library as users write it (tasks/s; broker CPU per task)", flush=True)
     n = 3_000 if q else 10_000
     found: dict[str, list[tuple[float, float | None]]] = {}
-    with broker() as b, beanstalkd() as bean, null_broker_process() as (null_url, null_pid):
+    with (
+        broker() as b,
+        beanstalkd() as bean,
+        null_broker_process() as (null_url, null_pid),
+        null_grpc_broker_process() as (null_grpc_url, null_grpc_pid),
+    ):
         rows, peers = _user_rows(n, b), _peer_rows(n, bean)
+        floor: Pair = (
+            NULL_GRPC,
+            ["consume", null_grpc_url, "worker", str(n), "64"],
+            ["produce", null_grpc_url, "one", str(n), "32"],
+            [null_grpc_pid],
+        )
         for _ in range(1 if q else 3):
-            for name, consumer, producer, pids in rows + peers:
+            for name, consumer, producer, pids in [*rows, floor, *peers]:
                 # A peer's queue (stream, tube) of its own for each run.
                 extra = [] if consumer[0] == "consume" else [f"wqbench{secrets.token_hex(4)}"]
                 found.setdefault(name, []).append(
@@ -923,7 +948,8 @@ def _report_users(
             ">= 1.0x",
             ratio >= 1.0,
         )
-    if one[1] is not None and http_one[1] is not None:
+    floor = medians[NULL_GRPC][1]
+    if one[1] is not None and http_one[1] is not None and floor is not None:
         ratio = one[1] / http_one[1]
         add(
             "users",
@@ -931,6 +957,17 @@ def _report_users(
             f"{ratio:.2f}x",
             "<= 0.5x",
             ratio <= 0.5,
+        )
+        # What no grpc.aio broker can go under: the null one's cost, against wq's over HTTP.
+        add(
+            "users",
+            "broker CPU per task: the null gRPC broker / wq over HTTP (the floor of the above)",
+            f"{floor / http_one[1]:.2f}x",
+        )
+        add(
+            "users",
+            "broker CPU per task, one per call: wq over gRPC / the null gRPC broker",
+            f"{one[1] / floor:.2f}x",
         )
     # Each peer as it comes (NATS JetStream keeps its streams in files unless told otherwise),
     # and the best of all, NATS JetStream in memory included.
