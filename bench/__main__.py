@@ -106,29 +106,26 @@ def broker(*args: str, grpc: bool = True) -> Iterator[Server]:
 
 
 @contextlib.contextmanager
-def null_broker_process() -> Iterator[tuple[str, int]]:
-    """The null broker: its URL and its pid."""
+def _null_process(module: str, scheme: str) -> Iterator[tuple[str, int]]:
+    """A null broker (``python -m MODULE PORT``): its URL and its pid."""
     port = free_port()
-    proc = subprocess.Popen([PY, "-m", "bench.nullbroker", str(port)], cwd=ROOT, env=env())
+    proc = subprocess.Popen([PY, "-m", module, str(port)], cwd=ROOT, env=env())
     try:
         wait_port(port)
-        yield f"http://127.0.0.1:{port}", proc.pid
+        yield f"{scheme}://127.0.0.1:{port}", proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
 
 
-@contextlib.contextmanager
-def null_grpc_broker_process() -> Iterator[tuple[str, int]]:
+def null_broker_process() -> contextlib.AbstractContextManager[tuple[str, int]]:
+    """The null broker (:mod:`bench.nullbroker`): its URL and its pid."""
+    return _null_process("bench.nullbroker", "http")
+
+
+def null_grpc_broker_process() -> contextlib.AbstractContextManager[tuple[str, int]]:
     """The null gRPC broker (:mod:`bench.nullgrpc`): its grpc:// URL and its pid."""
-    port = free_port()
-    proc = subprocess.Popen([PY, "-m", "bench.nullgrpc", str(port)], cwd=ROOT, env=env())
-    try:
-        wait_port(port)
-        yield f"grpc://127.0.0.1:{port}", proc.pid
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    return _null_process("bench.nullgrpc", "grpc")
 
 
 @contextlib.contextmanager

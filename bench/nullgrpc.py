@@ -19,6 +19,8 @@ from typing import Any
 
 import grpc
 
+from wqbroker.grpc.server import server_options
+from wqbroker.limits import DEFAULT_MAX_PAYLOAD
 from wqclient.pb import broker_pb2 as pb
 from wqclient.pb import broker_pb2_grpc as pb_grpc
 
@@ -131,17 +133,7 @@ class _Stream:
 
 def make_server(port: int = 0) -> tuple[grpc.aio.Server, int]:
     """The server (not started) and the port it is bound to on 127.0.0.1 (0: any free one)."""
-    server = grpc.aio.server(  # (wq's options)
-        options=[
-            ("grpc.max_receive_message_length", 4 * 1024 * 1024 + 64 * 1024),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ]
-    )
+    server = grpc.aio.server(options=server_options(DEFAULT_MAX_PAYLOAD))  # (wq's options)
     # (The methods it leaves out answer UNIMPLEMENTED, as the generated base class does.)
     pb_grpc.add_BrokerServicer_to_server(NullBroker(), server)  # type: ignore[abstract]
     return server, server.add_insecure_port(f"127.0.0.1:{port}")

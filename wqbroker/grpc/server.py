@@ -742,6 +742,21 @@ class _Health(health.aio.HealthServicer):  # type: ignore[name-defined,misc]
         return await super().Check(request, context)
 
 
+def server_options(max_payload: int) -> list[tuple[str, int]]:
+    """The gRPC server's options for a broker taking payloads of up to ``max_payload`` bytes."""
+    receive_limit = max(4 * 1024 * 1024, max_payload + 64 * 1024)
+    return [
+        ("grpc.max_receive_message_length", receive_limit),
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        # Without this a second broker could bind the same port and steal half the calls.
+        ("grpc.so_reuseport", 0),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
 def create_server(
     service: Service, interceptors: Sequence[grpc.aio.ServerInterceptor[Any, Any]] = ()
 ) -> tuple[grpc.aio.Server, Any]:
@@ -750,19 +765,8 @@ def create_server(
     Returns the server and its health servicer (to flip to NOT_SERVING on shutdown)."""
     # Explicit limits: a request may carry one payload of max_payload plus its envelope, or a
     # batch; anything larger is refused by gRPC itself with RESOURCE_EXHAUSTED.
-    receive_limit = max(4 * 1024 * 1024, service.max_payload + 64 * 1024)
     server = grpc.aio.server(
-        interceptors=interceptors or None,
-        options=[
-            ("grpc.max_receive_message_length", receive_limit),
-            ("grpc.max_send_message_length", 64 * 1024 * 1024),
-            # Without this a second broker could bind the same port and steal half the calls.
-            ("grpc.so_reuseport", 0),
-            ("grpc.keepalive_time_ms", 30_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-        ],
+        interceptors=interceptors or None, options=server_options(service.max_payload)
     )
     # The generated table, with requests that cannot be decoded answered INVALID_ARGUMENT.
     handlers = guarded(
