@@ -28,13 +28,14 @@ producer: install
 # pyproject.toml); the same checks as .pre-commit-config.yaml. Needs no Node.js (node-deps is only
 # for the cross-language test in `make test`).
 lint: install
-	$(PY) -m ruff check wqbroker wqclient tests bench proto
-	$(PY) -m ruff format --check wqbroker wqclient tests bench proto
+	$(PY) -m ruff check wqbroker wqclient wqwire tests bench proto
+	$(PY) -m ruff format --check wqbroker wqclient wqwire tests bench proto
 	$(PY) -m mypy
+	$(VENV)/bin/lint-imports --no-cache
 
 format: install
-	$(PY) -m ruff format wqbroker wqclient tests bench proto
-	$(PY) -m ruff check --fix wqbroker wqclient tests bench proto
+	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto
+	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto
 
 test: install node-deps lint
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -70,12 +71,12 @@ screenshot: install browser
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules
 
-# Regenerate the gRPC/protobuf stubs in wqclient/pb from proto/wqclient/pb/broker.proto: protoc
+# Regenerate the gRPC/protobuf stubs in wqwire/pb from proto/wqwire/pb/broker.proto: protoc
 # writes them at their import path, nothing is rewritten (committed; CI checks for drift).
 proto: install
 	$(PY) proto/generate.py
 
 # Fails if the committed stubs differ from what `make proto` generates.
 proto-check: proto
-	git diff --exit-code -- wqclient/pb
-	test -z "$$(git status --porcelain -- wqclient/pb)"
+	git diff --exit-code -- wqwire/pb
+	test -z "$$(git status --porcelain -- wqwire/pb)"

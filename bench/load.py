@@ -55,8 +55,8 @@ async def produce_http(url: str, n: int, concurrency: int) -> dict[str, Any]:
 async def produce_grpc(target: str, n: int, concurrency: int, batch: bool) -> dict[str, Any]:
     import grpc
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqwire.pb import broker_pb2 as pb
+    from wqwire.pb import broker_pb2_grpc as pb_grpc
 
     first = time.time()
     async with grpc.aio.insecure_channel(target) as channel:
@@ -144,8 +144,8 @@ async def consume_http(url: str, n: int, concurrency: int) -> dict[str, Any]:
 async def consume_unary(target: str, n: int, concurrency: int) -> dict[str, Any]:
     import grpc
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqwire.pb import broker_pb2 as pb
+    from wqwire.pb import broker_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
@@ -169,8 +169,8 @@ async def consume_unary_piggyback(target: str, n: int, concurrency: int) -> dict
     """NextJob carrying the ack of the previous task: one call per task (and a last Ack)."""
     import grpc
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqwire.pb import broker_pb2 as pb
+    from wqwire.pb import broker_pb2_grpc as pb_grpc
 
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.BrokerStub(channel)
@@ -203,8 +203,8 @@ async def consume_unary_piggyback(target: str, n: int, concurrency: int) -> dict
 async def consume_stream(target: str, n: int, prefetch: int) -> dict[str, Any]:
     import grpc
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqwire.pb import broker_pb2 as pb
+    from wqwire.pb import broker_pb2_grpc as pb_grpc
 
     done = 0
     async with grpc.aio.insecure_channel(target) as channel:
@@ -239,8 +239,8 @@ async def latency(url: str, mode: str, n: int, gap_ms: float, delay_ms: int) -> 
     same process takes them; report how late each arrived after it was due."""
     import grpc  # noqa: F401 - imported up front in either mode, as the figures were taken
 
-    from wqclient.pb import broker_pb2 as pb  # noqa: F401
-    from wqclient.pb import broker_pb2_grpc as pb_grpc  # noqa: F401
+    from wqwire.pb import broker_pb2 as pb  # noqa: F401
+    from wqwire.pb import broker_pb2_grpc as pb_grpc  # noqa: F401
 
     samples: list[float] = []
     async with aiohttp.ClientSession() as session:
@@ -301,8 +301,8 @@ async def _latency_stream(
 ) -> None:
     import grpc
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqwire.pb import broker_pb2 as pb
+    from wqwire.pb import broker_pb2_grpc as pb_grpc
 
     got = asyncio.Event()
     async with grpc.aio.insecure_channel(url) as channel:

@@ -21,8 +21,8 @@ import grpc
 
 from wqbroker.grpc.server import server_options
 from wqbroker.limits import DEFAULT_MAX_PAYLOAD
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 _LEASE_S = 30.0
 

@@ -263,8 +263,8 @@ async def _sample(n: int, budget: float, got: asyncio.Event, send: Callable[[], 
 async def wake_stream(enqueue_addr: str, claim_addr: str, n: int, budget: float) -> dict[str, Any]:
     import grpc
 
-    from wqclient.pb import broker_pb2 as pb
-    from wqclient.pb import broker_pb2_grpc as pb_grpc
+    from wqwire.pb import broker_pb2 as pb
+    from wqwire.pb import broker_pb2_grpc as pb_grpc
 
     samples: list[float] = []
     got = asyncio.Event()

@@ -1,11 +1,12 @@
-"""``make proto``: regenerate the Python stubs in wqclient/pb from proto/wqclient/pb/broker.proto.
+"""``make proto``: regenerate the Python stubs in wqwire/pb from proto/wqwire/pb/broker.proto.
 
 The .proto sits at the path of the Python package it generates (as grpc_health's does), so protoc,
-run with ``-I proto`` and writing into the repository root, puts ``wqclient/pb/broker_pb2.py`` (and
-``broker_pb2_grpc.py``) where they belong and writes their imports as ``wqclient.pb`` imports
+run with ``-I proto`` and writing into the repository root, puts ``wqwire/pb/broker_pb2.py`` (and
+``broker_pb2_grpc.py``) where they belong and writes their imports as ``wqwire.pb`` imports
 itself: nothing is rewritten. Its protobuf package stays ``wq.v1`` (the wire names,
-``wq.v1.Broker``). Type stubs (.pyi) come from mypy-protobuf. The output is committed; CI
-regenerates it and fails on any difference.
+``wq.v1.Broker``). Type stubs (.pyi) come from mypy-protobuf. The .proto itself is copied beside
+the stubs, so an installed wheel carries the contract a client in another language is generated
+from. The output is committed; CI regenerates it and fails on any difference.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
-SOURCE = "wqclient/pb/broker.proto"
-OUT = ROOT / "wqclient" / "pb"
+SOURCE = "wqwire/pb/broker.proto"
+OUT = ROOT / "wqwire" / "pb"
 
 INIT = '"""Generated protobuf and gRPC stubs for wq.v1 (``make proto``; do not edit)."""\n'
 
@@ -33,6 +34,7 @@ def main() -> int:
     OUT.mkdir(parents=True)
     (OUT / "__init__.py").write_text(INIT)
     (OUT / "py.typed").write_text("")
+    shutil.copyfile(PROTO_DIR / SOURCE, OUT / Path(SOURCE).name)
     args = [
         "grpc_tools.protoc",
         f"-I{PROTO_DIR}",

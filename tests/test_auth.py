@@ -51,8 +51,8 @@ from wqclient import Unauthenticated as ClientUnauthenticated
 from wqclient import WqError as ClientWqError
 from wqclient._http import HttpTransport
 from wqclient.models import Task
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -23,7 +23,7 @@ from wqbroker import __main__ as wqbroker_main
 from wqbroker.broker import Config, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
 from wqclient import AsyncClient, producer, worker
-from wqclient.flags import Flag
+from wqwire.flags import Flag
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -38,7 +38,7 @@ from wqclient import (
 )
 from wqclient._grpc import GrpcStream, GrpcTransport, _delivery, _Fields
 from wqclient._http import HttpTransport
-from wqclient.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2 as pb
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from tests.procs import broker_command, spawn, worker_command
 from wqbroker.__main__ import FLAGS, build_parser, config_from_args, parse_args
 from wqclient import Client
 from wqclient import worker as worker_cli
-from wqclient.flags import JsonFormatter
+from wqwire.flags import JsonFormatter
 
 pytestmark = pytest.mark.timeout(60)
 

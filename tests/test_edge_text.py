@@ -15,8 +15,8 @@ from tests.helpers import BACKENDS, Http, http_client, invariant_holds, make_sto
 from wqbroker.broker import Broker
 from wqbroker.limits import MAX_ERROR_BYTES
 from wqbroker.retry import Backoff
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 
 @pytest.fixture(params=BACKENDS)

@@ -24,8 +24,8 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from tests.helpers import Http, http_client, invariant_holds, running_broker, settle, wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -873,7 +873,7 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
     for raw in response.file_descriptor_response.file_descriptor_proto:
         fd = descriptor_pb2.FileDescriptorProto.FromString(raw)
         files[fd.name] = fd
-    fd = files["wqclient/pb/broker.proto"]
+    fd = files["wqwire/pb/broker.proto"]
     assert fd.package == "wq.v1"
     (service,) = fd.service
     assert service.name == "Broker"

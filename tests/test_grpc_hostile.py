@@ -57,8 +57,8 @@ from wqbroker.models import Delivery, Task
 from wqbroker.retry import Backoff
 from wqbroker.service import Service
 from wqbroker.store.memory import MemoryStore
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -32,8 +32,8 @@ from tests.test_grpc import (
 )
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 

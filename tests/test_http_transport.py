@@ -23,6 +23,7 @@ from wqclient._http import HttpTransport
 from wqclient.errors import InvalidArgument, LeaseLost, NotFound, ProtocolError
 from wqclient.models import Delivery, EnqueueItem
 from wqclient.transport import Transport
+from wqwire.scan import skip
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -242,7 +243,7 @@ _json_values = json_values
 def _general(data: bytes) -> object:
     """The member-by-member parser alone (what every answer went through before the quick way)."""
     text = data.decode()
-    value, _ = _http._value(text, _http._skip(text, 0))
+    value, _ = _http._value(text, skip(text, 0))
     return value
 
 
@@ -311,7 +312,7 @@ def test_batch_claims_read_quickly_are_read_as_the_general_parser_reads_them(
     text = ('{"deliveries":[' + ",".join(deliveries) + tail).encode()
     try:
         expected = _general(text)
-        _http._skip(text.decode(), 0)
+        skip(text.decode(), 0)
     except (ValueError, StopIteration):
         expected = None
     if expected is None or _general_leaves_extra(text):
@@ -328,5 +329,5 @@ def test_batch_claims_read_quickly_are_read_as_the_general_parser_reads_them(
 
 def _general_leaves_extra(data: bytes) -> bool:
     text = data.decode()
-    _, end = _http._value(text, _http._skip(text, 0))
-    return _http._skip(text, end) != len(text)
+    _, end = _http._value(text, skip(text, 0))
+    return skip(text, end) != len(text)

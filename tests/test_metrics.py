@@ -26,8 +26,8 @@ from wqbroker.metrics import _STORE_BUCKETS, _Histogram
 from wqbroker.models import QueueReport, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store.memory import MemoryStore
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -29,8 +29,8 @@ from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
 from wqbroker.store.sqlite import SqliteStore
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 pytestmark = pytest.mark.timeout(60)
 

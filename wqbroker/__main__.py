@@ -27,7 +27,7 @@ from wqbroker.limits import (
     dedup_window_seconds,
 )
 from wqbroker.store.postgres import redact
-from wqclient.flags import (
+from wqwire.flags import (
     LOG_FORMATS,
     Flag,
     FlagParser,

@@ -18,12 +18,12 @@ every range check then refuses or clamps as the value it stands for.
 from __future__ import annotations
 
 import json
-import re
 import time
-from collections.abc import Callable
-from typing import Any, Final, cast
+from typing import Any, Final
 
 from wqbroker.errors import InvalidArgument
+from wqwire.scan import JsonText as JsonText  # (the broker's payloads are such text)
+from wqwire.scan import read_members, scanner, skip
 
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
@@ -73,22 +73,9 @@ _decoder = json.JSONDecoder(parse_constant=_reject_constant, parse_int=parse_int
 # Values kept as text (payloads): checked, numbers never converted (str is the cheapest hook).
 _validator = json.JSONDecoder(parse_constant=_reject_constant, parse_int=str, parse_float=str)
 # The decoders' own scanners (C-accelerated), which parse one value at a given index.
-_Scanner = Callable[[str, int], tuple[Any, int]]
-_scan_value = cast(_Scanner, getattr(_decoder, "scan_once"))  # noqa: B009
-_scan_raw = cast(_Scanner, getattr(_validator, "scan_once"))  # noqa: B009
-_scanstring = cast(
-    Callable[[str, int], tuple[str, int]],
-    getattr(json.decoder, "scanstring"),  # noqa: B009
-)
-_WS = re.compile(r"[ \t\n\r]*")
+_scan_value = scanner(_decoder)
+_scan_raw = scanner(_validator)
 _SPACE: Final = " \t\n\r"
-
-
-def _skip(text: str, idx: int) -> int:
-    """Index of the first non-whitespace character at or after ``idx``."""
-    match = _WS.match(text, idx)
-    assert match is not None  # the pattern matches the empty string
-    return match.end()
 
 
 def _diagnose(text: str) -> str | None:
@@ -115,52 +102,13 @@ def decode_text(body: bytes, what: str = "request body") -> str:
         raise InvalidArgument(f"{what} is not valid UTF-8 (byte {e.start})") from None
 
 
-class JsonText(bytes):
-    """Bytes known to be exactly one JSON value (checked by this module), kept as received."""
-
-    __slots__ = ()
-
-
-def _member(text: str, idx: int, raw: frozenset[str], out: dict[str, Any]) -> int:
-    """Parse one ``"name": value`` at ``idx`` into ``out``; the index after it."""
-    if not text.startswith('"', idx):
-        raise ValueError
-    key, idx = _scanstring(text, idx + 1)
-    idx = _skip(text, idx)
-    if not text.startswith(":", idx):
-        raise ValueError
-    idx = _skip(text, idx + 1)
-    start = idx
-    if key in raw:
-        _, idx = _scan_raw(text, idx)
-        out[key] = JsonText(text[start:idx].encode("utf-8"))
-    else:
-        out[key], idx = _scan_value(text, idx)
-    return _skip(text, idx)
-
-
-def _members(text: str, idx: int, raw: frozenset[str], out: dict[str, Any]) -> int:
-    """Parse the members of an object whose ``{`` is just before ``idx``; the index after it."""
-    idx = _skip(text, idx)
-    if text.startswith("}", idx):
-        return idx + 1
-    while True:
-        idx = _member(text, idx, raw, out)
-        if text.startswith(",", idx):
-            idx = _skip(text, idx + 1)
-        elif text.startswith("}", idx):
-            return idx + 1
-        else:
-            raise ValueError
-
-
 def parse_object(
     body: bytes, raw: frozenset[str] = frozenset(), *, what: str = "request body"
 ) -> dict[str, Any]:
     """Parse a JSON object. Members named in ``raw`` are returned as their exact JSON text
     (:class:`JsonText`); the others as decoded values. Raises InvalidArgument naming the problem."""
     text = decode_text(body, what)
-    idx = _skip(text, 0)
+    idx = skip(text, 0)
     if idx == len(text):
         raise InvalidArgument(f"{what} is empty; expected a JSON object")
     if text[idx] != "{":
@@ -168,10 +116,10 @@ def parse_object(
         raise InvalidArgument(f"{what} {problem or 'must be a JSON object'}")
     out: dict[str, Any] = {}
     try:
-        idx = _members(text, idx + 1, raw, out)
+        idx = read_members(text, idx + 1, out, raw, _scan_value, _scan_raw)
     except (ValueError, StopIteration, RecursionError):
         raise _invalid_json(text, what) from None
-    if _skip(text, idx) != len(text):
+    if skip(text, idx) != len(text):
         raise _invalid_json(text, what)
     return out
 
@@ -190,7 +138,7 @@ def parse_objects(
     if not text.startswith("["):
         raise InvalidArgument(f"{member} must be an array")
     objects: list[dict[str, Any]] = []
-    idx = _skip(text, 1)
+    idx = skip(text, 1)
     if text.startswith("]", idx):
         return objects
     while True:
@@ -198,13 +146,13 @@ def parse_objects(
             raise InvalidArgument(f"{member}[{len(objects)}] must be a JSON object")
         out: dict[str, Any] = {}
         try:
-            idx = _members(text, idx + 1, raw, out)
+            idx = read_members(text, idx + 1, out, raw, _scan_value, _scan_raw)
         except (ValueError, StopIteration, RecursionError):  # (the whole was checked)
             raise _invalid_json(text, member) from None
         objects.append(out)
-        idx = _skip(text, idx)
+        idx = skip(text, idx)
         if text.startswith(",", idx):
-            idx = _skip(text, idx + 1)
+            idx = skip(text, idx + 1)
         else:
             return objects  # "]": the whole array was checked as JSON
 

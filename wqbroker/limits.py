@@ -17,30 +17,33 @@ from wqbroker import codec
 from wqbroker.errors import InvalidArgument, PayloadTooLarge
 from wqbroker.models import DEFAULT_QUEUE
 
-# The spec's defaults and caps.
-DEFAULT_MAX_ATTEMPTS: Final = 3
-DEFAULT_WAIT_MS: Final = 20_000
-MAX_WAIT_MS: Final = 30_000
-DEFAULT_LEASE_MS: Final = 30_000
-MAX_LEASE_MS: Final = 300_000
+# The spec's defaults and caps, and ours on what it leaves open, as the wire contract states them
+# (wqwire.defaults: the client reads the same figures).
+from wqwire.defaults import DEFAULT_LEASE_MS as DEFAULT_LEASE_MS
+from wqwire.defaults import DEFAULT_MAX_ATTEMPTS as DEFAULT_MAX_ATTEMPTS
+from wqwire.defaults import DEFAULT_MAX_BODY
+from wqwire.defaults import DEFAULT_WAIT_MS as DEFAULT_WAIT_MS
+from wqwire.defaults import MAX_BATCH as MAX_BATCH
+from wqwire.defaults import MAX_CLAIM_BATCH as MAX_CLAIM_BATCH
+from wqwire.defaults import MAX_LEASE_MS as MAX_LEASE_MS
+from wqwire.defaults import MAX_PRIORITY as MAX_PRIORITY
+from wqwire.defaults import MAX_WAIT_MS as MAX_WAIT_MS
+
 DEFAULT_SWEEP_INTERVAL: Final = 0.25
 # Seconds between polls for ready tasks by a broker on a shared store (a lost wake-up's cost).
 DEFAULT_POLL_INTERVAL: Final = 1.0
-DEFAULT_MAX_PAYLOAD: Final = 1024 * 1024
+DEFAULT_MAX_PAYLOAD: Final = DEFAULT_MAX_BODY
 
 # Our own limits on values the spec leaves open (documented in the README and the .proto).
 MAX_MAX_ATTEMPTS: Final = 2**31 - 1
 MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000
-MAX_BATCH: Final = 10_000  # tasks per batch enqueue, settlements per batch
-MAX_CLAIM_BATCH: Final = 1_000  # tasks per batch claim (more is clamped)
 MAX_ERROR_BYTES: Final = 8 * 1024  # a nack's error text is cut to this (UTF-8), saying so
 
-# Queues, priorities, idempotency keys (issue 11).
+# Queues, priorities, idempotency keys.
 MAX_QUEUE_NAME: Final = 64
 QUEUE_NAME_RULE: Final = "1-64 characters of A-Z a-z 0-9 _ . -"
 MAX_QUEUES_PER_CLAIM: Final = 64
-MAX_PRIORITY: Final = 9
 MAX_KEY_CHARS: Final = 256
 DEFAULT_DEDUP_WINDOW_MS: Final = 300_000  # five minutes, as SQS FIFO
 _DEFAULT_QUEUES: Final = (DEFAULT_QUEUE,)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Final
 
-#: The queue a task goes to, and a claim takes from, when none is named.
-DEFAULT_QUEUE: Final = "default"
+# DEFAULT_QUEUE: the queue a task goes to, and a claim takes from, when none is named.
+from wqwire.defaults import DEFAULT_QUEUE as DEFAULT_QUEUE
 
 # The states a task can be in, as GET /jobs/{id} names them.
 READY: Final = "ready"

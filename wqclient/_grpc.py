@@ -46,8 +46,9 @@ from wqclient.models import (
     Stats,
     Task,
 )
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.defaults import MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 _CODES: dict[grpc.StatusCode, type[WqError]] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
@@ -66,13 +67,13 @@ _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _C
 
 log = logging.getLogger("wqclient")
 
-_MAX_MESSAGE = 64 * 1024 * 1024
+_MAX_MESSAGE = MAX_GRPC_MESSAGE
 
 Metadata = tuple[tuple[str, str], ...]
 
 
 # Sent with RESOURCE_EXHAUSTED when the broker is at a limit (without it: a size limit).
-_RETRY_AFTER_KEY = "retry-after-ms"
+_RETRY_AFTER_KEY = RETRY_AFTER_MS_KEY
 
 
 def _error(e: grpc.aio.AioRpcError) -> WqError:
@@ -558,14 +559,31 @@ class _Producer:
             self._waiting.append(future)
             try:
                 await self._call.write(request)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-                pass  # the call is over: the reader fails the batch with how it ended
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as e:
+                raise self._unsent(future, e) from None
             except asyncio.CancelledError:
                 # Sent or not, nobody can tell: the answers could no longer be matched with
                 # their batches.
                 self.cancel("the sending of a batch was interrupted")
                 raise
         return await future
+
+    def _unsent(self, future: asyncio.Future[pb.ProduceResponse], error: Exception) -> Exception:
+        """What a batch whose write failed raises. The call was over before the batch went out
+        (a write that fails sends nothing), so nothing of it was enqueued: _NotTaken, unless
+        the call ended with a refusal of the stream itself (no Produce method, a token's).
+        Whatever else the call reports does not put the batch in doubt: grpc.aio may report
+        INTERNAL, "Internal error from Core", for a write that failed after the broker ended
+        the call OK (grpc/grpc#36066)."""
+        if future in self._waiting:
+            self._waiting.remove(future)
+        elif future.done() and not future.cancelled():
+            future.exception()  # (failed by the reader already: the error here is the one)
+        if isinstance(error, grpc.aio.AioRpcError):
+            end = self._why_ended(error)
+            if not isinstance(end, Unavailable):
+                return end  # (_NoProduce, or a token's refusal)
+        return _NotTaken("the producing stream ended before the batch was sent")
 
     async def _read(self) -> None:
         end: BaseException = _NotTaken("the broker ended the producing stream")
@@ -593,7 +611,7 @@ class _Producer:
                     future.set_exception(end)
 
     @staticmethod
-    def _why_ended(e: grpc.aio.AioRpcError) -> BaseException:
+    def _why_ended(e: grpc.aio.AioRpcError) -> Exception:
         if e.code() == grpc.StatusCode.UNIMPLEMENTED:
             return _NoProduce(e.details() or "no Produce method")
         error = _error(e)
@@ -735,7 +753,9 @@ class GrpcTransport:
 
     async def _produce(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse | None:
         """The broker's answer to a batch sent over the producing stream (opened when needed);
-        None if the broker has no Produce method (the batch was not enqueued)."""
+        None if the broker has no Produce method, or two streams ended without taking the
+        batch (a broker shutting down, say): it was not enqueued, and goes in an EnqueueBatch
+        call instead, answered (or refused) for itself."""
         again = True  # a batch the broker did not take is sent once more, on a new stream
         while True:
             producer = self._next_producer()
@@ -751,11 +771,7 @@ class GrpcTransport:
                 return None
             except _NotTaken:
                 if not again:
-                    raise self._unreachable(
-                        Unavailable(
-                            "the broker ended the producing stream without taking the batch"
-                        )
-                    ) from None
+                    return None  # (a stream ended twice without it: it goes in a call)
                 again = False
                 continue
             except Unavailable as e:

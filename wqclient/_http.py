@@ -7,9 +7,9 @@ import functools
 import json
 import re
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from datetime import datetime
-from typing import Any, Final, NoReturn, cast
+from typing import Any, Final, NoReturn
 from urllib.parse import quote, urlencode
 
 import aiohttp
@@ -30,6 +30,8 @@ from wqclient.errors import (
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
 from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
+from wqwire.defaults import BATCH_PATH, CLAIM_BATCH_PATH, IDEMPOTENCY_KEY_HEADER, SETTLE_PATH
+from wqwire.scan import JsonText, read_members, scanner, skip
 
 _ERRORS: dict[int, type[WqError]] = {
     400: InvalidArgument,
@@ -48,25 +50,8 @@ _ERRORS: dict[int, type[WqError]] = {
 # re-encoding it would change it (1e400 would become Infinity, 1.10 would become 1.1, ...), so
 # "payload" members are kept as their raw text.
 
-_scan_once = cast(
-    Callable[[str, int], tuple[Any, int]],
-    getattr(json.JSONDecoder(), "scan_once"),  # noqa: B009
-)
-_scanstring = cast(
-    Callable[[str, int], tuple[str, int]],
-    getattr(json.decoder, "scanstring"),  # noqa: B009
-)
-_WS = re.compile(r"[ \t\n\r]*")
-
-
-class _Raw(bytes):
-    """A member kept as its JSON text."""
-
-
-def _skip(text: str, i: int) -> int:
-    match = _WS.match(text, i)
-    assert match is not None
-    return match.end()
+_scan_once = scanner(json.JSONDecoder())
+_PAYLOAD: Final = frozenset({"payload"})
 
 
 def _value(text: str, i: int) -> tuple[Any, int]:
@@ -79,43 +64,20 @@ def _value(text: str, i: int) -> tuple[Any, int]:
 
 def _object(text: str, i: int) -> tuple[dict[str, Any], int]:
     out: dict[str, Any] = {}
-    i = _skip(text, i + 1)
-    if text.startswith("}", i):
-        return out, i + 1
-    while True:
-        if not text.startswith('"', i):
-            raise ValueError(f"expected a member name at {i}")
-        key, i = _scanstring(text, i + 1)
-        i = _skip(text, i)
-        if not text.startswith(":", i):
-            raise ValueError(f"expected ':' at {i}")
-        i = _skip(text, i + 1)
-        if key == "payload":
-            _, end = _scan_once(text, i)
-            out[key] = _Raw(text[i:end].encode())
-            i = end
-        else:
-            out[key], i = _value(text, i)
-        i = _skip(text, i)
-        if text.startswith(",", i):
-            i = _skip(text, i + 1)
-        elif text.startswith("}", i):
-            return out, i + 1
-        else:
-            raise ValueError(f"expected ',' or '}}' at {i}")
+    return out, read_members(text, i + 1, out, _PAYLOAD, _value, _scan_once)
 
 
 def _array(text: str, i: int) -> tuple[list[Any], int]:
     out: list[Any] = []
-    i = _skip(text, i + 1)
+    i = skip(text, i + 1)
     if text.startswith("]", i):
         return out, i + 1
     while True:
         value, i = _value(text, i)
         out.append(value)
-        i = _skip(text, i)
+        i = skip(text, i)
         if text.startswith(",", i):
-            i = _skip(text, i + 1)
+            i = skip(text, i + 1)
         elif text.startswith("]", i):
             return out, i + 1
         else:
@@ -149,7 +111,7 @@ def _loads_led(text: str) -> Any:
     task = value["task"] if wrapped else value
     if task.get("payload", 0) is not None:  # (not the member the scanner found)
         return None
-    task["payload"] = _Raw(text[start:end].encode())
+    task["payload"] = JsonText(text[start:end].encode())
     return value
 
 
@@ -178,7 +140,7 @@ def _loads_deliveries(text: str) -> dict[str, list[Any]] | None:
         task = value.get("task") if isinstance(value, dict) else None
         if not isinstance(task, dict) or '"payload"' in rest or '"task"' in rest:
             return None
-        task["payload"] = _Raw(text[start:after_payload].encode())
+        task["payload"] = JsonText(text[start:after_payload].encode())
         out.append(value)
         if text.startswith(",", end):
             i = end + 1
@@ -197,8 +159,8 @@ def _loads(data: bytes) -> Any:
             value = _loads_deliveries(text)
         if value is not None:
             return value
-        value, end = _value(text, _skip(text, 0))
-        if _skip(text, end) != len(text):
+        value, end = _value(text, skip(text, 0))
+        if skip(text, end) != len(text):
             raise ValueError("extra data")
         return value
     except (ValueError, StopIteration, RecursionError, UnicodeDecodeError) as e:
@@ -234,9 +196,6 @@ def _claim_many_path(
 
 
 _JSON_BODY: Final = {"Content-Type": "application/json"}
-BATCH_PATH: Final = "/jobs/batch"  # the broker's extensions: many tasks in one request,
-CLAIM_BATCH_PATH: Final = "/jobs/next/batch"  # up to so many claimed in one long-poll,
-SETTLE_PATH: Final = "/jobs/settle"  # many acks and nacks in one request
 _SETTLE_GROUP: Final = 500  # acks, and as many nacks, per POST /jobs/settle (the cap: 10,000)
 _OLDER: Final = (404, 405)  # what a broker without an extension answers its route
 
@@ -377,7 +336,7 @@ class HttpTransport:
             "POST",
             "/jobs",
             body=self._enqueue_body(item),
-            headers={"Idempotency-Key": key} if key is not None else None,
+            headers={IDEMPOTENCY_KEY_HEADER: key} if key is not None else None,
         )
         return Enqueued.from_mapping(self._json(data))
 

@@ -6,7 +6,7 @@ Each prints a table for people (the ``rich`` library: colours only when standard
 terminal) or, with ``-json``, one JSON document with the HTTP API's member names (``wq watch
 -json``: one document a line, a line per refresh).
 
-The flags follow the other commands (:mod:`wqclient.flags`): one dash or two, the value after a
+The flags follow the other commands (:mod:`wqwire.flags`): one dash or two, the value after a
 space or ``=``, and the common ones (``-broker``, ``-token``, ``-ca-file``, ``-timeout``,
 ``-json``) before or after the command. An error is one line on standard error, ``wq: message``,
 and an exit status that says what kind (:data:`EXIT_CODES`); never a traceback.
@@ -41,10 +41,10 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 from wqclient.limits import DEFAULT_URL
 from wqclient.models import QueueInfo, Stats, Task, Totals
 from wqclient.worker import add_auth_flags
+from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 
 PROG: Final = "wq"
 

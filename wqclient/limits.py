@@ -10,23 +10,17 @@ from __future__ import annotations
 
 from typing import Final
 
-DEFAULT_URL: Final = "http://localhost:8080"
+from wqwire.defaults import DEFAULT_LEASE_MS as DEFAULT_LEASE_MS
+from wqwire.defaults import DEFAULT_WAIT_MS as DEFAULT_WAIT_MS
+from wqwire.defaults import HTTP_PORT
+from wqwire.defaults import MAX_LEASE_MS as MAX_LEASE_MS
+from wqwire.defaults import MAX_WAIT_MS as MAX_WAIT_MS
+
+DEFAULT_URL: Final = f"http://localhost:{HTTP_PORT}"
 """The broker the client, the worker and the commands talk to when given no URL."""
 
 DEFAULT_TIMEOUT: Final = 30.0
 """Seconds to wait for a connection, or for the answer to a call that does not long-poll."""
-
-DEFAULT_WAIT_MS: Final = 20_000
-"""How long a claim waits for a task when it does not say (the broker's default)."""
-
-MAX_WAIT_MS: Final = 30_000
-"""The longest a claim can wait: the broker clamps longer waits to this."""
-
-DEFAULT_LEASE_MS: Final = 30_000
-"""How long a claimed task is held when the claim does not say (the broker's default)."""
-
-MAX_LEASE_MS: Final = 300_000
-"""The longest lease the broker grants (it caps longer ones to this), on a claim or an extension."""
 
 POLL_SLACK: Final = 15.0
 """Seconds allowed beyond a long-poll's wait before its answer is taken to be lost."""

@@ -14,9 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from wqclient.errors import ProtocolError
-
-DEFAULT_QUEUE = "default"
-"""The queue a task goes to, and a claim takes from, when none is named."""
+from wqwire.defaults import DEFAULT_QUEUE as DEFAULT_QUEUE
 
 # What reading a field that is missing or of the wrong kind raises: reported as the broker's fault.
 _UNREADABLE = (KeyError, TypeError, ValueError, AttributeError)

@@ -32,10 +32,10 @@ from rich.text import Text
 
 from wqclient.client import AsyncClient
 from wqclient.errors import Overloaded, PermissionDenied, Unauthenticated, WqError
-from wqclient.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 from wqclient.limits import DEFAULT_URL
 from wqclient.models import DEFAULT_QUEUE
 from wqclient.worker import add_auth_flags
+from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -56,7 +56,10 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.flags import (
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS, MAX_LEASE_MS
+from wqclient.models import DEFAULT_QUEUE, Delivery, Task
+from wqclient.transport import AsyncStream
+from wqwire.flags import (
     LOG_FORMATS,
     FlagParser,
     bool_flag,
@@ -64,9 +67,6 @@ from wqclient.flags import (
     queue_list,
     setup_logging,
 )
-from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS, MAX_LEASE_MS
-from wqclient.models import DEFAULT_QUEUE, Delivery, Task
-from wqclient.transport import AsyncStream
 
 log = logging.getLogger("wqclient.worker")
 

@@ -36,7 +36,7 @@ function parseArgs(argv) {
 }
 
 const opts = parseArgs(process.argv.slice(2));
-const definition = protoLoader.loadSync("wqclient/pb/broker.proto", {
+const definition = protoLoader.loadSync("wqwire/pb/broker.proto", {
   includeDirs: [protoRoot],
   keepCase: true,
   longs: Number,

@@ -35,8 +35,9 @@ from wqbroker.errors import (
 from wqbroker.grpc.decoding import guarded, handler_table
 from wqbroker.models import Delivery, Enqueued, QueueStats, Task
 from wqbroker.service import Service, Submission
-from wqclient.pb import broker_pb2 as pb
-from wqclient.pb import broker_pb2_grpc as pb_grpc
+from wqwire.defaults import MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
+from wqwire.pb import broker_pb2 as pb
+from wqwire.pb import broker_pb2_grpc as pb_grpc
 
 log = logging.getLogger("wqbroker.grpc")
 
@@ -81,7 +82,7 @@ def code_for(error: WqError) -> grpc.StatusCode:
 
 #: Trailing metadata on RESOURCE_EXHAUSTED when the broker is at a limit (not a size limit): how
 #: long to wait before trying again.
-RETRY_AFTER_KEY: Final = "retry-after-ms"
+RETRY_AFTER_KEY: Final = RETRY_AFTER_MS_KEY
 
 
 class _Errors:
@@ -747,7 +748,7 @@ def server_options(max_payload: int) -> list[tuple[str, int]]:
     receive_limit = max(4 * 1024 * 1024, max_payload + 64 * 1024)
     return [
         ("grpc.max_receive_message_length", receive_limit),
-        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.max_send_message_length", MAX_GRPC_MESSAGE),
         # Without this a second broker could bind the same port and steal half the calls.
         ("grpc.so_reuseport", 0),
         ("grpc.keepalive_time_ms", 30_000),

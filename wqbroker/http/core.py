@@ -27,6 +27,7 @@ from wqbroker.errors import (
 )
 from wqbroker.models import Delivery, QueueStats, Stats, Task, TaskState
 from wqbroker.service import Service, Submission
+from wqwire import defaults
 
 # The one table from the error tree to HTTP status codes (a subclass maps as its parent).
 STATUS: Final[dict[type[WqError], int]] = {
@@ -43,11 +44,11 @@ STATUS: Final[dict[type[WqError], int]] = {
 
 _ENQUEUE_RAW: Final = frozenset({"payload"})
 
-IDEMPOTENCY_KEY: Final = "Idempotency-Key"
+IDEMPOTENCY_KEY: Final = defaults.IDEMPOTENCY_KEY_HEADER
 
-BATCH_ROUTE: Final = "/jobs/batch"  # an extension: many tasks in one request
-CLAIM_BATCH_ROUTE: Final = "/jobs/next/batch"  # an extension: up to max tasks in one claim
-SETTLE_ROUTE: Final = "/jobs/settle"  # an extension: many acks and nacks in one request
+BATCH_ROUTE: Final = defaults.BATCH_PATH  # an extension: many tasks in one request
+CLAIM_BATCH_ROUTE: Final = defaults.CLAIM_BATCH_PATH  # an extension: up to max tasks in a claim
+SETTLE_ROUTE: Final = defaults.SETTLE_PATH  # an extension: many acks and nacks in one request
 
 
 # -- rendering ----------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from wqclient.pb import broker_pb2 as wqclient_dot_pb_dot_broker__pb2
+from wqwire.pb import broker_pb2 as wqwire_dot_pb_dot_broker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in wqclient/pb/broker_pb2_grpc.py depends on'
+        + ' but the generated code in wqwire/pb/broker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -36,88 +36,88 @@ class BrokerStub:
         """
         self.Enqueue = channel.unary_unary(
                 '/wq.v1.Broker/Enqueue',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.EnqueueRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.EnqueueResponse.FromString,
                 _registered_method=True)
         self.EnqueueBatch = channel.unary_unary(
                 '/wq.v1.Broker/EnqueueBatch',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
                 _registered_method=True)
         self.Produce = channel.stream_stream(
                 '/wq.v1.Broker/Produce',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ProduceResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ProduceResponse.FromString,
                 _registered_method=True)
         self.NextJob = channel.unary_unary(
                 '/wq.v1.Broker/NextJob',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.NextJobResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.NextJobResponse.FromString,
                 _registered_method=True)
         self.Ack = channel.unary_unary(
                 '/wq.v1.Broker/Ack',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.AckRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.AckResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.AckRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.AckResponse.FromString,
                 _registered_method=True)
         self.Nack = channel.unary_unary(
                 '/wq.v1.Broker/Nack',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.NackResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.NackResponse.FromString,
                 _registered_method=True)
         self.ExtendLease = channel.unary_unary(
                 '/wq.v1.Broker/ExtendLease',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
                 _registered_method=True)
         self.GetTask = channel.unary_unary(
                 '/wq.v1.Broker/GetTask',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.GetTaskResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.GetTaskResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/wq.v1.Broker/Stats',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.StatsResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.StatsResponse.FromString,
                 _registered_method=True)
         self.ListQueues = channel.unary_unary(
                 '/wq.v1.Broker/ListQueues',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ListQueuesRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ListQueuesResponse.FromString,
                 _registered_method=True)
         self.PauseQueue = channel.unary_unary(
                 '/wq.v1.Broker/PauseQueue',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.PauseQueueRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.PauseQueueResponse.FromString,
                 _registered_method=True)
         self.ResumeQueue = channel.unary_unary(
                 '/wq.v1.Broker/ResumeQueue',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ResumeQueueRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ResumeQueueResponse.FromString,
                 _registered_method=True)
         self.ListDead = channel.unary_unary(
                 '/wq.v1.Broker/ListDead',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.ListDeadRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.ListDeadResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ListDeadRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ListDeadResponse.FromString,
                 _registered_method=True)
         self.Requeue = channel.unary_unary(
                 '/wq.v1.Broker/Requeue',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
                 _registered_method=True)
         self.RequeueAll = channel.unary_unary(
                 '/wq.v1.Broker/RequeueAll',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.RequeueAllRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.RequeueAllResponse.FromString,
                 _registered_method=True)
         self.PurgeDead = channel.unary_unary(
                 '/wq.v1.Broker/PurgeDead',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
                 _registered_method=True)
         self.StreamJobs = channel.stream_stream(
                 '/wq.v1.Broker/StreamJobs',
-                request_serializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
-                response_deserializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
                 _registered_method=True)
 
 
@@ -295,88 +295,88 @@ def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Enqueue': grpc.unary_unary_rpc_method_handler(
                     servicer.Enqueue,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.EnqueueRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.EnqueueResponse.SerializeToString,
             ),
             'EnqueueBatch': grpc.unary_unary_rpc_method_handler(
                     servicer.EnqueueBatch,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.EnqueueBatchResponse.SerializeToString,
             ),
             'Produce': grpc.stream_stream_rpc_method_handler(
                     servicer.Produce,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ProduceResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.EnqueueBatchRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ProduceResponse.SerializeToString,
             ),
             'NextJob': grpc.unary_unary_rpc_method_handler(
                     servicer.NextJob,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.NextJobRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.NextJobResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.NextJobRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.NextJobResponse.SerializeToString,
             ),
             'Ack': grpc.unary_unary_rpc_method_handler(
                     servicer.Ack,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.AckRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.AckResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.AckRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.AckResponse.SerializeToString,
             ),
             'Nack': grpc.unary_unary_rpc_method_handler(
                     servicer.Nack,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.NackRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.NackResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.NackRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.NackResponse.SerializeToString,
             ),
             'ExtendLease': grpc.unary_unary_rpc_method_handler(
                     servicer.ExtendLease,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ExtendLeaseResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseResponse.SerializeToString,
             ),
             'GetTask': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTask,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.GetTaskRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.GetTaskResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.GetTaskRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.GetTaskResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.StatsRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.StatsResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.StatsRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.StatsResponse.SerializeToString,
             ),
             'ListQueues': grpc.unary_unary_rpc_method_handler(
                     servicer.ListQueues,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ListQueuesResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ListQueuesRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ListQueuesResponse.SerializeToString,
             ),
             'PauseQueue': grpc.unary_unary_rpc_method_handler(
                     servicer.PauseQueue,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.PauseQueueResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.PauseQueueRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.PauseQueueResponse.SerializeToString,
             ),
             'ResumeQueue': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeQueue,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ResumeQueueResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ResumeQueueRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ResumeQueueResponse.SerializeToString,
             ),
             'ListDead': grpc.unary_unary_rpc_method_handler(
                     servicer.ListDead,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.ListDeadRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.ListDeadResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ListDeadRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ListDeadResponse.SerializeToString,
             ),
             'Requeue': grpc.unary_unary_rpc_method_handler(
                     servicer.Requeue,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.RequeueRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.RequeueResponse.SerializeToString,
             ),
             'RequeueAll': grpc.unary_unary_rpc_method_handler(
                     servicer.RequeueAll,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.RequeueAllResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.RequeueAllRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.RequeueAllResponse.SerializeToString,
             ),
             'PurgeDead': grpc.unary_unary_rpc_method_handler(
                     servicer.PurgeDead,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.PurgeDeadResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadResponse.SerializeToString,
             ),
             'StreamJobs': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamJobs,
-                    request_deserializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsRequest.FromString,
-                    response_serializer=wqclient_dot_pb_dot_broker__pb2.StreamJobsResponse.SerializeToString,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -404,8 +404,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Enqueue',
-            wqclient_dot_pb_dot_broker__pb2.EnqueueRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.EnqueueResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.EnqueueRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.EnqueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -431,8 +431,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/EnqueueBatch',
-            wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.EnqueueBatchResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -458,8 +458,8 @@ class Broker:
             request_iterator,
             target,
             '/wq.v1.Broker/Produce',
-            wqclient_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.ProduceResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.EnqueueBatchRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ProduceResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -485,8 +485,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/NextJob',
-            wqclient_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.NextJobResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.NextJobRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.NextJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -512,8 +512,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Ack',
-            wqclient_dot_pb_dot_broker__pb2.AckRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.AckResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.AckRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.AckResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -539,8 +539,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Nack',
-            wqclient_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.NackResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.NackRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.NackResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -566,8 +566,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/ExtendLease',
-            wqclient_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -593,8 +593,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/GetTask',
-            wqclient_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.GetTaskResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.GetTaskResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -620,8 +620,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Stats',
-            wqclient_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.StatsResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.StatsRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.StatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -647,8 +647,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/ListQueues',
-            wqclient_dot_pb_dot_broker__pb2.ListQueuesRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.ListQueuesResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.ListQueuesRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ListQueuesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -674,8 +674,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/PauseQueue',
-            wqclient_dot_pb_dot_broker__pb2.PauseQueueRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.PauseQueueResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.PauseQueueRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.PauseQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -701,8 +701,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/ResumeQueue',
-            wqclient_dot_pb_dot_broker__pb2.ResumeQueueRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.ResumeQueueResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.ResumeQueueRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ResumeQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -728,8 +728,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/ListDead',
-            wqclient_dot_pb_dot_broker__pb2.ListDeadRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.ListDeadResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.ListDeadRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ListDeadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -755,8 +755,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/Requeue',
-            wqclient_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.RequeueRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.RequeueResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -782,8 +782,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/RequeueAll',
-            wqclient_dot_pb_dot_broker__pb2.RequeueAllRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.RequeueAllResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.RequeueAllRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.RequeueAllResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -809,8 +809,8 @@ class Broker:
             request,
             target,
             '/wq.v1.Broker/PurgeDead',
-            wqclient_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -836,8 +836,8 @@ class Broker:
             request_iterator,
             target,
             '/wq.v1.Broker/StreamJobs',
-            wqclient_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
-            wqclient_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
+            wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -9,7 +9,8 @@ Any error is one line on stderr, ``prog: message``, and exit status 2; ``-h``, `
 The logging convention too: ``-log-format text|json`` (:func:`setup_logging`, and
 :class:`JsonFormatter` for one JSON object a line).
 
-``wqbroker`` may import this module (as it imports ``wqclient.pb``): it holds no client code.
+Part of :mod:`wqwire`: the broker and the client's commands follow the same conventions, and
+neither owns them.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ with " [truncated]", so it always fits a client's metadata limit.
 
 Generate a client for any language from this file (see the README), e.g. for Go:
   protoc -I proto --go_out=. --go_opt=module=github.com/wq-dev/wq \\
-    --go-grpc_out=. --go-grpc_opt=module=github.com/wq-dev/wq wqclient/pb/broker.proto
+    --go-grpc_out=. --go-grpc_opt=module=github.com/wq-dev/wq wqwire/pb/broker.proto
 writes gen/go/wq/v1/broker.pb.go and broker_grpc.pb.go (package wqv1).
 
 Queues: every task belongs to one named queue (1 to 64 characters of [A-Za-z0-9_.-]); an empty
