@@ -27,8 +27,9 @@ import aiohttp
 from hypothesis import strategies as st
 
 from tests import pg
-from wqbroker.broker import Broker, Config
+from wqbroker.broker import Broker
 from wqbroker.clock import Clock
+from wqbroker.config import Config
 from wqbroker.retry import Backoff
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore

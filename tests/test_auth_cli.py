@@ -25,6 +25,7 @@ from tests.procs import (
     worker_command,
 )
 from wqbroker import __main__ as wqbroker_main
+from wqbroker.config import config_from_args
 from wqclient import producer, worker
 
 pytestmark = pytest.mark.timeout(60)
@@ -76,9 +77,9 @@ def test_the_broker_flags_reach_the_config() -> None:
     args = wqbroker_main.parse_args(
         ["-token-file", "t.txt", "--tls-cert=c.pem", "-tls-key", "k.pem"]
     )
-    config = wqbroker_main.config_from_args(args)
+    config = config_from_args(args)
     assert (config.token_file, config.tls_cert, config.tls_key) == ("t.txt", "c.pem", "k.pem")
-    config = wqbroker_main.config_from_args(wqbroker_main.parse_args([]))
+    config = config_from_args(wqbroker_main.parse_args([]))
     assert (config.token_file, config.tls_cert, config.tls_key) == (None, None, None)
 
 

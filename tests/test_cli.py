@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -20,7 +21,8 @@ import pytest
 from tests.fake_transport import FakeTransport
 from tests.procs import broker_command, broker_process, producer_command, worker_command
 from wqbroker import __main__ as wqbroker_main
-from wqbroker.broker import Config, parse_addr
+from wqbroker import config as wqbroker_config
+from wqbroker.config import Config, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
 from wqclient import AsyncClient, producer, worker
 from wqwire.flags import Flag
@@ -258,7 +260,7 @@ def test_the_commands_refuse_an_abbreviation_before_starting(
 
 def test_broker_defaults() -> None:
     args = wqbroker_main.parse_args([])
-    assert wqbroker_main.config_from_args(args) == Config(
+    assert wqbroker_config.config_from_args(args) == Config(
         addr=":8080",
         grpc_addr=":50051",
         sweep_interval=0.25,
@@ -270,6 +272,16 @@ def test_broker_defaults() -> None:
         sqlite_sync="full",
     )
     assert (args.log_level, args.loop) == ("info", "uvloop")
+
+
+def test_every_setting_has_one_flag_and_variable_whose_default_is_the_configs() -> None:
+    assert wqbroker_config.config_from_args(wqbroker_main.parse_args([])) == Config()
+    assert len({flag.name for flag in wqbroker_config.FLAGS}) == len(fields(Config))
+    parser = wqbroker_main.build_parser()
+    variables = [parser.env_var(flag) for flag in wqbroker_config.FLAGS]
+    assert "WQ_POLL_MS" in variables
+    assert "WQ_TLS_KEY" in variables
+    assert len(set(variables)) == len(variables)
 
 
 def test_broker_flags_in_every_spelling_reach_the_config() -> None:
@@ -293,7 +305,7 @@ def test_broker_flags_in_every_spelling_reach_the_config() -> None:
             "-access-log",
         ]
     )
-    assert wqbroker_main.config_from_args(args) == Config(
+    assert wqbroker_config.config_from_args(args) == Config(
         addr="127.0.0.1:9000",
         grpc_addr="off",
         sweep_interval=0.1,
@@ -303,8 +315,9 @@ def test_broker_flags_in_every_spelling_reach_the_config() -> None:
         access_log=True,
         store="sqlite:/tmp/wq.db",
         sqlite_sync="normal",
+        log_level="debug",
+        loop="asyncio",
     )
-    assert (args.log_level, args.loop) == ("debug", "asyncio")
 
 
 @pytest.mark.parametrize(
@@ -317,10 +330,10 @@ def test_broker_flags_in_every_spelling_reach_the_config() -> None:
     ],
 )
 def test_broker_access_log_switch(argv: list[str], expected: bool) -> None:
-    assert wqbroker_main.config_from_args(wqbroker_main.parse_args(argv)).access_log is expected
+    assert wqbroker_config.config_from_args(wqbroker_main.parse_args(argv)).access_log is expected
 
 
-@pytest.mark.parametrize("flag", wqbroker_main.FLAGS, ids=lambda flag: flag.name)
+@pytest.mark.parametrize("flag", wqbroker_config.FLAGS, ids=lambda flag: flag.name)
 def test_every_broker_flag_takes_every_spelling_of_its_default(flag: Flag) -> None:
     default = vars(wqbroker_main.parse_args([]))[flag.dest]
     assert default == flag.default

@@ -16,7 +16,8 @@ import pytest
 
 from tests.helpers import wait_until_sync
 from tests.procs import broker_command, spawn, worker_command
-from wqbroker.__main__ import FLAGS, build_parser, config_from_args, parse_args
+from wqbroker.__main__ import build_parser, parse_args
+from wqbroker.config import FLAGS, config_from_args
 from wqclient import Client
 from wqclient import worker as worker_cli
 from wqwire.flags import JsonFormatter

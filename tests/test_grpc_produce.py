@@ -20,7 +20,8 @@ import pytest
 import wqclient._grpc
 from tests.authkit import ONLY, ROOT, metadata, rewrite, write_token_file
 from tests.helpers import running_broker, wait_until
-from wqbroker.broker import Broker, Config
+from wqbroker.broker import Broker
+from wqbroker.config import Config
 from wqbroker.grpc.decoding import guarded, handler_table
 from wqbroker.grpc.server import SERVICE_NAME, BrokerServicer, abort
 from wqclient import AsyncClient, Client, Enqueued, InvalidArgument, Overloaded, Unavailable

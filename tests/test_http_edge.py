@@ -556,8 +556,9 @@ async def strict(clock: FakeClock) -> AsyncIterator[Broker]:
 
 def test_the_timeout_flags_reach_the_config() -> None:
     from wqbroker import __main__ as cli
+    from wqbroker.config import config_from_args
 
-    config = cli.config_from_args(cli.parse_args([]))
+    config = config_from_args(cli.parse_args([]))
     assert (config.read_header_timeout, config.read_body_timeout, config.idle_timeout) == (
         10.0,
         30.0,
@@ -566,7 +567,7 @@ def test_the_timeout_flags_reach_the_config() -> None:
     args = cli.parse_args(
         ["-read-header-timeout-ms", "500", "--read-body-timeout-ms=700", "-idle-timeout-ms=900"]
     )
-    config = cli.config_from_args(args)
+    config = config_from_args(args)
     assert (config.read_header_timeout, config.read_body_timeout, config.idle_timeout) == (
         0.5,
         0.7,

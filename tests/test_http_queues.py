@@ -621,11 +621,12 @@ async def test_a_key_is_forgotten_after_the_window(
 
 def test_the_dedup_window_flag_reaches_the_service(capsys: pytest.CaptureFixture[str]) -> None:
     from wqbroker import __main__ as cli
+    from wqbroker.config import config_from_args
 
-    assert cli.config_from_args(cli.parse_args([])).dedup_window == 300.0
+    assert config_from_args(cli.parse_args([])).dedup_window == 300.0
     for argv in (["-dedup-window-ms", "1500"], ["--dedup-window-ms=1500"]):
-        assert cli.config_from_args(cli.parse_args(argv)).dedup_window == 1.5
-    assert cli.config_from_args(cli.parse_args(["-dedup-window-ms=0"])).dedup_window == 0.0
+        assert config_from_args(cli.parse_args(argv)).dedup_window == 1.5
+    assert config_from_args(cli.parse_args(["-dedup-window-ms=0"])).dedup_window == 0.0
     with pytest.raises(SystemExit) as e:
         cli.parse_args(["-dedup-window-ms=-1"])
     assert e.value.code == 2

@@ -36,8 +36,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests import pg
 from tests.helpers import Http, invariant_holds, wait_until
 from tests.procs import BrokerProcess, broker_process, free_port
-from wqbroker.broker import Broker, Config
+from wqbroker.broker import Broker
 from wqbroker.clock import Clock, SystemClock, TimerHandle
+from wqbroker.config import Config
 from wqclient import AsyncClient, LeaseLost, NotFound, Task, Worker
 
 # What "at once" means for a wake-up, a reclaim after its deadline, a promotion after its delay:

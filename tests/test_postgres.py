@@ -17,8 +17,9 @@ import asyncpg
 import pytest
 
 from tests import pg
-from wqbroker.broker import Broker, Config, StartupError, open_store
+from wqbroker.broker import Broker, StartupError, open_store
 from wqbroker.clock import SystemClock
+from wqbroker.config import Config
 from wqbroker.errors import LeaseLost, NotFound, StoreError
 from wqbroker.models import NewTask
 from wqbroker.retry import Backoff

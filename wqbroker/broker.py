@@ -1,11 +1,11 @@
-"""Assembling a broker: config -> store -> service -> servers, and taking it down again."""
+"""Assembling a broker: config (``config.py``) -> store -> service -> servers, and taking it down
+again."""
 
 from __future__ import annotations
 
 import logging
 import os
 import random
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -13,27 +13,16 @@ from aiohttp import web
 
 from wqbroker.auth import TokenFileError, Tokens
 from wqbroker.clock import Clock, SystemClock
+from wqbroker.config import Config, disabled, parse_addr
 from wqbroker.errors import StoreError
 from wqbroker.grpc.auth import AuthInterceptor
 from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import (
-    DEFAULT_IDLE_TIMEOUT,
-    DEFAULT_MAX_BODY,
-    DEFAULT_READ_BODY_TIMEOUT,
-    DEFAULT_READ_HEADER_TIMEOUT,
     create_app,
     make_runner,
 )
-from wqbroker.limits import (
-    DEFAULT_DEDUP_WINDOW_MS,
-    DEFAULT_MAX_QUEUES,
-    DEFAULT_MAX_TASKS,
-    DEFAULT_MAX_WAITERS,
-    DEFAULT_POLL_INTERVAL,
-    DEFAULT_SWEEP_INTERVAL,
-)
 from wqbroker.metrics import Metrics
-from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP, Backoff
+from wqbroker.retry import Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
@@ -48,24 +37,6 @@ class StartupError(Exception):
     """The broker cannot start (address taken, bad store...). The message is one line for users."""
 
 
-def parse_addr(addr: str) -> tuple[str | None, int]:
-    """``host:port``, ``:port`` (every interface), ``[v6]:port`` or a bare port."""
-    text = addr.strip()
-    host: str | None
-    if text.isdigit():
-        host, port_text = None, text
-    else:
-        host, sep, port_text = text.rpartition(":")
-        if not sep:
-            raise ValueError(f"address {addr!r} has no port; use host:port or :port")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]
-        host = host or None
-    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise ValueError(f"address {addr!r} has an invalid port")
-    return host, int(port_text)
-
-
 def format_addr(sockname: tuple[object, ...] | str) -> str:
     if isinstance(sockname, str):
         return sockname
@@ -73,41 +44,6 @@ def format_addr(sockname: tuple[object, ...] | str) -> str:
     if ":" in host:
         host = f"[{host}]"
     return f"{host}:{port}"
-
-
-def disabled(addr: str | None) -> bool:
-    """An address of "off" (or empty) switches that server off."""
-    return addr is None or addr.strip().lower() in ("", "off", "none")
-
-
-@dataclass
-class Config:
-    addr: str | None = ":8080"
-    grpc_addr: str | None = ":50051"
-    sweep_interval: float = DEFAULT_SWEEP_INTERVAL
-    # With a shared store (PostgreSQL): how often a broker with waiting consumers polls for ready
-    # tasks it was not told about (wake-ups between brokers come by LISTEN/NOTIFY).
-    poll_interval: float = DEFAULT_POLL_INTERVAL
-    backoff_base: float = DEFAULT_BASE
-    backoff_cap: float = DEFAULT_CAP
-    max_body: int = DEFAULT_MAX_BODY
-    # HTTP time-outs, in seconds: a request's line and headers, from its first byte (or the
-    # connection's start); its body, once a handler reads it; an idle keep-alive connection.
-    read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT
-    read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT
-    idle_timeout: float = DEFAULT_IDLE_TIMEOUT
-    access_log: bool = False
-    store: str = "memory"  # or "sqlite:PATH", or "postgres://USER@HOST:PORT/DB"
-    sqlite_sync: str = "full"
-    max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
-    max_queues: int = DEFAULT_MAX_QUEUES  # 0: no limit
-    max_waiters: int = DEFAULT_MAX_WAITERS  # 0: no limit
-    # Seconds an idempotency key is remembered (-dedup-window-ms; five minutes, as SQS FIFO's).
-    dedup_window: float = DEFAULT_DEDUP_WINDOW_MS / 1000
-    token_file: str | None = None  # bearer tokens and their scopes (wqbroker.auth); None: none
-    metrics_public: bool = False  # GET /metrics needs no token (else the metrics scope)
-    tls_cert: str | None = None  # PEM certificate chain: HTTPS and gRPC over TLS (with tls_key)
-    tls_key: str | None = None
 
 
 async def open_store(

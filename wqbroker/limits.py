@@ -292,10 +292,3 @@ def flag_value(name: str, value: object | None) -> bool:
 def retry_delay_seconds(value: object | None) -> float | None:
     """A nack's ``delay_ms``: retry after exactly this long (None: the backoff decides)."""
     return None if value is None else delay_seconds(value)
-
-
-def dedup_window_seconds(value: int) -> float:
-    """The ``-dedup-window-ms`` flag: how long an idempotency key is remembered."""
-    if value < 0:
-        raise ValueError(f"-dedup-window-ms must not be negative, got {value}")
-    return value / 1000.0
