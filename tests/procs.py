@@ -77,11 +77,11 @@ def broker_command(*args: str) -> list[str]:
 
 
 def worker_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "wqclient.worker", *args]
+    return [sys.executable, "-m", "wqclient.cli.worker", *args]
 
 
 def producer_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "wqclient.producer", *args]
+    return [sys.executable, "-m", "wqclient.cli.producer", *args]
 
 
 def env() -> dict[str, str]:

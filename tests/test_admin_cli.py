@@ -29,11 +29,12 @@ import pytest
 
 from tests.authkit import ONLY, ROOT, UNKNOWN, bearer, write_token_file
 from tests.procs import BrokerProcess, broker_process, env, free_port, producer_command
-from wqclient import Client, admin
+from wqclient import Client
+from wqclient.cli import admin
 
 pytestmark = pytest.mark.timeout(60)
 
-ADMIN = [sys.executable, "-m", "wqclient.admin"]
+ADMIN = [sys.executable, "-m", "wqclient.cli.admin"]
 
 
 @pytest.fixture(autouse=True)

@@ -26,7 +26,7 @@ from tests.procs import (
 )
 from wqbroker import __main__ as wqbroker_main
 from wqbroker.config import config_from_args
-from wqclient import producer, worker
+from wqclient.cli import producer, worker
 
 pytestmark = pytest.mark.timeout(60)
 

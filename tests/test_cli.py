@@ -24,7 +24,8 @@ from wqbroker import __main__ as wqbroker_main
 from wqbroker import config as wqbroker_config
 from wqbroker.config import Config, parse_addr
 from wqbroker.http import DEFAULT_MAX_BODY
-from wqclient import AsyncClient, producer, worker
+from wqclient import AsyncClient
+from wqclient.cli import producer, worker
 from wqwire.flags import Flag
 
 pytestmark = pytest.mark.timeout(60)

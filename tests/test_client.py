@@ -45,8 +45,9 @@ from wqclient import (
     Unavailable,
     WqError,
 )
+from wqclient.cli.worker import LogFileHandler
 from wqclient.client import grpc_target
-from wqclient.worker import LogFileHandler, TaskFailed, Worker
+from wqclient.worker import TaskFailed, Worker
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,7 +19,7 @@ from tests.procs import broker_command, spawn, worker_command
 from wqbroker.__main__ import build_parser, parse_args
 from wqbroker.config import FLAGS, config_from_args
 from wqclient import Client
-from wqclient import worker as worker_cli
+from wqclient.cli import worker as worker_cli
 from wqwire.flags import JsonFormatter
 
 pytestmark = pytest.mark.timeout(60)

@@ -1,7 +1,7 @@
 """The spec's quick start and every one of its "Things to try", end to end.
 
-Real processes only: ``python -m wqbroker``, ``python -m wqclient.worker`` (wq-worker) and
-``python -m wqclient.producer`` (wq-producer), each run from a pytest tmp_path so jobs.log lands
+Real processes only: ``python -m wqbroker``, ``python -m wqclient.cli.worker`` (wq-worker) and
+``python -m wqclient.cli.producer`` (wq-producer), each run from a pytest tmp_path so jobs.log lands
 there, over HTTP (``-broker http://...``) and over gRPC (``-broker grpc://...``). The broker is
 always inspected the way the spec does it, with plain HTTP GETs of /stats and /dlq.
 

@@ -17,7 +17,7 @@ from tests.helpers import Http, http_client, invariant_holds, running_broker, wa
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqclient import AsyncClient, Overloaded, PayloadTooLarge
-from wqclient.producer import build_parser, produce
+from wqclient.cli.producer import build_parser, produce
 from wqwire.pb import broker_pb2 as pb
 from wqwire.pb import broker_pb2_grpc as pb_grpc
 

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
-    # Imported lazily so that `python -m wqclient.worker` does not import the module twice.
+    # Imported lazily: a producer needs no worker runner.
     if name in ("Worker", "TaskFailed", "Retry", "Fail"):
         from wqclient import worker
 

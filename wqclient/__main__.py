@@ -3,7 +3,7 @@
 import sys
 
 print(
-    "use `python -m wqclient.worker` (wq-worker), `python -m wqclient.producer` (wq-producer) "
-    "or `python -m wqclient.admin` (wq)"
+    "use `python -m wqclient.cli.worker` (wq-worker), `python -m wqclient.cli.producer` "
+    "(wq-producer) or `python -m wqclient.cli.admin` (wq)"
 )
 sys.exit(2)

@@ -22,7 +22,7 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from wqclient._coalesce import Coalescer
-from wqclient._tls import CERT_HINT
+from wqclient._tls import CERT_HINT, ca_error, ssl_context, system_roots
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -664,6 +664,20 @@ _OPTIONS: list[tuple[str, Any]] = [
     # calls and streams are spread over them, and go to the others while one is down.
     ("grpc.lb_policy_name", "round_robin"),
 ]
+
+
+def channel_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
+    """Channel credentials for ``grpcs://``, trusting ``ca_file`` or the system store. Raises
+    WqError if ``ca_file`` cannot be read or holds no certificate."""
+    if ca_file is None:
+        return grpc.ssl_channel_credentials(system_roots())
+    ssl_context(ca_file)  # the same checks (readable, PEM certificates) as for https://
+    try:
+        with open(ca_file, "rb") as f:
+            roots = f.read()
+    except OSError as e:
+        raise ca_error(ca_file, e) from None
+    return grpc.ssl_channel_credentials(roots)
 
 
 class GrpcTransport:

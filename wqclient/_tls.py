@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 import ssl
 
-import grpc
-
 from wqclient.errors import WqError
 
 CERT_HINT = "give the broker's CA certificate with ca_file (wq-worker, wq-producer: -ca-file)"
@@ -26,7 +24,7 @@ def check_token(token: str) -> str:
     return token
 
 
-def _ca_error(ca_file: str, e: Exception) -> WqError:
+def ca_error(ca_file: str, e: Exception) -> WqError:
     reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
     return WqError(f"cannot use the CA file {ca_file}: {reason}")
 
@@ -38,10 +36,10 @@ def ssl_context(ca_file: str | None) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=ca_file)
     except (OSError, ValueError) as e:  # ssl.SSLError is an OSError
         assert ca_file is not None
-        raise _ca_error(ca_file, e) from None
+        raise ca_error(ca_file, e) from None
 
 
-def _system_roots() -> bytes | None:
+def system_roots() -> bytes | None:
     """The system's CA bundle (what ssl verifies against by default), or None for gRPC's own."""
     cafile = ssl.get_default_verify_paths().cafile
     if cafile is None:
@@ -51,20 +49,6 @@ def _system_roots() -> bytes | None:
             return f.read()
     except OSError:
         return None
-
-
-def grpc_credentials(ca_file: str | None) -> grpc.ChannelCredentials:
-    """Channel credentials for ``grpcs://``, trusting ``ca_file`` or the system store. Raises
-    WqError if ``ca_file`` cannot be read or holds no certificate."""
-    if ca_file is None:
-        return grpc.ssl_channel_credentials(_system_roots())
-    ssl_context(ca_file)  # the same checks (readable, PEM certificates) as for https://
-    try:
-        with open(ca_file, "rb") as f:
-            roots = f.read()
-    except OSError as e:
-        raise _ca_error(ca_file, e) from None
-    return grpc.ssl_channel_credentials(roots)
 
 
 def env_default(value: str | None, name: str) -> str | None:

@@ -19,9 +19,8 @@ from types import TracebackType
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from wqclient._grpc import GrpcTransport
 from wqclient._http import HttpTransport
-from wqclient._tls import check_token, env_default, grpc_credentials, ssl_context
+from wqclient._tls import check_token, env_default, ssl_context
 from wqclient.errors import InvalidArgument, Unavailable, WqError
 from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
 from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
@@ -148,10 +147,12 @@ def make_transport(
     if parts.scheme in ("grpc", "grpcs"):
         if not parts.netloc:
             raise WqError(f"broker URL {url!r} has no host:port")
-        credentials = grpc_credentials(ca_file) if parts.scheme == "grpcs" else None
+        from wqclient import _grpc  # (only a client that speaks gRPC loads grpc)
+
+        credentials = _grpc.channel_credentials(ca_file) if parts.scheme == "grpcs" else None
         rest = url.split("://", 1)[1]
         target = rest if rest.startswith("dns:") else grpc_target(parts.netloc)
-        return GrpcTransport(target, timeout=timeout, token=token, credentials=credentials)
+        return _grpc.GrpcTransport(target, timeout=timeout, token=token, credentials=credentials)
     raise WqError(
         f"broker URL {url!r}: use http://host:port or grpc://host:port (https://, grpcs:// for TLS)"
     )

@@ -1,5 +1,5 @@
-"""``wq-producer`` (``python -m wqclient.producer``): the spec's cmd/producer, a test harness that
-enqueues numbered tasks, ``{"line": "task 1 of 100", "n": 1}`` (with ``"fail": true`` under
+"""``wq-producer`` (``python -m wqclient.cli.producer``): the spec's cmd/producer, a test harness
+that enqueues numbered tasks, ``{"line": "task 1 of 100", "n": 1}`` (with ``"fail": true`` under
 ``-fail``), to ``-queue`` at ``-priority``.
 
 ``-idempotency-key K`` gives each task a key: ``K`` itself when ``-n`` is 1, else ``K-1`` ...
@@ -30,11 +30,11 @@ from rich.progress import Progress as RichProgress
 from rich.progress import Task as RichTask
 from rich.text import Text
 
+from wqclient.cli import add_auth_flags
 from wqclient.client import AsyncClient
 from wqclient.errors import Overloaded, PermissionDenied, Unauthenticated, WqError
 from wqclient.limits import DEFAULT_URL
 from wqclient.models import DEFAULT_QUEUE
-from wqclient.worker import add_auth_flags
 from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 
 

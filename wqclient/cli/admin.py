@@ -1,4 +1,4 @@
-"""``wq`` (``python -m wqclient.admin``): the admin command, for people at a terminal.
+"""``wq`` (``python -m wqclient.cli.admin``): the admin command, for people at a terminal.
 
 ``wq stats``, ``wq queues``, ``wq dlq [list|requeue|purge]``, ``wq task ID``, ``wq enqueue JSON``,
 ``wq pause QUEUE``, ``wq resume QUEUE`` and ``wq watch`` (a live view of the gauges and rates).
@@ -32,6 +32,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from wqclient.cli import add_auth_flags
 from wqclient.client import AsyncClient
 from wqclient.errors import (
     InvalidArgument,
@@ -43,7 +44,6 @@ from wqclient.errors import (
 )
 from wqclient.limits import DEFAULT_URL
 from wqclient.models import QueueInfo, Stats, Task, Totals
-from wqclient.worker import add_auth_flags
 from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 
 PROG: Final = "wq"

@@ -1,0 +1,33 @@
+"""The commands: ``wq`` (:mod:`wqclient.cli.admin`), ``wq-worker`` (:mod:`wqclient.cli.worker`) and
+``wq-producer`` (:mod:`wqclient.cli.producer`), each also ``python -m wqclient.cli.NAME``.
+
+They are built on the public client API only (``AsyncClient``, ``Worker``), follow the flag
+conventions of :mod:`wqwire.flags` (one dash or two, the value after a space or ``=``, strict
+names, one-line errors with exit status 2), and take a token and a CA file the same way (below).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from wqclient.client import ENV_CA_FILE, ENV_TOKEN
+
+__all__ = ["add_auth_flags"]
+
+
+def add_auth_flags(p: argparse.ArgumentParser) -> None:
+    """``-token`` and ``-ca-file``, for wq-worker and wq-producer."""
+    p.add_argument(
+        "-token",
+        "--token",
+        metavar="TOKEN",
+        help=f"bearer token for a broker that wants one (default ${ENV_TOKEN}; prefer it: "
+        "a command line is visible to other users)",
+    )
+    p.add_argument(
+        "-ca-file",
+        "--ca-file",
+        metavar="PATH",
+        help="PEM CA certificate(s) to verify an https:// or grpcs:// broker with "
+        f"(default ${ENV_CA_FILE}, else the system's store)",
+    )
