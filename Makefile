@@ -1,27 +1,38 @@
-# wq: every target creates .venv and installs the project first when needed.
+# wq: every target creates .venv and installs what it needs into it first: `make run`, `worker`
+# and `producer` the broker and the commands (the broker and cli extras), the others everything
+# the tests, lint and bench use (the dev extra).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
+RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
 
-.PHONY: install run worker producer test lint format bench beanstalkd clean proto proto-check node-deps browser screenshot
+.PHONY: install install-run run worker producer test lint format bench beanstalkd clean proto proto-check node-deps browser screenshot
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
-	touch $(STAMP)
+install-run: $(RUN_STAMP)
 
-run: install
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(RUN_STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[broker,cli]'
+	touch $(RUN_STAMP)
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP) $(RUN_STAMP)
+
+run: install-run
 	$(PY) -m wqbroker $(ARGS)
 
-worker: install
+worker: install-run
 	$(VENV)/bin/wq-worker $(ARGS)
 
-producer: install
+producer: install-run
 	$(VENV)/bin/wq-producer $(ARGS)
 
 # ruff (lint, format) and mypy --strict over wqbroker, wqclient, tests and bench (the files are in

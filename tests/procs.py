@@ -94,11 +94,17 @@ def env() -> dict[str, str]:
     )
 
 
-def spawn(cmd: Sequence[str], cwd: Path | None = None) -> subprocess.Popen[str]:
+def spawn(
+    cmd: Sequence[str], cwd: Path | None = None, *, installed: bool = False
+) -> subprocess.Popen[str]:
+    """Start ``cmd``; with ``installed``, as an installed program (no PYTHONPATH to this tree)."""
+    child_env = env()
+    if installed:
+        del child_env["PYTHONPATH"]
     return subprocess.Popen(
         list(cmd),
         cwd=cwd or ROOT,
-        env=env(),
+        env=child_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -156,15 +162,21 @@ def _grpc_enabled(args: Sequence[str]) -> bool:
 
 
 @contextmanager
-def broker_process(*args: str, timeout: float = 15) -> Iterator[BrokerProcess]:
+def broker_process(
+    *args: str, timeout: float = 15, program: Path | None = None
+) -> Iterator[BrokerProcess]:
     """Start ``python -m wqbroker -addr 127.0.0.1:0 -grpc-addr 127.0.0.1:0 ...`` and wait for its
-    listening lines (HTTP, and gRPC unless it is switched off)."""
+    listening lines (HTTP, and gRPC unless it is switched off). ``program``: an installed
+    ``wqbroker`` to run instead (from a directory of its own, importing nothing of this tree)."""
     if not any(a.lstrip("-").startswith("addr") for a in args):
         args = ("-addr", "127.0.0.1:0", *args)
     if not any(a.lstrip("-").startswith("grpc-addr") for a in args):
         args = ("-grpc-addr", "127.0.0.1:0", *args)
     want_grpc = _grpc_enabled(args)
-    proc = spawn(broker_command(*args))
+    if program is None:
+        proc = spawn(broker_command(*args))
+    else:
+        proc = spawn([str(program), *args], program.parent, installed=True)
     lines: list[str] = []
     reader = _read_log(proc, lines)
 

@@ -16,6 +16,7 @@ neither owns them.
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import logging
@@ -246,3 +247,23 @@ def setup_logging(level: int, log_format: str, text_format: str) -> None:
     formatter = JsonFormatter() if log_format == "json" else logging.Formatter(text_format)
     handler.setFormatter(formatter)
     logging.basicConfig(level=level, handlers=[handler])
+
+
+# -- the commands' entry points ------------------------------------------------------------------
+
+_OURS: Final = frozenset({"wqbroker", "wqclient", "wqwire"})
+
+
+def run_command(prog: str, module: str, extra: str) -> int:
+    """Run ``module``'s ``main()`` (a command's entry point). If a package it needs is not
+    installed, say in one line which extra of the ``wqueue`` distribution brings it, and exit
+    status 1, instead of a traceback (``pip install wqueue`` is the client alone)."""
+    try:
+        main = importlib.import_module(module).main
+    except ModuleNotFoundError as e:
+        missing = (e.name or "").split(".")[0]
+        if not missing or missing in _OURS:
+            raise
+        print(f"{prog}: {missing} is not installed: pip install 'wqueue[{extra}]'", file=sys.stderr)
+        return 1
+    return int(main())

@@ -4,6 +4,8 @@
 They are built on the public client API only (``AsyncClient``, ``Worker``), follow the flag
 conventions of :mod:`wqwire.flags` (one dash or two, the value after a space or ``=``, strict
 names, one-line errors with exit status 2), and take a token and a CA file the same way (below).
+Their entry points are here: a command whose packages are not installed (``pip install wqueue``
+is the client alone) says which extra brings them.
 """
 
 from __future__ import annotations
@@ -11,8 +13,24 @@ from __future__ import annotations
 import argparse
 
 from wqclient.client import ENV_CA_FILE, ENV_TOKEN
+from wqwire.flags import run_command
 
-__all__ = ["add_auth_flags"]
+__all__ = ["add_auth_flags", "wq", "wq_producer", "wq_worker"]
+
+
+def wq() -> int:
+    """``wq``: the admin command (needs the ``cli`` extra: rich)."""
+    return run_command("wq", "wqclient.cli.admin", "cli")
+
+
+def wq_worker() -> int:
+    """``wq-worker``: the spec's worker, appending each task to a log file."""
+    return run_command("wq-worker", "wqclient.cli.worker", "cli")
+
+
+def wq_producer() -> int:
+    """``wq-producer``: the spec's producer (needs the ``cli`` extra: rich, for its progress)."""
+    return run_command("wq-producer", "wqclient.cli.producer", "cli")
 
 
 def add_auth_flags(p: argparse.ArgumentParser) -> None:
