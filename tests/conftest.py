@@ -1,4 +1,20 @@
-"""Fixtures: a fake clock, a seeded random source, every store backend and a service over it.
+"""Fixtures: a fake clock, a seeded random source, every store backend and a service over it;
+the tiers' markers; the Hypothesis profiles.
+
+Markers (``--strict-markers``: no other is taken), put on each test here, by where it lives and
+what it runs on, so no test has to remember its own:
+
+- ``unit``: in-process, no socket (tests/unit, tests/store, tests/service);
+- ``server``: a real broker in this process, on port 0, and real clients (tests/http, tests/grpc,
+  tests/client, tests/broker);
+- ``e2e``: real processes: brokers, the commands, other languages (tests/e2e);
+- ``browser``: the dashboard in Chromium (tests/ui);
+- ``pg``: on PostgreSQL (a ``postgres`` parameter, or a test of the PostgreSQL store or cluster);
+- ``slow``: put by hand on the few that take seconds of CPU (``make test-fast`` leaves them out).
+
+Hypothesis: the ``ci`` profile (``make test``, and whenever ``$CI`` is set) runs every property
+as written; ``dev`` (``make test-fast``, and plain ``pytest``) a fifth of the examples
+(:func:`tests.helpers.examples`).
 
 Everything else the tests share (helpers, the in-process broker, waiting) is in ``helpers.py``."""
 
@@ -7,15 +23,48 @@ from __future__ import annotations
 import random
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Final
 
 import pytest
+from hypothesis import settings
 
 from tests import pg
-from tests.helpers import BACKENDS, make_store
+from tests.helpers import BACKENDS, PROFILE, make_store
 from wqbroker.clock import FakeClock
 from wqbroker.retry import Backoff
 from wqbroker.service import Service
 from wqbroker.store import Store
+
+settings.register_profile("ci", print_blob=True)
+settings.register_profile("dev", max_examples=20)
+settings.load_profile(PROFILE)
+
+# The layer of each directory of tests/ (the marker its tests get).
+LAYERS: Final = {
+    "unit": "unit",
+    "store": "unit",
+    "service": "unit",
+    "http": "server",
+    "grpc": "server",
+    "client": "server",
+    "broker": "server",
+    "e2e": "e2e",
+    "ui": "browser",
+}
+# Test modules whose every test runs on PostgreSQL.
+POSTGRES_MODULES: Final = frozenset({"test_postgres.py", "test_postgres_cluster.py"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        path = Path(item.fspath)
+        layer = LAYERS.get(path.relative_to(root).parts[0])
+        if layer is not None:
+            item.add_marker(layer)
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if path.name in POSTGRES_MODULES or "postgres" in params.values():
+            item.add_marker("pg")
 
 
 @pytest.fixture(autouse=True)

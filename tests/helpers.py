@@ -21,7 +21,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Protocol, TypeVar, overload
+from typing import Any, Final, Protocol, TypeVar, overload
 
 import aiohttp
 from hypothesis import strategies as st
@@ -132,6 +132,16 @@ async def settle(rounds: int = 5) -> None:
 
 # Every store backend; the contract tests and the state machine run against each one.
 BACKENDS = ["memory", "sqlite", "postgres"]
+
+#: The Hypothesis profile of this run (tests/conftest.py): ``ci`` runs every property as written,
+#: ``dev`` fewer examples. ``$HYPOTHESIS_PROFILE`` chooses; else ``ci`` when ``$CI`` is set.
+PROFILE: Final = os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "dev")
+
+
+def examples(count: int) -> int:
+    """A property's number of examples in this run: ``count`` in the ``ci`` profile, a fifth of
+    it (at least 5) in ``dev``."""
+    return count if PROFILE == "ci" else max(5, count // 5)
 
 
 SQLITE_HOT = 3

@@ -122,6 +122,20 @@ def _ephemeral_low() -> int:
         return 32768
 
 
+def _port_range() -> tuple[int, int]:
+    """The ports this test process hands out: below the kernel's ephemeral range, and under
+    pytest-xdist a slice of its own per worker (``gw0``, ``gw1`` ...), so two workers never
+    pick the same port for brokers they start at the same moment."""
+    low, high = 20000, max(_ephemeral_low(), 20001)
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if worker.startswith("gw") and worker[2:].isdigit() and count > 1:
+        size = (high - low) // count
+        low += int(worker[2:]) * size
+        high = low + size
+    return low, high
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing is bound to (at the moment of asking), for a broker
     started on it later.
@@ -129,11 +143,11 @@ def free_port() -> int:
     It is taken from below the kernel's ephemeral range, never from it: a port the kernel handed
     out for ``bind(0)`` is one it may give next to any outgoing connection (the tests' own clients
     make hundreds), and a broker then cannot listen on it ("address already in use", seen in CI).
-    No port is handed out twice in one test run."""
+    No port is handed out twice in one test run (nor by two workers: :func:`_port_range`)."""
     rng = random.SystemRandom()
-    high = max(_ephemeral_low(), 20001)
+    low, high = _port_range()
     for _ in range(1000):
-        port = rng.randrange(20000, high)
+        port = rng.randrange(low, high)
         if port in _handed_out:
             continue
         with socket.socket() as s:
