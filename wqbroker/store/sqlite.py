@@ -25,6 +25,11 @@ at start). ``synchronous`` is FULL by default: a commit is on disk before the an
 acknowledged is lost even on power loss. With NORMAL, commits survive a crash of the broker
 (kill -9) but the last ones may be lost on power loss or an OS crash.
 
+Schema: the numbered files of ``sqlite_migrations/`` (``001`` the first schema, ``002`` payloads
+kept apart, ``003`` queues, priorities and keys), run at open by the runner both SQL stores share
+(wqbroker/store/migrate.py) inside the ``BEGIN IMMEDIATE`` transaction that takes the file's lock;
+a file of a newer version, or not wq's, is refused.
+
 Restart: the index is rebuilt by streaming the rows (payloads are not read). Every task comes back
 in the collection it was in (ready ones in the same order, the dead-letter queue in order of
 burial). Handed-out tasks keep their lease: a worker still holding one can ack it after the
