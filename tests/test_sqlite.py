@@ -25,7 +25,7 @@ from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
 from wqbroker.errors import StoreError
-from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Totals
+from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Stats, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
 from wqbroker.store.sqlite import SqliteStore
@@ -419,6 +419,48 @@ async def test_a_file_of_schema_2_is_upgraded_into_the_default_queue(tmp_path: P
         assert [r.name for r in await store.queues()] == [DEFAULT_QUEUE, "q"]
         assert (await store.stats("q")).totals.enqueued == 1
         assert (await store.stats(DEFAULT_QUEUE)).totals.enqueued == 7
+    finally:
+        await store.close()
+
+
+async def test_a_new_file_has_no_queue_and_an_unused_file_of_schema_2_gets_the_default(
+    tmp_path: Path,
+) -> None:
+    # A new file runs every migration, the one that moves schema 2's tasks into the default queue
+    # too: only a file that was at schema 2 gets that queue, even one that never held a task.
+    empty_v2 = V2_SCHEMA.split("INSERT INTO totals")[0]
+    old = str(tmp_path / "v2.db")
+    with closing(sqlite3.connect(old)) as conn:
+        conn.executescript(empty_v2 + "INSERT INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0);")
+    new = str(tmp_path / "new.db")
+    for path, queues in ((new, []), (old, [QueueStats(DEFAULT_QUEUE, 0, 0, 0, 0, False)])):
+        store = await SqliteStore.open(path, _backoff())
+        try:
+            assert await store.queues() == queues
+            assert await store.stats() == Stats(0, 0, 0, 0, Totals())
+        finally:
+            await store.close()
+        with closing(sqlite3.connect(path)) as conn:
+            assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
+
+
+async def test_an_upgrade_that_fails_leaves_the_file_as_it_was(tmp_path: Path) -> None:
+    path = str(tmp_path / "v2.db")
+    with closing(sqlite3.connect(path)) as conn:
+        conn.executescript(V2_SCHEMA)
+        conn.execute("CREATE TABLE keys (x)")  # in the way of the migration to schema 3
+    with pytest.raises(StoreError, match="keys already exists"):
+        await SqliteStore.open(path, _backoff())
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("2",)
+        columns = [row[1] for row in conn.execute("PRAGMA table_info(tasks)")]
+        assert "queue" not in columns  # the migration's first steps were rolled back
+        assert conn.execute("SELECT count(*) FROM tasks").fetchone() == (5,)
+    with closing(sqlite3.connect(path)) as conn:
+        conn.execute("DROP TABLE keys")
+    store = await SqliteStore.open(path, _backoff())  # and with the obstacle gone, it upgrades
+    try:
+        assert (await store.stats()).totals.enqueued == 7
     finally:
         await store.close()
 

@@ -32,7 +32,7 @@ from wqbroker.models import (
     Totals,
 )
 from wqbroker.retry import Backoff
-from wqbroker.store import Store, enqueue_one
+from wqbroker.store import ReadyListener, Store, enqueue_one
 from wqbroker.store.memory import MemoryStore
 
 NOW = 1_000_000.0
@@ -117,6 +117,12 @@ async def bury(store: Store, task_id: str, error: str | None, now: float = NOW) 
 
 
 # -- enqueue ----------------------------------------------------------------------------------
+
+
+async def test_only_a_shared_store_tells_of_tasks_made_ready_elsewhere(store: Store) -> None:
+    # A store other brokers share is told of their tasks (on_ready); one this broker alone
+    # changes has nothing to tell and no on_ready to call.
+    assert isinstance(store, ReadyListener) == store.shared
 
 
 async def test_enqueue_puts_the_task_in_ready(store: Store) -> None:

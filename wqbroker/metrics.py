@@ -67,7 +67,7 @@ from wqbroker.models import (
     TaskState,
     Totals,
 )
-from wqbroker.store import Store
+from wqbroker.store import ReadyListener, Store
 
 if TYPE_CHECKING:
     from wqbroker.service import Service
@@ -636,7 +636,8 @@ class MeteredStore:
         return self.inner.ready_hint()
 
     def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
-        self.inner.on_ready(callback)
+        if isinstance(self.inner, ReadyListener):
+            self.inner.on_ready(callback)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -3,6 +3,11 @@
 A failed task waits before its next attempt: roughly 1 s, 2 s, 4 s, 8 s ... capped at 30 s. Each
 delay is half fixed and half random (the second half is scaled by a uniform draw), so tasks that
 failed together do not all retry at the same instant.
+
+:func:`backoff_delay` is the reference. The PostgreSQL store computes the same delay in the
+database (``wq.backoff`` in wqbroker/store/postgres/sql/functions.sql: the same operations in the
+same order, with :data:`MAX_DOUBLINGS`), since only the settling transaction knows a task's
+attempts; tests/test_backoff_in_sql.py checks that the two agree.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ from dataclasses import dataclass
 
 DEFAULT_BASE = 1.0
 DEFAULT_CAP = 30.0
+#: The nominal delay doubles at most this many times (so a huge attempt count cannot overflow).
+MAX_DOUBLINGS = 64
 
 
 def backoff_delay(attempts: int, base: float, cap: float, u: float) -> float:
@@ -20,7 +27,7 @@ def backoff_delay(attempts: int, base: float, cap: float, u: float) -> float:
     ``u`` is a uniform draw in [0, 1). The nominal delay is ``base * 2**(attempts-1)`` capped at
     ``cap``; the result lies in ``[nominal/2, nominal]``.
     """
-    exponent = max(0, min(attempts - 1, 64))
+    exponent = max(0, min(attempts - 1, MAX_DOUBLINGS))
     nominal = min(cap, base * float(2**exponent))
     half = nominal / 2.0
     return half + half * u

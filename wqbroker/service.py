@@ -39,7 +39,7 @@ from wqbroker.models import (
     Task,
     TaskState,
 )
-from wqbroker.store import Store
+from wqbroker.store import ReadyListener, Store
 from wqbroker.sweeper import Sweeper
 
 log = logging.getLogger("wqbroker.service")
@@ -94,7 +94,8 @@ class Service:
         # and then (in the sweeper's ticks) covers a wake-up that got lost.
         self.poll_interval = poll_interval
         self._next_poll = 0.0
-        store.on_ready(self._ready_elsewhere)
+        if isinstance(store, ReadyListener):
+            store.on_ready(self._ready_elsewhere)
         # Feed waiting consumers after an enqueue or an ack in the background rather than before
         # answering (a shared store: each hand-out is a round trip to the database).
         self._later = store.shared

@@ -7,6 +7,20 @@ every method that depends on time is handed ``now`` (epoch seconds) by the servi
 above the store (service, protocols) depends only on this contract, so a durable backend is a new
 module implementing these methods.
 
+The contract is three protocols, so that a store implements only what it has:
+
+- :class:`Operations`: the calls that change or read tasks (async), and what a store is
+  (``never_suspends``, ``shared``, ``transactions``, ``problem``);
+- :class:`Hints`: what a store can tell without any I/O (or None when it cannot), used to enforce
+  the broker's limits and to size batches;
+- :class:`ReadyListener`: ``on_ready``, only for a store that learns of tasks made ready elsewhere
+  (PostgreSQL: other brokers). The service asks ``isinstance(store, ReadyListener)``.
+
+:class:`Store` is what the service and the dispatcher hold: the operations and the hints. The
+backends: memory.py, sqlite.py (both an :class:`~wqbroker.store.index.Index`), postgres/ (a
+package: operations, listener, group commit, SQL files, migrations); migrate.py runs the numbered
+migration files of both SQL stores.
+
 Rules every backend follows (the contract test suite checks them against each one):
 
 - ``enqueue_many`` puts each task in ready (``delay == 0``) or delayed, in its queue at its
@@ -38,7 +52,7 @@ Rules every backend follows (the contract test suite checks them against each on
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from wqbroker.errors import WqError
 from wqbroker.models import (
@@ -56,17 +70,20 @@ from wqbroker.models import (
     TaskState,
 )
 
-__all__ = ["Store", "enqueue_one"]
+__all__ = ["Hints", "Operations", "ReadyListener", "Store", "enqueue_one"]
 
 
-class Store(Protocol):
+class Operations(Protocol):
+    """The calls every store answers: the tasks' changes and reads, and what the store is."""
+
     #: True if no method ever suspends (each call is done in one step of the event loop), as
     #: with the memory store; False if calls wait for I/O, and so may be cut short by a caller's
     #: cancellation at that point.
     never_suspends: bool
 
     #: True if other brokers share the store (PostgreSQL): tasks may become ready without this
-    #: broker's doing, and it learns of it through :meth:`on_ready` and by polling.
+    #: broker's doing, and it learns of it by polling, and through ``on_ready`` (such a store is
+    #: a :class:`ReadyListener`).
     shared: bool
 
     #: Transactions committed so far: each changing call is one (a store that commits groups
@@ -146,9 +163,33 @@ class Store(Protocol):
         """The task and its state, if it exists (acked or purged tasks do not)."""
         ...
 
+    async def dead_letters(
+        self, *, limit: int | None = None, queue: str | None = None
+    ) -> list[Task]:
+        """Dead tasks (of one queue, or all), in the order they were buried."""
+        ...
+
+    async def requeue(self, task_id: str, *, now: float) -> str:
+        """Requeue a dead task; returns its queue's name."""
+        ...
+
+    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
+        """Requeue every dead task (of one queue): how many, and the queues that got them."""
+        ...
+
+    async def purge(self, task_id: str) -> None: ...
+
+    async def set_paused(self, queue: str, paused: bool) -> None: ...
+
+    async def close(self) -> None: ...
+
     def problem(self) -> str | None:
         """Why the store cannot work (it failed and refuses further work), or None if it can."""
         ...
+
+
+class Hints(Protocol):
+    """What a store can tell without any I/O: each answers None when the store cannot tell."""
 
     def held_hint(self) -> int | None:
         """How many tasks are held (ready, delayed and handed out; not dead), if the store knows
@@ -174,30 +215,21 @@ class Store(Protocol):
         used to size batches of claims."""
         ...
 
-    async def dead_letters(
-        self, *, limit: int | None = None, queue: str | None = None
-    ) -> list[Task]:
-        """Dead tasks (of one queue, or all), in the order they were buried."""
-        ...
 
-    async def requeue(self, task_id: str, *, now: float) -> str:
-        """Requeue a dead task; returns its queue's name."""
-        ...
+class Store(Operations, Hints, Protocol):
+    """What the service and the dispatcher hold: a store's operations and its hints."""
 
-    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
-        """Requeue every dead task (of one queue): how many, and the queues that got them."""
-        ...
 
-    async def purge(self, task_id: str) -> None: ...
-
-    async def set_paused(self, queue: str, paused: bool) -> None: ...
+@runtime_checkable
+class ReadyListener(Protocol):
+    """A store that learns of tasks made ready by no call of this broker's (a shared store: other
+    brokers enqueue too). A store without one defines nothing; the service asks
+    ``isinstance(store, ReadyListener)``."""
 
     def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
         """Have ``callback(queues)`` called when tasks become ready in ``queues`` (None: in any
         queue) by no call of this broker's (only a shared store ever calls it)."""
         ...
-
-    async def close(self) -> None: ...
 
 
 async def enqueue_one(

@@ -8,7 +8,7 @@ counts as one transaction.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 
 from wqbroker.errors import WqError
 from wqbroker.models import (
@@ -176,9 +176,6 @@ class MemoryStore:
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
-
-    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
-        pass  # only this broker makes tasks ready
 
     async def close(self) -> None:
         return None

@@ -25,6 +25,11 @@ at start). ``synchronous`` is FULL by default: a commit is on disk before the an
 acknowledged is lost even on power loss. With NORMAL, commits survive a crash of the broker
 (kill -9) but the last ones may be lost on power loss or an OS crash.
 
+Schema: the numbered files of ``sqlite_migrations/`` (``001`` the first schema, ``002`` payloads
+kept apart, ``003`` queues, priorities and keys), run at open by the runner both SQL stores share
+(wqbroker/store/migrate.py) inside the ``BEGIN IMMEDIATE`` transaction that takes the file's lock;
+a file of a newer version, or not wq's, is refused.
+
 Restart: the index is rebuilt by streaming the rows (payloads are not read). Every task comes back
 in the collection it was in (ready ones in the same order, the dead-letter queue in order of
 burial). Handed-out tasks keep their lease: a worker still holding one can ack it after the
@@ -40,8 +45,9 @@ import logging
 import os
 import random
 import sqlite3
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import astuple, replace
 from typing import Any, Final, TypeVar
 
@@ -72,114 +78,18 @@ from wqbroker.store.index import (
     hex_id,
     parse_id,
 )
+from wqbroker.store.migrate import Migrations
 
 log = logging.getLogger("wqbroker.store.sqlite")
 
 R = TypeVar("R")
 
-SCHEMA_VERSION: Final = 3
 SYNC_MODES: Final = ("full", "normal")
 
-# Schema 2, as it was (files of schema 1 are upgraded to it, then to 3).
-_SCHEMA_2 = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-    id INTEGER PRIMARY KEY, attempts INTEGER NOT NULL, max_attempts INTEGER NOT NULL,
-    available_at REAL NOT NULL, state INTEGER NOT NULL, lease_id TEXT, deadline REAL,
-    ord INTEGER NOT NULL, last_error TEXT
-);
-CREATE TABLE IF NOT EXISTS bodies (
-    id INTEGER PRIMARY KEY, payload BLOB NOT NULL, created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS totals (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
-    nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
-    buried INTEGER NOT NULL, requeued INTEGER NOT NULL
-);
-INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0);
-"""
-
-# Schema 3: what the index is rebuilt from at start (small rows: a restart reads no payloads), what
-# only views need (read back by key when a task is handed out or listed), the queues (paused, and
-# their totals) and the idempotency keys still in their window.
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS tasks (
-    id INTEGER PRIMARY KEY,           -- the task id (16 hex digits) as a signed 64-bit integer
-    attempts INTEGER NOT NULL,
-    max_attempts INTEGER NOT NULL,
-    available_at REAL NOT NULL,       -- delayed: when it becomes ready
-    state INTEGER NOT NULL,           -- 0 ready, 1 handed out, 2 delayed, 3 dead
-    lease_id TEXT,
-    deadline REAL,                    -- handed out: when the lease runs out
-    ord INTEGER NOT NULL,             -- where it stands: place in line (ready), tie-break among
-                                      -- equal due times (delayed, handed out), burial (dead)
-    last_error TEXT,
-    queue TEXT NOT NULL DEFAULT 'default',
-    priority INTEGER NOT NULL DEFAULT 0
-);
-CREATE TABLE IF NOT EXISTS bodies (
-    id INTEGER PRIMARY KEY,           -- as tasks.id
-    payload BLOB NOT NULL,            -- the JSON text as received
-    created_at REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS totals (
-    id INTEGER PRIMARY KEY CHECK (id = 1),
-    enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
-    nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
-    buried INTEGER NOT NULL, requeued INTEGER NOT NULL, purged INTEGER NOT NULL DEFAULT 0
-);
-INSERT OR IGNORE INTO totals VALUES (1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
-CREATE TABLE IF NOT EXISTS queues (
-    name TEXT PRIMARY KEY,
-    paused INTEGER NOT NULL,
-    enqueued INTEGER NOT NULL, delivered INTEGER NOT NULL, acked INTEGER NOT NULL,
-    nacked INTEGER NOT NULL, reclaimed INTEGER NOT NULL, retried INTEGER NOT NULL,
-    buried INTEGER NOT NULL, requeued INTEGER NOT NULL, purged INTEGER NOT NULL
-);
-CREATE TABLE IF NOT EXISTS keys (
-    queue TEXT NOT NULL,
-    key TEXT NOT NULL,
-    task_id INTEGER NOT NULL,         -- as tasks.id (the task may be gone: acked)
-    until REAL NOT NULL,              -- the key is remembered until then
-    PRIMARY KEY (queue, key)
-);
-"""
-
-# Schema 1 kept payloads in the tasks table.
-_MIGRATE_FROM_1 = (
-    """
-ALTER TABLE tasks RENAME TO tasks_v1;
-"""
-    + _SCHEMA_2
-    + """
-INSERT INTO bodies (id, payload, created_at) SELECT id, payload, created_at FROM tasks_v1;
-INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord,
-                   last_error)
-    SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, COALESCE(ord, 0),
-           last_error FROM tasks_v1;
-DROP TABLE tasks_v1;
-UPDATE meta SET value = '2' WHERE key = 'schema';
-"""
-)
-
-# Schema 2 had one queue, no priorities, no keys: every task goes to the default queue, which
-# takes the broker's totals.
-_MIGRATE_FROM_2 = (
-    """
-ALTER TABLE tasks ADD COLUMN queue TEXT NOT NULL DEFAULT 'default';
-ALTER TABLE tasks ADD COLUMN priority INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE totals ADD COLUMN purged INTEGER NOT NULL DEFAULT 0;
-"""
-    + _SCHEMA
-    + """
-INSERT OR IGNORE INTO queues
-    SELECT 'default', 0, enqueued, delivered, acked, nacked, reclaimed, retried, buried,
-           requeued, 0 FROM totals WHERE id = 1;
-UPDATE meta SET value = '3' WHERE key = 'schema';
-"""
-)
+# The schema: the numbered files of sqlite_migrations/ (001 the first schema, 002 payloads kept
+# apart, 003 queues, priorities and keys), run by the runner both SQL stores share.
+MIGRATIONS: Final = Migrations("wqbroker.store", "sqlite_migrations")
+SCHEMA_VERSION: Final = MIGRATIONS.latest
 
 _INSERT = (
     "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
@@ -291,10 +201,17 @@ def _schema_version(conn: sqlite3.Connection) -> int | None:
 
 
 def _run_script(conn: sqlite3.Connection, script: str) -> None:
-    """Run ``;``-separated statements inside the open transaction (executescript would commit)."""
-    for statement in script.split(";"):
-        if statement.strip():
+    """Run a file's statements, one by one, inside the open transaction (executescript would
+    commit): each ends with the line on which it is complete (a ``;`` in a comment or a string
+    does not end one)."""
+    statement = ""
+    for line in script.splitlines(keepends=True):
+        statement += line
+        if sqlite3.complete_statement(statement):
             conn.execute(statement)
+            statement = ""
+    if statement.strip():  # (comments; or a statement cut short, which fails here)
+        conn.execute(statement)
 
 
 def _describe_open_error(path: str, error: sqlite3.Error) -> str:
@@ -307,6 +224,43 @@ def _describe_open_error(path: str, error: sqlite3.Error) -> str:
         directory = os.path.dirname(os.path.abspath(path))
         return f"cannot open {path} for writing (check that {directory} exists and is writable)"
     return f"cannot use {path}: {text}"
+
+
+class _File:
+    """The file as the migration runner uses it (migrate.Database): every step in the writer
+    thread; the transaction is BEGIN IMMEDIATE, which takes the file's write lock (held, with
+    exclusive locking, until the broker closes it)."""
+
+    def __init__(
+        self,
+        conn: sqlite3.Connection,
+        in_writer: Callable[..., Awaitable[Any]],
+    ) -> None:
+        self._conn = conn
+        self._in_writer = in_writer
+
+    @asynccontextmanager
+    async def transaction(self) -> AsyncIterator[None]:
+        await self._in_writer(self._conn.execute, "BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            if self._conn.in_transaction:
+                await self._in_writer(self._conn.execute, "ROLLBACK")
+            raise
+        await self._in_writer(self._conn.execute, "COMMIT")
+
+    async def version(self) -> int | None:
+        version: int | None = await self._in_writer(_schema_version, self._conn)
+        return version
+
+    async def run(self, sql: str) -> None:
+        await self._in_writer(_run_script, self._conn, sql)
+
+    async def record(self, version: int) -> None:
+        await self._in_writer(
+            self._conn.execute, "INSERT OR REPLACE INTO meta VALUES ('schema', ?)", (str(version),)
+        )
 
 
 class _Batch:
@@ -514,9 +468,8 @@ class SqliteStore:
         hot_ready: int = HOT_READY,
     ) -> SqliteStore:
         store = cls(path, backoff, rng, sync=sync, hot_ready=hot_ready)
-        loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(store._writer, store._open_file)
+            await store._open_file()
         except sqlite3.Error as e:
             store._writer.shutdown(wait=False)
             raise StoreError(_describe_open_error(path, e)) from None
@@ -534,62 +487,53 @@ class SqliteStore:
         )
         return store
 
-    def _open_file(self) -> None:
-        """In the writer thread: open, lock, create or check the schema, load the index."""
+    async def _open_file(self) -> None:
+        """Open and lock the file, create or upgrade the schema (the migration runner, each step
+        in the writer thread), check the file, load the index."""
+        conn = await self._in_writer(self._connect)
+        try:
+            async with MIGRATIONS.migrate(_File(conn, self._in_writer), self.path):
+                await self._in_writer(self._stamp, conn)
+            await self._in_writer(self._check_and_load, conn)
+        except BaseException:
+            await self._in_writer(conn.close)
+            raise
+        self._conn = conn
+
+    async def _in_writer(self, work: Callable[..., R], *args: Any) -> R:
+        """``work(*args)`` in the writer thread (the one that owns the connection)."""
+        return await asyncio.get_running_loop().run_in_executor(self._writer, work, *args)
+
+    def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(
             self.path, isolation_level=None, check_same_thread=False, timeout=0.5
         )
         try:
-            self._prepare(conn)
-            self._load(conn)
+            # Exclusive locking: the lock taken by the first write (the migration's transaction)
+            # is held until close, so a second broker on the same file is refused at its start.
+            conn.execute("PRAGMA locking_mode = EXCLUSIVE")
+            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+            if str(mode).lower() != "wal":
+                raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
+            conn.execute(f"PRAGMA synchronous = {self.sync.upper()}")
         except BaseException:
             conn.close()
             raise
-        self._conn = conn
+        return conn
 
-    def _prepare(self, conn: sqlite3.Connection) -> None:
-        # Exclusive locking: the lock taken by the first write below is held until close, so a
-        # second broker on the same file is refused at its start.
-        conn.execute("PRAGMA locking_mode = EXCLUSIVE")
-        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-        if str(mode).lower() != "wal":
-            raise sqlite3.OperationalError(f"cannot switch to WAL mode (got {mode})")
-        conn.execute(f"PRAGMA synchronous = {self.sync.upper()}")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            version = _schema_version(conn)
-            if version is None:
-                _run_script(conn, _SCHEMA)
-                conn.execute("INSERT INTO meta VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
-            elif version in (1, 2):
-                log.info(
-                    "%s: upgrading the schema from version %d to %d",
-                    self.path,
-                    version,
-                    SCHEMA_VERSION,
-                )
-                if version == 1:
-                    _run_script(conn, _MIGRATE_FROM_1)
-                _run_script(conn, _MIGRATE_FROM_2)
-            elif version != SCHEMA_VERSION:
-                raise ValueError(
-                    f"schema version {version} is not one this broker knows (it knows up to "
-                    f"{SCHEMA_VERSION}): was it written by a newer wq?"
-                )
-            conn.execute("INSERT OR REPLACE INTO meta VALUES ('pid', ?)", (str(os.getpid()),))
-            # The key that scatters this file's task ids (see index.py); one per file.
-            conn.execute(
-                "INSERT OR IGNORE INTO meta VALUES ('id_key', ?)",
-                (str(self._rng.getrandbits(64)),),
-            )
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                conn.execute("ROLLBACK")
-            raise
+    def _stamp(self, conn: sqlite3.Connection) -> None:
+        """In the migration's transaction: this broker's pid, and the key that scatters the
+        file's task ids (see index.py; one per file, made with it)."""
+        conn.execute("INSERT OR REPLACE INTO meta VALUES ('pid', ?)", (str(os.getpid()),))
+        conn.execute(
+            "INSERT OR IGNORE INTO meta VALUES ('id_key', ?)", (str(self._rng.getrandbits(64)),)
+        )
+
+    def _check_and_load(self, conn: sqlite3.Connection) -> None:
         check = conn.execute("PRAGMA quick_check").fetchone()[0]
         if check != "ok":
             raise sqlite3.DatabaseError(f"database disk image is malformed: {check}")
+        self._load(conn)
 
     def _load(self, conn: sqlite3.Connection) -> None:
         """Rebuild the index from the tasks table, streamed: ready tasks come back cold (ids
@@ -876,9 +820,6 @@ class SqliteStore:
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
-
-    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
-        pass  # only this broker makes tasks ready
 
     async def close(self) -> None:
         if self._conn is None:

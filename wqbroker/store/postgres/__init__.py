@@ -1,0 +1,79 @@
+"""The PostgreSQL store: durable and shared, through asyncpg.
+
+Design: the database is the truth and the store keeps no index of its own, so any number of brokers
+on one database are one store. Every operation is one round trip: a call of a PL/pgSQL function
+made with the schema (or one plain statement), run in its own transaction on a connection of a
+small pool. Claims take rows with ``FOR UPDATE SKIP LOCKED``, so concurrent claims (from this
+broker or another) never wait for each other nor hand out the same task; acks, nacks, extensions
+and reclaims are fenced by the lease id, and tell "not held" (NotFound) from "held under another
+lease" (LeaseLost) after the guarded change failed, under the same row lock order.
+
+The package, a module for each concern (as River's driver is split from its migrations):
+
+- ``store.py``: :class:`PostgresStore`, the contract's operations and hints, one round trip each;
+- ``group.py``: group commit (calls of a kind made while one is in flight share the next
+  transaction);
+- ``listener.py``: wake-ups between brokers (NOTIFY after a commit, LISTEN on a connection of its
+  own, made again when lost);
+- ``pool.py``: the connections, and the database away (fail fast, probe with backoff, recover);
+- ``schema.py``: the schema made, upgraded or checked at open: ``migrations/NNN_*.sql`` through the
+  runner every SQL store shares (wqbroker/store/migrate.py), then ``sql/functions.sql``;
+- ``queries.py``: the SQL, read from ``sql/*.sql`` at start-up (no SQL is written in Python, and
+  nothing a client sends is ever formatted into it: it goes as parameters).
+
+Tables (in the schema ``wq``; ``migrations/001_tables.sql`` describes their columns):
+
+- ``tasks``: one row per task not acked nor purged, in its state (0 ready, 1 handed out,
+  2 delayed, 3 dead) with its payload (``bytea``: exact bytes). ``ord`` is where it stands: place
+  in line (ready), tie-break among equal due times (delayed, handed out), burial order (dead). Each
+  call takes one number from the sequence ``wq.ord`` and numbers the rows it changes
+  ``number * 2**20 + i``, so order within a call is exact; a release takes the negated number, and
+  so goes to the head of its lane. Acked tasks are deleted. Partial indexes by state keep dead
+  tasks and leases out of the claim path.
+- ``counters``: totals and gauges as deltas, one row per (connection slot, queue), changed in the
+  same transaction as the tasks. The slot is the backend's pid: two live connections never share
+  one, so concurrent transactions never wait on a counter row (no single hot row). ``stats`` sums
+  them in one statement: one snapshot, so gauges and totals agree and ``nacked + reclaimed ==
+  retried + buried`` in every answer. Totals count since the database was created. Rows of
+  connections that are gone are folded into slot 0 every few seconds (``wq.fold``).
+- ``queues`` (every queue known, and whether it is paused), ``keys`` (idempotency keys in their
+  window), ``meta`` (schema version, the key that scatters task ids).
+
+Ids: each broker reserves blocks of 1024 numbers from the sequence ``wq.id_blocks`` and scatters
+them with the same bijection as the index (so they are unique across brokers and never repeat).
+
+Time: the contract hands ``now`` to every call. With ``db_clock=True`` (what the broker uses) the
+store passes NULL instead and every function uses the database's clock (``wq.clock``), so brokers
+with skewed clocks agree on what is due; the store measures the skew at each sweep and hands the
+broker every time in the broker's own clock (and adds it to the key windows it sends). Without it
+(the tests, on a fake clock) the functions use the ``now`` they are given.
+
+Between brokers (listener.py): whatever makes tasks ready here is announced after its commit with
+a NOTIFY; a connection of its own LISTENs for the others' announcements and tells the service
+(:meth:`PostgresStore.on_ready`: this store is a :class:`~wqbroker.store.ReadyListener`), which
+pumps the consumers waiting for those queues; the service also polls now and then.
+
+The database away (pool.py): calls fail with StoreError (503 / UNAVAILABLE) at once until the
+database answers again; then every queue is re-checked.
+
+Retry backoff: the store draws the random part of each delay from its Backoff (as the other
+stores do) and sends it with the nack; the database computes the delay (``wq.backoff``, the same
+formula as :func:`wqbroker.retry.backoff_delay`, the reference: a test checks they agree), because
+only the database knows, inside the settling transaction, the task's attempts and whether it is
+retried or buried: computing it here would cost a second round trip.
+"""
+
+from wqbroker.store.postgres.listener import CHANNEL, LISTENER_NAME
+from wqbroker.store.postgres.pool import POOL_SIZE, redact
+from wqbroker.store.postgres.schema import SCHEMA_VERSION
+from wqbroker.store.postgres.store import LOOK_AGAIN_AFTER, PostgresStore
+
+__all__ = [
+    "CHANNEL",
+    "LISTENER_NAME",
+    "LOOK_AGAIN_AFTER",
+    "POOL_SIZE",
+    "SCHEMA_VERSION",
+    "PostgresStore",
+    "redact",
+]

@@ -1,0 +1,219 @@
+"""Wake-ups between brokers sharing one PostgreSQL database: LISTEN/NOTIFY, with reconnection.
+
+Whatever makes tasks ready in one broker (an enqueue, a promotion, a requeue, a release, a resume)
+is announced after its commit with a NOTIFY on :data:`CHANNEL` carrying the queue names: one in
+flight at a time, gathering the rest meanwhile (a NOTIFY inside every changing transaction would
+serialize the commits on the database's notification lock). Now and then (an idle broker: every
+time) an enqueue carries its own announcement in its transaction instead (:meth:`Listener.inline`),
+and the others hear of it a round trip sooner. With no other broker listening (as of the last
+sweep's count, or a hello since), nothing is announced.
+
+A connection of its own LISTENs for the others' announcements and tells the store's callback
+(:meth:`Listener.on_ready`), which pumps the consumers waiting for those queues. That connection is
+made again when lost (with backoff), and then every queue is re-checked (announcements may have
+been missed); it also tells the pool (pool.py) that the database is back, if it was away. When it
+starts listening, a broker says hello, so that the others announce to it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Final
+
+import asyncpg
+
+from wqbroker.models import NewTask
+from wqbroker.store.postgres.pool import RETRY_CAP, RETRY_FIRST, UNREACHABLE, Pool, cancel, one_line
+from wqbroker.store.postgres.queries import Q
+
+log = logging.getLogger("wqbroker.store.postgres")
+
+# The channel on which brokers tell each other which queues have tasks ready (the functions
+# wq.enqueue and wq.announce NOTIFY on it: sql/functions.sql).
+CHANNEL: Final = "wq_ready"
+# The application_name of the connections that LISTEN (so brokers can count each other: wq.sweep
+# counts the connections of this name).
+LISTENER_NAME: Final = "wq listener"
+# What a broker announces when it starts listening (so that the others announce to it).
+_HELLO: Final = "+"
+# An enqueue carries its own announcement (NOTIFY in its transaction) at most this often.
+_INLINE_GAP: Final = 0.005
+# NOTIFY payloads stop at 8000 bytes: a longer list of queues is sent as "any queue".
+_MOST: Final = 7000
+
+ReadyCallback = Callable[[Iterable[str] | None], None]
+
+
+class Listener:
+    """One broker's side of the wake-ups: what it announces, and what it hears."""
+
+    def __init__(self, dsn: str, me: str, pool: Pool) -> None:
+        self._dsn = dsn
+        self._me = me  # tells our own announcements apart
+        self._pool = pool
+        self.closed = False
+        self._ready_elsewhere: ReadyCallback | None = None
+        self._to_announce: set[str] = set()
+        self._announcer: asyncio.Task[None] | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._listening = asyncio.Event()
+        self._listens = 0  # LISTENs made (the first at open, then one per reconnection)
+        # Brokers listening, this one included, as of the last sweep (None: not known yet). With
+        # no other, there is nobody to announce anything to.
+        self._listeners: int | None = None
+        self._hello_at = 0.0  # when another broker last said it started listening (monotonic)
+        self._inline_after = 0.0  # when an enqueue may next carry its announcement (monotonic)
+        self.announcements = 0  # NOTIFYs sent (for the tests)
+
+    async def start(self) -> None:
+        """Start listening; wait (briefly) for the first LISTEN, so that a broker that answers
+        has heard everything announced since. If it fails, the listener keeps trying and polling
+        covers the gap."""
+        self._task = asyncio.get_running_loop().create_task(
+            self._listen(), name="wq-postgres-listener"
+        )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._listening.wait(), 10)
+
+    async def close(self) -> None:
+        """Stop listening; let the last announcement go out (a second at most)."""
+        self.closed = True
+        await cancel(self._task)
+        if self._announcer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._announcer), 1)
+
+    # -- told ----------------------------------------------------------------------------------
+
+    def on_ready(self, callback: ReadyCallback) -> None:
+        self._ready_elsewhere = callback
+
+    def tell(self, queues: Iterable[str] | None) -> None:
+        """Tell the store's callback that tasks became ready in ``queues`` (None: any queue)."""
+        if self._ready_elsewhere is not None and not self.closed:
+            self._ready_elsewhere(queues)
+
+    # -- announcing ----------------------------------------------------------------------------
+
+    def announce(self, queues: Iterable[str]) -> None:
+        """Tell the other brokers these queues have tasks ready (NOTIFY, after the commit)."""
+        if not self._others_listen():
+            return
+        self._to_announce.update(queues)
+        if self._to_announce and self._announcer is None and not self.closed:
+            self._announcer = asyncio.get_running_loop().create_task(self._send_announcements())
+
+    def inline(self, items: Sequence[NewTask]) -> str | None:
+        """The announcement an enqueue of ``items`` may carry in its own transaction, or None.
+        Not more often than every ``_INLINE_GAP``: a transaction that notifies holds the
+        database's notification lock through its commit's flush to disk, and busy brokers would
+        queue on it."""
+        started = time.monotonic()
+        if started < self._inline_after or self._announcer is not None:
+            return None
+        if not self._others_listen():
+            return None
+        queues = {t.queue for t in items if t.delay <= 0}
+        if not queues:
+            return None
+        self._inline_after = started + _INLINE_GAP
+        return self._payload(queues)
+
+    def counted(self, listeners: int, started: float) -> None:
+        """A sweep that began at ``started`` (monotonic) counted this many brokers listening
+        (out of date if another said hello since it began)."""
+        if started > self._hello_at:
+            self._listeners = listeners
+
+    def _others_listen(self) -> bool:
+        """Whether another broker may be listening (as of the last sweep, or a hello since)."""
+        return self._listeners is None or self._listeners > self._listening.is_set()
+
+    def _payload(self, queues: Iterable[str]) -> str:
+        payload = self._me + "\n" + "\n".join(sorted(queues))
+        if len(payload) > _MOST:
+            payload = self._me + "\n*"
+        return payload
+
+    async def _send_announcements(self) -> None:
+        try:
+            while self._to_announce and not self.closed and self._pool.raw is not None:
+                queues, self._to_announce = self._to_announce, set()
+                payload = self._payload(queues)
+                try:
+                    await self._pool.raw.execute(Q.announce, payload)
+                    self.announcements += 1
+                except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                    # The others poll (and re-check everything when they reconnect).
+                    log.debug("could not announce ready queues: %s", one_line(e))
+                    return
+        finally:
+            self._announcer = None
+
+    # -- hearing -------------------------------------------------------------------------------
+
+    def _heard(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
+        sender, _, body = str(payload).partition("\n")
+        if sender == self._me:
+            return
+        if body == _HELLO:
+            # Another broker listens now: announce again (a count from a sweep that began
+            # before this is out of date).
+            self._listeners = None
+            self._hello_at = time.monotonic()
+            return
+        self.tell(None if body == "*" else body.split("\n"))
+
+    async def _listen(self) -> None:
+        """Keep a connection LISTENing for other brokers' announcements: reconnect with backoff
+        when it is lost, and then re-check every queue (announcements may have been missed)."""
+        delay = RETRY_FIRST
+        while not self.closed:
+            try:
+                conn = await asyncpg.connect(
+                    self._dsn, timeout=5, server_settings={"application_name": LISTENER_NAME}
+                )
+            except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                log.debug("listener: cannot connect (%s); again in %.2f s", one_line(e), delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_CAP)
+                continue
+            delay = RETRY_FIRST
+            try:
+                await self._hear_on(conn)
+            except Exception:  # whatever it was, listen again (the polls cover the gap)
+                log.exception("the listening connection failed; listening again")
+                await asyncio.sleep(RETRY_CAP)
+            finally:
+                self._listening.clear()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(conn.close(), 1)
+
+    async def _hear_on(self, conn: asyncpg.Connection) -> None:
+        lost = asyncio.Event()
+        conn.add_termination_listener(lambda _c: lost.set())
+        try:
+            await conn.add_listener(CHANNEL, self._heard)
+        except (*UNREACHABLE, asyncpg.PostgresError):
+            return
+        self._listens += 1
+        self._listening.set()
+        with contextlib.suppress(*UNREACHABLE, asyncpg.PostgresError):
+            await conn.execute(Q.announce, f"{self._me}\n{_HELLO}")
+        if self._pool.failed is not None:
+            await self._pool.recovered()
+        elif self._listens > 1:
+            self.tell(None)
+        while not lost.is_set() and not self.closed:
+            # A connection that died quietly (a network cut) is found by a ping now and then.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lost.wait(), 5)
+                return
+            try:
+                await conn.fetchval(Q.ping, timeout=5)
+            except (*UNREACHABLE, asyncpg.PostgresError):
+                return

@@ -1,0 +1,195 @@
+-- The statements the PostgreSQL store runs, each under "-- name: NAME" (queries.py reads them
+-- when the package loads, as the fields of queries.Queries; a name missing here, or one it does
+-- not know, stops the import). Whatever a client sends is a parameter ($1, $2 ...), never part of
+-- the text.
+-- Columns are listed in the order the Python side reads them: gauges (ready, handed_out, delayed,
+-- dead), then totals in the order of wqbroker.models.Totals.
+
+-- == the operations: one round trip each (sql/functions.sql) ==
+
+-- name: enqueue
+SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+
+-- name: id_blocks
+-- $1 blocks of 1024 numbers for task ids.
+SELECT nextval('wq.id_blocks') FROM generate_series(1, $1)
+
+-- name: claim
+SELECT * FROM wq.claim($1, $2, $3, $4)
+
+-- name: settle
+SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+
+-- name: extend
+SELECT * FROM wq.extend($1, $2, $3, $4)
+
+-- name: release
+SELECT wq.release($1, $2)
+
+-- name: expired
+-- How many leases have run out by $1 (NULL: by the database's clock): the sweep draws as many
+-- random parts of backoff delays. (As wq.clock, spelt out: this runs on any database of this
+-- schema version, whichever build made its functions.)
+SELECT count(*) FROM wq.tasks WHERE state = 1
+AND deadline <= coalesce($1, extract(epoch FROM clock_timestamp())::float8)
+
+-- name: sweep
+SELECT * FROM wq.sweep($1, $2, $3, $4, $5)
+
+-- name: fold
+SELECT wq.fold()
+
+-- name: requeue
+-- One dead task ($2), or every dead task (of queue $3, or of all).
+SELECT * FROM wq.requeue($1, $2, $3)
+
+-- name: purge
+SELECT wq.purge($1)
+
+-- name: pause
+INSERT INTO wq.queues AS q (name, paused) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE
+SET paused = excluded.paused WHERE q.paused <> excluded.paused
+
+-- == reads ==
+
+-- name: stats
+SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
+       coalesce(sum(delayed), 0)::bigint, coalesce(sum(dead), 0)::bigint,
+       coalesce(sum(enqueued), 0)::bigint, coalesce(sum(delivered), 0)::bigint,
+       coalesce(sum(acked), 0)::bigint, coalesce(sum(nacked), 0)::bigint,
+       coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
+       coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
+       coalesce(sum(purged), 0)::bigint
+FROM wq.counters
+
+-- name: queue_stats
+SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
+       coalesce(sum(delayed), 0)::bigint, coalesce(sum(dead), 0)::bigint,
+       coalesce(sum(enqueued), 0)::bigint, coalesce(sum(delivered), 0)::bigint,
+       coalesce(sum(acked), 0)::bigint, coalesce(sum(nacked), 0)::bigint,
+       coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
+       coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
+       coalesce(sum(purged), 0)::bigint
+FROM wq.counters WHERE queue = $1
+
+-- name: queues
+SELECT q.name, q.paused, coalesce(sum(c.ready), 0)::bigint, coalesce(sum(c.handed_out), 0)::bigint,
+       coalesce(sum(c.delayed), 0)::bigint, coalesce(sum(c.dead), 0)::bigint
+FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
+
+-- name: report
+-- Every queue with its gauges and totals, and the earliest available_at among the heads of its
+-- priority lanes (0 .. $1 - 1; one probe of tasks_ready per priority, only for a queue with
+-- ready tasks).
+SELECT q.name, q.paused,
+       coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
+       coalesce(sum(delayed), 0)::bigint, coalesce(sum(dead), 0)::bigint,
+       coalesce(sum(enqueued), 0)::bigint, coalesce(sum(delivered), 0)::bigint,
+       coalesce(sum(acked), 0)::bigint, coalesce(sum(nacked), 0)::bigint,
+       coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
+       coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
+       coalesce(sum(purged), 0)::bigint,
+       CASE WHEN coalesce(sum(c.ready), 0) > 0 THEN (
+           SELECT min(h.available_at) FROM generate_series(0, $1 - 1) AS p (n),
+           LATERAL (SELECT t.available_at FROM wq.tasks t
+                    WHERE t.state = 0 AND t.queue = q.name AND t.priority = p.n
+                    ORDER BY t.ord LIMIT 1) h
+       ) END
+FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
+
+-- name: lookup
+-- A task as store.py's _task reads it, then its state.
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       state
+FROM wq.tasks WHERE id = $1
+
+-- name: dead
+-- Dead tasks (of queue $1, or of all) in burial order, at most $2 (NULL: all).
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority
+FROM wq.tasks WHERE state = 3 AND ($1::text IS NULL OR queue = $1) ORDER BY ord LIMIT $2
+
+-- name: held
+SELECT coalesce(sum(ready + handed_out + delayed), 0)::bigint FROM wq.counters
+
+-- name: queue_names
+SELECT name FROM wq.queues
+
+-- name: db_now
+SELECT extract(epoch FROM clock_timestamp())::float8
+
+-- name: ready_left
+-- Whether ready tasks are left in queues $1 (not paused) after a claim came back short: rows it
+-- skipped because another transaction held them locked.
+SELECT EXISTS (SELECT 1 FROM wq.tasks t WHERE t.state = 0 AND t.queue = ANY($1)
+AND NOT EXISTS (SELECT 1 FROM wq.queues p WHERE p.name = t.queue AND p.paused))
+
+-- == between brokers, the database away ==
+
+-- name: announce
+SELECT wq.announce($1)
+
+-- name: ping
+SELECT 1
+
+-- == upkeep: one broker at a time vacuums (a session advisory lock it tries) ==
+
+-- name: try_lock
+SELECT pg_try_advisory_lock($1)
+
+-- name: unlock
+SELECT pg_advisory_unlock($1)
+
+-- name: vacuum_tasks
+VACUUM wq.tasks
+
+-- name: vacuum_counters
+VACUUM wq.counters
+
+-- name: vacuum_keys
+VACUUM wq.keys
+
+-- == the schema (schema.py), inside the migration's transaction ==
+
+-- name: lock
+-- Brokers starting together wait here for each other.
+SELECT pg_advisory_xact_lock($1)
+
+-- name: has_meta
+SELECT to_regclass('wq.meta') IS NOT NULL
+
+-- name: version
+SELECT value FROM wq.meta WHERE key = 'schema'
+
+-- name: other_tables
+-- Tables (and the like) of a database without wq.meta: if there are any, it is not wq's.
+SELECT count(*) FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n
+ON n.oid = c.relnamespace WHERE c.relkind IN ('r', 'p', 'v', 'm', 'S', 'f')
+AND n.nspname NOT IN ('pg_catalog', 'information_schema')
+AND n.nspname NOT LIKE 'pg\_%'
+
+-- name: record_version
+INSERT INTO wq.meta VALUES ('schema', $1) ON CONFLICT (key) DO UPDATE SET value = excluded.value
+
+-- name: new_id_key
+INSERT INTO wq.meta VALUES ('id_key', $1)
+
+-- name: id_key
+SELECT value FROM wq.meta WHERE key = 'id_key'
+
+-- == for the tests ==
+
+-- name: wipe
+DELETE FROM wq.tasks; DELETE FROM wq.counters; DELETE FROM wq.queues; DELETE FROM wq.keys;
+ALTER SEQUENCE wq.ord RESTART; ALTER SEQUENCE wq.id_blocks RESTART
+
+-- name: check
+-- Gauges that disagree with the tasks: one row per queue (queue, the four kept, the four counted).
+SELECT c.queue, c.ready, c.handed_out, c.delayed, c.dead,
+       coalesce(t.ready, 0), coalesce(t.handed_out, 0), coalesce(t.delayed, 0), coalesce(t.dead, 0)
+FROM (SELECT queue, sum(ready) ready, sum(handed_out) handed_out, sum(delayed) delayed,
+             sum(dead) dead FROM wq.counters GROUP BY queue) c
+FULL JOIN (SELECT queue, count(*) FILTER (WHERE state = 0) ready,
+                  count(*) FILTER (WHERE state = 1) handed_out,
+                  count(*) FILTER (WHERE state = 2) delayed,
+                  count(*) FILTER (WHERE state = 3) dead FROM wq.tasks GROUP BY queue) t
+USING (queue)

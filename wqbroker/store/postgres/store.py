@@ -1,0 +1,758 @@
+"""The PostgreSQL store's operations: :class:`PostgresStore`, one round trip a call.
+
+Each call of the contract is one statement of ``sql/queries.sql`` (most of them a call of a
+PL/pgSQL function of ``sql/functions.sql``) in its own transaction on a pooled connection
+(pool.py), grouped with the calls of its kind that came meanwhile (group.py). What it answers is
+read from the rows the function returns; the times in them are the database's, handed to the
+broker in its own clock (minus :attr:`PostgresStore.skew`). What it makes ready is announced to
+the other brokers, and what they announce is heard (listener.py). The schema is made or upgraded
+at :meth:`PostgresStore.open` (schema.py). The package's docstring tells the design.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any, Final
+
+import asyncpg
+
+from wqbroker.clock import Clock
+from wqbroker.errors import LeaseLost, NotFound, StoreError, WqError, quoted
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    QueueReport,
+    QueueStats,
+    Stats,
+    SweepResult,
+    Task,
+    TaskState,
+    Totals,
+)
+from wqbroker.retry import Backoff
+from wqbroker.store.index import _MASK, PRIORITIES, STATE_NAMES, _mix, hex_id, parse_id
+from wqbroker.store.postgres.group import Grouped, split
+from wqbroker.store.postgres.listener import Listener
+from wqbroker.store.postgres.pool import POOL_SIZE, UNREACHABLE, Pool, cancel, one_line, redact
+from wqbroker.store.postgres.queries import Q
+from wqbroker.store.postgres.schema import SCHEMA_VERSION, prepare
+
+log = logging.getLogger("wqbroker.store.postgres")
+
+# Every this many sweeps, a sweep also refreshes the queue names and folds counter rows.
+_SWEEPS_PER_REFRESH: Final = 20
+# The skew between the broker's clock and the database's is measured from sweeps whose round trip
+# took less than this (so the estimate is off by half of it at most).
+_SKEW_RTT: Final = 0.01
+# Any constant: the key of the advisory lock a broker holds while it vacuums (one at a time does).
+_VACUUM_KEY: Final = 0x7771_0000_0002
+# A table is vacuumed by the brokers once it has this many dead rows, plus this share of its live
+# ones (as autovacuum's threshold and scale factor would; autovacuum may be off, or too slow for
+# a queue: its launcher visits a database once a minute by default).
+VACUUM_THRESHOLD: Final = 2000
+VACUUM_SCALE: Final = 0.1
+# The tables the brokers vacuum, and how.
+_VACUUM: Final = {"tasks": Q.vacuum_tasks, "counters": Q.vacuum_counters, "keys": Q.vacuum_keys}
+# How long after a claim that came back short its queues are looked at again.
+LOOK_AGAIN_AFTER: Final = 0.05
+_OFFSET: Final = 2**63
+_ID_BLOCK: Final = 1024
+
+
+def _key(n: int) -> int:
+    """A task id (64 bits, unsigned) as the table's key (bigint)."""
+    return n - _OFFSET
+
+
+def _hex(key: int) -> str:
+    return hex_id(key + _OFFSET)
+
+
+def _task(row: Any, skew: float) -> Task:
+    """A view from a row as the lookup statement lists the columns (times in the broker's
+    clock: minus ``skew``, how far the database's clock is ahead)."""
+    error = row[6]
+    if error is not None:
+        error = bytes(error).decode("utf-8", "surrogatepass")
+    return Task(
+        _hex(row[0]),
+        row[1],
+        row[2],
+        row[3],
+        row[4] - skew,
+        row[5] - skew,
+        error,
+        row[7],
+        row[8],
+    )
+
+
+def _encode(error: str | None) -> bytes | None:
+    return None if error is None else error.encode("utf-8", "surrogatepass")
+
+
+class PostgresStore:
+    """Open with :meth:`open` (it creates or checks the schema); close with :meth:`close`."""
+
+    never_suspends = False  # every call waits for the database
+    shared = True  # other brokers change the same tasks (a ReadyListener: see on_ready)
+
+    def __init__(
+        self,
+        dsn: str,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+        *,
+        pool_size: int = POOL_SIZE,
+        db_clock: bool = False,
+    ) -> None:
+        rng = rng if rng is not None else random.Random()
+        self.dsn = dsn
+        self.db_clock = db_clock
+        self._backoff = backoff if backoff is not None else Backoff(rng=rng)
+        self._rng = rng
+        self._pool_size = pool_size
+        self._id_key = 0
+        self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
+        self._closed = False
+        # How far the database's clock is ahead of the broker's (db_clock only): times from the
+        # database are handed to the broker minus this, times from the broker plus this.
+        self.skew = 0.0
+        # The hints: what this broker knows without I/O, as of its last sweep (every broker sweeps
+        # a few times a second) and its own changes since.
+        self._queue_names: set[str] = set()
+        self._held = 0
+        self._keys: dict[tuple[str, str], float] = {}  # keys this broker recorded -> until
+        self._sweeps = 0
+        self.transactions = 0
+        # Group commit: calls made while one of their kind is in flight go together in the next
+        # transaction (a broker serving many clients one task at a time pays far fewer round
+        # trips and commits).
+        self._enqueues = Grouped(self._enqueue_group)
+        self._settles = Grouped(self._settle_group)
+        self._claims = Grouped(self._claim_group, self._unclaim)
+        self._side_tasks: set[asyncio.Task[None]] = set()  # hand-backs, second looks (kept alive)
+        # The connections (failing fast while the database is away) and the wake-ups between
+        # brokers (what this one announces, what it hears). The database back: every queue is
+        # re-checked.
+        self._pool = Pool(on_recovered=self._tell_all)
+        self._wake = Listener(dsn, f"{rng.getrandbits(64):016x}", self._pool)
+        self._vacuum: asyncio.Task[None] | None = None
+        self.vacuums = 0  # tables vacuumed by this broker (for the tests)
+
+    @property
+    def announcements(self) -> int:
+        """NOTIFYs sent (for the tests)."""
+        return self._wake.announcements
+
+    # -- opening -----------------------------------------------------------------------------
+
+    @classmethod
+    async def open(
+        cls,
+        dsn: str,
+        backoff: Backoff | None = None,
+        rng: random.Random | None = None,
+        *,
+        pool_size: int = POOL_SIZE,
+        db_clock: bool = False,
+        clock: Clock | None = None,
+    ) -> PostgresStore:
+        """Connect, create or check the schema, start listening to other brokers. With
+        ``db_clock``, every time is the database's (``clock``, the broker's, is compared with it
+        to translate)."""
+        store = cls(dsn, backoff, rng, pool_size=pool_size, db_clock=db_clock)
+        where = redact(dsn)
+        await store._pool.connect(dsn, pool_size)
+        try:
+            await store._prepare(where, clock)
+        except ValueError as e:
+            await store._pool.close()
+            raise StoreError(f"{where} is refused: {e}") from None
+        except (*UNREACHABLE, asyncpg.PostgresError) as e:
+            await store._pool.close()
+            raise StoreError(f"cannot use {where}: {one_line(e)}") from None
+        await store._wake.start()
+        log.info("opened %s (wq schema version %d)", where, SCHEMA_VERSION)
+        return store
+
+    async def _prepare(self, where: str, clock: Clock | None) -> None:
+        """Make, upgrade or check the schema (schema.py); read the id key and the hints; measure
+        the skew between ``clock`` and the database's."""
+        assert self._pool.raw is not None
+        async with self._pool.raw.acquire() as conn:
+            self._id_key = await prepare(conn, self._rng, where)
+            self._queue_names = {name for (name,) in await conn.fetch(Q.queue_names)}
+            self._held = int(await conn.fetchval(Q.held))
+            if self.db_clock and clock is not None:
+                before = clock.now()
+                db_now = float(await conn.fetchval(Q.db_now))
+                self.skew = db_now - (before + clock.now()) / 2
+
+    # -- between brokers ---------------------------------------------------------------------
+
+    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
+        """Call ``callback(queues)`` when tasks became ready in ``queues`` without this broker
+        making them so: another broker announced them, or a claim promoted delayed tasks. None
+        means any queue: after the database or the listening connection came back, when
+        announcements may have been missed."""
+        self._wake.on_ready(callback)
+
+    def _tell_all(self) -> None:
+        self._wake.tell(None)
+
+    # -- the contract ------------------------------------------------------------------------
+
+    async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
+        if not items:
+            return []
+        return await self._enqueues.call(items, self._group_key(now))
+
+    async def _enqueue_group(
+        self, calls: list[Sequence[NewTask]], now: float
+    ) -> list[list[Enqueued]]:
+        """The enqueues of several calls in one transaction; each call's answers."""
+        items = [t for call in calls for t in call] if len(calls) > 1 else calls[0]
+        out = await self._enqueue(items, now)
+        return split(out, [len(call) for call in calls])
+
+    async def _enqueue(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
+        ids = await self._new_ids(len(items))
+        # Now and then (an idle broker: every time) the announcement of these tasks goes with
+        # their commit, and the other brokers hear of them a round trip sooner.
+        notify = self._wake.inline(items)
+        rows = await self._fetch(
+            Q.enqueue,
+            self._now(now),
+            [_key(n) for n in ids],
+            [t.queue for t in items],
+            [t.priority for t in items],
+            [t.payload for t in items],
+            [t.max_attempts for t in items],
+            [t.delay for t in items],
+            [t.key for t in items],
+            [t.key_until + self.skew for t in items],
+            notify,
+        )
+        out: list[Enqueued] = []
+        skew = self.skew
+        ready: set[str] = set()
+        for i, key, duplicate, at, available in rows:
+            task_id = _hex(key)
+            if duplicate:
+                out.append(Enqueued(task_id, True, None))
+                continue
+            t = items[i - 1]
+            self._queue_names.add(t.queue)
+            self._held += 1
+            if t.key is not None:
+                self._keys[(t.queue, t.key)] = t.key_until
+            if t.delay <= 0:
+                ready.add(t.queue)
+            task = Task(
+                task_id,
+                t.payload,
+                0,
+                t.max_attempts,
+                at - skew,
+                available - skew,
+                None,
+                t.queue,
+                t.priority,
+            )
+            out.append(Enqueued(task_id, False, task))
+        if any(not e.duplicate for e in out):
+            self.transactions += 1
+        if notify is not None:
+            self._wake.announcements += 1
+        elif ready:
+            self._wake.announce(ready)
+        return out
+
+    async def _new_ids(self, n: int) -> list[int]:
+        """``n`` fresh task ids (reserving blocks of numbers from the database as needed)."""
+        if len(self._ids) < n:
+            blocks = (n - len(self._ids) + _ID_BLOCK - 1) // _ID_BLOCK
+            rows = await self._fetch(Q.id_blocks, blocks)
+            fresh = [b * _ID_BLOCK + j for (b,) in rows for j in range(_ID_BLOCK)]
+            self._ids[:0] = reversed(fresh)
+        taken = [self._ids.pop() for _ in range(n)]
+        return [_mix((x + self._id_key) & _MASK) for x in taken]
+
+    async def claim(
+        self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> Delivery | None:
+        deliveries = await self.claim_many((lease,), now=now, queues=queues)
+        return deliveries[0] if deliveries else None
+
+    async def claim_many(
+        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
+    ) -> list[Delivery]:
+        if not leases:
+            return []
+        return await self._claims.call(leases, (tuple(queues), self._group_key(now)))
+
+    async def _claim_group(
+        self, calls: list[Sequence[float]], key: tuple[tuple[str, ...], float]
+    ) -> list[list[Delivery]]:
+        """The claims of several calls (for the same queues) in one transaction; the first
+        calls are served first."""
+        queues, now = key
+        leases = [lease for call in calls for lease in call]
+        lease_ids = ["%016x" % self._rng.getrandbits(64) for _ in leases]  # noqa: UP031
+        rows = await self._fetch(Q.claim, self._now(now), leases, lease_ids, queues)
+        skew = self.skew
+        got: dict[int, Delivery] = {}
+        promoted: list[str] = []
+        for row in rows:
+            if row[0] is None:
+                promoted.append(row[8])
+            else:
+                i = row[0] - 1
+                got[i] = Delivery(_task(row[1:10], skew), lease_ids[i], row[10] - skew)
+        if got or promoted:
+            self.transactions += 1
+        if promoted:  # for the others, and for this broker's consumers of other queues
+            self._wake.announce(promoted)
+            self._wake.tell(promoted)
+        if len(got) < len(leases):
+            self._spawn(self._look_again(queues))
+        out: list[list[Delivery]] = []
+        at = 0
+        for call in calls:
+            out.append([got[i] for i in range(at, at + len(call)) if i in got])
+            at += len(call)
+        return out
+
+    async def _look_again(self, queues: tuple[str, ...]) -> None:
+        """After a claim that came back short: if ready tasks are left in its queues, they were
+        locked when it looked (claims skip locked rows), and may be free a moment later. Rows
+        stay locked until their transaction ends even when it does not take them: another
+        broker's sweep or claim that met a task just promoted re-checks it, locked. Nobody
+        announces such a task again, so this broker's consumers are told to look again."""
+        with contextlib.suppress(StoreError):
+            if await self._fetchval(Q.ready_left, list(queues)):
+                loop = asyncio.get_running_loop()
+                loop.call_later(LOOK_AGAIN_AFTER, self._wake.tell, queues)
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._side_tasks.add(task)
+        task.add_done_callback(self._side_tasks.discard)
+
+    def _unclaim(self, deliveries: list[Delivery]) -> None:
+        """Hand back what was claimed for a caller that went away before it got it."""
+
+        async def release() -> None:
+            for d in deliveries:
+                with contextlib.suppress(StoreError):
+                    await self.release(d.task.id, d.lease_id)
+            self._wake.tell({d.task.queue for d in deliveries})  # this broker's consumers, too
+
+        if deliveries:
+            self._spawn(release())
+
+    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
+        acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now)
+        if acked[0] is not None:
+            raise acked[0]
+
+    async def nack(
+        self,
+        task_id: str,
+        lease_id: str,
+        error: str | None,
+        *,
+        now: float,
+        delay: float | None = None,
+        terminal: bool = False,
+    ) -> Failure:
+        item = NackItem(task_id, lease_id, error, delay, terminal)
+        _, nacked = await self.settle_many((), (item,), now=now)
+        return _raise_or(nacked[0])
+
+    async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
+        item = NackItem(task_id, lease_id, error)
+        _, nacked = await self._settle((), (item,), now, reclaim=True)
+        return _raise_or(nacked[0])
+
+    async def settle_many(
+        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        return await self._settles.call((acks, nacks), self._group_key(now))
+
+    async def _settle_group(self, calls: list[_Settle], now: float) -> list[_Settled]:
+        """The acks and nacks of several calls in one transaction; each call's outcomes."""
+        if len(calls) == 1:
+            return [await self._settle(*calls[0], now, reclaim=False)]
+        acks = [a for call in calls for a in call[0]]
+        nacks = [n for call in calls for n in call[1]]
+        acked, nacked = await self._settle(acks, nacks, now, reclaim=False)
+        return list(
+            zip(
+                split(acked, [len(c[0]) for c in calls]),
+                split(nacked, [len(c[1]) for c in calls]),
+                strict=True,
+            )
+        )
+
+    async def _settle(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        now: float,
+        *,
+        reclaim: bool,
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        acked: list[WqError | None] = [_not_held(t) for t, _ in acks]
+        nacked: list[Failure | WqError] = [_not_held(n.task_id) for n in nacks]
+        ack_at = [i for i, (t, _) in enumerate(acks) if parse_id(t) is not None]
+        nack_at = [i for i, n in enumerate(nacks) if parse_id(n.task_id) is not None]
+        if not ack_at and not nack_at:
+            return acked, nacked
+        sent = [nacks[i] for i in nack_at]
+        # The random part of each backoff that may be needed (as the Backoff would draw it).
+        us = [self._draw() if n.delay is None and not n.terminal else 0.0 for n in sent]
+        rows = await self._fetch(
+            Q.settle,
+            self._now(now),
+            [_key(int(acks[i][0], 16)) for i in ack_at],
+            [acks[i][1] for i in ack_at],
+            [_key(int(n.task_id, 16)) for n in sent],
+            [n.lease_id for n in sent],
+            [_encode(n.error) for n in sent],
+            [n.delay for n in sent],
+            [n.terminal for n in sent],
+            us,
+            reclaim,
+            self._backoff.base,
+            self._backoff.cap,
+        )
+        changed = False
+        for kind, i, outcome, retry_at in rows:
+            if kind == 0:
+                task_id = acks[ack_at[i - 1]][0]
+                acked[ack_at[i - 1]] = _outcome_error(outcome, task_id)
+            else:
+                task_id = sent[i - 1].task_id
+                error = _outcome_error(outcome, task_id)
+                if retry_at is not None:
+                    retry_at -= self.skew
+                nacked[nack_at[i - 1]] = (
+                    error if error is not None else Failure(task_id, retry_at is None, retry_at)
+                )
+            if outcome == 0:
+                changed = True
+                if kind == 0 or retry_at is None:
+                    self._held -= 1  # acked or buried
+        if changed:
+            self.transactions += 1
+        return acked, nacked
+
+    def _draw(self) -> float:
+        rng = self._backoff.rng
+        assert rng is not None
+        return rng.random()
+
+    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
+        n = parse_id(task_id)
+        if n is None:
+            raise _not_held(task_id)
+        row = await self._fetchrow(Q.extend, self._now(now), _key(n), lease_id, lease)
+        assert row is not None
+        error = _outcome_error(row[0], task_id)
+        if error is not None:
+            raise error
+        self.transactions += 1
+        return float(row[1]) - self.skew
+
+    async def release(self, task_id: str, lease_id: str) -> bool:
+        n = parse_id(task_id)
+        if n is None:
+            return False
+        queue = await self._fetchval(Q.release, _key(n), lease_id)
+        if queue is None:
+            return False
+        self.transactions += 1
+        self._wake.announce((queue,))
+        return True
+
+    async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
+        entered = time.monotonic()
+        when = self._now(now)
+        expired = int(await self._fetchval(Q.expired, when) or 0)
+        us = [self._draw() for _ in range(expired)]
+        refresh = self._sweeps % _SWEEPS_PER_REFRESH == 0
+        self._sweeps += 1
+        started = time.monotonic()
+        rows = await self._fetch(
+            Q.sweep,
+            when,
+            us,
+            self._backoff.base,
+            self._backoff.cap,
+            refresh,
+        )
+        took = time.monotonic() - started
+        result = SweepResult()
+        due, db_now = self._swept(rows, result, refresh, started)
+        if self.db_clock and took < _SKEW_RTT:
+            self.skew = db_now - (now + (started - entered) + took / 2)
+        self._keys = {k: until for k, until in self._keys.items() if until > now}
+        if result.reclaimed or result.promoted:
+            self.transactions += 1
+        if result.ready_queues:
+            self._wake.announce(result.ready_queues)
+        if refresh:
+            await self._execute(Q.fold)
+        return result, None if due is None else due - self.skew
+
+    def _swept(
+        self, rows: list[asyncpg.Record], result: SweepResult, refresh: bool, started: float
+    ) -> tuple[float | None, float]:
+        """Read a sweep's rows into ``result`` and the hints; when the next thing is due and
+        the database's time (its clock). Starts a vacuum of the tables that need one."""
+        due: float | None = None
+        db_now = 0.0
+        names: set[str] = set()
+        dirty: list[str] = []
+        for kind, key, lease_id, queue, n, at in rows:
+            if kind == 0:
+                result.reclaimed.append((_hex(key), lease_id))
+            elif kind == 1:
+                result.promoted += n
+                result.ready_queues.add(queue)
+            elif kind == 2:
+                due = at
+            elif kind == 5:
+                db_now = at
+            elif kind == 6:
+                self._wake.counted(n, started)
+            else:
+                self._hint(kind, queue, n, at, names, dirty)
+        if refresh:
+            self._queue_names = names
+        if dirty and self._vacuum is None and not self._closed:
+            self._vacuum = asyncio.get_running_loop().create_task(self._vacuum_tables(dirty))
+        return due, db_now
+
+    def _hint(
+        self, kind: int, name: str, n: int, x: float, names: set[str], dirty: list[str]
+    ) -> None:
+        if kind == 3:
+            names.add(name)
+        elif kind == 4:
+            self._held = n
+        elif kind == 7 and n > VACUUM_THRESHOLD + VACUUM_SCALE * x:
+            dirty.append(name)
+
+    async def _vacuum_tables(self, tables: list[str]) -> None:
+        """VACUUM tables full of dead rows (acked tasks, old counter values), on a connection of
+        its own: claims must not wade through dead index entries, whether or not the server's
+        autovacuum is on. One broker at a time (an advisory lock); the others skip it."""
+        try:
+            conn = await asyncpg.connect(self.dsn, timeout=5)
+        except (*UNREACHABLE, asyncpg.PostgresError):
+            self._vacuum = None
+            return
+        try:
+            if await conn.fetchval(Q.try_lock, _VACUUM_KEY):
+                for table in tables:
+                    await conn.execute(_VACUUM[table])
+                    self.vacuums += 1
+                await conn.execute(Q.unlock, _VACUUM_KEY)
+        except (*UNREACHABLE, asyncpg.PostgresError) as e:
+            log.info("could not vacuum %s: %s", ", ".join(tables), one_line(e))
+        finally:
+            self._vacuum = None
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(conn.close(), 1)
+
+    async def requeue(self, task_id: str, *, now: float) -> str:
+        n = parse_id(task_id)
+        rows = []
+        if n is not None:
+            rows = await self._fetch(Q.requeue, self._now(now), _key(n), None)
+        if not rows:
+            raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
+        self.transactions += 1
+        self._held += 1
+        self._wake.announce((rows[0][0],))
+        return str(rows[0][0])
+
+    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
+        rows = await self._fetch(Q.requeue, self._now(now), None, queue)
+        count = sum(int(r[2]) for r in rows)
+        names = [str(r[0]) for r in rows]
+        if rows:
+            self.transactions += 1
+            self._held += count
+            self._wake.announce(names)
+        return count, names
+
+    async def purge(self, task_id: str) -> None:
+        n = parse_id(task_id)
+        if n is None or not await self._fetchval(Q.purge, _key(n)):
+            raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
+        self.transactions += 1
+
+    async def set_paused(self, queue: str, paused: bool) -> None:
+        status = await self._execute(Q.pause, queue, paused)
+        self._queue_names.add(queue)
+        if not status.endswith(" 0"):
+            self.transactions += 1
+            if not paused:
+                self._wake.announce((queue,))
+
+    async def stats(self, queue: str | None = None) -> Stats:
+        if queue is None:
+            row = await self._fetchrow(Q.stats)
+        else:
+            row = await self._fetchrow(Q.queue_stats, queue)
+        assert row is not None
+        ready, handed_out, delayed, dead, *totals = row
+        if queue is None:
+            self._held = ready + handed_out + delayed
+        return Stats(ready, handed_out, delayed, dead, Totals(*totals))
+
+    async def queues(self) -> list[QueueStats]:
+        rows = await self._fetch(Q.queues)
+        out = [QueueStats(r[0], r[2], r[3], r[4], r[5], r[1]) for r in rows]
+        out.sort(key=lambda q: q.name)
+        self._queue_names = {q.name for q in out}
+        return out
+
+    async def queue_report(self) -> list[QueueReport]:
+        out = []
+        rows = await self._fetch(Q.report, PRIORITIES)
+        for name, paused, ready, handed_out, delayed, dead, *rest in rows:
+            *totals, oldest = rest
+            out.append(
+                QueueReport(
+                    QueueStats(name, ready, handed_out, delayed, dead, paused),
+                    Totals(*totals),
+                    None if oldest is None else oldest - self.skew,
+                )
+            )
+        out.sort(key=lambda r: r.queue.name)
+        return out
+
+    async def lookup(self, task_id: str) -> TaskState | None:
+        n = parse_id(task_id)
+        if n is None:
+            return None
+        row = await self._fetchrow(Q.lookup, _key(n))
+        if row is None:
+            return None
+        return TaskState(_task(row, self.skew), STATE_NAMES[row[9]])
+
+    async def dead_letters(
+        self, *, limit: int | None = None, queue: str | None = None
+    ) -> list[Task]:
+        rows = await self._fetch(Q.dead, queue, limit)
+        skew = self.skew
+        return [_task(row, skew) for row in rows]
+
+    def problem(self) -> str | None:
+        return self._pool.problem()
+
+    # Hints (for the service's -max-tasks and -max-queues): the database is shared with other
+    # brokers, so they are this broker's view as of its last sweep (a fraction of a second old)
+    # plus its own changes since. The limits hold across brokers only that closely.
+
+    def held_hint(self) -> int | None:
+        return max(self._held, 0)
+
+    def queue_hint(self, queue: str) -> bool | None:
+        return queue in self._queue_names
+
+    def queue_count_hint(self) -> int | None:
+        return len(self._queue_names)
+
+    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
+        until = self._keys.get((queue, key))
+        if until is not None and until > now:
+            return True
+        return None  # not recorded here: another broker may have (the enqueue will tell)
+
+    def ready_hint(self) -> int | None:
+        return None
+
+    async def close(self) -> None:
+        self._closed = True
+        self._pool.closed = True  # calls are refused from now on
+        await self._wake.close()  # (the last announcement goes out)
+        await cancel(self._vacuum)
+        await self._pool.close()
+
+    # -- for the tests -----------------------------------------------------------------------
+
+    async def wipe(self) -> None:
+        """Drop every task, queue, key and counter, and start ids over (the tests start each
+        store empty, and give the same ids to the same steps)."""
+        await self._execute(Q.wipe)
+        self._ids.clear()
+        self._queue_names.clear()
+        self._held = 0
+        self._keys.clear()
+
+    async def check_invariants(self) -> None:
+        """Assert the gauges kept in the counters agree with the tasks, queue by queue."""
+        for row in await self._fetch(Q.check):
+            kept, counted = tuple(row[1:5]), tuple(row[5:9])
+            assert kept == counted, f"queue {row[0]}: gauges {kept} but tasks {counted}"
+
+    # -- talking to the database -------------------------------------------------------------
+
+    def _now(self, now: float) -> float | None:
+        return None if self.db_clock else now
+
+    def _group_key(self, now: float) -> float:
+        """What calls must share to go in one transaction: their ``now``, unless the database's
+        clock is used (then any calls go together)."""
+        return 0.0 if self.db_clock else now
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        return await self._pool.fetch(sql, *args)
+
+    async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        rows = await self._fetch(sql, *args)
+        return rows[0] if rows else None
+
+    async def _fetchval(self, sql: str, *args: Any) -> Any:
+        row = await self._fetchrow(sql, *args)
+        return row[0] if row is not None else None
+
+    async def _execute(self, sql: str, *args: Any) -> str:
+        return await self._pool.execute(sql, *args)
+
+
+_Settle = tuple[Sequence[tuple[str, str]], Sequence[NackItem]]
+_Settled = tuple[list[WqError | None], list[Failure | WqError]]
+
+
+def _not_held(task_id: str) -> NotFound:
+    return NotFound(f"task {quoted(task_id)} is not held by anyone")
+
+
+def _outcome_error(outcome: int, task_id: str) -> WqError | None:
+    if outcome == 0:
+        return None
+    if outcome == 2:
+        return LeaseLost(f"task {quoted(task_id)} is held under a different lease")
+    return _not_held(task_id)
+
+
+def _raise_or(result: Failure | WqError) -> Failure:
+    if isinstance(result, WqError):
+        raise result
+    return result
