@@ -3,11 +3,13 @@ into a fresh virtualenv, run from there with nothing of the tree on its path.
 
 ``pip install wqueue`` is the client alone (no broker dependencies, no gRPC loaded for HTTP);
 ``wqueue[broker]`` adds what the broker needs, and the broker started from it serves the
-dashboard and a task end to end, on a store whose migrations are files in the wheel.
+dashboard and a task end to end, on SQLite and on PostgreSQL, whose schemas are made from the
+migration files in the wheel.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 import subprocess
@@ -19,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from tests import pg
 from tests.procs import ROOT, broker_process
 
 # What the copy of the tree the wheel is built from leaves out (built or installed things).
@@ -62,32 +65,45 @@ def test_the_wheel_holds_the_dashboard_the_proto_and_the_sql(wheel: Path) -> Non
     assert not any(name.startswith("tests/") for name in names)
 
 
-def test_a_fresh_virtualenv_gets_the_client_alone_then_a_broker_that_serves(
-    wheel: Path, tmp_path: Path
-) -> None:
-    venv = tmp_path / "venv"
-    _run(sys.executable, "-m", "venv", venv)
-    python, pip = venv / "bin" / "python", venv / "bin" / "pip"
-    _run(pip, "install", "--quiet", "--disable-pip-version-check", wheel)
+def _virtualenv(where: Path, requirement: str) -> Path:
+    """A fresh virtualenv at ``where`` with ``requirement`` installed; its bin directory."""
+    _run(sys.executable, "-m", "venv", where)
+    _run(where / "bin" / "pip", "install", "--quiet", "--disable-pip-version-check", requirement)
+    return where / "bin"
 
-    # The client alone: none of the broker's packages, and no gRPC for an HTTP client.
+
+def test_the_client_alone_has_and_loads_nothing_of_the_broker(wheel: Path, tmp_path: Path) -> None:
+    bin_dir = _virtualenv(tmp_path / "venv", str(wheel))
     check = (
         "import importlib.util, sys, wqclient\n"
         "wqclient.Client('http://127.0.0.1:9')\n"
         f"print([m for m in {_BROKER_ONLY!r} if importlib.util.find_spec(m)])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))\n"
     )
-    installed, loaded = _run(python, "-c", check, cwd=tmp_path).splitlines()
+    installed, loaded = _run(bin_dir / "python", "-c", check, cwd=tmp_path).splitlines()
     assert (installed, loaded) == ("[]", "[]")
     refused = subprocess.run(
-        [venv / "bin" / "wqbroker"], capture_output=True, text=True, timeout=60, check=False
+        [bin_dir / "wqbroker"], capture_output=True, text=True, timeout=60, check=False
     )
     assert refused.returncode == 1
     assert refused.stderr.strip().endswith("pip install 'wqueue[broker]'"), refused.stderr
 
-    _run(pip, "install", "--quiet", "--disable-pip-version-check", f"{wheel}[broker]")
-    store = f"sqlite:{tmp_path / 'wq.db'}"
-    with broker_process("-store", store, program=venv / "bin" / "wqbroker") as broker:
+
+@pytest.fixture(scope="module")
+def broker_bin(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _virtualenv(tmp_path_factory.mktemp("venv") / "venv", f"{wheel}[broker]")
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_the_installed_broker_serves_the_dashboard_and_a_task(
+    broker_bin: Path, backend: str, tmp_path: Path
+) -> None:
+    # (Each store makes its schema from the migration files the wheel carries.)
+    if backend == "sqlite":
+        store = f"sqlite:{tmp_path / 'wq.db'}"
+    else:
+        store = asyncio.run(pg.create_database("wheel"))
+    with broker_process("-store", store, program=broker_bin / "wqbroker") as broker:
         page = _get(broker.url + "/ui/")
         assert b"<html" in page.lower()
         assert _get(broker.url + "/ui/app.js")
