@@ -835,6 +835,58 @@ async def test_closing_the_service_answers_parked_claims_and_ends_streams(
     assert await gauges(service) == (1, 0, 0, 0)
 
 
+# -- a claim that read the store before a task came --------------------------------------------
+
+
+class _SlowClaims(MemoryStore):
+    """A store whose claims read the index at once, then take their time to answer (as a
+    durable store's round trip does): what becomes ready meanwhile, the answer does not have."""
+
+    never_suspends = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.answering = asyncio.Event()  # set: claims answer (the gate is open)
+        self.asked = asyncio.Event()  # a claim has read the index, and waits at the gate
+
+    async def claim(self, **kw: Any) -> Delivery | None:
+        found = await super().claim(**kw)
+        self.asked.set()
+        await self.answering.wait()
+        return found
+
+    async def claim_many(self, leases: Sequence[float], **kw: Any) -> list[Delivery]:
+        found = await super().claim_many(leases, **kw)
+        self.asked.set()
+        await self.answering.wait()
+        return found
+
+
+@pytest.mark.parametrize("batch", [False, True], ids=["claim", "claim_batch"])
+async def test_a_task_enqueued_while_a_claim_reads_an_empty_store_is_handed_to_it(
+    clock: FakeClock, batch: bool
+) -> None:
+    store = _SlowClaims()
+    service = Service(store, clock)
+    await service.start()
+    try:
+        if batch:
+            claim: asyncio.Task[Any] = asyncio.ensure_future(
+                service.claim_batch(wait_ms=20_000, max_tasks=5)
+            )
+        else:
+            claim = asyncio.ensure_future(service.claim(wait_ms=20_000))
+        await store.asked.wait()  # it found nothing, and is on its way back ...
+        enqueued = await service.enqueue(PAYLOAD)  # ... when a task comes (nobody is parked)
+        store.answering.set()
+        await wait_until(claim.done, what="the answer")  # no further enqueue, poll or clock move
+        delivered = claim.result()[0] if batch else claim.result()
+        assert delivered is not None
+        assert delivered.task.id == enqueued.id
+    finally:
+        await service.close()
+
+
 # -- contention -------------------------------------------------------------------------------
 
 

@@ -283,6 +283,9 @@ class Dispatcher:
         self._streams: set[Stream] = set()
         self._pumping = False
         self._to_pump: set[Queues] = set()  # lines to pump (by the pump running now)
+        # Times tasks were said to be ready (every pump call): a claim that found nothing in a
+        # store that suspends looks again if this moved while it asked (see _park_pumped).
+        self._readied = 0
         self._closing = False
         self._max_waiters = max_waiters  # parked long-polls and open streams (0: no limit)
         self._parked = 0  # long-polls waiting now
@@ -371,6 +374,7 @@ class Dispatcher:
         if self._closing:
             return None
         queued_behind = queues in self._lines
+        asked = self._readied
         delivery = await self._claim_now(lease, queues) if not queued_behind else None
         if delivery is None and wait > 0:
             self._room_for_a_waiter()
@@ -381,8 +385,7 @@ class Dispatcher:
             self._parked += 1
             timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
             try:
-                if queued_behind:
-                    await self.pump(queues)
+                await self._park_pumped(queues, queued_behind, asked)
                 delivery = await future
             except asyncio.CancelledError:
                 # The caller went away. If a task was handed to it meanwhile, nobody saw it.
@@ -414,16 +417,17 @@ class Dispatcher:
         if self._closing:
             return []
         queued_behind = queues in self._lines
+        asked = self._readied
         got = [] if queued_behind else await self._claim_now_many(lease, count, queues)
         if not got and wait > 0:
-            got = await self._park_batch(wait, lease, count, queues)
+            got = await self._park_batch(wait, lease, count, queues, asked)
         if not got:
             return []
         self._wake_by(min(d.deadline for d in got))
         return got if hand_over is None else await self._hand_over_many(got, hand_over)
 
     async def _park_batch(
-        self, wait: float, lease: float, count: int, queues: Queues
+        self, wait: float, lease: float, count: int, queues: Queues, asked: int
     ) -> list[Delivery]:
         self._room_for_a_waiter()
         future: asyncio.Future[list[Delivery]] = asyncio.get_running_loop().create_future()
@@ -433,8 +437,7 @@ class Dispatcher:
         self._parked += 1
         timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
         try:
-            if queued_behind:
-                await self.pump(queues)
+            await self._park_pumped(queues, queued_behind, asked)
             await future
         except asyncio.CancelledError:
             # The caller went away: whatever was handed to it meanwhile, nobody saw.
@@ -447,6 +450,15 @@ class Dispatcher:
             self._leave(poller)
             self._parked -= 1
         return list(poller.deliveries)  # (closed: nothing more is added)
+
+    async def _park_pumped(self, queues: Queues, queued_behind: bool, asked: int) -> None:
+        """Pump a consumer's line as it parks, if it is to be served now: it joined a line of
+        others (it waits its turn, the pump serves them in order), or tasks were said to be
+        ready while its own claim was with the store (``asked``: the count then). That claim
+        may have read the store before they were there, and their pump found nobody parked
+        yet: without this, they would wait for the next wake-up or poll."""
+        if queued_behind or self._readied != asked:
+            await self.pump(queues)
 
     async def _hand_over_many(
         self, deliveries: list[Delivery], hand_over: HandOverMany
@@ -661,6 +673,7 @@ class Dispatcher:
     async def pump(self, queues: Iterable[str] | None = None) -> None:
         """Hand ready tasks of ``queues`` (None: of any queue) to the consumers waiting for
         them, first come first served in each line, until they run out."""
+        self._readied += 1
         if not self._lines:
             return
         if queues is None:
