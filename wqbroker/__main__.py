@@ -158,6 +158,12 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("access-log", default=False, help="log every HTTP request (JSON with -log-format json)"),
     Flag(
+        "http-fast-lane",
+        default=True,
+        help="serve the hot HTTP requests (enqueue, claim, ack ...) without aiohttp's "
+        "per-request machinery, with the same answers; false: every request through aiohttp",
+    ),
+    Flag(
         "max-tasks",
         default=DEFAULT_MAX_TASKS,
         parse=non_negative_int,
@@ -240,6 +246,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
         read_body_timeout=args.read_body_timeout_ms / 1000.0,
         idle_timeout=args.idle_timeout_ms / 1000.0,
         access_log=args.access_log,
+        http_fast_lane=args.http_fast_lane,
         store=store_spec(args.store),
         sqlite_sync=args.sqlite_sync,
         max_tasks=args.max_tasks,

@@ -97,6 +97,7 @@ class Config:
     read_body_timeout: float = DEFAULT_READ_BODY_TIMEOUT
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT
     access_log: bool = False
+    http_fast_lane: bool = True  # the hot HTTP requests skip aiohttp's machinery (same answers)
     store: str = "memory"  # or "sqlite:PATH", or "postgres://USER@HOST:PORT/DB"
     sqlite_sync: str = "full"
     max_tasks: int = DEFAULT_MAX_TASKS  # 0: no limit
@@ -239,6 +240,7 @@ class Broker:
             access_log=config.access_log,
             read_header_timeout=config.read_header_timeout,
             idle_timeout=config.idle_timeout,
+            fast_lane=config.http_fast_lane,
         )
         await runner.setup()
         self._runner = runner
