@@ -523,6 +523,37 @@ async def test_fast_lane_requests_are_counted_by_route(broker: Broker) -> None:
     assert counted['wq_http_requests_total{method="POST",route="/jobs/{id}/ack",status="204"}'] == 1
 
 
+@pytest.mark.parametrize(
+    "config", [{"http_fast_lane": False}, {"access_log": True}], ids=["lane-off", "access-log"]
+)
+async def test_without_the_lane_aiohttp_serves_every_connection_with_the_same_answers(
+    router_calls: list[str], config: dict[str, Any]
+) -> None:
+    """``-http-fast-lane=false`` (or the access log, which sees only aiohttp's requests): no
+    connection is the lane's, every request goes aiohttp's way, and each case of the
+    differential test gets the answer the lane gives it."""
+    async with (
+        running_broker(grpc_addr="off", max_body=MAX_BODY) as lane,
+        running_broker(grpc_addr="off", max_body=MAX_BODY, **config) as plain,
+    ):
+        async with raw_connection(address(lane)) as held, raw_connection(address(plain)) as kept:
+            await held.send(request("POST", "/jobs", _json({"payload": 1})))
+            await kept.send(request("POST", "/jobs", _json({"payload": 1})))
+            assert (await held.response()).status == (await kept.response()).status == 201
+            assert (lane_connections(lane), lane_connections(plain)) == (1, 0)
+        for case in CASES:
+            expected = normal(await case(lane, fast))
+            before = len(router_calls)
+            got = normal(await case(plain, fast))
+            assert got == expected, case.__name__
+            assert router_calls[before:], case.__name__  # (aiohttp's way, all of them)
+        assert lane_connections(plain) == 0
+        metrics = (await send(plain, "GET", "/metrics")).body.decode()
+        assert (
+            'wq_http_requests_total{method="POST",route="/jobs/{id}/ack",status="204"}' in metrics
+        )
+
+
 # -- the lane's own handling of a connection ------------------------------------------------------
 
 
@@ -572,8 +603,16 @@ async def test_bytes_that_are_no_head_are_aiohttps_to_refuse_at_once(broker: Bro
             assert await conn.closed()
 
 
-async def test_a_body_that_does_not_come_gets_408_and_the_connection_is_closed() -> None:
-    async with running_broker(grpc_addr="off", read_body_timeout=0.3) as b:
+LANE_ON_OFF = pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+
+
+@LANE_ON_OFF
+async def test_a_body_that_does_not_come_gets_408_and_the_connection_is_closed(
+    fast_lane: bool,
+) -> None:
+    async with running_broker(
+        grpc_addr="off", read_body_timeout=0.3, http_fast_lane=fast_lane
+    ) as b:
         async with raw_connection(b.http_addresses[0]) as conn:
             await conn.send(b"POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: 50\r\n\r\n{")
             answer = await conn.response()
@@ -615,8 +654,11 @@ async def test_an_ack_with_a_body_still_to_come_is_answered_at_once(
     assert router_calls == [f"POST /jobs/{task_id}/ack?lease_id={lease_id}"]
 
 
-async def test_a_request_head_that_does_not_come_gets_408() -> None:
-    async with running_broker(grpc_addr="off", read_header_timeout=0.3) as b:
+@LANE_ON_OFF
+async def test_a_request_head_that_does_not_come_gets_408(fast_lane: bool) -> None:
+    async with running_broker(
+        grpc_addr="off", read_header_timeout=0.3, http_fast_lane=fast_lane
+    ) as b:
         async with raw_connection(b.http_addresses[0]) as conn:
             await conn.send(request("POST", "/jobs", _json({"payload": 1})))
             assert (await conn.response()).status == 201
@@ -627,8 +669,9 @@ async def test_a_request_head_that_does_not_come_gets_408() -> None:
             assert await conn.closed()
 
 
-async def test_an_idle_connection_is_closed_and_a_busy_one_is_not() -> None:
-    async with running_broker(grpc_addr="off", idle_timeout=0.3) as b:
+@LANE_ON_OFF
+async def test_an_idle_connection_is_closed_and_a_busy_one_is_not(fast_lane: bool) -> None:
+    async with running_broker(grpc_addr="off", idle_timeout=0.3, http_fast_lane=fast_lane) as b:
         async with (
             raw_connection(b.http_addresses[0]) as idle,
             raw_connection(b.http_addresses[0]) as polling,
@@ -843,7 +886,7 @@ async def test_any_bytes_get_the_answers_aiohttp_alone_gives(
     picks: list[int], cuts: list[int], tail: bytes
 ) -> None:
     """The same bytes, in the same pieces, to a broker with the fast lane and to one without it
-    (access logging on: every request is aiohttp's): the same answers, in the same order.
+    (``-http-fast-lane=false``: every request is aiohttp's): the same answers, in the same order.
 
     Nothing follows a request that ends the connection (``Connection: close``, HTTP/1.0): the
     lane answers it and reads no further (RFC 9112, section 9.6), where aiohttp's parser
@@ -854,7 +897,7 @@ async def test_any_bytes_get_the_answers_aiohttp_alone_gives(
     data = b"".join(_POOL[i] for i in picks)
     async with (
         running_broker(grpc_addr="off") as lane,
-        running_broker(grpc_addr="off", access_log=True) as plain,
+        running_broker(grpc_addr="off", http_fast_lane=False) as plain,
     ):
         got = await _all_answers(lane.http_addresses[0], data, cuts, tail)
         expected = await _all_answers(plain.http_addresses[0], data, cuts, tail)

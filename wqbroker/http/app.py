@@ -12,7 +12,7 @@ itself (unknown path, wrong method, body too large). What any request may cost t
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Final
 
 from aiohttp import web
@@ -76,8 +76,8 @@ class _View:
             raise LookupError(f"{name} is not one of the headers a handler reads (core.HEADERS)")
         return self._request.headers.getall(name, [])
 
-    async def body(self) -> bytes:
-        return await read_body(self._request)
+    def body(self) -> Coroutine[None, None, bytes]:
+        return read_body(self._request)
 
     async def write(self, body: bytes) -> None:
         request = self._request

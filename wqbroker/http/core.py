@@ -212,11 +212,11 @@ def _query(request: Request, name: str) -> str | None:
 
 
 def _query_int(request: Request, name: str) -> int | None:
-    return int_value(name, _query(request, name))
+    return int_value(name, one_value(name, request.query(name)))
 
 
 def _lease_id(request: Request) -> str:
-    return required_lease_id(_query(request, "lease_id"))
+    return required_lease_id(one_value("lease_id", request.query("lease_id")))
 
 
 async def enqueue(service: Service, request: Request) -> Answer:

@@ -5,21 +5,23 @@ Each HTTP connection starts with a :class:`FastProtocol`. It reads each request'
 strictly (a request line and header lines of printable ASCII, nothing a parser could read two
 ways), and:
 
-- **serves it** if it is one of the hot requests in its plain form: HTTP/1.1 ``POST /jobs``,
-  ``POST /jobs/batch``, ``GET /jobs/next``, ``GET /jobs/next/batch``, ``POST /jobs/settle``,
-  ``POST /jobs/{id}/ack|nack|extend`` with an id of letters, digits, ``_``, ``-`` and ``~``, a
-  query of such characters (plus ``.`` and ``,``), one ``Host``, a body of at most the limit
-  by ``Content-Length``, none of ``Expect``, ``Content-Encoding``, ``Transfer-Encoding`` or
-  ``Upgrade``, no header aiohttp takes once seen twice, and at most 128 header lines. The answer
-  is the very one aiohttp's way gives (``core.py`` does the work for both;
-  ``tests/test_http_fast.py`` sends each case both ways and compares the bytes): the token
-  check, the errors as JSON, the metrics, the time-outs, keep-alive and ``Connection: close``,
-  pipelining in order;
+- **serves it** if it is one of the hot requests in its plain form: a row of the route table
+  marked hot (``core.ROUTES``: ``POST /jobs``, ``POST /jobs/batch``, ``GET /jobs/next``,
+  ``GET /jobs/next/batch``, ``POST /jobs/settle``, ``POST /jobs/{id}/ack|nack|extend``), over
+  HTTP/1.1, with path parameters of letters, digits, ``_``, ``-`` and ``~``, a query of such
+  characters (plus ``.`` and ``,``), one ``Host``, a body of at most the limit by
+  ``Content-Length``, none of ``Expect``, ``Content-Encoding``, ``Transfer-Encoding`` or
+  ``Upgrade``, no header aiohttp takes once seen twice, and at most 128 header lines. The row's
+  handler (the one aiohttp's way runs too) answers, over the lane's view of the request, and
+  the answer is the very one aiohttp's way gives (``tests/test_http_fast.py`` sends each case
+  both ways and compares the bytes): the token check, the errors as JSON, the metrics, the
+  time-outs, keep-alive and ``Connection: close``, pipelining in order;
 - **passes it to aiohttp**, for this request only, if its head reads cleanly but it is anything
   else (another route or method, HTTP/1.0, a percent-encoded path, a body over the limit, a
   compressed one, ``Expect``, no ``Host``, a token the check refuses): an aiohttp handler of the
-  connection (``server.Protocol``) is given exactly that request's bytes, answers it, and says
-  when it is done; the fast lane then goes on with what follows;
+  connection (a ``lane.SlowPath``: ``server.py`` makes it, and this module never imports that
+  one) is given exactly that request's bytes, answers it, and says when it is done; the fast
+  lane then goes on with what follows;
 - **hands the connection to aiohttp for good** if the head cannot be read that strictly, or its
   end cannot be known without a parser's judgement (``Transfer-Encoding``, ``Content-Length``
   twice or unreadable, ``Upgrade``, a head over 8 KiB): from that request on, aiohttp reads the
@@ -36,7 +38,7 @@ A lane request's body is read whole before its handler runs (aiohttp's handlers 
 first thing); one that does not come within the body time-out gets 408 and the connection is
 closed, as aiohttp's way does. A route that reads no body (ack, extend, a claim) with a body still
 to come is passed to aiohttp, which answers at once and skips it. Time-outs (head, body, idle)
-are kept by one timer per connection, re-armed only when it fires early.
+are kept by one timer per connection (``lane.Deadline``, as aiohttp's side keeps its own).
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import asyncio
 import logging
 import re
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Final
 
 from aiohttp.tcp_helpers import tcp_keepalive
@@ -109,41 +111,55 @@ _QUERY: Final = re.compile(f"{_PARAM}(?:&{_PARAM})*")
 _PLACEHOLDER: Final = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
+class _Hot:
+    """A row the lane serves, and where its path parameters are in its method's pattern."""
+
+    __slots__ = ("route", "groups")
+
+    def __init__(self, route: Route, groups: dict[str, int]) -> None:
+        self.route = route
+        self.groups = groups  # parameter -> group of the pattern's match
+
+
 class _Routes:
     """The rows of the route table the lane serves (``core.ROUTES``, those marked hot), as it
     finds a request's: a path without parameters by a dict; one with parameters by one pattern
-    per method (an alternative per row, each parameter a segment of :data:`_SEGMENT`)."""
+    per method (an alternative per row, each parameter a segment of :data:`_SEGMENT`), the row
+    told by the last group matched."""
 
     def __init__(self, routes: Sequence[Route]) -> None:
-        self.plain: dict[tuple[str, str], Route] = {}
-        self.templated: dict[str, tuple[re.Pattern[str], dict[int, _Templated]]] = {}
+        self.plain: dict[tuple[str, str], _Hot] = {}
+        self.templated: dict[str, tuple[re.Pattern[str], dict[int, _Hot]]] = {}
         alternatives: dict[str, list[str]] = {}
-        ends: dict[str, dict[int, _Templated]] = {}
+        ends: dict[str, dict[int, _Hot]] = {}
         for route in routes:
-            names = tuple(_PLACEHOLDER.findall(route.path))
+            names = _PLACEHOLDER.findall(route.path)
             if not names:
-                self.plain[route.method, route.path] = route
+                self.plain[route.method, route.path] = _Hot(route, {})
                 continue
             if route.patterns:  # (its parameters are not any segment: aiohttp's to match)
                 raise ValueError(f"{route.method} {route.path}: the lane serves no patterns")
             pieces = _PLACEHOLDER.split(route.path)  # literal, name, literal, name, ..., literal
-            regex = "".join(
-                re.escape(piece) if i % 2 == 0 else f"({_SEGMENT})"
-                for i, piece in enumerate(pieces)
+            alternatives.setdefault(route.method, []).append(
+                "".join(
+                    re.escape(piece) if i % 2 == 0 else f"({_SEGMENT})"
+                    for i, piece in enumerate(pieces)
+                )
             )
             found = ends.setdefault(route.method, {})
-            first = sum(len(t.names) for t in found.values()) + 1
-            found[first + len(names) - 1] = _Templated(route, names, first)
-            alternatives.setdefault(route.method, []).append(regex)
+            first = max(found, default=0) + 1
+            groups = {name: first + i for i, name in enumerate(names)}
+            found[first + len(names) - 1] = _Hot(route, groups)
         for method, regexes in alternatives.items():
             pattern = re.compile("|".join(f"(?:{r})" for r in regexes))
             self.templated[method] = (pattern, ends[method])
 
-    def find(self, method: str, path: str) -> tuple[Route, dict[str, str]] | None:
-        """The row of this method and path, with its parameters; None: not a hot request."""
-        route = self.plain.get((method, path))
-        if route is not None:
-            return route, _NO_PARAMETERS
+    def find(self, method: str, path: str) -> tuple[_Hot, re.Match[str] | None] | None:
+        """The row of this method and path, and the match of its parameters (None: it has
+        none); None: not a hot request."""
+        hot = self.plain.get((method, path))
+        if hot is not None:
+            return hot, None
         templated = self.templated.get(method)
         if templated is None:
             return None
@@ -151,23 +167,9 @@ class _Routes:
         match = pattern.fullmatch(path)
         if match is None or match.lastindex is None:
             return None
-        found = ends[match.lastindex]
-        values = match.groups()[found.first - 1 : match.lastindex]
-        return found.route, dict(zip(found.names, values, strict=True))
+        return ends[match.lastindex], match
 
 
-class _Templated:
-    """A row with path parameters: its names, and the pattern's group of the first."""
-
-    __slots__ = ("route", "names", "first")
-
-    def __init__(self, route: Route, names: tuple[str, ...], first: int) -> None:
-        self.route = route
-        self.names = names
-        self.first = first
-
-
-_NO_PARAMETERS: Final[dict[str, str]] = {}
 _HOT: Final = _Routes([route for route in ROUTES if route.hot])
 
 # Headers aiohttp refuses to see twice in a request (its parser's list).
@@ -192,6 +194,7 @@ class _Request:
 
     __slots__ = (
         "route",
+        "groups",
         "matched",
         "params",
         "headers",
@@ -204,24 +207,29 @@ class _Request:
 
     def __init__(
         self,
-        route: Route,
-        matched: dict[str, str],
+        hot: _Hot,
+        matched: re.Match[str] | None,
         params: dict[str, list[str]],
+        fields: _Fields,
         length: int,
         conn: FastProtocol,
     ) -> None:
-        self.route = route
-        self.matched = matched  # the path parameters
+        self.route = hot.route
+        self.groups = hot.groups
+        self.matched = matched  # its path parameters (in ``groups``)
         self.params = params  # the query's
-        self.headers: dict[str, list[str]] = {}  # those of core.HEADERS it has
-        self.close = False  # the client asked for Connection: close
+        self.headers = fields.headers  # those of core.HEADERS it has
+        self.close = fields.close  # the client asked for Connection: close
         self.data = bytearray()  # the body
         self.left = length  # body bytes still to come
         self.head_at = 0.0  # when its head was in (its body is due a time-out after)
         self.conn = conn
 
     def match(self, name: str) -> str:
-        return self.matched[name]
+        matched = self.matched
+        if matched is None:
+            raise LookupError(f"{self.route.path} has no parameter {name}")
+        return matched[self.groups[name]]
 
     def query(self, name: str) -> Sequence[str]:
         return self.params.get(name, ())
@@ -232,8 +240,8 @@ class _Request:
     async def body(self) -> bytes:
         return bytes(self.data)  # (read whole before the handler runs)
 
-    async def write(self, body: bytes) -> None:
-        await self.conn._write(answer_bytes(200, body, self.close))
+    def write(self, body: bytes) -> Coroutine[None, None, None]:
+        return self.conn._write(answer_bytes(200, body, self.close))
 
 
 class _Passed:
@@ -488,7 +496,7 @@ class FastProtocol(asyncio.Protocol):
         # What aiohttp refuses or treats its own way (a request without Host, too many headers,
         # a header twice that may be there once, an Expect, a Content-Encoding) is its to answer.
         plain = minor == b"1" and fields.plain and fields.hosts == 1 and len(headers) <= MAX_HEADERS
-        request = self._request(method, target, length) if plain else None
+        request = self._request(method, target, fields) if plain else None
         if (
             request is None
             or (length > buffered and not request.route.reads_body)
@@ -496,12 +504,14 @@ class FastProtocol(asyncio.Protocol):
         ):
             # (A route that reads no body answers at once aiohttp's way, and skips the body.)
             return _Passed(head + b"\r\n\r\n", length)
-        request.headers, request.close = fields.headers, fields.close
         return request
 
-    def _request(self, method_bytes: bytes, target_bytes: bytes, length: int) -> _Request | None:
+    def _request(
+        self, method_bytes: bytes, target_bytes: bytes, fields: _Fields
+    ) -> _Request | None:
         """The request, if its method, target and length are ones the lane serves."""
-        if length > self._lane.max_body:
+        length = fields.length
+        if length is None or length > self._lane.max_body:
             return None  # (aiohttp answers 413 and closes)
         method = method_bytes.decode("ascii")
         path, _, query = target_bytes.decode("ascii").partition("?")
@@ -515,8 +525,8 @@ class FastProtocol(asyncio.Protocol):
             for part in query.split("&"):
                 name, _, value = part.partition("=")
                 params.setdefault(name, []).append(value)
-        route, matched = found
-        return _Request(route, matched, params, length, self)
+        hot, matched = found
+        return _Request(hot, matched, params, fields, length, self)
 
     def _admitted(self, request: _Request, auth: list[str]) -> bool:
         """Whether the token lets the request through (a refusal is aiohttp's to answer, with

@@ -1,6 +1,6 @@
-"""What the fast lane (``fast.py``) and aiohttp's handler of a connection (``server.py``) share,
-so that neither imports the other's module to know it: ``server.py`` makes the lane's
-connections, and the lane knows aiohttp's handler only as a :class:`SlowPath`.
+"""What the fast lane (``fast.py``) and aiohttp's side of a connection (``server.py``) share.
+``server.py`` makes the lane's connections (it imports ``fast.py``); the lane never imports
+``server.py``, not even for its types: it knows aiohttp's handler only as a :class:`SlowPath`.
 
 - :class:`Lane`: what the lane serves with (``app.create_app`` makes it; ``LANE`` is its key in
   the application);
