@@ -28,7 +28,10 @@ from tests.authkit import ONLY, ROOT, bearer, write_token_file
 from tests.helpers import running_broker, wait_until
 from tests.rawhttp import RawResponse, exchange, raw_connection, request
 from wqbroker.broker import Broker
+from wqbroker.http import core
+from wqbroker.http.fast import _Routes
 from wqbroker.http.server import Runner
+from wqbroker.service import Service
 
 MAX_BODY = 4096
 
@@ -552,6 +555,44 @@ async def test_without_the_lane_aiohttp_serves_every_connection_with_the_same_an
         assert (
             'wq_http_requests_total{method="POST",route="/jobs/{id}/ack",status="204"}' in metrics
         )
+
+
+async def _no_content(service: Service, request: core.Request) -> core.Answer:
+    return core.NO_CONTENT
+
+
+def test_the_lane_finds_a_hot_row_and_its_path_parameters_by_method_and_path() -> None:
+    """A row with several parameters, rows that share a prefix, a plain one: each found by its
+    own method and path only, its parameters read from the path (the table has none of these
+    yet: a route added to it is served by the lane as it is by aiohttp)."""
+    two = core.Route("POST", "/things/{kind}/items/{item}/touch", _no_content, hot=True)
+    one = core.Route("POST", "/things/{kind}/touch", _no_content, hot=True)
+    get = core.Route("GET", "/things/{kind}", _no_content, hot=True)
+    plain = core.Route("POST", "/things", _no_content, hot=True)
+    table = _Routes([two, one, get, plain])
+
+    def found(method: str, path: str, *names: str) -> tuple[core.Route, list[str]] | None:
+        hit = table.find(method, path)
+        if hit is None:
+            return None
+        hot, match = hit
+        assert (match is None) == (not names)
+        return hot.route, [match[hot.groups[n]] for n in names] if match else []
+
+    assert found("POST", "/things/a-1/items/b~2/touch", "kind", "item") == (two, ["a-1", "b~2"])
+    assert found("POST", "/things/a/touch", "kind") == (one, ["a"])
+    assert found("GET", "/things/a", "kind") == (get, ["a"])
+    assert found("POST", "/things") == (plain, [])
+    for method, path in [
+        ("GET", "/things/a/touch"),
+        ("POST", "/things/a"),
+        ("POST", "/things/a.b/touch"),  # (a parameter of the plain characters only)
+        ("POST", "/things/a/items//touch"),
+        ("PUT", "/things"),
+    ]:
+        assert table.find(method, path) is None, (method, path)
+    with pytest.raises(ValueError, match="no patterns"):
+        _Routes([core.Route("GET", "/x/{id}", _no_content, hot=True, patterns=(("id", "a"),))])
 
 
 # -- the lane's own handling of a connection ------------------------------------------------------
