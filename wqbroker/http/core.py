@@ -204,7 +204,8 @@ NO_CONTENT: Final[Answer] = (204, None)
 WRITTEN: Final[Answer] = (200, None)
 
 HEADERS: Final = (IDEMPOTENCY_KEY,)
-"""The request headers a handler may read (the fast lane gathers these and no other)."""
+"""The request headers a handler may read (the fast lane gathers these and no other); none of
+the transport's own (``Content-Length``, ``Host``, ``Connection``, ``Authorization`` ...)."""
 
 
 def _query(request: Request, name: str) -> str | None:
