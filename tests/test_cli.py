@@ -334,6 +334,15 @@ def test_broker_access_log_switch(argv: list[str], expected: bool) -> None:
     assert wqbroker_config.config_from_args(wqbroker_main.parse_args(argv)).access_log is expected
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [([], True), (["-http-fast-lane"], True), (["-http-fast-lane=false"], False)],
+)
+def test_broker_http_fast_lane_switch(argv: list[str], expected: bool) -> None:
+    config = wqbroker_config.config_from_args(wqbroker_main.parse_args(argv))
+    assert config.http_fast_lane is expected
+
+
 @pytest.mark.parametrize("flag", wqbroker_config.FLAGS, ids=lambda flag: flag.name)
 def test_every_broker_flag_takes_every_spelling_of_its_default(flag: Flag) -> None:
     default = vars(wqbroker_main.parse_args([]))[flag.dest]

@@ -30,9 +30,11 @@ pytestmark = pytest.mark.timeout(60)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-@pytest.fixture
-async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
-    async with running_broker(clock=clock, max_body=64 * 1024) as b:
+@pytest.fixture(params=[True, False], ids=["fast-lane", "aiohttp-only"])
+async def broker(clock: FakeClock, request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
+    """A broker with the fast lane (the default), and one serving everything aiohttp's way
+    (``-http-fast-lane=false``): the API is the same both ways."""
+    async with running_broker(clock=clock, max_body=64 * 1024, http_fast_lane=request.param) as b:
         yield b
 
 

@@ -543,13 +543,16 @@ async def test_a_malformed_request_after_good_ones_on_one_connection(broker: Bro
 HEADER_TIMEOUT, BODY_TIMEOUT, IDLE_TIMEOUT = 0.4, 0.4, 0.8
 
 
-@pytest.fixture
-async def strict(clock: FakeClock) -> AsyncIterator[Broker]:
+@pytest.fixture(params=[True, False], ids=["fast-lane", "aiohttp-only"])
+async def strict(clock: FakeClock, request: pytest.FixtureRequest) -> AsyncIterator[Broker]:
+    """Short time-outs, kept by the fast lane (the default) or by aiohttp's handler of the
+    connection (``-http-fast-lane=false``): the same both ways."""
     async with running_broker(
         clock=clock,
         read_header_timeout=HEADER_TIMEOUT,
         read_body_timeout=BODY_TIMEOUT,
         idle_timeout=IDLE_TIMEOUT,
+        http_fast_lane=request.param,
     ) as b:
         yield b
 
@@ -671,6 +674,28 @@ async def test_the_head_time_out_of_a_later_request_runs_from_its_own_first_byte
         assert response.status == 408
         assert HEADER_TIMEOUT * 0.9 <= cut_after < HEADER_TIMEOUT * 5
         assert await conn.closed()
+
+
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_a_head_after_a_pause_is_not_given_the_idle_time_out(fast_lane: bool) -> None:
+    """After an answer and a pause longer than the head time-out, a kept connection waits for
+    the idle time-out (a long one here); once a request's first byte comes, its head is due
+    within the head time-out of it, not whenever the idle time-out would have ended."""
+    loop = asyncio.get_running_loop()
+    async with running_broker(
+        read_header_timeout=HEADER_TIMEOUT, idle_timeout=60.0, http_fast_lane=fast_lane
+    ) as b:
+        async with raw_connection(address(b)) as conn:
+            await conn.send(request("GET", "/healthz"))
+            assert (await conn.response()).status == 200
+            resumed = loop.time() + HEADER_TIMEOUT * 1.5
+            await wait_until(loop.time, lambda now: now > resumed, what="a pause")
+            started = loop.time()
+            await conn.send(b"GET /stats HTTP/1.1\r\nHost")  # and nothing more
+            response = await conn.response(timeout=10)
+            assert response.status == 408
+            assert HEADER_TIMEOUT * 0.9 <= loop.time() - started < HEADER_TIMEOUT * 5
+            assert await conn.closed()
 
 
 async def _dribble(conn: Any, data: bytes) -> None:

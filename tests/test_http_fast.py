@@ -28,7 +28,10 @@ from tests.authkit import ONLY, ROOT, bearer, write_token_file
 from tests.helpers import running_broker, wait_until
 from tests.rawhttp import RawResponse, exchange, raw_connection, request
 from wqbroker.broker import Broker
+from wqbroker.http import core
+from wqbroker.http.fast import _Routes
 from wqbroker.http.server import Runner
+from wqbroker.service import Service
 
 MAX_BODY = 4096
 
@@ -523,6 +526,75 @@ async def test_fast_lane_requests_are_counted_by_route(broker: Broker) -> None:
     assert counted['wq_http_requests_total{method="POST",route="/jobs/{id}/ack",status="204"}'] == 1
 
 
+@pytest.mark.parametrize(
+    "config", [{"http_fast_lane": False}, {"access_log": True}], ids=["lane-off", "access-log"]
+)
+async def test_without_the_lane_aiohttp_serves_every_connection_with_the_same_answers(
+    router_calls: list[str], config: dict[str, Any]
+) -> None:
+    """``-http-fast-lane=false`` (or the access log, which sees only aiohttp's requests): no
+    connection is the lane's, every request goes aiohttp's way, and each case of the
+    differential test gets the answer the lane gives it."""
+    async with (
+        running_broker(grpc_addr="off", max_body=MAX_BODY) as lane,
+        running_broker(grpc_addr="off", max_body=MAX_BODY, **config) as plain,
+    ):
+        async with raw_connection(address(lane)) as held, raw_connection(address(plain)) as kept:
+            await held.send(request("POST", "/jobs", _json({"payload": 1})))
+            await kept.send(request("POST", "/jobs", _json({"payload": 1})))
+            assert (await held.response()).status == (await kept.response()).status == 201
+            assert (lane_connections(lane), lane_connections(plain)) == (1, 0)
+        for case in CASES:
+            expected = normal(await case(lane, fast))
+            before = len(router_calls)
+            got = normal(await case(plain, fast))
+            assert got == expected, case.__name__
+            assert router_calls[before:], case.__name__  # (aiohttp's way, all of them)
+        assert lane_connections(plain) == 0
+        metrics = (await send(plain, "GET", "/metrics")).body.decode()
+        assert (
+            'wq_http_requests_total{method="POST",route="/jobs/{id}/ack",status="204"}' in metrics
+        )
+
+
+async def _no_content(service: Service, request: core.Request) -> core.Answer:
+    return core.NO_CONTENT
+
+
+def test_the_lane_finds_a_hot_row_and_its_path_parameters_by_method_and_path() -> None:
+    """A row with several parameters, rows that share a prefix, a plain one: each found by its
+    own method and path only, its parameters read from the path (the table has none of these
+    yet: a route added to it is served by the lane as it is by aiohttp)."""
+    two = core.Route("POST", "/things/{kind}/items/{item}/touch", _no_content, hot=True)
+    one = core.Route("POST", "/things/{kind}/touch", _no_content, hot=True)
+    get = core.Route("GET", "/things/{kind}", _no_content, hot=True)
+    plain = core.Route("POST", "/things", _no_content, hot=True)
+    table = _Routes([two, one, get, plain])
+
+    def found(method: str, path: str, *names: str) -> tuple[core.Route, list[str]] | None:
+        hit = table.find(method, path)
+        if hit is None:
+            return None
+        hot, match = hit
+        assert (match is None) == (not names)
+        return hot.route, [match[hot.groups[n]] for n in names] if match else []
+
+    assert found("POST", "/things/a-1/items/b~2/touch", "kind", "item") == (two, ["a-1", "b~2"])
+    assert found("POST", "/things/a/touch", "kind") == (one, ["a"])
+    assert found("GET", "/things/a", "kind") == (get, ["a"])
+    assert found("POST", "/things") == (plain, [])
+    for method, path in [
+        ("GET", "/things/a/touch"),
+        ("POST", "/things/a"),
+        ("POST", "/things/a.b/touch"),  # (a parameter of the plain characters only)
+        ("POST", "/things/a/items//touch"),
+        ("PUT", "/things"),
+    ]:
+        assert table.find(method, path) is None, (method, path)
+    with pytest.raises(ValueError, match="no patterns"):
+        _Routes([core.Route("GET", "/x/{id}", _no_content, hot=True, patterns=(("id", "a"),))])
+
+
 # -- the lane's own handling of a connection ------------------------------------------------------
 
 
@@ -572,8 +644,16 @@ async def test_bytes_that_are_no_head_are_aiohttps_to_refuse_at_once(broker: Bro
             assert await conn.closed()
 
 
-async def test_a_body_that_does_not_come_gets_408_and_the_connection_is_closed() -> None:
-    async with running_broker(grpc_addr="off", read_body_timeout=0.3) as b:
+LANE_ON_OFF = pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+
+
+@LANE_ON_OFF
+async def test_a_body_that_does_not_come_gets_408_and_the_connection_is_closed(
+    fast_lane: bool,
+) -> None:
+    async with running_broker(
+        grpc_addr="off", read_body_timeout=0.3, http_fast_lane=fast_lane
+    ) as b:
         async with raw_connection(b.http_addresses[0]) as conn:
             await conn.send(b"POST /jobs HTTP/1.1\r\nHost: wq\r\nContent-Length: 50\r\n\r\n{")
             answer = await conn.response()
@@ -615,8 +695,11 @@ async def test_an_ack_with_a_body_still_to_come_is_answered_at_once(
     assert router_calls == [f"POST /jobs/{task_id}/ack?lease_id={lease_id}"]
 
 
-async def test_a_request_head_that_does_not_come_gets_408() -> None:
-    async with running_broker(grpc_addr="off", read_header_timeout=0.3) as b:
+@LANE_ON_OFF
+async def test_a_request_head_that_does_not_come_gets_408(fast_lane: bool) -> None:
+    async with running_broker(
+        grpc_addr="off", read_header_timeout=0.3, http_fast_lane=fast_lane
+    ) as b:
         async with raw_connection(b.http_addresses[0]) as conn:
             await conn.send(request("POST", "/jobs", _json({"payload": 1})))
             assert (await conn.response()).status == 201
@@ -627,8 +710,9 @@ async def test_a_request_head_that_does_not_come_gets_408() -> None:
             assert await conn.closed()
 
 
-async def test_an_idle_connection_is_closed_and_a_busy_one_is_not() -> None:
-    async with running_broker(grpc_addr="off", idle_timeout=0.3) as b:
+@LANE_ON_OFF
+async def test_an_idle_connection_is_closed_and_a_busy_one_is_not(fast_lane: bool) -> None:
+    async with running_broker(grpc_addr="off", idle_timeout=0.3, http_fast_lane=fast_lane) as b:
         async with (
             raw_connection(b.http_addresses[0]) as idle,
             raw_connection(b.http_addresses[0]) as polling,
@@ -843,7 +927,7 @@ async def test_any_bytes_get_the_answers_aiohttp_alone_gives(
     picks: list[int], cuts: list[int], tail: bytes
 ) -> None:
     """The same bytes, in the same pieces, to a broker with the fast lane and to one without it
-    (access logging on: every request is aiohttp's): the same answers, in the same order.
+    (``-http-fast-lane=false``: every request is aiohttp's): the same answers, in the same order.
 
     Nothing follows a request that ends the connection (``Connection: close``, HTTP/1.0): the
     lane answers it and reads no further (RFC 9112, section 9.6), where aiohttp's parser
@@ -854,7 +938,7 @@ async def test_any_bytes_get_the_answers_aiohttp_alone_gives(
     data = b"".join(_POOL[i] for i in picks)
     async with (
         running_broker(grpc_addr="off") as lane,
-        running_broker(grpc_addr="off", access_log=True) as plain,
+        running_broker(grpc_addr="off", http_fast_lane=False) as plain,
     ):
         got = await _all_answers(lane.http_addresses[0], data, cuts, tail)
         expected = await _all_answers(plain.http_addresses[0], data, cuts, tail)

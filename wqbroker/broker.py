@@ -175,6 +175,7 @@ class Broker:
             access_log=config.access_log,
             read_header_timeout=config.read_header_timeout,
             idle_timeout=config.idle_timeout,
+            fast_lane=config.http_fast_lane,
         )
         await runner.setup()
         self._runner = runner

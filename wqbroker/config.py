@@ -189,6 +189,11 @@ class Config:
         choices=LOG_FORMATS,
     )
     access_log: bool = setting(False, "log every HTTP request (JSON with -log-format json)")
+    http_fast_lane: bool = setting(
+        True,
+        "serve the hot HTTP requests (enqueue, claim, ack ...) without aiohttp's per-request "
+        "machinery, with the same answers; false: every request through aiohttp",
+    )
     max_tasks: int = setting(
         DEFAULT_MAX_TASKS,
         "tasks held (ready, delayed, handed out) before enqueues get 429; 0: no limit",

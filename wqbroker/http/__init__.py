@@ -1,5 +1,6 @@
-"""The HTTP/JSON gateway: the spec's API, exactly, and the additions of issue 11 (queues,
-priorities, leases, keys, lookups, DLQ bulk operations), over aiohttp."""
+"""The HTTP/JSON gateway: the spec's API, exactly, and its extensions (queues, priorities,
+leases, keys, lookups, DLQ bulk operations, batches), over aiohttp and the fast lane, from one
+route table (``core.ROUTES``)."""
 
 from wqbroker.http.app import create_app, make_runner
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT

@@ -1,51 +1,30 @@
-"""aiohttp application: routes and handlers.
+"""aiohttp's side of the HTTP API: every row of the route table (``core.ROUTES``) registered with
+aiohttp's router, the operator's routes (/metrics, /openapi.json, /ui) beside them, and the
+application's one middleware.
 
-Handlers parse the request, call the service and render the answer (what each route does with
-what a request carries is in ``core.py``, shared with the fast lane); every rule lives in the
-service. Every error answer is JSON, ``{"error": "<message naming the problem>"}``, including the
-ones aiohttp produces itself (unknown path, wrong method, body too large). What any request may
-cost the transport (bodies, time-outs, malformed HTTP) is bounded in ``transport.py``.
+A row's handler (``core.py``, shared with the fast lane) sees aiohttp's request through
+:class:`_View`; its answer is rendered here. Every rule lives in the service. Every error answer
+is JSON, ``{"error": "<message naming the problem>"}``, including the ones aiohttp produces
+itself (unknown path, wrong method, body too large). What any request may cost the transport
+(bodies, time-outs, malformed HTTP) is bounded in ``transport.py``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Final
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from wqbroker import codec
 from wqbroker.auth import Tokens
 from wqbroker.clock import SystemClock
 from wqbroker.errors import WqError
 from wqbroker.http import dashboard, openapi
 from wqbroker.http.auth import token_check
-from wqbroker.http.core import (
-    BATCH_ROUTE,
-    CLAIM_BATCH_ROUTE,
-    IDEMPOTENCY_KEY,
-    SETTLE_ROUTE,
-    STATUS,
-    enqueue_answer,
-    enqueue_batch_answer,
-    error_parts,
-    extend_answer,
-    idempotency_key,
-    int_value,
-    nack_task,
-    one_value,
-    render_deliveries,
-    render_delivery,
-    render_queue,
-    render_stats,
-    render_task,
-    render_task_state,
-    required_lease_id,
-    settle_answer,
-)
-from wqbroker.http.fast import LANE, Lane
+from wqbroker.http.core import HEADERS, ROUTES, STATUS, Route, error_parts
+from wqbroker.http.lane import LANE, Lane
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
     BODY,
@@ -63,7 +42,6 @@ from wqbroker.http.transport import (
 )
 from wqbroker.metrics import ROUTE as METRICS_ROUTE
 from wqbroker.metrics import Metrics
-from wqbroker.models import Delivery
 from wqbroker.service import Service
 
 __all__ = ["STATUS", "create_app", "error_answer", "make_runner"]
@@ -72,184 +50,62 @@ log = logging.getLogger("wqbroker.http")
 
 SERVICE: Final = web.AppKey("service", Service)
 
-# A task id in a path where a fixed word sits at the same place: anything but that word (no task
-# is called so). Else a method the fixed route does not take would fall through to the task's
-# route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
-# DELETE /dlq/requeue to the purge of a task "requeue".
-_JOB_ID: Final = "{id:(?!next$|batch$|settle$)[^{}/]+}"
-_DEAD_ID: Final = "{id:(?!requeue$)[^{}/]+}"
+_HEADERS: Final = frozenset(HEADERS)
 
 
-# -- request parsing ----------------------------------------------------------------------------
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _query_str(request: web.Request, name: str) -> str | None:
-    return one_value(name, request.query.getall(name, []))
+class _View:
+    """aiohttp's request as a route's handler sees it (``core.Request``)."""
+
+    __slots__ = ("_request", "answer")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.answer: web.StreamResponse | None = None  # written by the handler (a claim's)
+
+    def match(self, name: str) -> str:
+        return self._request.match_info[name]
+
+    def query(self, name: str) -> Sequence[str]:
+        return self._request.query.getall(name, [])
+
+    def header(self, name: str) -> Sequence[str]:
+        if name not in _HEADERS:
+            raise LookupError(f"{name} is not one of the headers a handler reads (core.HEADERS)")
+        return self._request.headers.getall(name, [])
+
+    def body(self) -> Coroutine[None, None, bytes]:
+        return read_body(self._request)
+
+    async def write(self, body: bytes) -> None:
+        request = self._request
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client went away")
+        answer = json_response(body)
+        await answer.prepare(request)
+        await answer.write_eof()
+        self.answer = answer
 
 
-def _query_int(request: web.Request, name: str) -> int | None:
-    return int_value(name, _query_str(request, name))
+def _handler(route: Route) -> Handler:
+    """aiohttp's handler for a row of the table: its handler, over the request, rendered."""
+    handle = route.handler
 
+    async def serve(request: web.Request) -> web.StreamResponse:
+        view = _View(request)
+        status, body = await handle(request.app[SERVICE], view)
+        if body is not None:
+            return json_response(body, status)
+        return no_content() if view.answer is None else view.answer  # (204, or WRITTEN)
 
-def _lease_id(request: web.Request) -> str:
-    return required_lease_id(_query_str(request, "lease_id"))
-
-
-def _idempotency_key(request: web.Request) -> str | None:
-    return idempotency_key(request.headers.getall(IDEMPOTENCY_KEY, []))
-
-
-# -- handlers -----------------------------------------------------------------------------------
-
-
-async def enqueue(request: web.Request) -> web.Response:
-    key = _idempotency_key(request)
-    status, body = await enqueue_answer(request.app[SERVICE], await read_body(request), key)
-    return json_response(body, status)
-
-
-async def enqueue_batch(request: web.Request) -> web.Response:
-    """An extension: ``{"tasks": [...]}``, each task as POST /jobs takes one (its idempotency key
-    as the member ``idempotency_key``), all enqueued or none (an invalid one is named by its
-    index); 201 ``{"ids": [...], "duplicates": [...]}`` in order, as gRPC's EnqueueBatch. The
-    ``Idempotency-Key`` header is refused rather than ignored: it cannot say which task it keys."""
-    keyed = IDEMPOTENCY_KEY in request.headers
-    body = b"" if keyed else await read_body(request)
-    return json_response(await enqueue_batch_answer(request.app[SERVICE], body, keyed), 201)
-
-
-async def _written(request: web.Request, body: bytes) -> web.StreamResponse:
-    """A claim's answer, written now: before the service lets go of the tasks it carries (if
-    the client is gone or the answer cannot be written, nobody saw them: they go back)."""
-    transport = request.transport
-    if transport is None or transport.is_closing():
-        raise ConnectionResetError("the client went away")
-    answer = json_response(body)
-    await answer.prepare(request)
-    await answer.write_eof()
-    return answer
-
-
-async def claim(request: web.Request) -> web.StreamResponse:
-    answer: web.StreamResponse | None = None  # (none made while the poll is parked)
-
-    async def hand_over(delivery: Delivery) -> None:
-        nonlocal answer
-        answer = await _written(request, render_delivery(delivery))
-
-    await request.app[SERVICE].claim(
-        _query_int(request, "wait_ms"),
-        _query_int(request, "lease_ms"),
-        hand_over,
-        queues=_query_str(request, "queue"),
-    )
-    return answer if answer is not None else no_content()
-
-
-async def claim_batch(request: web.Request) -> web.StreamResponse:
-    """An extension: up to ``max`` tasks in one long-poll (see Service.claim_batch):
-    200 ``{"deliveries": [...]}``, or 204 if none came within ``wait_ms``."""
-    answer: web.StreamResponse | None = None
-
-    async def hand_over(deliveries: list[Delivery]) -> None:
-        nonlocal answer
-        answer = await _written(request, render_deliveries(deliveries))
-
-    await request.app[SERVICE].claim_batch(
-        _query_int(request, "wait_ms"),
-        _query_int(request, "lease_ms"),
-        _query_int(request, "max"),
-        hand_over,
-        queues=_query_str(request, "queue"),
-    )
-    return answer if answer is not None else no_content()
-
-
-async def settle(request: web.Request) -> web.Response:
-    """An extension: many acks and nacks in one request (see core.settle_answer)."""
-    return json_response(await settle_answer(request.app[SERVICE], await read_body(request)))
-
-
-async def ack(request: web.Request) -> web.Response:
-    task_id = request.match_info["id"]
-    lease_id = _lease_id(request)
-    await request.app[SERVICE].ack(task_id, lease_id)
-    return no_content()
-
-
-async def nack(request: web.Request) -> web.Response:
-    task_id = request.match_info["id"]
-    lease_id = _lease_id(request)
-    await nack_task(request.app[SERVICE], task_id, lease_id, await read_body(request))
-    return no_content()
-
-
-async def extend(request: web.Request) -> web.Response:
-    task_id = request.match_info["id"]
-    lease_id = _lease_id(request)
-    lease_ms = _query_int(request, "lease_ms")
-    return json_response(await extend_answer(request.app[SERVICE], task_id, lease_id, lease_ms))
-
-
-async def lookup_task(request: web.Request) -> web.Response:
-    found = await request.app[SERVICE].lookup(request.match_info["id"])
-    return json_response(render_task_state(found))
-
-
-async def stats(request: web.Request) -> web.Response:
-    found = await request.app[SERVICE].stats(_query_str(request, "queue"))
-    return json_response(render_stats(found))
-
-
-async def queues(request: web.Request) -> web.Response:
-    rows = await request.app[SERVICE].queue_report()
-    return json_response(
-        b"[" + b",".join(render_queue(r.queue, r.oldest_ready) for r in rows) + b"]"
-    )
-
-
-async def pause(request: web.Request) -> web.Response:
-    await request.app[SERVICE].pause(request.match_info["name"])
-    return no_content()
-
-
-async def resume(request: web.Request) -> web.Response:
-    await request.app[SERVICE].resume(request.match_info["name"])
-    return no_content()
-
-
-async def dlq(request: web.Request) -> web.Response:
-    tasks = await request.app[SERVICE].dead_letters(
-        _query_int(request, "limit"), queue=_query_str(request, "queue")
-    )
-    return json_response(b"[" + b",".join(render_task(t) for t in tasks) + b"]")
-
-
-async def requeue(request: web.Request) -> web.Response:
-    await request.app[SERVICE].requeue(request.match_info["id"])
-    return no_content()
-
-
-async def requeue_all(request: web.Request) -> web.Response:
-    count = await request.app[SERVICE].requeue_all(_query_str(request, "queue"))
-    return json_response(f'{{"requeued":{count}}}'.encode())
-
-
-async def purge(request: web.Request) -> web.Response:
-    await request.app[SERVICE].purge(request.match_info["id"])
-    return no_content()
-
-
-async def healthz(request: web.Request) -> web.Response:
-    problem = request.app[SERVICE].problem()
-    if problem is not None:
-        return json_response(codec.dumps({"status": "unavailable", "error": problem}), 503)
-    return json_response(b'{"status":"ok"}')
+    serve.__name__ = handle.__name__
+    return serve
 
 
 # -- errors -------------------------------------------------------------------------------------
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_answer(error: WqError) -> web.Response:
@@ -350,24 +206,13 @@ def create_app(
     # HEAD to every GET unless told not to, and a HEAD on /jobs/next would claim a task.
     routes = app.router
     expect = expect_continue
-    routes.add_post("/jobs", enqueue, expect_handler=expect)
-    routes.add_post(BATCH_ROUTE, enqueue_batch, expect_handler=expect)
-    routes.add_get("/jobs/next", claim, allow_head=False, expect_handler=expect)
-    routes.add_get(CLAIM_BATCH_ROUTE, claim_batch, allow_head=False, expect_handler=expect)
-    routes.add_post(SETTLE_ROUTE, settle, expect_handler=expect)
-    routes.add_get(f"/jobs/{_JOB_ID}", lookup_task, expect_handler=expect)
-    routes.add_post("/jobs/{id}/ack", ack, expect_handler=expect)
-    routes.add_post("/jobs/{id}/nack", nack, expect_handler=expect)
-    routes.add_post("/jobs/{id}/extend", extend, expect_handler=expect)
-    routes.add_get("/stats", stats, expect_handler=expect)
-    routes.add_get("/queues", queues, expect_handler=expect)
-    routes.add_post("/queues/{name}/pause", pause, expect_handler=expect)
-    routes.add_post("/queues/{name}/resume", resume, expect_handler=expect)
-    routes.add_get("/dlq", dlq, expect_handler=expect)
-    routes.add_post("/dlq/requeue", requeue_all, expect_handler=expect)
-    routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
-    routes.add_delete(f"/dlq/{_DEAD_ID}", purge, expect_handler=expect)
-    routes.add_get("/healthz", healthz, expect_handler=expect)
+    for route in ROUTES:
+        if route.method == "GET":
+            routes.add_get(
+                route.template, _handler(route), allow_head=route.head, expect_handler=expect
+            )
+        else:
+            routes.add_route(route.method, route.template, _handler(route), expect_handler=expect)
     routes.add_get(METRICS_ROUTE, metrics.handle, expect_handler=expect)
     routes.add_get(
         openapi.PATH, openapi.handler(metrics_public=metrics_public), expect_handler=expect
@@ -382,11 +227,15 @@ def make_runner(
     access_log: bool = False,
     read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+    fast_lane: bool = True,
 ) -> web.AppRunner:
+    """The runner serving ``app``; ``fast_lane=False`` serves every request aiohttp's way (as
+    does ``access_log``: aiohttp's access log sees only the requests it serves)."""
     return Runner(
         app,
         access_log=log if access_log else None,
         read_header_timeout=read_header_timeout,
         idle_timeout=idle_timeout,
         shutdown_timeout=5.0,
+        fast_lane=fast_lane,
     )

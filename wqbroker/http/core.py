@@ -1,16 +1,23 @@
-"""What the routes do with what a request carries, for both ways an HTTP request is served:
-aiohttp's handlers (``app.py``) and the fast lane (``fast.py``, the hot routes). Each takes the
-values a request sent (a body, a query parameter's values, a header's) and gives the answer's
-JSON body (and status), or raises an error of the tree; one table maps those to statuses.
-Rendering the records as JSON is here too, byte for byte the same for both.
+"""The HTTP API's one route table, and what each route does with what a request carries, for
+both ways a request is served: aiohttp's (``app.py`` registers every row with its router) and
+the fast lane's (``fast.py`` serves the rows marked ``hot``, in their plain form).
+
+A row (:class:`Route`) is a method, a path as aiohttp registers it (``/jobs/{id}/ack``), a
+handler, whether it reads a body and whether it is hot. A handler takes the service and a small
+view of the request (:class:`Request`: path parameters, query values, header values, the body,
+and a way to write the answer at once, for the claims) and gives the answer's status and JSON
+body, or raises an error of the tree; one table (``STATUS``) maps those to statuses. A new route
+or member is written here once, and both ways serve it. Rendering the records as JSON is here
+too, byte for byte the same for both.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, Protocol
 
 from wqbroker import codec
 from wqbroker.errors import (
@@ -158,14 +165,66 @@ def _optional_object(body: bytes) -> dict[str, object]:
     return codec.parse_object(body)
 
 
-# Each route's work on what the request carries, for both ways a request is served (aiohttp's
-# handlers below, and the fast lane of ``fast.py``): the answer's status and JSON body, or an
-# error of the tree.
+# -- the routes ---------------------------------------------------------------------------------
 
 
-async def enqueue_answer(service: Service, body: bytes, key: str | None) -> tuple[int, bytes]:
+class Request(Protocol):
+    """What a route's handler sees of a request, whichever way it is served (``app.py`` gives
+    aiohttp's request this face, ``fast.py`` its own)."""
+
+    def match(self, name: str) -> str:
+        """A path parameter's value (``id`` of ``/jobs/{id}/ack``)."""
+        ...
+
+    def query(self, name: str) -> Sequence[str]:
+        """Every value the query gave this parameter, in order (none: empty)."""
+        ...
+
+    def header(self, name: str) -> Sequence[str]:
+        """Every value of this request header, in order; ``name`` is one of :data:`HEADERS`."""
+        ...
+
+    async def body(self) -> bytes:
+        """The whole body (PayloadTooLarge, or transport.RequestTimeout, when it cannot be had);
+        only a route that ``reads_body`` asks for it."""
+        ...
+
+    async def write(self, body: bytes) -> None:
+        """Write the answer (200, this JSON body) now, before the handler returns: a claim does,
+        before the service lets go of the tasks it carries (if the client is gone or the answer
+        cannot be written, it raises, nobody saw them, and they go back). The handler then
+        returns :data:`WRITTEN`."""
+        ...
+
+
+Answer = tuple[int, bytes | None]
+"""A route's answer: its status and JSON body; no body with :data:`NO_CONTENT` (204) and with
+:data:`WRITTEN` (the handler wrote it, see :meth:`Request.write`)."""
+
+NO_CONTENT: Final[Answer] = (204, None)
+WRITTEN: Final[Answer] = (200, None)
+
+HEADERS: Final = (IDEMPOTENCY_KEY,)
+"""The request headers a handler may read (the fast lane gathers these and no other); none of
+the transport's own (``Content-Length``, ``Host``, ``Connection``, ``Authorization`` ...)."""
+
+
+def _query(request: Request, name: str) -> str | None:
+    return one_value(name, request.query(name))
+
+
+def _query_int(request: Request, name: str) -> int | None:
+    return int_value(name, one_value(name, request.query(name)))
+
+
+def _lease_id(request: Request) -> str:
+    return required_lease_id(one_value("lease_id", request.query("lease_id")))
+
+
+async def enqueue(service: Service, request: Request) -> Answer:
     """POST /jobs: 201 {"id"} for a new task; 200 {"id", "duplicate": true} when a key matched."""
-    fields = codec.parse_object(body, _ENQUEUE_RAW)
+    key = idempotency_key(request.header(IDEMPOTENCY_KEY))
+    fields = codec.parse_object(await request.body(), _ENQUEUE_RAW)
     enqueued = await service.enqueue(
         fields.get("payload"),
         fields.get("max_attempts"),
@@ -179,14 +238,18 @@ async def enqueue_answer(service: Service, body: bytes, key: str | None) -> tupl
     return 201, f'{{"id":"{enqueued.id}"}}'.encode()
 
 
-async def enqueue_batch_answer(service: Service, body: bytes, keyed: bool) -> bytes:
-    """POST /jobs/batch (201): ``keyed``, the request has an ``Idempotency-Key`` header."""
-    if keyed:
+async def enqueue_batch(service: Service, request: Request) -> Answer:
+    """POST /jobs/batch, an extension: ``{"tasks": [...]}``, each task as POST /jobs takes one (its
+    idempotency key as the member ``idempotency_key``), all enqueued or none (an invalid one is
+    named by its index); 201 ``{"ids": [...], "duplicates": [...]}`` in order, as gRPC's
+    EnqueueBatch. The ``Idempotency-Key`` header is refused rather than ignored: it cannot say
+    which task it keys."""
+    if request.header(IDEMPOTENCY_KEY):
         raise InvalidArgument(
             f"the {IDEMPOTENCY_KEY} header is not taken by {BATCH_ROUTE}: give each task its "
             "own idempotency_key member"
         )
-    items = codec.parse_objects(body, "tasks", _ENQUEUE_RAW)
+    items = codec.parse_objects(await request.body(), "tasks", _ENQUEUE_RAW)
     results = await service.enqueue_many(
         [
             Submission(
@@ -203,34 +266,55 @@ async def enqueue_batch_answer(service: Service, body: bytes, keyed: bool) -> by
     )
     ids = ",".join(f'"{r.id}"' for r in results)
     duplicates = ",".join("true" if r.duplicate else "false" for r in results)
-    return f'{{"ids":[{ids}],"duplicates":[{duplicates}]}}'.encode()
+    return 201, f'{{"ids":[{ids}],"duplicates":[{duplicates}]}}'.encode()
 
 
-async def nack_task(service: Service, task_id: str, lease_id: str, body: bytes) -> None:
-    fields = _optional_object(body)
-    await service.nack(
-        task_id,
-        lease_id,
-        fields.get("error"),
-        delay_ms=fields.get("delay_ms"),
-        terminal=fields.get("terminal"),
+async def claim(service: Service, request: Request) -> Answer:
+    """GET /jobs/next: 200, the task (written before the service lets go of it), or 204 if none
+    came within ``wait_ms``."""
+    written = False
+
+    async def hand_over(delivery: Delivery) -> None:
+        nonlocal written
+        await request.write(render_delivery(delivery))
+        written = True
+
+    await service.claim(
+        _query_int(request, "wait_ms"),
+        _query_int(request, "lease_ms"),
+        hand_over,
+        queues=_query(request, "queue"),
     )
+    return WRITTEN if written else NO_CONTENT
 
 
-async def extend_answer(
-    service: Service, task_id: str, lease_id: str, lease_ms: int | None
-) -> bytes:
-    deadline = await service.extend(task_id, lease_id, lease_ms)
-    return f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode()
+async def claim_batch(service: Service, request: Request) -> Answer:
+    """GET /jobs/next/batch, an extension: up to ``max`` tasks in one long-poll (see
+    Service.claim_batch): 200 ``{"deliveries": [...]}``, or 204 if none came within ``wait_ms``."""
+    written = False
+
+    async def hand_over(deliveries: list[Delivery]) -> None:
+        nonlocal written  # (as for a claim: written before the service lets go of them)
+        await request.write(render_deliveries(deliveries))
+        written = True
+
+    await service.claim_batch(
+        _query_int(request, "wait_ms"),
+        _query_int(request, "lease_ms"),
+        _query_int(request, "max"),
+        hand_over,
+        queues=_query(request, "queue"),
+    )
+    return WRITTEN if written else NO_CONTENT
 
 
-async def settle_answer(service: Service, body: bytes) -> bytes:
-    """POST /jobs/settle (200): ``{"acks": [{"id", "lease_id"}...], "nacks": [{"id", "lease_id",
-    "error", "delay_ms", "terminal"}...]}``, all at once (acks, then nacks); each one's outcome
-    in order: null, or ``{"error", "status"}`` as its own request would have been answered
-    (404, 409). A malformed one (as its own request would have been refused: 400) refuses them
-    all, and nothing is settled."""
-    fields = codec.parse_object(body)
+async def settle(service: Service, request: Request) -> Answer:
+    """POST /jobs/settle, an extension (200): ``{"acks": [{"id", "lease_id"}...], "nacks": [{"id",
+    "lease_id", "error", "delay_ms", "terminal"}...]}``, all at once (acks, then nacks); each
+    one's outcome in order: null, or ``{"error", "status"}`` as its own request would have been
+    answered (404, 409). A malformed one (as its own request would have been refused: 400)
+    refuses them all, and nothing is settled."""
+    fields = codec.parse_object(await request.body())
     acks = _settlements(fields, "acks")
     nacks = _settlements(fields, "nacks")
     acked, nacked = await service.settle_many(
@@ -241,7 +325,7 @@ async def settle_answer(service: Service, body: bytes) -> bytes:
         ],
         strict=True,
     )
-    return b"".join(
+    return 200, b"".join(
         (
             b'{"acks":[',
             b",".join(_settled(e) for e in acked),
@@ -266,6 +350,146 @@ def _settled(error: WqError | None) -> bytes:
     if error is None:
         return b"null"
     return codec.dumps({"error": error.message, "status": lookup(STATUS, error)})
+
+
+async def ack(service: Service, request: Request) -> Answer:
+    task_id = request.match("id")
+    await service.ack(task_id, _lease_id(request))
+    return NO_CONTENT
+
+
+async def nack(service: Service, request: Request) -> Answer:
+    task_id = request.match("id")
+    lease_id = _lease_id(request)
+    fields = _optional_object(await request.body())
+    await service.nack(
+        task_id,
+        lease_id,
+        fields.get("error"),
+        delay_ms=fields.get("delay_ms"),
+        terminal=fields.get("terminal"),
+    )
+    return NO_CONTENT
+
+
+async def extend(service: Service, request: Request) -> Answer:
+    task_id = request.match("id")
+    lease_id = _lease_id(request)
+    deadline = await service.extend(task_id, lease_id, _query_int(request, "lease_ms"))
+    return 200, f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode()
+
+
+async def lookup_task(service: Service, request: Request) -> Answer:
+    return 200, render_task_state(await service.lookup(request.match("id")))
+
+
+async def stats(service: Service, request: Request) -> Answer:
+    return 200, render_stats(await service.stats(_query(request, "queue")))
+
+
+async def queues(service: Service, request: Request) -> Answer:
+    rows = await service.queue_report()
+    return 200, b"[" + b",".join(render_queue(r.queue, r.oldest_ready) for r in rows) + b"]"
+
+
+async def pause(service: Service, request: Request) -> Answer:
+    await service.pause(request.match("name"))
+    return NO_CONTENT
+
+
+async def resume(service: Service, request: Request) -> Answer:
+    await service.resume(request.match("name"))
+    return NO_CONTENT
+
+
+async def dlq(service: Service, request: Request) -> Answer:
+    tasks = await service.dead_letters(_query_int(request, "limit"), queue=_query(request, "queue"))
+    return 200, b"[" + b",".join(render_task(t) for t in tasks) + b"]"
+
+
+async def requeue(service: Service, request: Request) -> Answer:
+    await service.requeue(request.match("id"))
+    return NO_CONTENT
+
+
+async def requeue_all(service: Service, request: Request) -> Answer:
+    count = await service.requeue_all(_query(request, "queue"))
+    return 200, f'{{"requeued":{count}}}'.encode()
+
+
+async def purge(service: Service, request: Request) -> Answer:
+    await service.purge(request.match("id"))
+    return NO_CONTENT
+
+
+async def healthz(service: Service, request: Request) -> Answer:
+    problem = service.problem()
+    if problem is not None:
+        return 503, codec.dumps({"status": "unavailable", "error": problem})
+    return 200, b'{"status":"ok"}'
+
+
+Handler = Callable[[Service, Request], Awaitable[Answer]]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One route: what both ways of serving a request (aiohttp's, through ``app.py``, and the
+    fast lane's) know of it."""
+
+    method: str
+    path: str
+    """As aiohttp registers it, with its parameters (``/jobs/{id}/ack``): the route's name in
+    the metrics, the token rules (``wqbroker.auth``) and the OpenAPI document."""
+    handler: Handler
+    reads_body: bool = False
+    """The handler reads the body (else one still to come is skipped after the answer)."""
+    hot: bool = False
+    """Served by the fast lane in its plain form (``fast.py`` says which form that is)."""
+    head: bool = False
+    """(A GET) HEAD is answered too: the route changes nothing (a claim does)."""
+    patterns: tuple[tuple[str, str], ...] = ()
+    """A path parameter's pattern for aiohttp's router, where the default (any segment) would
+    take a fixed word of another route (the fast lane serves no route that has one)."""
+
+    @property
+    def template(self) -> str:
+        """The path as aiohttp's router is given it: each parameter with its pattern, if any."""
+        path = self.path
+        for name, pattern in self.patterns:
+            path = path.replace(f"{{{name}}}", f"{{{name}:{pattern}}}")
+        return path
+
+
+# A task id in a path where a fixed word sits at the same place: anything but that word (no task
+# is called so). Else a method the fixed route does not take would fall through to the task's
+# route: HEAD /jobs/next to the lookup of a task "next" (rather than 405: HEAD never claims),
+# DELETE /dlq/requeue to the purge of a task "requeue".
+_JOB_ID: Final = (("id", "(?!next$|batch$|settle$)[^{}/]+"),)
+_DEAD_ID: Final = (("id", "(?!requeue$)[^{}/]+"),)
+
+ROUTES: Final[tuple[Route, ...]] = (
+    Route("POST", "/jobs", enqueue, reads_body=True, hot=True),
+    Route("POST", BATCH_ROUTE, enqueue_batch, reads_body=True, hot=True),
+    Route("GET", "/jobs/next", claim, hot=True),
+    Route("GET", CLAIM_BATCH_ROUTE, claim_batch, hot=True),
+    Route("POST", SETTLE_ROUTE, settle, reads_body=True, hot=True),
+    Route("GET", "/jobs/{id}", lookup_task, head=True, patterns=_JOB_ID),
+    Route("POST", "/jobs/{id}/ack", ack, hot=True),
+    Route("POST", "/jobs/{id}/nack", nack, reads_body=True, hot=True),
+    Route("POST", "/jobs/{id}/extend", extend, hot=True),
+    Route("GET", "/stats", stats, head=True),
+    Route("GET", "/queues", queues, head=True),
+    Route("POST", "/queues/{name}/pause", pause),
+    Route("POST", "/queues/{name}/resume", resume),
+    Route("GET", "/dlq", dlq, head=True),
+    Route("POST", "/dlq/requeue", requeue_all),
+    Route("POST", "/dlq/{id}/requeue", requeue),
+    Route("DELETE", "/dlq/{id}", purge, patterns=_DEAD_ID),
+    Route("GET", "/healthz", healthz, head=True),
+)
+"""Every route of the API, in the order aiohttp's router tries them (``app.py`` adds the
+operator's: /metrics, /openapi.json, /ui)."""
 
 
 # -- errors -------------------------------------------------------------------------------------

@@ -5,21 +5,23 @@ Each HTTP connection starts with a :class:`FastProtocol`. It reads each request'
 strictly (a request line and header lines of printable ASCII, nothing a parser could read two
 ways), and:
 
-- **serves it** if it is one of the hot requests in its plain form: HTTP/1.1 ``POST /jobs``,
-  ``POST /jobs/batch``, ``GET /jobs/next``, ``GET /jobs/next/batch``, ``POST /jobs/settle``,
-  ``POST /jobs/{id}/ack|nack|extend`` with an id of letters, digits, ``_``, ``-`` and ``~``, a
-  query of such characters (plus ``.`` and ``,``), one ``Host``, a body of at most the limit
-  by ``Content-Length``, none of ``Expect``, ``Content-Encoding``, ``Transfer-Encoding`` or
-  ``Upgrade``, no header aiohttp takes once seen twice, and at most 128 header lines. The answer
-  is the very one aiohttp's way gives (``core.py`` does the work for both;
-  ``tests/test_http_fast.py`` sends each case both ways and compares the bytes): the token
-  check, the errors as JSON, the metrics, the time-outs, keep-alive and ``Connection: close``,
-  pipelining in order;
+- **serves it** if it is one of the hot requests in its plain form: a row of the route table
+  marked hot (``core.ROUTES``: ``POST /jobs``, ``POST /jobs/batch``, ``GET /jobs/next``,
+  ``GET /jobs/next/batch``, ``POST /jobs/settle``, ``POST /jobs/{id}/ack|nack|extend``), over
+  HTTP/1.1, with path parameters of letters, digits, ``_``, ``-`` and ``~``, a query of such
+  characters (plus ``.`` and ``,``), one ``Host``, a body of at most the limit by
+  ``Content-Length``, none of ``Expect``, ``Content-Encoding``, ``Transfer-Encoding`` or
+  ``Upgrade``, no header aiohttp takes once seen twice, and at most 128 header lines. The row's
+  handler (the one aiohttp's way runs too) answers, over the lane's view of the request, and
+  the answer is the very one aiohttp's way gives (``tests/test_http_fast.py`` sends each case
+  both ways and compares the bytes): the token check, the errors as JSON, the metrics, the
+  time-outs, keep-alive and ``Connection: close``, pipelining in order;
 - **passes it to aiohttp**, for this request only, if its head reads cleanly but it is anything
   else (another route or method, HTTP/1.0, a percent-encoded path, a body over the limit, a
   compressed one, ``Expect``, no ``Host``, a token the check refuses): an aiohttp handler of the
-  connection (``server.Protocol``) is given exactly that request's bytes, answers it, and says
-  when it is done; the fast lane then goes on with what follows;
+  connection (a ``lane.SlowPath``: ``server.py`` makes it, and this module never imports that
+  one) is given exactly that request's bytes, answers it, and says when it is done; the fast
+  lane then goes on with what follows;
 - **hands the connection to aiohttp for good** if the head cannot be read that strictly, or its
   end cannot be known without a parser's judgement (``Transfer-Encoding``, ``Content-Length``
   twice or unreadable, ``Upgrade``, a head over 8 KiB): from that request on, aiohttp reads the
@@ -36,7 +38,7 @@ A lane request's body is read whole before its handler runs (aiohttp's handlers 
 first thing); one that does not come within the body time-out gets 408 and the connection is
 closed, as aiohttp's way does. A route that reads no body (ack, extend, a claim) with a body still
 to come is passed to aiohttp, which answers at once and skips it. Time-outs (head, body, idle)
-are kept by one timer per connection, re-armed only when it fires early.
+are kept by one timer per connection (``lane.Deadline``, as aiohttp's side keeps its own).
 """
 
 from __future__ import annotations
@@ -45,17 +47,15 @@ import asyncio
 import logging
 import re
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Final
 
-from aiohttp import web
 from aiohttp.tcp_helpers import tcp_keepalive
 
-from wqbroker.auth import Tokens
 from wqbroker.errors import WqError
-from wqbroker.http import core as routes
 from wqbroker.http.auth import check_route
+from wqbroker.http.core import HEADERS, ROUTES, Route, error_parts
+from wqbroker.http.lane import Deadline, Lane, SlowPath
 from wqbroker.http.transport import (
     RequestTimeout,
     answer_bytes,
@@ -63,12 +63,6 @@ from wqbroker.http.transport import (
     error_body,
     header_timeout_answer,
 )
-from wqbroker.metrics import Metrics
-from wqbroker.models import Delivery
-from wqbroker.service import Service
-
-if TYPE_CHECKING:
-    from wqbroker.http.server import Protocol
 
 log = logging.getLogger("wqbroker.http")
 
@@ -109,16 +103,75 @@ def _could_be_head(data: bytes) -> bool:
     return _HEADER_START.fullmatch(lines[-1]) is not None
 
 
-_PLAIN: Final = {
-    ("POST", "/jobs"): "/jobs",
-    ("POST", routes.BATCH_ROUTE): routes.BATCH_ROUTE,
-    ("GET", "/jobs/next"): "/jobs/next",
-    ("GET", routes.CLAIM_BATCH_ROUTE): routes.CLAIM_BATCH_ROUTE,
-    ("POST", routes.SETTLE_ROUTE): routes.SETTLE_ROUTE,
-}
-_TASK_ROUTE: Final = re.compile(r"/jobs/([A-Za-z0-9_~-]+)/(ack|nack|extend)")
-_PARAM: Final = r"[A-Za-z0-9_.~-]+=[A-Za-z0-9_.,~-]*"  # (nothing a URL parser would decode)
+# A path parameter the lane serves (``{id}`` of ``/jobs/{id}/ack``), and a query: nothing a URL
+# parser would decode.
+_SEGMENT: Final = "[A-Za-z0-9_~-]+"
+_PARAM: Final = r"[A-Za-z0-9_.~-]+=[A-Za-z0-9_.,~-]*"
 _QUERY: Final = re.compile(f"{_PARAM}(?:&{_PARAM})*")
+_PLACEHOLDER: Final = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class _Hot:
+    """A row the lane serves, and where its path parameters are in its method's pattern."""
+
+    __slots__ = ("route", "groups")
+
+    def __init__(self, route: Route, groups: dict[str, int]) -> None:
+        self.route = route
+        self.groups = groups  # parameter -> group of the pattern's match
+
+
+class _Routes:
+    """The rows of the route table the lane serves (``core.ROUTES``, those marked hot), as it
+    finds a request's: a path without parameters by a dict; one with parameters by one pattern
+    per method (an alternative per row, each parameter a segment of :data:`_SEGMENT`), the row
+    told by the last group matched."""
+
+    def __init__(self, routes: Sequence[Route]) -> None:
+        self.plain: dict[tuple[str, str], _Hot] = {}
+        self.templated: dict[str, tuple[re.Pattern[str], dict[int, _Hot]]] = {}
+        alternatives: dict[str, list[str]] = {}
+        ends: dict[str, dict[int, _Hot]] = {}
+        for route in routes:
+            names = _PLACEHOLDER.findall(route.path)
+            if not names:
+                self.plain[route.method, route.path] = _Hot(route, {})
+                continue
+            if route.patterns:  # (its parameters are not any segment: aiohttp's to match)
+                raise ValueError(f"{route.method} {route.path}: the lane serves no patterns")
+            pieces = _PLACEHOLDER.split(route.path)  # literal, name, literal, name, ..., literal
+            alternatives.setdefault(route.method, []).append(
+                "".join(
+                    re.escape(piece) if i % 2 == 0 else f"({_SEGMENT})"
+                    for i, piece in enumerate(pieces)
+                )
+            )
+            found = ends.setdefault(route.method, {})
+            first = max(found, default=0) + 1
+            groups = {name: first + i for i, name in enumerate(names)}
+            found[first + len(names) - 1] = _Hot(route, groups)
+        for method, regexes in alternatives.items():
+            pattern = re.compile("|".join(f"(?:{r})" for r in regexes))
+            self.templated[method] = (pattern, ends[method])
+
+    def find(self, method: str, path: str) -> tuple[_Hot, re.Match[str] | None] | None:
+        """The row of this method and path, and the match of its parameters (None: it has
+        none); None: not a hot request."""
+        hot = self.plain.get((method, path))
+        if hot is not None:
+            return hot, None
+        templated = self.templated.get(method)
+        if templated is None:
+            return None
+        pattern, ends = templated
+        match = pattern.fullmatch(path)
+        if match is None or match.lastindex is None:
+            return None
+        return ends[match.lastindex], match
+
+
+_HOT: Final = _Routes([route for route in ROUTES if route.hot])
+
 # Headers aiohttp refuses to see twice in a request (its parser's list).
 _SINGLETONS: Final = frozenset(
     {
@@ -136,66 +189,59 @@ _SINGLETONS: Final = frozenset(
 )
 
 
-@dataclass(frozen=True, slots=True)
-class Lane:
-    """What the fast lane serves with (the application's own: ``app.create_app`` makes it)."""
-
-    service: Service
-    metrics: Metrics
-    tokens: Tokens | None
-    max_body: int
-    read_body_timeout: float
-    # The application's own middleware: the lane does what it does, and serves only while the
-    # application has no other (one added would be bypassed), nor a response hook.
-    middleware: object
-
-    def serves(self, app: web.Application) -> bool:
-        return list(app.middlewares) == [self.middleware] and not app.on_response_prepare
-
-
-LANE: Final = web.AppKey("lane", Lane)
-
-
 class _Request:
-    """A request the lane serves."""
+    """A request the lane serves: what its row's handler sees of it (``core.Request``)."""
 
     __slots__ = (
-        "method",
         "route",
-        "task_id",
+        "groups",
+        "matched",
         "params",
-        "keys",
-        "auth",
+        "headers",
         "close",
-        "body",
+        "data",
         "left",
         "head_at",
+        "conn",
     )
 
     def __init__(
         self,
-        method: str,
-        route: str,
-        task_id: str | None,
+        hot: _Hot,
+        matched: re.Match[str] | None,
         params: dict[str, list[str]],
-        keys: list[str],
-        auth: list[str],
-        close: bool,
+        fields: _Fields,
         length: int,
+        conn: FastProtocol,
     ) -> None:
-        self.method = method
-        self.route = route  # as registered: /jobs/{id}/ack
-        self.task_id = task_id
-        self.params = params
-        self.keys = keys  # the Idempotency-Key headers
-        self.auth = auth  # the Authorization headers
-        self.close = close  # the client asked for Connection: close
-        self.body = bytearray()
+        self.route = hot.route
+        self.groups = hot.groups
+        self.matched = matched  # its path parameters (in ``groups``)
+        self.params = params  # the query's
+        self.headers = fields.headers  # those of core.HEADERS it has
+        self.close = fields.close  # the client asked for Connection: close
+        self.data = bytearray()  # the body
         self.left = length  # body bytes still to come
         self.head_at = 0.0  # when its head was in (its body is due a time-out after)
+        self.conn = conn
 
-    def param(self, name: str) -> str | None:
-        return routes.one_value(name, self.params.get(name, ()))
+    def match(self, name: str) -> str:
+        matched = self.matched
+        if matched is None:
+            raise LookupError(f"{self.route.path} has no parameter {name}")
+        return matched[self.groups[name]]
+
+    def query(self, name: str) -> Sequence[str]:
+        return self.params.get(name, ())
+
+    def header(self, name: str) -> Sequence[str]:
+        return self.headers.get(name, ())
+
+    async def body(self) -> bytes:
+        return bytes(self.data)  # (read whole before the handler runs)
+
+    def write(self, body: bytes) -> Coroutine[None, None, None]:
+        return self.conn._write(answer_bytes(200, body, self.close))
 
 
 class _Passed:
@@ -215,12 +261,12 @@ _Item = _Request | _Passed
 class _Fields:
     """What the lane reads of a request's header lines."""
 
-    __slots__ = ("length", "close", "keys", "auth", "hosts", "plain", "for_good", "seen")
+    __slots__ = ("length", "close", "headers", "auth", "hosts", "plain", "for_good", "seen")
 
     def __init__(self) -> None:
         self.length: int | None = 0  # Content-Length (None: unreadable)
         self.close = False  # Connection: close
-        self.keys: list[str] = []  # Idempotency-Key
+        self.headers: dict[str, list[str]] = {}  # those of core.HEADERS (a handler reads them)
         self.auth: list[str] = []  # Authorization
         self.hosts = 0
         self.plain = True  # nothing in them that is aiohttp's to deal with
@@ -251,9 +297,6 @@ class _Fields:
     def _authorization(self, value: bytes) -> None:
         self.auth.append(value.decode("ascii"))
 
-    def _key(self, value: bytes) -> None:
-        self.keys.append(value.decode("ascii"))
-
     def _switch(self, value: bytes) -> None:
         self.for_good = True  # Transfer-Encoding, Upgrade: where the request ends, or what follows
 
@@ -261,25 +304,28 @@ class _Fields:
         self.plain = False  # Content-Encoding, Expect, Sec-WebSocket-Key1: aiohttp's rules
 
 
+def _gather(name: str) -> Callable[[_Fields, bytes], None]:
+    """The reader of a header a handler reads (``core.HEADERS``): its values, kept."""
+
+    def gather(fields: _Fields, value: bytes) -> None:
+        fields.headers.setdefault(name, []).append(value.decode("ascii"))
+
+    return gather
+
+
 # The headers the lane looks at (lower case), and what it does with each; any other is let be.
 _READERS: Final[dict[bytes, Callable[[_Fields, bytes], None]]] = {
+    **{name.lower().encode("ascii"): _gather(name) for name in HEADERS},
     b"content-length": _Fields._length,
     b"host": _Fields._host,
     b"connection": _Fields._connection,
     b"authorization": _Fields._authorization,
-    b"idempotency-key": _Fields._key,
     b"transfer-encoding": _Fields._switch,
     b"upgrade": _Fields._switch,
     b"content-encoding": _Fields._aiohttps,
     b"expect": _Fields._aiohttps,
     b"sec-websocket-key1": _Fields._aiohttps,
 }
-
-
-# Routes whose handler reads the body (the others answer without it).
-_READS_BODY: Final = frozenset(
-    {"/jobs", routes.BATCH_ROUTE, routes.SETTLE_ROUTE, "/jobs/{id}/nack"}
-)
 
 
 class FastProtocol(asyncio.Protocol):
@@ -289,7 +335,7 @@ class FastProtocol(asyncio.Protocol):
     def __init__(
         self,
         lane: Lane,
-        slow: Callable[[FastProtocol], Protocol],
+        slow: Callable[[FastProtocol], SlowPath],
         *,
         loop: asyncio.AbstractEventLoop,
         read_header_timeout: float,
@@ -310,7 +356,7 @@ class FastProtocol(asyncio.Protocol):
         self._pending: deque[_Item] = deque()  # parsed, not yet answered (the first: now)
         self._open: _Item | None = None  # the last of them, while its body is still to come
         self._for_good: bytearray | None = None  # the bytes from which aiohttp reads on its own
-        self._slow: Protocol | None = None
+        self._slow: SlowPath | None = None
         self._slow_done: asyncio.Future[None] | None = None
         self._server: asyncio.Task[None] | None = None  # the task answering, while it runs
         self._wake: asyncio.Future[None] | None = None  # it waits for a request
@@ -320,11 +366,9 @@ class FastProtocol(asyncio.Protocol):
         self._reading_paused = False
         self._closed = False
         self._stopping = False  # the server stops: no request after the one being answered
-        # The time-outs (one timer): when the connection times out (None: never, while a request
-        # is answered), and what it then does.
-        self._due: float | None = None
+        # The time-outs (one timer), and what the connection does when the one set passes.
+        self._deadline = Deadline(loop, self._time_out)
         self._timeout = "head"
-        self._timer: asyncio.TimerHandle | None = None
         self._head_from = 0.0  # the first byte of the head awaited (or the connection's start)
 
     # -- asyncio's calls -----------------------------------------------------------------------
@@ -335,7 +379,7 @@ class FastProtocol(asyncio.Protocol):
         self._connections.add(self)
         self._head_from = self._loop.time()  # the first request's head is due from now
         self._timeout = "head"
-        self._set_due(self._head_from + self._header_timeout)
+        self._deadline.set(self._head_from + self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
         if self._closed or self._stopping:
@@ -358,9 +402,7 @@ class FastProtocol(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self._closed = True
         self._connections.discard(self)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         if self._server is not None:
             self._server.cancel()  # a long-poll leaves its line (a store call runs to its end)
         for waiter in (self._drain, self._slow_done):
@@ -389,7 +431,7 @@ class FastProtocol(asyncio.Protocol):
         take = data[: item.left]
         item.left -= len(take)
         if isinstance(item, _Request):
-            item.body += take
+            item.data += take
         elif item.active:
             assert self._slow is not None
             self._slow.data_received(take)
@@ -454,31 +496,28 @@ class FastProtocol(asyncio.Protocol):
         # What aiohttp refuses or treats its own way (a request without Host, too many headers,
         # a header twice that may be there once, an Expect, a Content-Encoding) is its to answer.
         plain = minor == b"1" and fields.plain and fields.hosts == 1 and len(headers) <= MAX_HEADERS
-        request = self._request(method, target, length) if plain else None
+        request = self._request(method, target, fields) if plain else None
         if (
             request is None
-            or (length > buffered and request.route not in _READS_BODY)
+            or (length > buffered and not request.route.reads_body)
             or not self._admitted(request, fields.auth)
         ):
             # (A route that reads no body answers at once aiohttp's way, and skips the body.)
             return _Passed(head + b"\r\n\r\n", length)
-        request.keys, request.auth, request.close = fields.keys, fields.auth, fields.close
         return request
 
-    def _request(self, method_bytes: bytes, target_bytes: bytes, length: int) -> _Request | None:
+    def _request(
+        self, method_bytes: bytes, target_bytes: bytes, fields: _Fields
+    ) -> _Request | None:
         """The request, if its method, target and length are ones the lane serves."""
-        if length > self._lane.max_body:
+        length = fields.length
+        if length is None or length > self._lane.max_body:
             return None  # (aiohttp answers 413 and closes)
         method = method_bytes.decode("ascii")
         path, _, query = target_bytes.decode("ascii").partition("?")
-        task_id = None
-        route = _PLAIN.get((method, path))
-        if route is None:
-            task = _TASK_ROUTE.fullmatch(path) if method == "POST" else None
-            if task is None:
-                return None
-            task_id = task[1]
-            route = _TASK_ROUTES[task[2]]
+        found = _HOT.find(method, path)
+        if found is None:
+            return None
         params: dict[str, list[str]] = {}
         if query:
             if _QUERY.fullmatch(query) is None:
@@ -486,7 +525,8 @@ class FastProtocol(asyncio.Protocol):
             for part in query.split("&"):
                 name, _, value = part.partition("=")
                 params.setdefault(name, []).append(value)
-        return _Request(method, route, task_id, params, [], [], False, length)
+        hot, matched = found
+        return _Request(hot, matched, params, fields, length, self)
 
     def _admitted(self, request: _Request, auth: list[str]) -> bool:
         """Whether the token lets the request through (a refusal is aiohttp's to answer, with
@@ -494,8 +534,9 @@ class FastProtocol(asyncio.Protocol):
         tokens = self._lane.tokens
         if tokens is None:
             return True
+        route = request.route
         try:
-            check_route(tokens, auth, request.method, request.route)
+            check_route(tokens, auth, route.method, route.path)
         except WqError:
             return False
         return True
@@ -580,7 +621,7 @@ class FastProtocol(asyncio.Protocol):
         while item.left and not self._closed:  # the body aiohttp did not wait for
             await self._body_ready()
 
-    def _slow_handler(self) -> Protocol:
+    def _slow_handler(self) -> SlowPath:
         slow = self._slow
         if slow is None:
             slow = self._slow = self._make_slow(self)
@@ -603,11 +644,8 @@ class FastProtocol(asyncio.Protocol):
         slow = self._slow_handler()
         self._closed = True  # (nothing more of this connection is the lane's)
         self._connections.discard(self)
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        slow.take_over()
-        transport.set_protocol(slow)
+        self._deadline.cancel()
+        slow.take_over(transport)
         if self._reading_paused:
             self._reading_paused = False
             transport.resume_reading()
@@ -633,8 +671,8 @@ class FastProtocol(asyncio.Protocol):
                     request.head_at = self._head_from
                     while request.left:
                         await self._body_ready()
-                status, body = await self._handle(request)
-                if body is not None or status == 204:
+                status, body = await request.route.handler(lane.service, request)
+                if body is not None or status == 204:  # (else: written by the handler)
                     await self._write(answer_bytes(status, body, close))
             except asyncio.CancelledError:
                 counted = False  # (the client went away: aiohttp's way counts nothing either)
@@ -647,7 +685,7 @@ class FastProtocol(asyncio.Protocol):
                 await self._write(answer_bytes(status, error_body(message), close, headers))
         finally:
             if counted:
-                lane.metrics.count_answer(request.method, request.route, status)
+                lane.metrics.count_answer(request.route.method, request.route.path, status)
         if close:
             self._close()
 
@@ -656,77 +694,13 @@ class FastProtocol(asyncio.Protocol):
     ) -> tuple[int, str, tuple[tuple[str, str], ...]]:
         """The answer to an error: its status, message and the headers it calls for."""
         if isinstance(error, WqError):
-            status, headers = routes.error_parts(error)
+            status, headers = error_parts(error)
             return status, error.message, headers
         if isinstance(error, RequestTimeout):
             return 408, error.message, ()
-        log.error("unexpected error in %s %s", request.method, request.route, exc_info=error)
-        return 500, "internal error", ()
-
-    async def _handle(self, request: _Request) -> tuple[int, bytes | None]:
-        """The route's work: the answer's status and body (None: no body, or written already)."""
-        service = self._lane.service
         route = request.route
-        if route == "/jobs":
-            key = routes.idempotency_key(request.keys)
-            return await routes.enqueue_answer(service, bytes(request.body), key)
-        if route == "/jobs/next":
-            return await self._claim(request)
-        if route == routes.SETTLE_ROUTE:
-            return 200, await routes.settle_answer(service, bytes(request.body))
-        if route == routes.CLAIM_BATCH_ROUTE:
-            return await self._claim_batch(request)
-        if route == routes.BATCH_ROUTE:
-            body = bytes(request.body)
-            return 201, await routes.enqueue_batch_answer(service, body, bool(request.keys))
-        task_id = request.task_id
-        assert task_id is not None
-        lease_id = routes.required_lease_id(request.param("lease_id"))
-        if route == _ACK:
-            await service.ack(task_id, lease_id)
-            return 204, None
-        if route == _NACK:
-            await routes.nack_task(service, task_id, lease_id, bytes(request.body))
-            return 204, None
-        lease_ms = routes.int_value("lease_ms", request.param("lease_ms"))
-        return 200, await routes.extend_answer(service, task_id, lease_id, lease_ms)
-
-    async def _claim(self, request: _Request) -> tuple[int, bytes | None]:
-        written = False
-
-        async def hand_over(delivery: Delivery) -> None:
-            # Written here, before the service lets go of the task: if the client is gone or
-            # the answer cannot be written, nobody saw the task and the service hands it back.
-            nonlocal written
-            await self._write(answer_bytes(200, routes.render_delivery(delivery), request.close))
-            written = True
-
-        await self._lane.service.claim(
-            routes.int_value("wait_ms", request.param("wait_ms")),
-            routes.int_value("lease_ms", request.param("lease_ms")),
-            hand_over,
-            queues=request.param("queue"),
-        )
-        return (200, None) if written else (204, None)
-
-    async def _claim_batch(self, request: _Request) -> tuple[int, bytes | None]:
-        written = False
-
-        async def hand_over(deliveries: list[Delivery]) -> None:
-            nonlocal written  # (as for a claim: written before the service lets go of them)
-            await self._write(
-                answer_bytes(200, routes.render_deliveries(deliveries), request.close)
-            )
-            written = True
-
-        await self._lane.service.claim_batch(
-            routes.int_value("wait_ms", request.param("wait_ms")),
-            routes.int_value("lease_ms", request.param("lease_ms")),
-            routes.int_value("max", request.param("max")),
-            hand_over,
-            queues=request.param("queue"),
-        )
-        return (200, None) if written else (204, None)
+        log.error("unexpected error in %s %s", route.method, route.path, exc_info=error)
+        return 500, "internal error", ()
 
     async def _write(self, data: bytes) -> None:
         transport = self._transport
@@ -743,9 +717,7 @@ class FastProtocol(asyncio.Protocol):
     def _close(self) -> None:
         if not self._closed:
             self._closed = True
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._deadline.cancel()
             if self._transport is not None:
                 self._transport.close()
 
@@ -777,38 +749,20 @@ class FastProtocol(asyncio.Protocol):
             front = self._pending[0]
             if self._body_wait is not None and isinstance(front, _Request):
                 self._timeout = "body"
-                self._set_due(front.head_at + self._lane.read_body_timeout)
+                self._deadline.set(front.head_at + self._lane.read_body_timeout)
             else:
-                self._due = None  # busy: no time-out while a request is answered
+                self._deadline.clear()  # busy: no time-out while a request is answered
         elif self._buf or self._for_good:
             self._timeout = "head"
-            self._set_due(self._head_from + self._header_timeout)
+            self._deadline.set(self._head_from + self._header_timeout)
         else:
             self._timeout = "idle"
-            self._set_due(self._loop.time() + self._idle_timeout)
-
-    def _set_due(self, due: float) -> None:
-        self._due = due
-        timer = self._timer
-        if timer is not None and timer.when() > due:  # sooner than the timer is set for
-            timer.cancel()
-            timer = None
-        if timer is None:
-            self._timer = self._loop.call_at(due, self._check)
-
-    def _check(self) -> None:
-        self._timer = None
-        due = self._due
-        if due is None or self._closed:
-            return
-        if self._loop.time() < due:  # the deadline moved later: wait for the new one
-            self._timer = self._loop.call_at(due, self._check)
-            return
-        self._loop.call_soon(self._time_out)  # (a head parsed in this very turn goes first)
+            self._deadline.set(self._loop.time() + self._idle_timeout)
 
     def _time_out(self) -> None:
-        due, transport = self._due, self._transport
-        if due is None or self._closed or transport is None or self._loop.time() < due:
+        """The deadline set has passed."""
+        transport = self._transport
+        if self._closed or transport is None:
             return
         if self._timeout == "body":
             if self._body_wait is not None and not self._body_wait.done():
@@ -821,8 +775,3 @@ class FastProtocol(asyncio.Protocol):
         else:
             log.debug("closing the idle connection from %s", peer)
         self._close()
-
-
-_TASK_ROUTES: Final = {action: f"/jobs/{{id}}/{action}" for action in ("ack", "nack", "extend")}
-_ACK: Final = _TASK_ROUTES["ack"]
-_NACK: Final = _TASK_ROUTES["nack"]

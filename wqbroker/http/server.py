@@ -14,7 +14,8 @@
   in ``transport.py``. None runs while the application works on a request, so a long-poll is
   never cut off.
 - The requests producers and workers make all day take the fast lane (``fast.py``): the same
-  answers, without aiohttp's per-request machinery; every other request is aiohttp's.
+  answers, without aiohttp's per-request machinery; every other request is aiohttp's. With the
+  lane switched off (``-http-fast-lane=false``; or the access log on), every request is.
 - Whatever escapes the application (an HTTP error raised before the middlewares run, such as
   aiohttp's own ``Expect`` handling on an unknown path) is answered in JSON.
 - What aiohttp's parser rejects (an oversized line or header, too many headers, Content-Length
@@ -42,7 +43,8 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.streams import StreamReader
 
-from wqbroker.http.fast import LANE, FastProtocol, Lane
+from wqbroker.http.fast import FastProtocol
+from wqbroker.http.lane import LANE, Deadline, Lane
 from wqbroker.http.transport import error_response, header_timeout_answer
 
 log = logging.getLogger("wqbroker.http")
@@ -153,11 +155,10 @@ class Protocol(web.RequestHandler):
     """aiohttp's handler of one connection, with the head and idle time-outs, answering the
     requests its parser rejects in JSON.
 
-    One timer per connection keeps both time-outs: until the request's first byte, the idle one
-    (or, on a new connection, the head one, as Go does); from its first byte until it reaches the
-    application, the head one; none while the application works on it. The timer is not
-    cancelled and re-made per request: it fires at the deadline it was set for and, if the
-    deadline has moved since, waits again for the new one."""
+    One timer per connection (a :class:`~wqbroker.http.lane.Deadline`, as the fast lane's) keeps
+    both time-outs: until the request's first byte, the idle one (or, on a new connection, the
+    head one, as Go does); from its first byte until it reaches the application, the head one;
+    none while the application works on it."""
 
     def __init__(
         self,
@@ -181,8 +182,7 @@ class Protocol(web.RequestHandler):
         self._header_timeout = read_header_timeout
         self._idle_timeout = idle_timeout
         self._phase: Literal["head", "busy", "idle"] = "head"
-        self._due: float | None = None  # when the connection times out (None: busy)
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = Deadline(loop, self._time_out)
         self._begun = False  # bytes of the next request have arrived
         # The fast lane whose connection this is (it gives this handler the requests it passes
         # on, one at a time), until it hands the connection over (``take_over``).
@@ -193,11 +193,12 @@ class Protocol(web.RequestHandler):
         if self._lane is None:
             self._wait(self._header_timeout)
 
-    def take_over(self) -> None:
+    def take_over(self, transport: asyncio.Transport) -> None:
         """The connection is this handler's from now on (the fast lane has let it go): its
         bytes come straight from the transport, and the time-outs are kept here."""
         self._lane = None
         self._phase = "idle" if self._phase == "busy" else self._phase
+        transport.set_protocol(self)
         self._wait(self._header_timeout)
 
     def data_received(self, data: bytes) -> None:
@@ -212,15 +213,13 @@ class Protocol(web.RequestHandler):
         super().data_received(data)
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline.cancel()
         super().connection_lost(exc)
 
     def request_started(self) -> None:
         """A request's head is in: it is handed to the application (no time-out runs)."""
         self._phase = "busy"
-        self._due = None
+        self._deadline.clear()
         self._begun = False
 
     async def finish_response(
@@ -236,27 +235,11 @@ class Protocol(web.RequestHandler):
                 self._wait(self._idle_timeout)
 
     def _wait(self, timeout: float) -> None:
-        self._due = self._event_loop.time() + timeout
-        if self._timer is None:
-            self._timer = self._event_loop.call_at(self._due, self._check)
-
-    def _check(self) -> None:
-        self._timer = None
-        due = self._due
-        if due is None:
-            return
-        if self._event_loop.time() < due:  # the deadline moved: wait for the new one
-            self._timer = self._event_loop.call_at(due, self._check)
-            return
-        # One more turn of the loop first: a head parsed in this very turn reaches the application.
-        self._event_loop.call_soon(self._time_out)
+        self._deadline.set(self._event_loop.time() + timeout)
 
     def _time_out(self) -> None:
         transport = self.transport
-        due = self._due
-        if due is None or self._event_loop.time() < due or transport is None:
-            return
-        if transport.is_closing():
+        if transport is None or transport.is_closing():
             return
         peer = transport.get_extra_info("peername")
         if self._begun:
@@ -371,7 +354,8 @@ class _Server(web.Server):
 
 
 class Runner(web.AppRunner):
-    """An AppRunner serving its application with the transport's settings."""
+    """An AppRunner serving its application with the transport's settings (and the fast lane,
+    unless ``fast_lane`` is false)."""
 
     def __init__(
         self,
@@ -381,10 +365,12 @@ class Runner(web.AppRunner):
         read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         shutdown_timeout: float,
+        fast_lane: bool = True,
     ) -> None:
         super().__init__(app, shutdown_timeout=shutdown_timeout)
         self._read_header_timeout = read_header_timeout
         self._idle_timeout = idle_timeout
+        self._fast_lane = fast_lane
         self._protocol_kwargs: dict[str, Any] = {
             "access_log": access_log,
             "lingering_time": 0.0,
@@ -399,9 +385,12 @@ class Runner(web.AppRunner):
 
     async def _make_server(self) -> web.Server:
         made = await super()._make_server()  # starts and freezes the application
-        # The fast lane, unless requests are to be logged (aiohttp's access log sees only its
-        # own), or the application has none, or has more to it than the lane does.
-        lane = self.app.get(LANE) if self._protocol_kwargs["access_log"] is None else None
+        # The fast lane, unless it is switched off, or requests are to be logged (aiohttp's
+        # access log sees only its own), or the application has none, or has more to it than
+        # the lane does.
+        lane = None
+        if self._fast_lane and self._protocol_kwargs["access_log"] is None:
+            lane = self.app.get(LANE)
         if lane is not None and not lane.serves(self.app):
             lane = None
         return _Server(
