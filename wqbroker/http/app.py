@@ -46,6 +46,9 @@ from wqbroker.http.core import (
     settle_answer,
 )
 from wqbroker.http.fast import LANE, Lane
+from wqbroker.http.metrics import ROUTE as METRICS_ROUTE
+from wqbroker.http.metrics import count_http
+from wqbroker.http.metrics import handler as metrics_handler
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
     BODY,
@@ -61,7 +64,6 @@ from wqbroker.http.transport import (
     no_content,
     read_body,
 )
-from wqbroker.metrics import ROUTE as METRICS_ROUTE
 from wqbroker.metrics import Metrics
 from wqbroker.models import Delivery
 from wqbroker.service import Service
@@ -315,9 +317,9 @@ def middleware(
             if not request.content.is_eof():
                 response = await finish_body(request, response)
         except web.HTTPException as e:
-            metrics.count_http(request, e.status)
+            count_http(metrics, request, e.status)
             raise
-        metrics.count_http(request, response.status)
+        count_http(metrics, request, response.status)
         return response
 
     return handle
@@ -368,7 +370,7 @@ def create_app(
     routes.add_post("/dlq/{id}/requeue", requeue, expect_handler=expect)
     routes.add_delete(f"/dlq/{_DEAD_ID}", purge, expect_handler=expect)
     routes.add_get("/healthz", healthz, expect_handler=expect)
-    routes.add_get(METRICS_ROUTE, metrics.handle, expect_handler=expect)
+    routes.add_get(METRICS_ROUTE, metrics_handler(metrics), expect_handler=expect)
     routes.add_get(
         openapi.PATH, openapi.handler(metrics_public=metrics_public), expect_handler=expect
     )
