@@ -118,22 +118,27 @@ def timed(
     timed, when nobody listens to store calls: no clock, no frame of its own."""
     if not events.times_store_calls:
         return call
-    return _timed(events, operation, call, changed)
+    if changed is None:
+        return _timed(events, operation, call)
+    return _timed_if(events, operation, call, changed)
 
 
-async def _timed(
+async def _timed(events: Events, operation: Operation, call: Coroutine[Any, Any, R]) -> R:
+    started = time.perf_counter()
+    try:
+        return await call
+    finally:
+        events.store_call(operation, time.perf_counter() - started)
+
+
+async def _timed_if(
     events: Events,
     operation: Operation,
     call: Coroutine[Any, Any, R],
-    changed: Callable[[R], bool] | None,
+    changed: Callable[[R], bool],
 ) -> R:
     started = time.perf_counter()
-    try:
-        result = await call
-    except BaseException:
-        if changed is None:
-            events.store_call(operation, time.perf_counter() - started)
-        raise
-    if changed is None or changed(result):
+    result = await call
+    if changed(result):
         events.store_call(operation, time.perf_counter() - started)
     return result

@@ -194,12 +194,19 @@ class Metrics(Events):
 
     def settled(self, acked: Sequence[str], nacked: Sequence[str]) -> None:
         now = self.clock.now()
+        if acked:
+            self._held_for(acked, now, self._acked)
+        if nacked:
+            self._held_for(nacked, now, self._nacked)
+
+    def _held_for(self, lease_ids: Sequence[str], now: float, series: _Observed) -> None:
+        """Observes how long each lease was held, as of ``now``; forgets them."""
         pop = self._handed_out.pop
-        for lease_ids, series in ((acked, self._acked), (nacked, self._nacked)):
-            for lease_id in lease_ids:
-                at = pop(lease_id, None)
-                if at is not None:
-                    series.observe(max(0.0, now - at))
+        observe = series.observe
+        for lease_id in lease_ids:
+            at = pop(lease_id, None)
+            if at is not None:
+                observe(max(0.0, now - at))
 
     def leases_gone(self, lease_ids: Sequence[str]) -> None:
         pop = self._handed_out.pop
