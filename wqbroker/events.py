@@ -107,20 +107,25 @@ class Fanout(Events):
 
 
 def timed(
+    events: Events, operation: Operation, call: Coroutine[Any, Any, R]
+) -> Coroutine[Any, Any, R]:
+    """``call``, its time told to ``events.store_call`` when it ends (also if it fails); ``call``
+    itself, not timed, when nobody listens to store calls: no clock, no frame of its own."""
+    if not events.times_store_calls:
+        return call
+    return _timed(events, operation, call)
+
+
+def timed_if(
+    changed: Callable[[R], bool],
     events: Events,
     operation: Operation,
     call: Coroutine[Any, Any, R],
-    *,
-    changed: Callable[[R], bool] | None = None,
 ) -> Coroutine[Any, Any, R]:
-    """``call``, its time told to ``events.store_call`` when it ends (also if it fails; with
-    ``changed``, only if it returns something that changed the store). ``call`` itself, not
-    timed, when nobody listens to store calls: no clock, no frame of its own."""
+    """As :func:`timed`, told only if what ``call`` returns ``changed`` the store."""
     if not events.times_store_calls:
         return call
-    if changed is None:
-        return _timed(events, operation, call)
-    return _timed_if(events, operation, call, changed)
+    return _timed_if(changed, events, operation, call)
 
 
 async def _timed(events: Events, operation: Operation, call: Coroutine[Any, Any, R]) -> R:
@@ -132,10 +137,10 @@ async def _timed(events: Events, operation: Operation, call: Coroutine[Any, Any,
 
 
 async def _timed_if(
+    changed: Callable[[R], bool],
     events: Events,
     operation: Operation,
     call: Coroutine[Any, Any, R],
-    changed: Callable[[R], bool],
 ) -> R:
     started = time.perf_counter()
     result = await call

@@ -193,20 +193,17 @@ class Metrics(Events):
             held[delivery.lease_id] = now
 
     def settled(self, acked: Sequence[str], nacked: Sequence[str]) -> None:
+        # (A loop for each outcome, written out: this runs for every ack.)
         now = self.clock.now()
-        if acked:
-            self._held_for(acked, now, self._acked)
-        if nacked:
-            self._held_for(nacked, now, self._nacked)
-
-    def _held_for(self, lease_ids: Sequence[str], now: float, series: _Observed) -> None:
-        """Observes how long each lease was held, as of ``now``; forgets them."""
         pop = self._handed_out.pop
-        observe = series.observe
-        for lease_id in lease_ids:
+        for lease_id in acked:
             at = pop(lease_id, None)
             if at is not None:
-                observe(max(0.0, now - at))
+                self._acked.observe(max(0.0, now - at))
+        for lease_id in nacked:
+            at = pop(lease_id, None)
+            if at is not None:
+                self._nacked.observe(max(0.0, now - at))
 
     def leases_gone(self, lease_ids: Sequence[str]) -> None:
         pop = self._handed_out.pop

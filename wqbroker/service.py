@@ -27,7 +27,7 @@ from wqbroker.errors import (
     WqError,
     quoted,
 )
-from wqbroker.events import Events, timed
+from wqbroker.events import Events, timed, timed_if
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import (
     DEFAULT_QUEUE,
@@ -522,8 +522,8 @@ class Service:
             self._next_poll = now + self.poll_interval
             if self._dispatch.wants(None):
                 self._background.spawn(self._dispatch.pump(None))
-        result, next_due = await timed(
-            self._events, "sweep", self._store.sweep(now=now), changed=_swept_something
+        result, next_due = await timed_if(
+            _swept_something, self._events, "sweep", self._store.sweep(now=now)
         )
         if result.reclaimed:
             gone = [lease_id for _, lease_id in result.reclaimed]
