@@ -25,6 +25,7 @@ from wqbroker.errors import StoreError
 from wqbroker.metrics import _STORE_BUCKETS, _Histogram
 from wqbroker.models import QueueReport, Totals
 from wqbroker.retry import Backoff
+from wqbroker.service import Submission
 from wqbroker.store.memory import MemoryStore
 from wqwire.pb import broker_pb2 as pb
 from wqwire.pb import broker_pb2_grpc as pb_grpc
@@ -168,6 +169,43 @@ async def test_histograms_count_what_happened(broker: Broker, http: Http, clock:
     assert value(samples, "wq_http_requests_total", **unmatched) == 1
     scrapes = {"method": "GET", "route": "/metrics", "status": "200"}
     assert value(samples, "wq_http_requests_total", **scrapes) == 1  # (the first scrape)
+
+
+async def test_batches_and_streams_are_timed_per_task(
+    broker: Broker, http: Http, clock: FakeClock
+) -> None:
+    service = broker.service
+    await service.enqueue_many([Submission(b'{"n": 1}')] * 4)
+    clock.advance(2.0)
+    a, b, c, d = await service.claim_batch(0, None, 4)  # each waited 2 s
+    clock.advance(1.0)
+    await service.settle_many(
+        [(a.task.id, a.lease_id), (b.task.id, b.lease_id), (c.task.id, "not its lease")],
+        [(c.task.id, c.lease_id, "it broke"), ("nope", "x", None)],
+    )  # two acked and one nacked after 1 s; two refused
+    await service.enqueue_many([Submission(b'{"n": 2}')] * 2)
+    clock.advance(0.5)
+    stream = await service.open_stream(2, None)  # each waited 0.5 s
+    assert len(stream.take_ready()) == 2
+    await stream.close()  # both reclaimed: no settlement
+    samples = await scrape(http)
+    assert value(samples, "wq_task_wait_seconds_count") == 6
+    assert value(samples, "wq_task_wait_seconds_sum") == 4 * 2 + 2 * 0.5
+    assert value(samples, "wq_task_processing_seconds_count", outcome="acked") == 2
+    assert value(samples, "wq_task_processing_seconds_sum", outcome="acked") == 2
+    assert value(samples, "wq_task_processing_seconds_count", outcome="nacked") == 1
+    assert value(samples, "wq_task_processing_seconds_sum", outcome="nacked") == 1
+    commits = {
+        op: value(samples, "wq_store_commit_seconds_count", operation=op)
+        for op in ("enqueue", "claim", "settle", "reclaim", "release")
+    }
+    assert commits == {"enqueue": 2, "claim": 2, "settle": 1, "reclaim": 2, "release": 0}
+    # d is still out: settled now, its time runs from its hand-out.
+    clock.advance(4.0)
+    await service.ack(d.task.id, d.lease_id)
+    samples = await scrape(http)
+    assert value(samples, "wq_task_processing_seconds_count", outcome="acked") == 3
+    assert value(samples, "wq_task_processing_seconds_sum", outcome="acked") == 2 + 5.5
 
 
 async def test_counters_never_go_down_across_scrapes(

@@ -16,6 +16,7 @@ from wqbroker.clock import Clock, SystemClock
 from wqbroker.config import Config, disabled, parse_addr
 from wqbroker.errors import StoreError
 from wqbroker.grpc.auth import AuthInterceptor
+from wqbroker.grpc.metrics import MetricsInterceptor
 from wqbroker.grpc.server import create_server, set_serving
 from wqbroker.http import (
     create_app,
@@ -139,7 +140,7 @@ class Broker:
             backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
             self._store = await open_store(config, backoff, self._rng, self.clock)
         self._service = Service(
-            self.metrics.metered(self._store),
+            self._store,
             self.clock,
             sweep_interval=config.sweep_interval,
             poll_interval=config.poll_interval,
@@ -148,6 +149,7 @@ class Broker:
             max_queues=config.max_queues,
             max_waiters=config.max_waiters,
             dedup_window=config.dedup_window,
+            events=self.metrics,
         )
         self.metrics.watch(self._service)
         await self._service.start()
@@ -190,7 +192,9 @@ class Broker:
         self.http_addresses = [format_addr(a) for a in runner.addresses]
 
     async def _start_grpc(self, host: str | None, port: int) -> None:
-        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [self.metrics.interceptor()]
+        interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = [
+            MetricsInterceptor(self.metrics)
+        ]
         if self.tokens is not None:
             interceptors.append(AuthInterceptor(self.tokens))  # (inside: refusals are counted)
         server, self._health = create_server(self.service, interceptors)

@@ -10,7 +10,9 @@ tasks fairly. When tasks become ready in a queue, the lines that listen to it ar
 The :class:`Dispatcher` owns that queue, the streams and which stream holds which lease, and the
 pump that claims ready tasks from the store for them. It is also the one place where a task that no
 worker saw is handed back (:meth:`Dispatcher.give_back`): a long-poller that went away, a stream
-closed with deliveries still queued, an answer that could not be written.
+closed with deliveries still queued, an answer that could not be written. Its store calls (claims,
+hand-backs, the reclaims of a closed stream) are told to the service's listener
+(:mod:`wqbroker.events`) as the service's own are.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Final
 
 from wqbroker.clock import Clock
 from wqbroker.errors import Overloaded, WqError
+from wqbroker.events import Events, timed
 from wqbroker.followthrough import Background
 from wqbroker.limits import RETRY_AFTER
 from wqbroker.models import DEFAULT_QUEUE, Delivery
@@ -267,10 +270,12 @@ class Dispatcher:
         clock: Clock,
         wake_by: Callable[[float], None],
         background: Background,
+        events: Events,
         *,
         max_waiters: int = 0,
     ) -> None:
         self._store = store
+        self._events = events
         self._clock = clock
         self._wake_by = wake_by  # the sweeper must look again by then (a lease's deadline)
         self._background = background
@@ -475,20 +480,29 @@ class Dispatcher:
         return deliveries
 
     async def _claim_now_many(self, lease: float, count: int, queues: Queues) -> list[Delivery]:
-        claimed = self._store.claim_many([lease] * count, now=self._clock.now(), queues=queues)
+        claimed = timed(
+            self._events,
+            "claim",
+            self._store.claim_many([lease] * count, now=self._clock.now(), queues=queues),
+        )
         if self._store.never_suspends:
-            return await claimed
-        task = asyncio.get_running_loop().create_task(claimed)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The caller went away while the store committed the hand-outs: undo them once done.
-            def undo(done: asyncio.Task[list[Delivery]]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.give_back_all_later(done.result())
+            deliveries = await claimed
+        else:
+            task = asyncio.get_running_loop().create_task(claimed)
+            try:
+                deliveries = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The caller went away while the store committed the hand-outs: undo them once
+                # done.
+                def undo(done: asyncio.Task[list[Delivery]]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        self._undo(done.result())
 
-            task.add_done_callback(undo)
-            raise
+                task.add_done_callback(undo)
+                raise
+        if deliveries:
+            self._events.handed_out(deliveries)
+        return deliveries
 
     async def _hand_over(self, delivery: Delivery, hand_over: HandOver) -> Delivery | None:
         try:
@@ -508,20 +522,36 @@ class Dispatcher:
         return delivery
 
     async def _claim_now(self, lease: float, queues: Queues) -> Delivery | None:
-        claimed = self._store.claim(lease=lease, now=self._clock.now(), queues=queues)
+        claimed = timed(
+            self._events,
+            "claim",
+            self._store.claim(lease=lease, now=self._clock.now(), queues=queues),
+        )
         if self._store.never_suspends:
-            return await claimed
-        task = asyncio.get_running_loop().create_task(claimed)
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The caller went away while the store committed the hand-out: undo it once done.
-            def undo(done: asyncio.Task[Delivery | None]) -> None:
-                if not done.cancelled() and done.exception() is None:
-                    self.give_back_later(done.result())
+            delivery = await claimed
+        else:
+            task = asyncio.get_running_loop().create_task(claimed)
+            try:
+                delivery = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The caller went away while the store committed the hand-out: undo it once done.
+                def undo(done: asyncio.Task[Delivery | None]) -> None:
+                    if not done.cancelled() and done.exception() is None:
+                        found = done.result()
+                        self._undo([found] if found is not None else [])
 
-            task.add_done_callback(undo)
-            raise
+                task.add_done_callback(undo)
+                raise
+        if delivery is not None:
+            self._events.handed_out((delivery,))
+        return delivery
+
+    def _undo(self, deliveries: list[Delivery]) -> None:
+        """Hand-outs that no caller is left to take (it went away while the store committed
+        them): handed out, as far as the listener is told, then handed back."""
+        if deliveries:
+            self._events.handed_out(deliveries)
+            self.give_back_all_later(deliveries)
 
     # -- handing back ------------------------------------------------------------------------
 
@@ -531,7 +561,9 @@ class Dispatcher:
         stream = self._stream_leases.pop(delivery.lease_id, None)
         if stream is not None:
             stream.finished(delivery.lease_id)
-        if not await self._store.release(delivery.task.id, delivery.lease_id):
+        self._events.leases_gone((delivery.lease_id,))
+        released = self._store.release(delivery.task.id, delivery.lease_id)
+        if not await timed(self._events, "release", released):
             return False
         log.debug(
             "task %s handed back: its consumer went away",
@@ -606,10 +638,10 @@ class Dispatcher:
         now = self._clock.now()
         for lease_id, task_id in stream.take_sent().items():
             self._stream_leases.pop(lease_id, None)
+            self._events.leases_gone((lease_id,))
+            reclaimed = self._store.reclaim(task_id, lease_id, RECLAIM_STREAM_ENDED, now=now)
             try:
-                failure = await self._store.reclaim(
-                    task_id, lease_id, RECLAIM_STREAM_ENDED, now=now
-                )
+                failure = await timed(self._events, "reclaim", reclaimed)
             except WqError:  # finished meanwhile (a unary ack) or its lease already ran out
                 continue
             if failure.retry_at is not None:
@@ -724,9 +756,11 @@ class Dispatcher:
             slots = self._slots(key, batch)
             if not slots:
                 return
-            deliveries = await self._store.claim_many(
-                [consumer.lease for consumer in slots], now=self._clock.now(), queues=key
-            )
+            leases = [consumer.lease for consumer in slots]
+            claimed = self._store.claim_many(leases, now=self._clock.now(), queues=key)
+            deliveries = await timed(self._events, "claim", claimed)
+            if deliveries:
+                self._events.handed_out(deliveries)
             await self._hand_out(slots, deliveries)
             if len(deliveries) < len(slots):
                 return  # nothing more is ready

@@ -1,6 +1,8 @@
-"""Prometheus metrics: ``GET /metrics``, one :class:`Metrics` per broker, applied once.
+"""Prometheus metrics: the registry of one broker (:class:`Metrics`) and what it renders.
 
-What is measured, and where:
+This module speaks no protocol: ``GET /metrics`` and the HTTP counts are served by
+``wqbroker.http.metrics``, the gRPC counts by an interceptor in ``wqbroker.grpc.metrics``, and the
+task timings come from the service's events (``wqbroker.events``). What is measured, and where:
 
 - The store's state (each queue's gauges, totals and the age of its oldest ready task) is read at
   scrape time, by one :meth:`Store.queue_report` call: no per-task work, whatever the backlog (the
@@ -8,16 +10,17 @@ What is measured, and where:
   made before the registry is rendered, and the custom collector (:class:`_StateCollector`) only
   turns that snapshot into families. The dispatcher's parked long-polls and open streams are read
   at the same moment.
-- Task timings and store latency are observed as they happen, by :class:`MeteredStore`, a store
-  that delegates every call of the contract to the real one: the wait of each task handed out
-  (from when it became ready to its hand-out), the time from each hand-out to its ack or nack, and
-  the latency of every store call that writes (a commit, in a durable store).
-- HTTP requests by route and status: :meth:`Metrics.count_http`, called by the application's
-  one middleware (``wqbroker.http.app``) for every answer, refusals (auth, bodies) included, and
-  :meth:`Metrics.count_answer` by the fast lane (``wqbroker.http.fast``) for the requests it
-  serves itself.
-- gRPC calls by method and code: one server interceptor (:class:`MetricsInterceptor`), outside
-  the auth interceptor.
+- Task timings and store latency are observed as they happen: :class:`Metrics` is the service's
+  listener (an :class:`~wqbroker.events.Events`), told of each batch of hand-outs, settlements
+  and leases gone, and of the time each store call that changes something took (a commit, in a
+  durable store). From those: the wait of each task handed out (from when it became ready to its
+  hand-out), the time from each hand-out to its ack or nack, the store's latency by operation.
+- HTTP requests by route and status: :meth:`Metrics.count_answer`, called by the application's
+  one middleware (through ``wqbroker.http.metrics.count_http``) for every answer, refusals (auth,
+  bodies) included, and by the fast lane (``wqbroker.http.fast``) for the requests it serves
+  itself.
+- gRPC calls by method and code: one server interceptor (``wqbroker.grpc.metrics``), outside the
+  auth interceptor, counting into :attr:`Metrics.grpc_requests`.
 
 Every broker has a registry of its own (never the process-wide default), so several brokers in one
 process (the tests) do not share series. Counters never go down while the broker runs: the store's
@@ -27,19 +30,14 @@ nobody saw is undone; Prometheus would take a drop for a restart).
 
 from __future__ import annotations
 
-import asyncio
 import bisect
-import inspect
 import itertools
 import logging
 import math
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import TYPE_CHECKING, Final
 
-import grpc
-from aiohttp import web
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -47,37 +45,16 @@ from prometheus_client.core import (
     HistogramMetricFamily,
     Metric,
 )
-from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from wqbroker.clock import Clock
 from wqbroker.errors import WqError
-from wqbroker.grpc.auth import behavior_of, with_behavior
-from wqbroker.models import (
-    DEFAULT_QUEUE,
-    Delivery,
-    Enqueued,
-    Failure,
-    NackItem,
-    NewTask,
-    QueueReport,
-    QueueStats,
-    Stats,
-    SweepResult,
-    Task,
-    TaskState,
-    Totals,
-)
-from wqbroker.store import ReadyListener, Store
+from wqbroker.events import OPERATIONS, Events, Operation
+from wqbroker.models import Delivery, QueueReport, Totals
 
 if TYPE_CHECKING:
     from wqbroker.service import Service
 
 log = logging.getLogger("wqbroker.metrics")
-
-R = TypeVar("R")
-
-#: The route, as the token rules and the app name it.
-ROUTE: Final = "/metrics"
 
 _TOTALS: Final = tuple(f.name for f in fields(Totals))
 _TOTAL_HELP: Final = {
@@ -112,8 +89,10 @@ _MAX_LEASES: Final = 1_000_000
 _METHODS: Final = frozenset({"GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"})
 
 
-class Metrics:
-    """The registry of one broker and everything that feeds it."""
+class Metrics(Events):
+    """The registry of one broker and everything that feeds it; the service's listener (wired
+    by the broker: ``Service(..., events=metrics)``). It holds nothing of the store's state but
+    the hand-outs not yet settled (lease id -> when), to time their settlement."""
 
     def __init__(self, clock: Clock) -> None:
         # The _created series (when each series was made) would double the output for nothing a
@@ -163,13 +142,14 @@ class Metrics:
         ]
         for histogram in histograms:
             self.registry.register(histogram)
+        # Every series of an operation or an outcome shows from the start (at 0).
+        self._ops = {op: self.store_latency.labels(op) for op in OPERATIONS}
+        self._acked = self.task_processing.labels("acked")
+        self._nacked = self.task_processing.labels("nacked")
+        self._handed_out: dict[str, float] = {}  # lease id -> when it was handed out
         self._service: Service | None = None
 
     # -- wiring -----------------------------------------------------------------------------
-
-    def metered(self, store: Store) -> MeteredStore:
-        """``store``, with its calls observed (what the service is to be given)."""
-        return MeteredStore(store, self)
 
     def watch(self, service: Service) -> None:
         """The service whose state a scrape reports."""
@@ -192,30 +172,46 @@ class Metrics:
             )
         return generate_latest(self.registry)
 
-    async def handle(self, request: web.Request) -> web.Response:
-        """``GET /metrics``."""
-        body = await self.exposition()
-        # The classic text format (every name here is a legacy one: the output is the same in
-        # version 1.0.0), which every Prometheus reads.
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_PLAIN_0_0_4})
-
-    # -- HTTP -------------------------------------------------------------------------------
-
-    def count_http(self, request: web.Request, status: int) -> None:
-        """Counts an answer by method, route and status."""
-        # Labels come only from bounded sets: the routes registered, a few methods.
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else "unmatched"
-        self.count_answer(request.method, route, status)
+    # -- requests ---------------------------------------------------------------------------
 
     def count_answer(self, method: str, route: str, status: int) -> None:
-        """Counts an answer to ``method`` on ``route`` (as registered: ``/jobs/{id}/ack``)."""
+        """Counts an HTTP answer to ``method`` on ``route`` (as registered: ``/jobs/{id}/ack``;
+        ``unmatched`` for a path with no route). Labels come only from bounded sets: the routes
+        registered, a few methods."""
         self.http_requests.add((method if method in _METHODS else "other", route, str(status)))
 
-    # -- gRPC -------------------------------------------------------------------------------
+    # -- the service's events ----------------------------------------------------------------
 
-    def interceptor(self) -> MetricsInterceptor:
-        return MetricsInterceptor(self.grpc_requests)
+    def handed_out(self, deliveries: Sequence[Delivery]) -> None:
+        now = self.clock.now()
+        observe = self.task_wait.observe
+        held = self._handed_out
+        for delivery in deliveries:
+            observe(max(0.0, now - delivery.task.available_at))
+            if len(held) >= _MAX_LEASES:
+                del held[next(iter(held))]
+            held[delivery.lease_id] = now
+
+    def settled(self, acked: Sequence[str], nacked: Sequence[str]) -> None:
+        # (A loop for each outcome, written out: this runs for every ack.)
+        now = self.clock.now()
+        pop = self._handed_out.pop
+        for lease_id in acked:
+            at = pop(lease_id, None)
+            if at is not None:
+                self._acked.observe(max(0.0, now - at))
+        for lease_id in nacked:
+            at = pop(lease_id, None)
+            if at is not None:
+                self._nacked.observe(max(0.0, now - at))
+
+    def leases_gone(self, lease_ids: Sequence[str]) -> None:
+        pop = self._handed_out.pop
+        for lease_id in lease_ids:
+            pop(lease_id, None)
+
+    def store_call(self, operation: Operation, seconds: float) -> None:
+        self._ops[operation].observe(seconds)
 
 
 class _Counts:
@@ -362,282 +358,3 @@ class _StateCollector:
         yield from gauges.values()
         yield from (paused, age)
         yield from totals.values()
-
-
-class MetricsInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Counts every call of a known method by its final status code."""
-
-    def __init__(self, counter: _Counts) -> None:
-        self._counter = counter
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Any],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None  # UNIMPLEMENTED: not counted (its name is the caller's to choose)
-        service, _, method = handler_call_details.method.lstrip("/").rpartition("/")
-        counter = self._counter
-
-        def count(context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None) -> None:
-            counter.add((service, method, _code(context, error)))
-
-        behavior = behavior_of(handler)
-        if inspect.isasyncgenfunction(behavior):
-
-            async def streaming(
-                request: Any, context: grpc.aio.ServicerContext[Any, Any]
-            ) -> AsyncIterator[Any]:
-                try:
-                    async for response in behavior(request, context):
-                        yield response
-                except BaseException as e:
-                    count(context, e)
-                    raise
-                count(context, None)
-
-            return with_behavior(handler, streaming)
-
-        async def call(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            try:
-                result = await behavior(request, context)
-            except BaseException as e:
-                count(context, e)
-                raise
-            count(context, None)
-            return result
-
-        return with_behavior(handler, call)
-
-
-def _code(context: grpc.aio.ServicerContext[Any, Any], error: BaseException | None) -> str:
-    """The name of the status code the call ends with."""
-    try:
-        code: Any = context.code()
-    except Exception:  # (an experimental API of grpc.aio)
-        code = None
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        for status in grpc.StatusCode:
-            if status.value[0] == code:
-                return status.name
-    if error is None:
-        return "OK"
-    if isinstance(error, (GeneratorExit, asyncio.CancelledError)):  # the client went away
-        return "CANCELLED"
-    return "UNKNOWN"
-
-
-class MeteredStore:
-    """A store that times the calls that write and the tasks it hands out, and passes every call
-    on to the real store (``inner``). It holds nothing of the store's state but the hand-outs not
-    yet settled (lease id -> when), to time their settlement."""
-
-    def __init__(self, inner: Store, metrics: Metrics) -> None:
-        self.inner = inner
-        self.never_suspends = inner.never_suspends
-        self.shared = inner.shared
-        self._clock = metrics.clock
-        self._wait = metrics.task_wait
-        self._processing = metrics.task_processing
-        self._ops = {
-            op: metrics.store_latency.labels(op)
-            for op in (
-                "enqueue",
-                "claim",
-                "settle",
-                "extend",
-                "reclaim",
-                "release",
-                "sweep",
-                "requeue",
-                "purge",
-                "pause",
-            )
-        }
-        self._acked = metrics.task_processing.labels("acked")
-        self._nacked = metrics.task_processing.labels("nacked")
-        self._handed_out: dict[str, float] = {}  # lease id -> when it was handed out
-
-    # -- the contract's attributes -----------------------------------------------------------
-
-    @property
-    def transactions(self) -> int:
-        return self.inner.transactions
-
-    @transactions.setter
-    def transactions(self, value: int) -> None:
-        self.inner.transactions = value
-
-    # -- observing ---------------------------------------------------------------------------
-
-    async def _timed(self, op: str, call: Awaitable[R]) -> R:
-        started = time.perf_counter()
-        try:
-            return await call
-        finally:
-            self._ops[op].observe(time.perf_counter() - started)
-
-    def _out(self, deliveries: Iterable[Delivery]) -> None:
-        now = self._clock.now()
-        observe = self._wait.observe
-        held = self._handed_out
-        for delivery in deliveries:
-            observe(max(0.0, now - delivery.task.available_at))
-            if len(held) >= _MAX_LEASES:
-                del held[next(iter(held))]
-            held[delivery.lease_id] = now
-
-    def _settled(self, lease_id: str, acked: bool) -> None:
-        at = self._handed_out.pop(lease_id, None)
-        if at is not None:
-            histogram = self._acked if acked else self._nacked
-            histogram.observe(max(0.0, self._clock.now() - at))
-
-    def _acks_settled(self, lease_ids: Iterable[str]) -> None:
-        """As ``_settled`` for acks, with one reading of the clock for all."""
-        pop = self._handed_out.pop
-        now = self._clock.now()
-        observe = self._acked.observe
-        for lease_id in lease_ids:
-            at = pop(lease_id, None)
-            if at is not None:
-                observe(max(0.0, now - at))
-
-    # -- the contract ------------------------------------------------------------------------
-
-    async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
-        return await self._timed("enqueue", self.inner.enqueue_many(items, now=now))
-
-    async def claim(
-        self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
-    ) -> Delivery | None:
-        delivery = await self._timed("claim", self.inner.claim(lease=lease, now=now, queues=queues))
-        if delivery is not None:
-            self._out((delivery,))
-        return delivery
-
-    async def claim_many(
-        self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
-    ) -> list[Delivery]:
-        deliveries = await self._timed(
-            "claim", self.inner.claim_many(leases, now=now, queues=queues)
-        )
-        if deliveries:
-            self._out(deliveries)
-        return deliveries
-
-    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
-        await self._timed("settle", self.inner.ack(task_id, lease_id, now=now))
-        self._settled(lease_id, True)
-
-    async def settle_many(
-        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
-    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        acked, nacked = await self._timed("settle", self.inner.settle_many(acks, nacks, now=now))
-        self._acks_settled(
-            lease_id for (_, lease_id), error in zip(acks, acked, strict=True) if error is None
-        )
-        for item, outcome in zip(nacks, nacked, strict=True):
-            if isinstance(outcome, Failure):
-                self._settled(item.lease_id, False)
-        return acked, nacked
-
-    async def nack(
-        self,
-        task_id: str,
-        lease_id: str,
-        error: str | None,
-        *,
-        now: float,
-        delay: float | None = None,
-        terminal: bool = False,
-    ) -> Failure:
-        failure = await self._timed(
-            "settle",
-            self.inner.nack(task_id, lease_id, error, now=now, delay=delay, terminal=terminal),
-        )
-        self._settled(lease_id, False)
-        return failure
-
-    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
-        return await self._timed(
-            "extend", self.inner.extend(task_id, lease_id, lease=lease, now=now)
-        )
-
-    async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
-        self._handed_out.pop(lease_id, None)
-        return await self._timed("reclaim", self.inner.reclaim(task_id, lease_id, error, now=now))
-
-    async def release(self, task_id: str, lease_id: str) -> bool:
-        self._handed_out.pop(lease_id, None)
-        return await self._timed("release", self.inner.release(task_id, lease_id))
-
-    async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
-        # Timed only when it changed something (most sweeps find nothing due: no commit).
-        started = time.perf_counter()
-        result, due = await self.inner.sweep(now=now)
-        if result.reclaimed or result.promoted:
-            self._ops["sweep"].observe(time.perf_counter() - started)
-        for _, lease_id in result.reclaimed:
-            self._handed_out.pop(lease_id, None)
-        return result, due
-
-    async def requeue(self, task_id: str, *, now: float) -> str:
-        return await self._timed("requeue", self.inner.requeue(task_id, now=now))
-
-    async def requeue_all(self, *, queue: str | None = None, now: float) -> tuple[int, list[str]]:
-        return await self._timed("requeue", self.inner.requeue_all(queue=queue, now=now))
-
-    async def purge(self, task_id: str) -> None:
-        await self._timed("purge", self.inner.purge(task_id))
-
-    async def set_paused(self, queue: str, paused: bool) -> None:
-        await self._timed("pause", self.inner.set_paused(queue, paused))
-
-    # -- reads and hints: passed on ----------------------------------------------------------
-
-    async def stats(self, queue: str | None = None) -> Stats:
-        return await self.inner.stats(queue)
-
-    async def queues(self) -> list[QueueStats]:
-        return await self.inner.queues()
-
-    async def queue_report(self) -> list[QueueReport]:
-        return await self.inner.queue_report()
-
-    async def lookup(self, task_id: str) -> TaskState | None:
-        return await self.inner.lookup(task_id)
-
-    async def dead_letters(
-        self, *, limit: int | None = None, queue: str | None = None
-    ) -> list[Task]:
-        return await self.inner.dead_letters(limit=limit, queue=queue)
-
-    def problem(self) -> str | None:
-        return self.inner.problem()
-
-    def held_hint(self) -> int | None:
-        return self.inner.held_hint()
-
-    def queue_hint(self, queue: str) -> bool | None:
-        return self.inner.queue_hint(queue)
-
-    def queue_count_hint(self) -> int | None:
-        return self.inner.queue_count_hint()
-
-    def key_hint(self, queue: str, key: str, now: float) -> bool | None:
-        return self.inner.key_hint(queue, key, now)
-
-    def ready_hint(self) -> int | None:
-        return self.inner.ready_hint()
-
-    def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
-        if isinstance(self.inner, ReadyListener):
-            self.inner.on_ready(callback)
-
-    async def close(self) -> None:
-        await self.inner.close()

@@ -3,7 +3,9 @@
 The HTTP gateway and the gRPC server are thin adapters over one :class:`Service`: they parse a
 request, call a method here and render the result. Every value a client sends is checked here
 (with the rules of :mod:`wqbroker.limits`); state transitions and counters live in the store; the
-hand-off of tasks to waiting consumers lives in :mod:`wqbroker.dispatch`.
+hand-off of tasks to waiting consumers lives in :mod:`wqbroker.dispatch`. What happened is told to
+the service's listener (:mod:`wqbroker.events`: the broker's metrics) where the store answered,
+and every store call that changes something is timed for it, here or in the dispatcher.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from wqbroker.errors import (
     WqError,
     quoted,
 )
+from wqbroker.events import Events, timed, timed_if
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import (
     DEFAULT_QUEUE,
@@ -36,6 +39,7 @@ from wqbroker.models import (
     QueueReport,
     QueueStats,
     Stats,
+    SweepResult,
     Task,
     TaskState,
 )
@@ -76,9 +80,12 @@ class Service:
         max_waiters: int = limits.DEFAULT_MAX_WAITERS,
         dedup_window: float = limits.DEFAULT_DEDUP_WINDOW_MS / 1000,
         max_queues: int = limits.DEFAULT_MAX_QUEUES,
+        events: Events | None = None,
     ) -> None:
+        """``events``: the listener (several: a :class:`~wqbroker.events.Fanout`)."""
         self._store = store
         self._clock = clock
+        self._events = events = events if events is not None else Events()
         self.dedup_window = dedup_window  # seconds an idempotency key is remembered
         self.max_payload = max_payload
         self.max_tasks = max_tasks  # 0: no limit
@@ -86,7 +93,7 @@ class Service:
         self._sweeper = Sweeper(clock, sweep_interval, self.sweep)
         self._background = Background()
         self._dispatch = Dispatcher(
-            store, clock, self._sweeper.wake_by, self._background, max_waiters=max_waiters
+            store, clock, self._sweeper.wake_by, self._background, events, max_waiters=max_waiters
         )
         self._closing = False
         self._on_close: list[Callable[[], None]] = []
@@ -174,7 +181,7 @@ class Service:
         new = self._checked(Submission(payload, max_attempts, delay_ms, queue, priority, key))
         self._room_for((new,))
         now = self._clock.now()
-        done = await self._store.enqueue_many((new,), now=now)
+        done = await timed(self._events, "enqueue", self._store.enqueue_many((new,), now=now))
         await self._placed(done, (new,))
         return done[0]
 
@@ -189,7 +196,7 @@ class Service:
         checked = [_named(self._checked, item, f"{what}[{i}]") for i, item in enumerate(items)]
         self._room_for(checked)
         now = self._clock.now()
-        done = await self._store.enqueue_many(checked, now=now)
+        done = await timed(self._events, "enqueue", self._store.enqueue_many(checked, now=now))
         await self._placed(done, checked)
         return done
 
@@ -197,6 +204,7 @@ class Service:
         """New tasks are in the store: wake the sweeper for the delayed, feed consumers. (Which
         are delayed is what was asked, not a comparison of times: a store on the database's
         clock translates its times into the broker's only to within a millisecond or so.)"""
+        self._events.enqueued(done)
         earliest = None
         ready: set[str] = set()
         for enqueued, item in zip(done, items, strict=True):
@@ -350,7 +358,8 @@ class Service:
     @follow_through
     async def ack(self, task_id: object, lease_id: object) -> None:
         tid, lid = _ack_item((task_id, lease_id))
-        await self._store.ack(tid, lid, now=self._clock.now())
+        await timed(self._events, "settle", self._store.ack(tid, lid, now=self._clock.now()))
+        self._events.settled((lid,), ())
         await self._dispatch.finished((lid,), later=self._later)
 
     @follow_through
@@ -366,14 +375,19 @@ class Service:
         """Report a failure: retry on the backoff, or after exactly ``delay_ms``, or (with
         ``terminal``) bury the task now."""
         item = _nack_item((task_id, lease_id, error, delay_ms, terminal))
-        failure = await self._store.nack(
-            item.task_id,
-            item.lease_id,
-            item.error,
-            now=self._clock.now(),
-            delay=item.delay,
-            terminal=item.terminal,
+        failure = await timed(
+            self._events,
+            "settle",
+            self._store.nack(
+                item.task_id,
+                item.lease_id,
+                item.error,
+                now=self._clock.now(),
+                delay=item.delay,
+                terminal=item.terminal,
+            ),
         )
+        self._events.settled((), (item.lease_id,))
         if failure.retry_at is not None:
             self._sweeper.wake_by(failure.retry_at)
         await self._dispatch.finished((item.lease_id,), later=self._later)
@@ -395,14 +409,20 @@ class Service:
         else:
             ack_items, ack_errors = _parse_each(acks, _ack_item)
             nack_items, nack_errors = _parse_each(nacks, _nack_item)
-        acked, nacked = await self._store.settle_many(ack_items, nack_items, now=self._clock.now())
-        finished = [lid for (_, lid), error in zip(ack_items, acked, strict=True) if error is None]
+        acked, nacked = await timed(
+            self._events,
+            "settle",
+            self._store.settle_many(ack_items, nack_items, now=self._clock.now()),
+        )
+        done = [lid for (_, lid), error in zip(ack_items, acked, strict=True) if error is None]
+        failed: list[str] = []
         for item, result in zip(nack_items, nacked, strict=True):
             if isinstance(result, Failure):
-                finished.append(item.lease_id)
+                failed.append(item.lease_id)
                 if result.retry_at is not None:
                     self._sweeper.wake_by(result.retry_at)
-        await self._dispatch.finished(finished, later=self._later)
+        self._events.settled(done, failed)
+        await self._dispatch.finished(done + failed if failed else done, later=self._later)
         nack_outcomes = [r if isinstance(r, WqError) else None for r in nacked]
         return _fill(ack_errors, acked), _fill(nack_errors, nack_outcomes)
 
@@ -414,7 +434,9 @@ class Service:
         (default and cap as for claims)."""
         tid, lid = _ack_item((task_id, lease_id))
         lease = limits.lease_seconds(lease_ms)
-        deadline = await self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+        deadline = await timed(
+            self._events, "extend", self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+        )
         self._sweeper.wake_by(deadline)  # a shortened lease is reclaimed at its new deadline
         return deadline
 
@@ -449,14 +471,18 @@ class Service:
     @follow_through
     async def requeue(self, task_id: object) -> None:
         tid = limits.id_value("id", task_id)
-        queue = await self._store.requeue(tid, now=self._clock.now())
+        queue = await timed(
+            self._events, "requeue", self._store.requeue(tid, now=self._clock.now())
+        )
         await self._dispatch.pump((queue,))
 
     @follow_through
     async def requeue_all(self, queue: object | None = None) -> int:
         """Requeue every dead task (of one queue); how many."""
         name = None if queue is None else limits.queue_value(queue)
-        count, queues = await self._store.requeue_all(queue=name, now=self._clock.now())
+        count, queues = await timed(
+            self._events, "requeue", self._store.requeue_all(queue=name, now=self._clock.now())
+        )
         await self._dispatch.pump(queues)
         return count
 
@@ -464,7 +490,7 @@ class Service:
     async def purge(self, task_id: object) -> None:
         """Drop a dead task for good."""
         tid = limits.id_value("id", task_id)
-        await self._store.purge(tid)
+        await timed(self._events, "purge", self._store.purge(tid))
 
     @follow_through
     async def pause(self, queue: object) -> None:
@@ -472,14 +498,14 @@ class Service:
         name = limits.queue_value(queue)
         if self._store.queue_hint(name) is False:
             self._room_for_queues((name,))
-        await self._store.set_paused(name, True)
+        await timed(self._events, "pause", self._store.set_paused(name, True))
 
     @follow_through
     async def resume(self, queue: object) -> None:
         name = limits.queue_value(queue)
         if self._store.queue_hint(name) is False:
             self._room_for_queues((name,))
-        await self._store.set_paused(name, False)
+        await timed(self._events, "pause", self._store.set_paused(name, False))
         await self._dispatch.pump((name,))
 
     def _ready_elsewhere(self, queues: Iterable[str] | None) -> None:
@@ -497,12 +523,22 @@ class Service:
             self._next_poll = now + self.poll_interval
             if self._dispatch.wants(None):
                 self._background.spawn(self._dispatch.pump(None))
-        result, next_due = await self._store.sweep(now=now)
+        result, next_due = await timed_if(
+            _swept_something, self._events, "sweep", self._store.sweep(now=now)
+        )
         if result.reclaimed:
-            await self._dispatch.finished(lease_id for _, lease_id in result.reclaimed)
+            gone = [lease_id for _, lease_id in result.reclaimed]
+            self._events.leases_gone(gone)
+            await self._dispatch.finished(gone)
         if result.ready_queues:
             await self._dispatch.pump(result.ready_queues)
         return next_due
+
+
+def _swept_something(swept: tuple[SweepResult, float | None]) -> bool:
+    """Whether a sweep changed the store (most find nothing due: no commit to time)."""
+    result, _ = swept
+    return bool(result.reclaimed or result.promoted)
 
 
 def _ack_item(item: AckItem) -> tuple[str, str]:

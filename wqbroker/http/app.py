@@ -25,6 +25,9 @@ from wqbroker.http import dashboard, openapi
 from wqbroker.http.auth import token_check
 from wqbroker.http.core import HEADERS, ROUTES, STATUS, Route, error_parts
 from wqbroker.http.lane import LANE, Lane
+from wqbroker.http.metrics import ROUTE as METRICS_ROUTE
+from wqbroker.http.metrics import count_http
+from wqbroker.http.metrics import handler as metrics_handler
 from wqbroker.http.server import DEFAULT_IDLE_TIMEOUT, DEFAULT_READ_HEADER_TIMEOUT, Runner
 from wqbroker.http.transport import (
     BODY,
@@ -40,7 +43,6 @@ from wqbroker.http.transport import (
     no_content,
     read_body,
 )
-from wqbroker.metrics import ROUTE as METRICS_ROUTE
 from wqbroker.metrics import Metrics
 from wqbroker.service import Service
 
@@ -171,9 +173,9 @@ def middleware(
             if not request.content.is_eof():
                 response = await finish_body(request, response)
         except web.HTTPException as e:
-            metrics.count_http(request, e.status)
+            count_http(metrics, request, e.status)
             raise
-        metrics.count_http(request, response.status)
+        count_http(metrics, request, response.status)
         return response
 
     return handle
@@ -213,7 +215,7 @@ def create_app(
             )
         else:
             routes.add_route(route.method, route.template, _handler(route), expect_handler=expect)
-    routes.add_get(METRICS_ROUTE, metrics.handle, expect_handler=expect)
+    routes.add_get(METRICS_ROUTE, metrics_handler(metrics), expect_handler=expect)
     routes.add_get(
         openapi.PATH, openapi.handler(metrics_public=metrics_public), expect_handler=expect
     )

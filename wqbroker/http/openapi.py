@@ -34,7 +34,7 @@ from aiohttp import web
 
 from wqbroker import limits
 from wqbroker.auth import SCOPES, Access, http_rule
-from wqbroker.metrics import ROUTE as METRICS
+from wqbroker.http.metrics import ROUTE as METRICS
 
 Json = dict[str, Any]
 
