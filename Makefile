@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
 
-.PHONY: install install-run run worker producer test lint format bench beanstalkd clean proto proto-check node-deps browser screenshot
+.PHONY: install install-run run worker producer test test-fast lint format bench beanstalkd clean proto proto-check node-deps browser screenshot
 
 install: $(STAMP)
 
@@ -48,8 +48,21 @@ format: install
 	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto
 	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto
 
+# The tests, in tiers (tests/conftest.py puts the markers on). `make test` runs them all, as CI
+# does: lint, then every test spread over the cores (pytest-xdist) but the few marked serial,
+# which then run alone; every Hypothesis example (the ci profile). `make test-fast` is the loop's
+# tier: no lint, npm, PostgreSQL or browser, a fifth of the examples. PYTEST_ARGS narrows either
+# (a tier with nothing left to run after it is not a failure).
+JOBS ?= auto
+PYTEST_TIER = run() { $(PY) -m pytest "$$@" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; return $$rc; }; run
+
 test: install node-deps lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	@export HYPOTHESIS_PROFILE=ci; $(PYTEST_TIER) -n $(JOBS) -m "not serial"
+	@export HYPOTHESIS_PROFILE=ci; $(PYTEST_TIER) -m serial
+
+test-fast: install
+	@export HYPOTHESIS_PROFILE=dev; $(PYTEST_TIER) -n $(JOBS) \
+		-m "not pg and not browser and not node and not slow and not serial"
 
 # The Node.js gRPC client used by the cross-language test (@grpc/grpc-js, @grpc/proto-loader).
 NODE_STAMP := tests/node/node_modules/.installed
@@ -67,7 +80,7 @@ bench: install beanstalkd
 beanstalkd:
 	@command -v beanstalkd >/dev/null || (test "$$(id -u)" = 0 && apt-get install -y -q beanstalkd >/dev/null) || echo "beanstalkd not installed: the bench skips it"
 
-# Chromium from Debian's packages, for the dashboard's browser tests (tests/test_ui.py, driven by
+# Chromium from Debian's packages, for the dashboard's browser tests (tests/ui/test_dashboard.py, driven by
 # Playwright; without it they skip, or fail when CI is set). Installed as root; else says how.
 CHROMIUM := /usr/bin/chromium
 browser:
@@ -77,7 +90,7 @@ browser:
 
 # Redraw docs/dashboard.png (the README's screenshot) with the overview test, in Chromium.
 screenshot: install browser
-	WQ_DOCS_SCREENSHOT=1 $(PY) -m pytest -q tests/test_ui.py -k overview
+	WQ_DOCS_SCREENSHOT=1 $(PY) -m pytest -q tests/ui/test_dashboard.py -k overview
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules

@@ -10,7 +10,10 @@ what it runs on, so no test has to remember its own:
 - ``e2e``: real processes: brokers, the commands, other languages (tests/e2e);
 - ``browser``: the dashboard in Chromium (tests/ui);
 - ``pg``: on PostgreSQL (a ``postgres`` parameter, or a test of the PostgreSQL store or cluster);
-- ``slow``: put by hand on the few that take seconds of CPU (``make test-fast`` leaves them out).
+- ``node``: a client in Node.js, which needs the npm packages of tests/node (``make node-deps``);
+- ``slow``: put by hand on the few that take seconds of CPU (``make test-fast`` leaves them out);
+- ``serial``: run alone after the rest by ``make test`` (several brokers or processes killed on
+  purpose, a browser: timing they should not share with a parallel run).
 
 Hypothesis: the ``ci`` profile (``make test``, and whenever ``$CI`` is set) runs every property
 as written; ``dev`` (``make test-fast``, and plain ``pytest``) a fifth of the examples
@@ -52,19 +55,29 @@ LAYERS: Final = {
     "ui": "browser",
 }
 # Test modules whose every test runs on PostgreSQL.
-POSTGRES_MODULES: Final = frozenset({"test_postgres.py", "test_postgres_cluster.py"})
+POSTGRES_MODULES: Final = frozenset({"store/test_postgres.py", "e2e/test_postgres_cluster.py"})
+NODE_MODULE: Final = "e2e/test_node_client.py"
+# Test modules run alone, after the rest (``make test``): several brokers, processes killed on
+# purpose, a browser; their timing is not to be shared with a parallel run.
+SERIAL_MODULES: Final = frozenset(
+    {"e2e/test_sqlite_kill9.py", "e2e/test_postgres_cluster.py", "ui/test_dashboard.py"}
+)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     root = Path(__file__).parent
     for item in items:
-        path = Path(item.fspath)
-        layer = LAYERS.get(path.relative_to(root).parts[0])
+        where = Path(item.fspath).relative_to(root)
+        layer = LAYERS.get(where.parts[0])
         if layer is not None:
             item.add_marker(layer)
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if path.name in POSTGRES_MODULES or "postgres" in params.values():
+        if where.as_posix() in POSTGRES_MODULES or "postgres" in params.values():
             item.add_marker("pg")
+        if where.as_posix() in SERIAL_MODULES:
+            item.add_marker("serial")
+        if where.as_posix() == NODE_MODULE:
+            item.add_marker("node")
 
 
 @pytest.fixture(autouse=True)

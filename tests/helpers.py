@@ -20,7 +20,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Final, Protocol, TypeVar, overload
 
 import aiohttp
@@ -190,6 +190,14 @@ async def running_broker(
         yield broker
     finally:
         await broker.stop()
+
+
+def http_broker(
+    clock: Clock | None = None, rng: random.Random | None = None, **config: Any
+) -> AbstractAsyncContextManager[Broker]:
+    """A real broker serving HTTP only (127.0.0.1, port 0): no gRPC server is started, the HTTP
+    tests need none."""
+    return running_broker(clock, rng, grpc_addr="off", **config)
 
 
 # -- HTTP ---------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ failed together do not all retry at the same instant.
 :func:`backoff_delay` is the reference. The PostgreSQL store computes the same delay in the
 database (``wq.backoff`` in wqbroker/store/postgres/sql/functions.sql: the same operations in the
 same order, with :data:`MAX_DOUBLINGS`), since only the settling transaction knows a task's
-attempts; tests/test_backoff_in_sql.py checks that the two agree.
+attempts; tests/store/test_backoff_in_sql.py checks that the two agree.
 """
 
 from __future__ import annotations

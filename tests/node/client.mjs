@@ -6,7 +6,7 @@
 //
 // Enqueues N tasks (unary Enqueue), then consumes M tasks over the StreamJobs stream, acking each
 // on the stream (or, with --fail-first, nacking the first delivery), and prints one JSON line with
-// what happened. With --queues it also exercises the named queues of issue 11 (queue, priority,
+// what happened. With --queues it also exercises the named queues (queue, priority,
 // idempotency_key, ExtendLease, ListQueues, a stream subscribed to a queue extending its lease,
 // and the Drained answer), under "queues" in the JSON. With --produce it first sends B batches on
 // one Produce stream, all before reading an answer, the second of them with an invalid task, then

@@ -13,7 +13,7 @@ ways), and:
   ``Content-Length``, none of ``Expect``, ``Content-Encoding``, ``Transfer-Encoding`` or
   ``Upgrade``, no header aiohttp takes once seen twice, and at most 128 header lines. The row's
   handler (the one aiohttp's way runs too) answers, over the lane's view of the request, and
-  the answer is the very one aiohttp's way gives (``tests/test_http_fast.py`` sends each case
+  the answer is the very one aiohttp's way gives (``tests/http/test_fast_lane.py`` sends each case
   both ways and compares the bytes): the token check, the errors as JSON, the metrics, the
   time-outs, keep-alive and ``Connection: close``, pipelining in order;
 - **passes it to aiohttp**, for this request only, if its head reads cleanly but it is anything
@@ -31,7 +31,7 @@ A request that ends the connection (``Connection: close``; HTTP/1.0 without keep
 aiohttp answers) is the last one read: nothing after it is (RFC 9112, section 9.6). aiohttp's
 parser answers 400 instead when more bytes come in the same read as such a request, and drops
 the requests it parsed in a read that ends in bytes it refuses; the lane answers each request it
-read before those bytes (``tests/test_http_fast.py`` sends the same bytes to a broker with the
+read before those bytes (``tests/http/test_fast_lane.py`` sends the same bytes to a broker with the
 lane and one without).
 
 A lane request's body is read whole before its handler runs (aiohttp's handlers read theirs

@@ -5,7 +5,7 @@ the app registers (the spec's, the extensions, the operator's: ``/healthz``, ``/
 dashboard's ``/ui``, this document), each with its parameters, request body, and every status it
 can answer, with the body and headers of each. Limits and defaults come from
 :mod:`wqbroker.limits` and the security of each operation from the rules of :mod:`wqbroker.auth`,
-so neither can drift from the code. ``tests/test_openapi.py`` checks that the document and the
+so neither can drift from the code. ``tests/http/test_openapi.py`` checks that the document and the
 app's routes name the same operations, that it is valid OpenAPI 3.1, and runs Schemathesis
 against a live broker with it.
 

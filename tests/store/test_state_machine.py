@@ -1,0 +1,724 @@
+"""Random sequences of store operations against a model of where every task should be.
+
+A Hypothesis state machine drives one store (built from a backend name, so it runs against every
+backend in ``BACKENDS``) through enqueue (with and without delay, into named queues, at priorities,
+with idempotency keys), claim (from lists of queues), ack, nack (on the backoff, with a delay, or
+terminal), extend, reclaim, release, requeue, requeue_all, purge, pause and resume, lookups, lease
+expiry and clock advances with a sweep, and (SQLite) restarts; it mirrors each step in a plain
+model: per queue, a ready lane per priority; the handed-out tasks with their leases, the delayed
+tasks with their due times, the dead-letter queue in burial order, the idempotency keys in their
+window, which queues are paused, and the totals of the store and of each queue. After every step it
+checks that each task is in exactly one collection, that the store's gauges, totals (global and per
+queue), queue rows and dead-letter queue match the model, that ``nacked + reclaimed == retried +
+buried`` and that ``ready + handed_out + delayed + dead == enqueued - acked - purged``.
+
+The backoff's random draw is pinned (u = 0.5, so a retry waits 3/4 of the nominal delay) so that
+the model knows exactly when each retry becomes due; the jitter itself is covered elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import tempfile
+from collections import deque
+from collections.abc import Collection, Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from tests.helpers import BACKENDS, SQLITE_HOT, examples, invariant_holds, make_store
+from wqbroker.errors import LeaseLost, NotFound
+from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, NackItem, NewTask, Stats, Totals
+from wqbroker.retry import Backoff
+from wqbroker.store import Store, enqueue_one
+from wqbroker.store.memory import MemoryStore
+from wqbroker.store.postgres import PostgresStore
+from wqbroker.store.sqlite import SqliteStore
+
+T = TypeVar("T")
+
+START = 1_000_000.0
+U = 0.5  # the pinned backoff draw
+
+
+class PinnedRandom(random.Random):
+    def random(self) -> float:
+        return U
+
+
+def retry_wait(attempts: int) -> float:
+    nominal = min(30.0, 2.0 ** (attempts - 1))
+    return nominal / 2 + nominal / 2 * U
+
+
+@dataclass
+class ModelTask:
+    id: str
+    payload: bytes
+    max_attempts: int
+    queue: str
+    priority: int
+    available_at: float
+    attempts: int = 0
+    last_error: str | None = None
+    lease_id: str | None = None  # when handed out
+    deadline: float = 0.0  # when handed out
+    claim_seq: int = 0  # when handed out (or extended): tie-break for equal deadlines
+    due: float = 0.0  # when delayed
+    delay_seq: int = 0  # when delayed: tie-break for equal due times
+
+
+@dataclass
+class ModelQueue:
+    lanes: dict[int, deque[str]]  # priority -> ready task ids, oldest first
+    totals: Totals
+    paused: bool = False
+
+    def ready(self) -> int:
+        return sum(len(lane) for lane in self.lanes.values())
+
+
+# Times are sums of binary fractions so the store and the model agree exactly.
+LEASES = st.sampled_from([1.0, 2.0, 5.0, 10.0])
+DELAYS = st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0])
+STEPS = st.sampled_from([0.25, 0.5, 1.0, 2.0, 5.0, 16.0, 31.0])
+ERRORS = st.sampled_from([None, "boom", "timeout", ""])
+QUEUES = st.sampled_from([DEFAULT_QUEUE, DEFAULT_QUEUE, "a", "b"])
+PRIORITIES = st.sampled_from([0, 0, 1, 9])
+KEYS = st.sampled_from([None, None, "k1", "k2"])
+WINDOWS = st.sampled_from([1.0, 4.0, 300.0])
+# A claim's list of queues, in order of preference ("never" is a queue nothing is put in).
+CLAIM_QUEUES = st.lists(
+    st.sampled_from([DEFAULT_QUEUE, "a", "b", "never"]), min_size=1, max_size=3, unique=True
+)
+NACK_DELAYS = st.sampled_from([None, None, 0.0, 0.5, 7.0])
+SUBMISSIONS = st.tuples(DELAYS, st.integers(1, 3), QUEUES, PRIORITIES, KEYS, WINDOWS)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    backend = "memory"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.tmp = tempfile.TemporaryDirectory(prefix="wq-stateful-")
+        self.backoff = Backoff(1.0, 30.0, PinnedRandom())
+        self.store: Store = self.loop.run_until_complete(
+            make_store(self.backend, self.backoff, random.Random(0), self.tmp.name)
+        )
+        self.now = START
+        self.seq = 0
+        self.payload_n = 0
+        # the model: every live task in exactly one of these
+        self.queues: dict[str, ModelQueue] = {}  # every queue known (its ready lanes)
+        self.handed: dict[str, ModelTask] = {}
+        self.delayed: dict[str, ModelTask] = {}
+        self.dead: list[str] = []  # burial order
+        self.tasks: dict[str, ModelTask] = {}  # every task not yet acked or purged
+        self.acked: set[str] = set()
+        self.purged: set[str] = set()
+        self.keys: dict[tuple[str, str], tuple[str, float]] = {}  # -> (task id, until)
+        self.old_leases: list[tuple[str, str]] = []  # (task id, lease id) no longer current
+        self.totals = Totals()
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return self.loop.run_until_complete(coro)
+
+    def teardown(self) -> None:
+        try:
+            self.run(self.store.close())
+        finally:
+            self.loop.close()
+            self.tmp.cleanup()
+
+    # -- model helpers ---------------------------------------------------------------------
+
+    def queue(self, name: str) -> ModelQueue:
+        q = self.queues.get(name)
+        if q is None:
+            q = self.queues[name] = ModelQueue({}, Totals())
+        return q
+
+    def count(self, task: ModelTask, field: str, n: int = 1) -> None:
+        """A total moves, for the store and for the task's queue."""
+        setattr(self.totals, field, getattr(self.totals, field) + n)
+        q = self.queues[task.queue].totals
+        setattr(q, field, getattr(q, field) + n)
+
+    def to_ready(self, task: ModelTask, *, head: bool = False) -> None:
+        lane = self.queue(task.queue).lanes.setdefault(task.priority, deque())
+        if head:
+            lane.appendleft(task.id)
+        else:
+            lane.append(task.id)
+
+    def ready_ids(self) -> list[str]:
+        return [i for q in self.queues.values() for lane in q.lanes.values() for i in lane]
+
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    def to_delayed(self, task: ModelTask, due: float) -> None:
+        task.due = due
+        task.available_at = due
+        task.delay_seq = self.next_seq()
+        self.delayed[task.id] = task
+
+    def promote_due(self) -> int:
+        due = sorted(
+            (t for t in self.delayed.values() if t.due <= self.now),
+            key=lambda t: (t.due, t.delay_seq),
+        )
+        for task in due:
+            del self.delayed[task.id]
+            self.to_ready(task)
+        return len(due)
+
+    def pick(self, queues: list[str]) -> ModelTask | None:
+        """The model of a claim's choice: the first listed queue, not paused, with a ready task;
+        its highest priority, oldest first. Taken out of ready."""
+        for name in queues:
+            q = self.queues.get(name)
+            if q is None or q.paused:
+                continue
+            for priority in sorted(q.lanes, reverse=True):
+                lane = q.lanes[priority]
+                if lane:
+                    return self.tasks[lane.popleft()]
+        return None
+
+    def fail(
+        self, task: ModelTask, error: str | None, delay: float | None = None, terminal: bool = False
+    ) -> tuple[bool, float | None]:
+        """The model of a failed delivery: retry or bury. Returns (buried, retry_at)."""
+        del self.handed[task.id]
+        self.old_leases.append((task.id, task.lease_id or ""))
+        task.lease_id = None
+        task.last_error = error
+        if not terminal and task.attempts < task.max_attempts:
+            retry_at = self.now + (retry_wait(task.attempts) if delay is None else delay)
+            self.to_delayed(task, retry_at)
+            self.count(task, "retried")
+            return False, retry_at
+        self.dead.append(task.id)
+        self.count(task, "buried")
+        return True, None
+
+    def next_due(self) -> float | None:
+        times = [t.deadline for t in self.handed.values()]
+        times += [t.due for t in self.delayed.values()]
+        return min(times) if times else None
+
+    def sweep_and_check(self) -> None:
+        expired = sorted(
+            (t for t in self.handed.values() if t.deadline <= self.now),
+            key=lambda t: (t.deadline, t.claim_seq),
+        )
+        expected_reclaims = sorted((t.id, t.lease_id or "") for t in expired)
+        for task in expired:
+            self.count(task, "reclaimed")
+            self.fail(task, "lease expired")
+        promoted = self.promote_due()
+        result, next_due = self.run(self.store.sweep(now=self.now))
+        assert sorted(result.reclaimed) == expected_reclaims
+        assert result.promoted == promoted
+        assert next_due == self.next_due()
+
+    def new_task(self, submission: tuple[float, int, str, int, str | None, float]) -> NewTask:
+        delay, max_attempts, queue, priority, key, window = submission
+        self.payload_n += 1
+        payload = b'{"n": %d}' % self.payload_n
+        until = self.now + window if key is not None else 0.0
+        return NewTask(payload, max_attempts, delay, queue, priority, key, until)
+
+    def enqueued(self, new: NewTask, done: Enqueued) -> None:
+        """Check one enqueue's answer against the model, and put it in the model."""
+        if new.key is not None:
+            found = self.keys.get((new.queue, new.key))
+            if found is not None and found[1] > self.now:
+                assert done == Enqueued(found[0], True, None), "not answered as a duplicate"
+                return
+        assert not done.duplicate
+        view = done.task
+        assert view is not None
+        assert view.id == done.id
+        assert view.id not in self.tasks
+        assert view.id not in self.acked | self.purged
+        assert (view.attempts, view.max_attempts, view.payload) == (
+            0,
+            new.max_attempts,
+            new.payload,
+        )
+        assert (view.queue, view.priority, view.last_error) == (new.queue, new.priority, None)
+        assert view.created_at == self.now
+        assert view.available_at == self.now + new.delay
+        task = ModelTask(view.id, new.payload, new.max_attempts, new.queue, new.priority, self.now)
+        self.tasks[task.id] = task
+        self.queue(new.queue)
+        self.count(task, "enqueued")
+        if new.key is not None:
+            self.keys[(new.queue, new.key)] = (task.id, new.key_until)
+        if new.delay > 0:
+            self.to_delayed(task, self.now + new.delay)
+        else:
+            self.to_ready(task)
+
+    # -- rules -----------------------------------------------------------------------------
+
+    @initialize(
+        tasks=st.lists(SUBMISSIONS, max_size=6),
+        claims=st.integers(0, 4),
+        lease=LEASES,
+    )
+    def start(
+        self,
+        tasks: list[tuple[float, int, str, int, str | None, float]],
+        claims: int,
+        lease: float,
+    ) -> None:
+        stats = self.run(self.store.stats())
+        assert stats.totals == Totals()
+        assert self.run(self.store.queues()) == []
+        for submission in tasks:
+            self.enqueue(submission)
+        for _ in range(claims):
+            self.claim(lease, [DEFAULT_QUEUE, "a", "b"])
+
+    @rule(submission=SUBMISSIONS)
+    def enqueue(self, submission: tuple[float, int, str, int, str | None, float]) -> None:
+        new = self.new_task(submission)
+        done = self.run(
+            enqueue_one(
+                self.store,
+                new.payload,
+                max_attempts=new.max_attempts,
+                delay=new.delay,
+                now=self.now,
+                queue=new.queue,
+                priority=new.priority,
+                key=new.key,
+                key_until=new.key_until,
+            )
+        )
+        self.enqueued(new, done)
+
+    @rule(submissions=st.lists(SUBMISSIONS, max_size=4))
+    def enqueue_many(
+        self, submissions: list[tuple[float, int, str, int, str | None, float]]
+    ) -> None:
+        items = [self.new_task(s) for s in submissions]
+        done = self.run(self.store.enqueue_many(items, now=self.now))
+        assert len(done) == len(items)
+        for new, answer in zip(items, done, strict=True):  # in order: a key may repeat
+            self.enqueued(new, answer)
+
+    @rule(lease=LEASES, queues=CLAIM_QUEUES)
+    def claim(self, lease: float, queues: list[str]) -> None:
+        self.promote_due()
+        delivery = self.run(self.store.claim(lease=lease, now=self.now, queues=queues))
+        task = self.pick(queues)
+        if task is None:
+            assert delivery is None
+            return
+        assert delivery is not None
+        self.handed_out(task, delivery, lease)
+
+    @rule(leases=st.lists(LEASES, max_size=4), queues=CLAIM_QUEUES)
+    def claim_many(self, leases: list[float], queues: list[str]) -> None:
+        if leases:  # asking for nothing need not touch anything
+            self.promote_due()
+        deliveries = self.run(self.store.claim_many(leases, now=self.now, queues=queues))
+        expected = []
+        for _ in leases:
+            task = self.pick(queues)
+            if task is None:
+                break
+            expected.append(task)
+        assert [d.task.id for d in deliveries] == [t.id for t in expected]
+        for task, delivery, lease in zip(expected, deliveries, leases, strict=False):
+            self.handed_out(task, delivery, lease)
+
+    def handed_out(self, task: ModelTask, delivery: Delivery, lease: float) -> None:
+        """The model of a hand-out: ``task`` (the one the model picked), under a fresh lease."""
+        assert delivery.task.id == task.id, "not the task the model picked"
+        task.attempts += 1
+        assert delivery.task.attempts == task.attempts
+        assert delivery.task.max_attempts == task.max_attempts
+        assert delivery.task.payload == task.payload
+        assert delivery.task.last_error == task.last_error
+        assert (delivery.task.queue, delivery.task.priority) == (task.queue, task.priority)
+        assert delivery.task.available_at == task.available_at
+        assert delivery.deadline == self.now + lease
+        assert all(delivery.lease_id != lease_id for _, lease_id in self.old_leases)
+        assert all(delivery.lease_id != t.lease_id for t in self.handed.values())
+        task.lease_id = delivery.lease_id
+        task.deadline = delivery.deadline
+        task.claim_seq = self.next_seq()
+        self.handed[task.id] = task
+        self.count(task, "delivered")
+
+    def pick_handed(self, data: st.DataObject) -> ModelTask:
+        return self.handed[data.draw(st.sampled_from(sorted(self.handed)), label="handed")]
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data())
+    def ack(self, data: st.DataObject) -> None:
+        task = self.pick_handed(data)
+        self.run(self.store.ack(task.id, task.lease_id or "", now=self.now))
+        del self.handed[task.id]
+        del self.tasks[task.id]
+        self.acked.add(task.id)
+        self.old_leases.append((task.id, task.lease_id or ""))
+        self.count(task, "acked")
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data(), error=ERRORS, delay=NACK_DELAYS, terminal=st.booleans())
+    def nack(
+        self, data: st.DataObject, error: str | None, delay: float | None, terminal: bool
+    ) -> None:
+        task = self.pick_handed(data)
+        failure = self.run(
+            self.store.nack(
+                task.id, task.lease_id or "", error, now=self.now, delay=delay, terminal=terminal
+            )
+        )
+        self.count(task, "nacked")
+        buried, retry_at = self.fail(task, error, delay, terminal)
+        assert (failure.task_id, failure.buried, failure.retry_at) == (task.id, buried, retry_at)
+
+    @rule(data=st.data())
+    def settle_many(self, data: st.DataObject) -> None:
+        """Acks then nacks in one call, some of them with leases that are no longer good."""
+        held = sorted(self.handed)
+        chosen = (
+            data.draw(st.lists(st.sampled_from(held), unique=True), label="settled") if held else []
+        )
+        split = data.draw(st.integers(0, len(chosen)), label="acks")
+        acks = [(i, self.handed[i].lease_id or "") for i in chosen[:split]]
+        nacks = [
+            NackItem(
+                i,
+                self.handed[i].lease_id or "",
+                "batch",
+                data.draw(NACK_DELAYS, label="delay"),
+                data.draw(st.booleans(), label="terminal"),
+            )
+            for i in chosen[split:]
+        ]
+        stale = data.draw(st.booleans(), label="stale")
+        if self.old_leases and stale:
+            task_id, lease_id = data.draw(st.sampled_from(self.old_leases), label="stale lease")
+            acks.append((task_id, lease_id))
+        acked, nacked = self.run(self.store.settle_many(acks, nacks, now=self.now))
+        for (task_id, lease_id), outcome in zip(acks, acked, strict=True):
+            if task_id not in self.handed or self.handed[task_id].lease_id != lease_id:
+                expected = LeaseLost if task_id in self.handed else NotFound
+                assert type(outcome) is expected
+                continue
+            assert outcome is None
+            task = self.handed.pop(task_id)
+            del self.tasks[task_id]
+            self.acked.add(task_id)
+            self.old_leases.append((task_id, lease_id))
+            self.count(task, "acked")
+        for item, result in zip(nacks, nacked, strict=True):
+            task = self.handed[item.task_id]
+            self.count(task, "nacked")
+            buried, retry_at = self.fail(task, item.error, item.delay, item.terminal)
+            assert not isinstance(result, Exception)
+            assert (result.task_id, result.buried, result.retry_at) == (task.id, buried, retry_at)
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data(), lease=LEASES)
+    def extend(self, data: st.DataObject, lease: float) -> None:
+        task = self.pick_handed(data)
+        deadline = self.run(
+            self.store.extend(task.id, task.lease_id or "", lease=lease, now=self.now)
+        )
+        assert deadline == self.now + lease
+        task.deadline = deadline
+        task.claim_seq = self.next_seq()
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data())
+    def reclaim(self, data: st.DataObject) -> None:
+        task = self.pick_handed(data)
+        failure = self.run(self.store.reclaim(task.id, task.lease_id or "", "gone", now=self.now))
+        self.count(task, "reclaimed")
+        buried, retry_at = self.fail(task, "gone")
+        assert (failure.task_id, failure.buried, failure.retry_at) == (task.id, buried, retry_at)
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        task = self.pick_handed(data)
+        assert self.run(self.store.release(task.id, task.lease_id or "")) is True
+        del self.handed[task.id]
+        self.old_leases.append((task.id, task.lease_id or ""))
+        task.lease_id = None
+        task.attempts -= 1
+        self.to_ready(task, head=True)
+        self.count(task, "delivered", -1)
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data())
+    def expire(self, data: st.DataObject) -> None:
+        """A worker goes silent: time reaches its deadline and the sweeper runs."""
+        task = self.pick_handed(data)
+        self.now = max(self.now, task.deadline)
+        self.sweep_and_check()
+        assert task.id not in self.handed
+
+    @rule(step=STEPS)
+    def advance_and_sweep(self, step: float) -> None:
+        self.now += step
+        self.sweep_and_check()
+
+    @rule(step=STEPS)
+    def advance_without_sweep(self, step: float) -> None:
+        # nothing moves until a claim or a sweep looks at the clock
+        self.now += step
+
+    def revive(self, task_id: str) -> None:
+        self.dead.remove(task_id)
+        task = self.tasks[task_id]
+        task.attempts = 0
+        task.last_error = None
+        task.available_at = self.now
+        self.to_ready(task)
+        self.count(task, "requeued")
+
+    @precondition(lambda self: self.dead)
+    @rule(data=st.data())
+    def requeue(self, data: st.DataObject) -> None:
+        task_id = data.draw(st.sampled_from(self.dead), label="dead")
+        name = self.run(self.store.requeue(task_id, now=self.now))
+        assert name == self.tasks[task_id].queue
+        self.revive(task_id)
+
+    @rule(queue=st.sampled_from([None, DEFAULT_QUEUE, "a", "b", "never"]))
+    def requeue_all(self, queue: str | None) -> None:
+        chosen = [i for i in self.dead if queue is None or self.tasks[i].queue == queue]
+        count, names = self.run(self.store.requeue_all(queue=queue, now=self.now))
+        assert count == len(chosen)
+        assert set(names) == {self.tasks[i].queue for i in chosen}
+        for task_id in chosen:
+            self.revive(task_id)
+
+    @precondition(lambda self: self.dead)
+    @rule(data=st.data())
+    def purge(self, data: st.DataObject) -> None:
+        task_id = data.draw(st.sampled_from(self.dead), label="dead")
+        self.run(self.store.purge(task_id))
+        self.dead.remove(task_id)
+        task = self.tasks.pop(task_id)
+        self.purged.add(task_id)
+        self.count(task, "purged")
+
+    def not_dead(self, data: st.DataObject) -> str:
+        candidates = {*self.tasks, *self.acked, *self.purged} - set(self.dead)
+        return data.draw(st.sampled_from([*sorted(candidates), "no-such-task"]), label="not dead")
+
+    @rule(data=st.data())
+    def requeue_not_dead(self, data: st.DataObject) -> None:
+        task_id = self.not_dead(data)
+        with pytest.raises(NotFound):
+            self.run(self.store.requeue(task_id, now=self.now))
+
+    @rule(data=st.data())
+    def purge_not_dead(self, data: st.DataObject) -> None:
+        task_id = self.not_dead(data)
+        with pytest.raises(NotFound):
+            self.run(self.store.purge(task_id))
+
+    @rule(queue=st.sampled_from([DEFAULT_QUEUE, "a", "b"]), paused=st.booleans())
+    def pause_or_resume(self, queue: str, paused: bool) -> None:
+        self.run(self.store.set_paused(queue, paused))
+        self.queue(queue).paused = paused
+
+    @rule(data=st.data())
+    def lookup(self, data: st.DataObject) -> None:
+        candidates = [*sorted({*self.tasks, *self.acked, *self.purged}), "no-such-task"]
+        task_id = data.draw(st.sampled_from(candidates), label="looked up")
+        found = self.run(self.store.lookup(task_id))
+        task = self.tasks.get(task_id)
+        if task is None:
+            assert found is None
+            return
+        assert found is not None
+        if task_id in self.handed:
+            state = "handed_out"
+        elif task_id in self.delayed:
+            state = "delayed"
+        elif task_id in self.dead:
+            state = "dead"
+        else:
+            state = "ready"
+        assert found.state == state
+        view = found.task
+        assert view.id == task_id
+        assert (view.payload, view.attempts, view.max_attempts) == (
+            task.payload,
+            task.attempts,
+            task.max_attempts,
+        )
+        assert (view.queue, view.priority, view.last_error) == (
+            task.queue,
+            task.priority,
+            task.last_error,
+        )
+        assert view.available_at == task.available_at
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "reclaim", "release", "extend"]))
+    def use_a_wrong_lease(self, data: st.DataObject, op: str) -> None:
+        task = self.pick_handed(data)
+        self.try_stale(op, task.id, "not-a-lease")
+
+    @precondition(lambda self: self.old_leases)
+    @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "reclaim", "release", "extend"]))
+    def use_a_stale_lease(self, data: st.DataObject, op: str) -> None:
+        task_id, lease_id = data.draw(st.sampled_from(self.old_leases), label="stale lease")
+        self.try_stale(op, task_id, lease_id)
+
+    def try_stale(self, op: str, task_id: str, lease_id: str) -> None:
+        """A lease that is not the task's current one: nothing may change."""
+        if op == "release":
+            assert self.run(self.store.release(task_id, lease_id)) is False
+            return
+        expected = LeaseLost if task_id in self.handed else NotFound
+        stale: Coroutine[Any, Any, object]
+        if op == "ack":
+            stale = self.store.ack(task_id, lease_id, now=self.now)
+        elif op == "nack":
+            stale = self.store.nack(task_id, lease_id, "late", now=self.now, terminal=True)
+        elif op == "extend":
+            stale = self.store.extend(task_id, lease_id, lease=300.0, now=self.now)
+        else:
+            stale = self.store.reclaim(task_id, lease_id, "late", now=self.now)
+        with pytest.raises((LeaseLost, NotFound)) as raised:
+            self.run(stale)
+        got = type(raised.value)
+        assert got is expected, (op, got.__name__, expected.__name__)
+
+    @precondition(lambda self: isinstance(self.store, SqliteStore))
+    @rule()
+    def restart(self) -> None:
+        """A durable store closed and opened again holds exactly what it held: every task in
+        the collection it was in, ready ones in order in their queue and priority, leases, the
+        DLQ, the paused queues, the idempotency keys and the totals (of each queue too)."""
+        store = self.store
+        assert isinstance(store, SqliteStore)
+        self.run(store.close())
+        self.store = self.run(
+            SqliteStore.open(
+                store.path,
+                self.backoff,
+                random.Random(self.seq),
+                sync="normal",
+                hot_ready=SQLITE_HOT,
+            )
+        )
+
+    # -- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def each_task_is_in_exactly_one_collection(self) -> None:
+        ready = self.ready_ids()
+        collections = [set(ready), set(self.handed), set(self.delayed), set(self.dead)]
+        assert len(ready) == len(collections[0]), "a task is twice in ready"
+        assert sum(len(c) for c in collections) == len(self.tasks)
+        assert set().union(*collections) == set(self.tasks)
+        assert not (self.acked | self.purged) & set(self.tasks)
+
+    def expect_stats(self, stats: Stats, tasks: list[ModelTask], totals: Totals) -> None:
+        def n(ids: Collection[str]) -> int:
+            return sum(1 for t in tasks if t.id in ids)
+
+        ready = set(self.ready_ids())
+        gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead)
+        assert gauges == (n(ready), n(self.handed), n(self.delayed), n(set(self.dead)))
+        assert stats.totals == totals
+        assert invariant_holds(stats), stats.totals
+        t = stats.totals
+        assert sum(gauges) == t.enqueued - t.acked - t.purged, stats
+
+    @invariant()
+    def gauges_and_totals_match_the_model(self) -> None:
+        tasks = list(self.tasks.values())
+        self.expect_stats(self.run(self.store.stats()), tasks, self.totals)
+        for name, q in self.queues.items():
+            mine = [t for t in tasks if t.queue == name]
+            self.expect_stats(self.run(self.store.stats(name)), mine, q.totals)
+        assert self.run(self.store.stats("never")) == Stats()
+
+    @invariant()
+    def queue_rows_match_the_model(self) -> None:
+        rows = self.run(self.store.queues())
+        assert [r.name for r in rows] == sorted(self.queues)
+        for row in rows:
+            q = self.queues[row.name]
+            mine = [t for t in self.tasks.values() if t.queue == row.name]
+            handed = sum(1 for t in mine if t.id in self.handed)
+            delayed = sum(1 for t in mine if t.id in self.delayed)
+            dead = sum(1 for t in mine if t.id in self.dead)
+            assert (row.ready, row.handed_out, row.delayed, row.dead, row.paused) == (
+                q.ready(),
+                handed,
+                delayed,
+                dead,
+                q.paused,
+            )
+
+    @invariant()
+    def the_dead_letter_queue_matches_the_model(self) -> None:
+        views = self.run(self.store.dead_letters())
+        assert [v.id for v in views] == self.dead
+        for view in views:
+            task = self.tasks[view.id]
+            assert (view.attempts, view.last_error) == (task.attempts, task.last_error)
+            assert (view.queue, view.priority) == (task.queue, task.priority)
+            assert view.attempts <= task.max_attempts
+        for name in self.queues:
+            mine = [i for i in self.dead if self.tasks[i].queue == name]
+            assert [v.id for v in self.run(self.store.dead_letters(queue=name))] == mine
+
+    @invariant()
+    def index_internals_agree(self) -> None:
+        # the index's heaps, lanes and dicts agree with each other (the backends that keep one);
+        # PostgreSQL: the gauges kept in its counter rows agree with its tasks
+        if isinstance(self.store, PostgresStore):
+            self.run(self.store.check_invariants())
+            return
+        assert isinstance(self.store, (MemoryStore, SqliteStore))
+        self.store.check_invariants()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_store_state_machine(backend: str) -> None:
+    machine = type(f"StoreMachine_{backend}", (StoreMachine,), {"backend": backend})
+    run_state_machine_as_test(
+        machine,
+        settings=settings(
+            # (every step is a few round trips to PostgreSQL, and each of its invariants a few
+            # more: fewer runs keep it to about a minute)
+            max_examples=examples(100) if backend == "postgres" else 150,
+            stateful_step_count=50,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )

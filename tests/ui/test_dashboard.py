@@ -1,0 +1,635 @@
+"""The dashboard (``GET /ui``): its static routes over HTTP, and the page in a real browser.
+
+The browser is Chromium from Debian's package (``/usr/bin/chromium``, or ``$WQ_CHROMIUM``; ``make
+browser`` installs it), driven by Playwright's Python package, which is pointed at it (Playwright's
+own browser downloads are not used). Without either, the browser tests skip with the reason, unless
+``CI`` is set: then they fail. Each test starts a real broker on port 0 with the system clock, sets
+the scene through the API, drives the page, and checks what the page did through the API again.
+
+Screenshots are saved under ``tests/artifacts/`` (not committed). The overview at laptop width is
+also written to ``docs/dashboard.png`` (the README shows it) when that file is missing or
+``WQ_DOCS_SCREENSHOT=1`` is set (``make screenshot``), so an ordinary run changes no committed file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import math
+import os
+import re
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from multidict import CIMultiDict
+
+from tests.authkit import ONLY, ROOT, UNKNOWN, bearer, write_token_file
+from tests.helpers import Http, http_client, running_broker
+from wqbroker.auth import NO_TOKEN
+from wqbroker.broker import Broker
+from wqbroker.http.dashboard import ASSETS, CONTENT_SECURITY_POLICY, ROUTES
+from wqclient import AsyncClient
+
+try:
+    from playwright.async_api import Browser, Page, async_playwright, expect
+except ImportError:  # the static tests still run; the browser tests skip (or fail under CI)
+    if os.environ.get("CI"):
+        raise
+
+pytestmark = pytest.mark.timeout(120)
+
+CHROMIUM = os.environ.get("WQ_CHROMIUM", "/usr/bin/chromium")
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "tests" / "artifacts"
+DOCS_SCREENSHOT = REPO / "docs" / "dashboard.png"
+LAPTOP = {"width": 1280, "height": 900}
+PHONE = {"width": 375, "height": 812}
+NO_FIGURE = "\N{EN DASH}"  # what the page shows before it has a figure
+POLL = "?interval=250"  # the page polls /stats four times a second (2 s by default)
+
+
+def _unavailable() -> str | None:
+    if importlib.util.find_spec("playwright") is None:
+        return "the browser tests need the playwright package (pip install -e '.[dev]')"
+    if not os.access(CHROMIUM, os.X_OK):
+        return f"the browser tests need Chromium at {CHROMIUM} (make browser installs it)"
+    return None
+
+
+# -- the static routes, over HTTP (no browser) ------------------------------------------------
+
+
+@pytest.fixture
+async def broker() -> AsyncIterator[Broker]:
+    async with running_broker() as b:
+        yield b
+
+
+@pytest.fixture
+async def http(broker: Broker) -> AsyncIterator[Http]:
+    async with http_client(broker.http_url) as h:
+        yield h
+
+
+async def _get(
+    broker: Broker, path: str, headers: dict[str, str] | None = None, method: str = "GET"
+) -> tuple[int, CIMultiDict[str], bytes]:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.request(method, broker.http_url + path, headers=headers) as resp,
+    ):
+        return resp.status, CIMultiDict(resp.headers), await resp.read()
+
+
+@pytest.mark.parametrize("path", ["/ui", "/ui/", "/ui/index.html"])
+async def test_the_page_is_served_with_a_strict_policy(broker: Broker, path: str) -> None:
+    status, headers, body = await _get(broker, path)
+    assert status == 200
+    assert headers["Content-Type"] == "text/html; charset=utf-8"
+    assert headers["Content-Security-Policy"] == CONTENT_SECURITY_POLICY
+    assert "default-src 'none'" in CONTENT_SECURITY_POLICY
+    assert "'unsafe-inline'" not in CONTENT_SECURITY_POLICY
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert headers["Cache-Control"] == "no-cache"
+    assert body.startswith(b"<!doctype html>")
+    # No inline script, style or event handler: the policy would refuse them.
+    assert not re.search(rb"<script(?![^>]*\bsrc=)", body)
+    assert not re.search(rb"\son[a-z]+=|\sstyle=|<style", body)
+
+
+async def test_every_file_the_page_names_is_served_with_its_type(broker: Broker) -> None:
+    _, _, page = await _get(broker, "/ui")
+    named = set(re.findall(rb'(?:src|href)="(/ui/[^"]+)"', page))
+    assert {b"/ui/app.js", b"/ui/style.css", b"/ui/favicon.svg"} <= named
+    assert any(n.startswith(b"/ui/vendor/uplot-") for n in named)
+    types = {".js": "text/javascript", ".css": "text/css", ".svg": "image/svg+xml"}
+    for path in sorted(n.decode() for n in named):
+        status, headers, body = await _get(broker, path)
+        assert status == 200, path
+        assert headers["Content-Type"].startswith(types[Path(path).suffix]), path
+        assert body == ASSETS[path.removeprefix("/ui/")].body
+        cache = "public, max-age=604800, immutable" if "/vendor/" in path else "no-cache"
+        assert headers["Cache-Control"] == cache, path
+    # The vendored library ships with its licence.
+    status, headers, body = await _get(broker, "/ui/vendor/uplot-LICENSE.txt")
+    assert status == 200
+    assert b"MIT License" in body
+    assert headers["Content-Type"] == "text/plain; charset=utf-8"
+
+
+async def test_a_file_unchanged_since_the_last_visit_is_not_sent_again(broker: Broker) -> None:
+    status, headers, _ = await _get(broker, "/ui/app.js")
+    etag = headers["ETag"]
+    status, headers, body = await _get(broker, "/ui/app.js", {"If-None-Match": etag})
+    assert (status, body) == (304, b"")
+    assert headers["ETag"] == etag
+    status, _, body = await _get(broker, "/ui/app.js", {"If-None-Match": '"other"'})
+    assert status == 200
+    assert body
+    status, headers, body = await _get(broker, "/ui/app.js", method="HEAD")
+    assert (status, body) == (200, b"")
+    assert headers["Content-Type"].startswith("text/javascript")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/ui/nothing.js",
+        "/ui/vendor",
+        "/ui/vendor/",
+        "/ui/%2e%2e/wqbroker/auth.py",
+        "/ui/..%2fapp.py",
+        "/ui/vendor/%2e%2e/%2e%2e/app.py",
+        "/ui/__init__.py",
+        "/ui//etc/passwd",
+    ],
+)
+async def test_unknown_files_are_a_json_404_and_nothing_is_read_from_disk(
+    broker: Broker, path: str
+) -> None:
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(broker.http_url + path, skip_auto_headers=()) as resp,
+    ):
+        # (aiohttp keeps the %2e and %2f as sent)
+        assert resp.status == 404, path
+        assert resp.content_type == "application/json"
+        assert (await resp.json())["error"]
+
+
+async def test_the_page_needs_no_token_but_every_call_it_makes_does(tmp_path: Path) -> None:
+    assert {f"GET {route}" for route in ROUTES} <= set(NO_TOKEN.http)
+    async with running_broker(token_file=str(write_token_file(tmp_path))) as broker:
+        for path in ("/ui", "/ui/", "/ui/app.js"):
+            assert (await _get(broker, path))[0] == 200, path
+        status, headers, _ = await _get(broker, "/stats")
+        assert status == 401
+        assert headers["WWW-Authenticate"].startswith("Bearer")
+        assert (await _get(broker, "/stats", bearer(ROOT)))[0] == 200
+
+
+# -- the browser ------------------------------------------------------------------------------
+
+
+@dataclass
+class Console:
+    """What the page logged as errors and threw (a refused inline script would show here)."""
+
+    errors: list[str] = field(default_factory=list)
+
+    def check(self) -> None:
+        # The browser logs every 4xx answer to fetch as "Failed to load resource"; those the
+        # page shows itself (a 401 asks for a token, a 403 or 404 is displayed).
+        unexpected = [e for e in self.errors if not e.startswith("Failed to load resource")]
+        assert unexpected == [], unexpected
+
+
+@pytest.fixture
+async def browser() -> AsyncIterator[Browser]:
+    reason = _unavailable()
+    if reason is not None:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    expect.set_options(timeout=10_000)
+    async with async_playwright() as p:
+        b = await p.chromium.launch(executable_path=CHROMIUM)
+        try:
+            yield b
+        finally:
+            await b.close()
+
+
+@contextlib.asynccontextmanager
+async def open_page(
+    browser: Browser, viewport: dict[str, int] = LAPTOP
+) -> AsyncIterator[tuple[Page, Console]]:
+    context = await browser.new_context(
+        viewport=viewport,  # type: ignore[arg-type]
+        locale="en-US",
+        timezone_id="UTC",
+        device_scale_factor=1,
+    )
+    page = await context.new_page()
+    console = Console()
+    page.on("console", lambda m: console.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: console.errors.append(f"uncaught: {e}"))
+    try:
+        yield page, console
+    finally:
+        await context.close()
+
+
+def artifact(name: str) -> Path:
+    ARTIFACTS.mkdir(exist_ok=True)
+    return ARTIFACTS / name
+
+
+async def screenshot(page: Page, name: str) -> Path:
+    path = artifact(name)
+    await page.screenshot(path=str(path), full_page=True)
+    return path
+
+
+@dataclass
+class Scene:
+    """A known workload: ids of the tasks each test looks at."""
+
+    dead: list[str]
+    held: list[str]
+    payloads: dict[str, Any]
+
+
+async def set_scene(broker: Broker, http: Http, token: str = "") -> Scene:
+    """1,200 tasks in default (200 of them acked, 3 held by a worker), 30 in mail (four of them
+    failed for good), 5 in reports, 2 delayed."""
+    async with AsyncClient(f"grpc://{broker.grpc_target}", token=token) as client:
+        await client.enqueue_many([{"n": i} for i in range(1200)])
+        await client.enqueue_many([{"to": f"user{i}@example.com"} for i in range(26)], queue="mail")
+        await client.enqueue_many([{"report": i} for i in range(5)], queue="reports", priority=5)
+        await client.enqueue_many([{"later": i} for i in range(2)], delay_ms=600_000)
+    for _ in range(200):
+        delivery = await http.claim()
+        assert await http.ack(delivery["task"]["id"], delivery["lease_id"]) == 204
+    held = [(await http.claim(lease_ms=300_000))["task"]["id"] for _ in range(3)]
+    dead, payloads = [], {}
+    for i, error in enumerate(
+        [
+            "smtp: 550 mailbox unavailable",
+            "smtp: connection refused",
+            'template "welcome" not found',
+            "timeout after 30s",
+        ]
+    ):
+        payload = {"to": f"bounce{i}@example.com", "template": "welcome", "vars": {"n": i}}
+        task_id = await http.enqueue(payload, queue="mail", max_attempts=1, priority=9)
+        status, delivery = await http.request("GET", "/jobs/next?queue=mail&wait_ms=0")
+        assert status == 200
+        assert delivery["task"]["id"] == task_id
+        assert await http.nack(task_id, delivery["lease_id"], error) == 204
+        dead.append(task_id)
+        payloads[task_id] = payload
+    return Scene(dead, held, payloads)
+
+
+async def goto(page: Page, broker: Broker, view: str) -> None:
+    await page.goto(f"{broker.http_url}/ui{POLL}#/{view}")
+
+
+async def shown(page: Page, selector: str) -> str:
+    """The raw number behind a figure the page shows (its data-value)."""
+    value = await page.locator(selector).get_attribute("data-value")
+    assert value is not None, selector
+    return value
+
+
+@contextlib.asynccontextmanager
+async def traffic(broker: Broker) -> AsyncIterator[None]:
+    """Producers in waves (20 to 90 tasks a second) and two slower workers that fail one task
+    in nine once (retried 0.7 s later), so the charts have something to draw. When the block
+    ends, the producer stops and the workers finish every task it sent."""
+    stop = asyncio.Event()
+
+    async def produce(client: AsyncClient) -> None:
+        step, n = 0, 0
+        while not stop.is_set():
+            count = max(1, round(0.2 * (55 + 35 * math.sin(step / 8))))
+            await client.enqueue_many([{"live": n + i} for i in range(count)], queue="live")
+            step, n = step + 1, n + count
+            await asyncio.sleep(0.2)
+
+    async def work(client: AsyncClient) -> None:
+        while True:
+            delivery = await client.claim(queues="live", wait_ms=100)
+            if delivery is None:
+                if stop.is_set() and not any(await _live(client)):
+                    return
+                continue
+            await asyncio.sleep(0.025)  # the work
+            if delivery.payload["live"] % 9 == 0 and delivery.task.attempts == 1:
+                await client.nack(delivery, error="upstream timed out", delay_ms=700)
+            else:
+                await client.ack(delivery)
+
+    async with AsyncClient(f"grpc://{broker.grpc_target}") as client:
+        tasks = [asyncio.create_task(produce(client))]
+        tasks += [asyncio.create_task(work(client)) for _ in range(2)]
+        try:
+            yield
+        finally:
+            stop.set()
+            await asyncio.gather(*tasks)
+
+
+async def _live(client: AsyncClient) -> tuple[int, int, int]:
+    stats = await client.stats("live")
+    return stats.ready, stats.handed_out, stats.delayed
+
+
+async def test_the_overview_shows_what_stats_says(broker: Broker, browser: Browser) -> None:
+    async with http_client(broker.http_url) as http, open_page(browser) as (page, console):
+        await set_scene(broker, http)
+        await goto(page, broker, "overview")
+        async with traffic(broker):
+            await expect(page.locator("#rate-enqueued .num")).not_to_have_text(NO_FIGURE)
+            await asyncio.sleep(12)  # some minutes of history, in short
+            if not DOCS_SCREENSHOT.exists() or os.environ.get("WQ_DOCS_SCREENSHOT") == "1":
+                DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+                await page.screenshot(path=str(DOCS_SCREENSHOT))  # the viewport: laptop-sized
+        stats = await http.stats()
+        assert stats["ready"] == 1000 - 3 + 26 + 5
+        assert stats["dead"] == 4
+        # Once the page has polled after the traffic stopped, every figure is /stats's.
+        for key in ("ready", "handed_out", "delayed", "dead"):
+            gauge = page.locator(f"#gauge-{key} .gauge-value")
+            await expect(gauge).to_have_attribute("data-value", str(stats[key]))
+            await expect(gauge).to_have_text(f"{stats[key]:,}")  # thousands separators
+        for key, value in stats["totals"].items():
+            total = page.locator(f'#totals dd[data-total="{key}"]')
+            await expect(total).to_have_attribute("data-value", str(value))
+            await expect(total).to_have_text(f"{value:,}")
+        await expect(page.locator("#dead-count")).to_have_text("4")
+        # The rates come back to zero once nothing moves (over the last five polls).
+        await expect(page.locator("#rate-enqueued .num")).to_have_text("0.0", timeout=15_000)
+        await expect(page.locator("#status-text")).to_contain_text("Live")
+        assert await page.locator("#chart-gauges canvas").count() == 1
+        assert await page.locator("#chart-rates canvas").count() == 1
+        assert (await screenshot(page, "overview-laptop.png")).stat().st_size > 0
+        console.check()
+
+
+async def test_requeue_and_purge_dead_tasks_through_the_page(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    scene = await set_scene(broker, http)
+    first, second, *rest = scene.dead
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "dlq")
+        rows = page.locator("#dlq-table tbody tr")
+        await expect(rows).to_have_count(4)
+        row = page.locator(f'#dlq-table tr[data-id="{first}"]')
+        await expect(row).to_contain_text("smtp: 550 mailbox unavailable")
+        await expect(row).to_contain_text("mail")
+        await expect(row).to_contain_text("1 / 1")
+        await expect(page.locator("#dlq-summary")).to_contain_text("4 dead tasks")
+        await screenshot(page, "dlq-laptop.png")
+
+        # Requeue one: a confirmation, then it leaves the list, and the broker says ready.
+        await row.locator("button.requeue").click()
+        dialog = page.locator("#confirm-dialog")
+        await expect(dialog).to_be_visible()
+        await expect(dialog).to_contain_text(first)
+        await screenshot(page, "dlq-confirm.png")
+        await page.locator("#confirm-ok").click()
+        await expect(row).to_have_count(0)
+        await expect(rows).to_have_count(3)
+        await expect(page.locator("#toasts")).to_contain_text(f"Requeued task {first}")
+        status, task = await http.request("GET", f"/jobs/{first}")
+        assert (status, task["state"], task["attempts"]) == (200, "ready", 0)
+        assert first not in [t["id"] for t in (await http.request("GET", "/dlq"))[1]]
+        assert (await http.stats())["totals"]["requeued"] == 1
+
+        # Purge, but think better of it: nothing happens.
+        doomed = page.locator(f'#dlq-table tr[data-id="{second}"]')
+        await doomed.locator("button.purge").click()
+        await page.locator("#confirm-cancel").click()
+        await expect(dialog).to_be_hidden()
+        assert (await http.request("GET", f"/jobs/{second}"))[1]["state"] == "dead"
+        # Purge for real: the task is gone.
+        await doomed.locator("button.purge").click()
+        await expect(page.locator("#confirm-ok")).to_have_text("Purge")
+        await page.locator("#confirm-ok").click()
+        await expect(doomed).to_have_count(0)
+        assert (await http.request("GET", f"/jobs/{second}"))[0] == 404
+        assert (await http.stats())["totals"]["purged"] == 1
+
+        # Requeue all (of the queue mail, chosen in the filter).
+        await page.locator("#dlq-queue").select_option("mail")
+        await expect(page).to_have_url(re.compile(r"#/dlq\?queue=mail$"))
+        await expect(page.locator("#dlq-requeue-all")).to_have_text("Requeue all (2)")
+        await page.locator("#dlq-requeue-all").click()
+        await expect(dialog).to_contain_text("all 2 dead tasks of queue mail")
+        await page.locator("#confirm-ok").click()
+        await expect(page.locator("#dlq-empty")).to_be_visible()
+        await expect(rows).to_have_count(0)
+        await expect(page.locator("#toasts")).to_contain_text("Requeued 2 tasks")
+        assert (await http.request("GET", "/dlq"))[1] == []
+        for task_id in rest:
+            assert (await http.request("GET", f"/jobs/{task_id}"))[1]["state"] == "ready"
+        await expect(page.locator("#dead-count")).to_have_text("")
+        console.check()
+
+
+async def test_pause_and_resume_a_queue_through_the_page(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    await set_scene(broker, http)
+
+    async def paused(name: str) -> bool:
+        status, queues = await http.request("GET", "/queues")
+        assert status == 200
+        return bool({q["name"]: q for q in queues}[name]["paused"])
+
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "queues")
+        rows = page.locator("#queues-table tbody tr")
+        await expect(rows).to_have_count(3)
+        _, queues = await http.request("GET", "/queues")
+        for q in queues:
+            row = page.locator(f'#queues-table tr[data-queue="{q["name"]}"]')
+            for key in ("ready", "handed_out", "delayed", "dead"):
+                cell = row.locator(f'td[data-field="{key}"]')
+                await expect(cell).to_have_attribute("data-value", str(q[key]))
+                await expect(cell).to_have_text(f"{q[key]:,}")
+        mail = page.locator('#queues-table tr[data-queue="mail"]')
+        await expect(mail.locator(".badge")).to_have_text("Active")
+        await mail.locator("button.pause").click()
+        await expect(mail.locator(".badge")).to_have_text("Paused")
+        await expect(page.locator("#queues-summary")).to_have_text("3 queues, 1 paused")
+        assert await paused("mail")
+        assert not await paused("default")
+        await screenshot(page, "queues-laptop.png")
+        # Paused means paused: a claim of mail gets nothing.
+        status, _ = await http.request("GET", "/jobs/next?queue=mail&wait_ms=0")
+        assert status == 204
+        await mail.locator("button.resume").click()
+        await expect(mail.locator(".badge")).to_have_text("Active")
+        assert not await paused("mail")
+        console.check()
+
+
+async def test_look_a_task_up_by_id(broker: Broker, http: Http, browser: Browser) -> None:
+    scene = await set_scene(broker, http)
+    dead = scene.dead[2]
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "task")
+        await page.locator("#task-id").fill(dead)
+        await page.locator("#task-id").press("Enter")
+        await expect(page).to_have_url(re.compile(f"#/task/{dead}$"))
+        card = page.locator("#task-card")
+        await expect(card).to_have_attribute("data-state", "dead")
+        await expect(page.locator("#task-state")).to_have_text("Dead")
+        await expect(page.locator("#task-attempts")).to_have_text("1 of 1")
+        await expect(page.locator("#task-error")).to_have_text('template "welcome" not found')
+        payload = await page.locator("#task-payload").inner_text()
+        assert payload == json.dumps(scene.payloads[dead], indent=2)
+        await expect(card).to_contain_text("mail")
+        await screenshot(page, "task-laptop.png")
+
+        # Requeued from its page: the page follows its state.
+        await card.locator("button.requeue").click()
+        await page.locator("#confirm-ok").click()
+        await expect(card).to_have_attribute("data-state", "ready")
+        await expect(page.locator("#task-attempts")).to_have_text("0 of 1")
+        assert (await http.request("GET", f"/jobs/{dead}"))[1]["state"] == "ready"
+
+        # A task handed out, by a link from elsewhere.
+        held = scene.held[0]
+        await page.goto(f"{broker.http_url}/ui{POLL}#/task/{held}")
+        await expect(page.locator("#task-state")).to_have_text("Handed out")
+        await expect(page.locator("#task-id")).to_have_value(held)
+
+        # No such task: said so, with the broker's answer.
+        await page.locator("#task-id").fill("no-such-task")
+        await page.locator("button[type=submit]").first.click()
+        missing = page.locator("#task-missing")
+        await expect(missing).to_contain_text("No such task")
+        await expect(missing).to_contain_text("404")
+        console.check()
+
+
+def authorizations(page: Page) -> list[str | None]:
+    """The Authorization header of every API call the page makes from now on (None: none)."""
+    seen: list[str | None] = []
+    page.on(
+        "request",
+        lambda r: seen.append(r.headers.get("authorization")) if "/ui" not in r.url else None,
+    )
+    return seen
+
+
+async def test_a_token_is_asked_once_kept_and_sent(tmp_path: Path, browser: Browser) -> None:
+    async with (
+        running_broker(token_file=str(write_token_file(tmp_path))) as broker,
+        aiohttp.ClientSession(headers=bearer(ROOT)) as session,
+        open_page(browser) as (page, console),
+    ):
+        http = Http(session, broker.http_url)
+        await set_scene(broker, http, ROOT)
+        calls = authorizations(page)
+        await goto(page, broker, "queues")
+        dialog = page.locator("#token-dialog")
+        await expect(dialog).to_be_visible()
+        await expect(page.locator("#token-reason")).to_contain_text("no token")
+        await screenshot(page, "token-dialog.png")
+
+        # A token nobody knows: asked again, saying so.
+        await page.locator("#token-input").fill(UNKNOWN)
+        await page.locator("#token-ok").click()
+        await expect(page.locator("#token-reason")).to_contain_text("unknown token")
+        # A real token without the admin scope: the figures show.
+        await page.locator("#token-input").fill(ONLY["consume"])
+        await page.locator("#token-ok").click()
+        await expect(dialog).to_be_hidden()
+        mail = page.locator('#queues-table tr[data-queue="mail"]')
+        await expect(mail.locator('td[data-field="ready"]')).to_have_text("26")
+        stored = await page.evaluate("sessionStorage.getItem('wq.token')")
+        assert stored == ONLY["consume"]
+
+        # Pausing needs the admin scope: a 403, named, and nothing paused.
+        await mail.locator("button.pause").click()
+        alert = page.locator("#alert-action")
+        await expect(alert).to_contain_text("needs a token with the “admin” scope")
+        await expect(alert).to_have_attribute("data-status", "403")
+        await screenshot(page, "token-403.png")
+        assert not {q["name"]: q for q in (await http.request("GET", "/queues"))[1]}["mail"][
+            "paused"
+        ]
+
+        # Another token, from the alert's button: the pause goes through.
+        await alert.locator("button", has_text="Use another token").click()
+        await page.locator("#token-input").fill(ROOT)
+        await page.locator("#token-ok").click()
+        await expect(alert).to_have_count(0)
+        await mail.locator("button.pause").click()
+        await expect(mail.locator(".badge")).to_have_text("Paused")
+        assert {q["name"]: q for q in (await http.request("GET", "/queues"))[1]}["mail"]["paused"]
+
+        # After the first answer, every call carried a token; the token survives a reload.
+        sent = [c for c in calls if c is not None]
+        assert sent
+        assert set(sent) <= {f"Bearer {t}" for t in (UNKNOWN, ONLY["consume"], ROOT)}
+        assert calls[-1] == f"Bearer {ROOT}"
+        await page.reload()
+        await expect(page.locator(".gauge-value").first).to_be_attached()
+        await goto(page, broker, "overview")
+        await expect(page.locator("#gauge-dead .gauge-value")).to_have_text("4")
+        await expect(dialog).to_be_hidden()
+        console.check()
+
+
+async def test_a_token_declined_leaves_a_way_back(tmp_path: Path, browser: Browser) -> None:
+    async with (
+        running_broker(token_file=str(write_token_file(tmp_path))) as broker,
+        open_page(browser) as (page, console),
+    ):
+        await goto(page, broker, "overview")
+        await page.locator("#token-cancel").click()
+        alert = page.locator("#alert-poll")
+        await expect(alert).to_contain_text("This broker needs a token")
+        await expect(alert).to_have_attribute("data-status", "401")
+        await expect(page.locator("#status-text")).to_have_text("Needs a token")
+        await asyncio.sleep(0.6)  # polls go on, without asking again
+        await expect(page.locator("#token-dialog")).to_be_hidden()
+        await alert.locator("button", has_text="Enter token").click()
+        await page.locator("#token-input").fill(ROOT)
+        await page.locator("#token-ok").click()
+        await expect(page.locator("#gauge-ready .gauge-value")).to_have_text("0")
+        await expect(alert).to_have_count(0)
+        console.check()
+
+
+async def test_errors_from_the_api_are_shown(broker: Broker, browser: Browser) -> None:
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "overview")
+        await expect(page.locator("#gauge-ready .gauge-value")).to_have_text("0")
+        await broker.stop()  # the broker goes away
+        alert = page.locator("#alert-poll")
+        await expect(alert).to_contain_text("Cannot reach the broker")
+        await expect(page.locator("#status-text")).to_have_text("Disconnected")
+        console.errors[:] = [e for e in console.errors if "ERR_CONNECTION_REFUSED" not in e]
+        console.check()
+
+
+async def test_the_page_fits_a_phone(broker: Broker, http: Http, browser: Browser) -> None:
+    await set_scene(broker, http)
+    async with open_page(browser, PHONE) as (page, console):
+        for view in ("overview", "queues", "dlq"):
+            await goto(page, broker, view)
+            await expect(page.locator(f"#view-{view}")).to_be_visible()
+            if view == "overview":
+                await expect(page.locator("#gauge-dead .gauge-value")).to_have_text("4")
+            elif view == "queues":
+                await expect(page.locator("#queues-table tbody tr")).to_have_count(3)
+            else:
+                await expect(page.locator("#dlq-table tbody tr")).to_have_count(4)
+            # Nothing wider than the screen: no sideways scrolling.
+            width = await page.evaluate("document.documentElement.scrollWidth")
+            assert width <= PHONE["width"], (view, width)
+            await screenshot(page, f"{view}-phone.png")
+        # The table rows are cards, each figure labelled.
+        cell = page.locator("#dlq-table tbody tr").first.locator("td").nth(2)
+        label = await cell.evaluate("e => getComputedStyle(e, '::before').content")
+        assert label == '"Attempts"'
+        console.check()
+
+
+def test_screenshots_dir_is_ignored_by_git() -> None:
+    ignore = (REPO / ".gitignore").read_text().splitlines()
+    assert "tests/artifacts/" in ignore
