@@ -49,20 +49,20 @@ format: install
 	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto
 
 # The tests, in tiers (tests/conftest.py puts the markers on). `make test` runs them all, as CI
-# does: lint, then every test spread over the cores (pytest-xdist) but the few marked serial,
-# which then run alone; every Hypothesis example (the ci profile). `make test-fast` is the loop's
-# tier: no lint, npm, PostgreSQL or browser, a fifth of the examples. PYTEST_ARGS narrows either
-# (a tier with nothing left to run after it is not a failure).
-JOBS ?= auto
-PYTEST_TIER = run() { $(PY) -m pytest "$$@" $(PYTEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; return $$rc; }; run
+# does: lint, then every test over four pytest-xdist workers (most tests wait on sockets and
+# timers more than they compute: four keep two cores busy), the ones marked serial one after the
+# other on a worker of their own; every Hypothesis example (the ci profile). `make test-fast` is
+# the loop's tier: no lint, npm, PostgreSQL or browser, a fifth of the examples. PYTEST_ARGS
+# narrows either (`make test-fast PYTEST_ARGS=tests/http`).
+JOBS ?= 4
+PYTEST := $(PY) -m pytest -n $(JOBS) --dist loadgroup
 
 test: install node-deps lint
-	@export HYPOTHESIS_PROFILE=ci; $(PYTEST_TIER) -n $(JOBS) -m "not serial"
-	@export HYPOTHESIS_PROFILE=ci; $(PYTEST_TIER) -m serial
+	HYPOTHESIS_PROFILE=ci $(PYTEST) $(PYTEST_ARGS)
 
 test-fast: install
-	@export HYPOTHESIS_PROFILE=dev; $(PYTEST_TIER) -n $(JOBS) \
-		-m "not pg and not browser and not node and not slow and not serial"
+	HYPOTHESIS_PROFILE=dev $(PYTEST) -m "not pg and not browser and not node and not slow" \
+		$(PYTEST_ARGS)
 
 # The Node.js gRPC client used by the cross-language test (@grpc/grpc-js, @grpc/proto-loader).
 NODE_STAMP := tests/node/node_modules/.installed

@@ -12,8 +12,8 @@ what it runs on, so no test has to remember its own:
 - ``pg``: on PostgreSQL (a ``postgres`` parameter, or a test of the PostgreSQL store or cluster);
 - ``node``: a client in Node.js, which needs the npm packages of tests/node (``make node-deps``);
 - ``slow``: put by hand on the few that take seconds of CPU (``make test-fast`` leaves them out);
-- ``serial``: run alone after the rest by ``make test`` (several brokers or processes killed on
-  purpose, a browser: timing they should not share with a parallel run).
+- ``serial``: run one after the other, never two at once, on an xdist worker of their own
+  (several brokers, processes killed on purpose, a browser: each wants the machine's attention).
 
 Hypothesis: the ``ci`` profile (``make test``, and whenever ``$CI`` is set) runs every property
 as written; ``dev`` (``make test-fast``, and plain ``pytest``) a fifth of the examples
@@ -57,8 +57,7 @@ LAYERS: Final = {
 # Test modules whose every test runs on PostgreSQL.
 POSTGRES_MODULES: Final = frozenset({"store/test_postgres.py", "e2e/test_postgres_cluster.py"})
 NODE_MODULE: Final = "e2e/test_node_client.py"
-# Test modules run alone, after the rest (``make test``): several brokers, processes killed on
-# purpose, a browser; their timing is not to be shared with a parallel run.
+# Test modules whose tests run one at a time (an xdist group: one worker takes them all).
 SERIAL_MODULES: Final = frozenset(
     {"e2e/test_sqlite_kill9.py", "e2e/test_postgres_cluster.py", "ui/test_dashboard.py"}
 )
@@ -76,6 +75,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker("pg")
         if where.as_posix() in SERIAL_MODULES:
             item.add_marker("serial")
+            item.add_marker(pytest.mark.xdist_group("serial"))  # (one worker runs them all)
         if where.as_posix() == NODE_MODULE:
             item.add_marker("node")
 

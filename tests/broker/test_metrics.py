@@ -267,7 +267,12 @@ async def test_grpc_calls_by_method_and_code(broker: Broker, http: Http) -> None
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.Enqueue(pb.EnqueueRequest(payload=b"{not json"))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    samples = await scrape(http)
+    # (A call refused is counted just after its status is sent: by then the client may be here.)
+    samples = await wait_until(
+        lambda: scrape(http),
+        lambda s: sum(series(s, "wq_grpc_requests_total").values()) >= 5,
+        what="the five calls to be counted",
+    )
     grpc_calls = series(samples, "wq_grpc_requests_total")
     service = ("service", "wq.v1.Broker")
 
@@ -307,8 +312,13 @@ async def test_metrics_needs_the_metrics_scope(backend: str, tmp_path: Path) -> 
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await pb_grpc.BrokerStub(channel).Stats(pb.StatsRequest())
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-        samples = await scrape(http, headers=bearer(ONLY["metrics"]))
         refused = {"service": "wq.v1.Broker", "method": "Stats", "code": "UNAUTHENTICATED"}
+        key = ("wq_grpc_requests_total", tuple(sorted(refused.items())))
+        samples = await wait_until(
+            lambda: scrape(http, headers=bearer(ONLY["metrics"])),
+            lambda s: key in s,  # (counted just after its status is sent)
+            what="the refused call to be counted",
+        )
         assert value(samples, "wq_grpc_requests_total", **refused) == 1
         dlq = {"method": "GET", "route": "/dlq", "status": "403"}
         assert value(samples, "wq_http_requests_total", **dlq) == 1

@@ -24,6 +24,8 @@ import pytest
 from tests import pg
 from tests.procs import ROOT, broker_process
 
+pytestmark = pytest.mark.slow  # (seconds of wall time each: make test-fast leaves them out)
+
 # What the copy of the tree the wheel is built from leaves out (built or installed things).
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", "node_modules", "__pycache__", "*.egg-info", ".*_cache", "build", "dist"

@@ -39,7 +39,7 @@ from tests.procs import (
     worker_command,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 TRANSPORTS = ["http", "grpc"]
 GAUGES = ("ready", "handed_out", "delayed", "dead")

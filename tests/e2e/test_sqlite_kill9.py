@@ -18,7 +18,7 @@ import pytest
 from tests.helpers import invariant_holds, wait_until
 from tests.procs import BrokerProcess, broker_process, free_port
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 KILLS = 4
 # Traffic before each kill: this many more tasks answered 201, and a quarter as many more acked.

@@ -716,7 +716,7 @@ def test_store_state_machine(backend: str) -> None:
         settings=settings(
             # (every step is a few round trips to PostgreSQL, and each of its invariants a few
             # more: fewer runs keep it to about a minute)
-            max_examples=examples(100) if backend == "postgres" else 150,
+            max_examples=examples(100 if backend == "postgres" else 150),
             stateful_step_count=50,
             deadline=None,
             suppress_health_check=[HealthCheck.too_slow],
