@@ -35,9 +35,10 @@ worker: install-run
 producer: install-run
 	$(VENV)/bin/wq-producer $(ARGS)
 
-# ruff (lint, format) and mypy --strict over wqbroker, wqclient, tests and bench (the files are in
-# pyproject.toml); the same checks as .pre-commit-config.yaml. Needs no Node.js (node-deps is only
-# for the cross-language test in `make test`).
+# ruff (lint, format) and mypy --strict over wqbroker, wqclient, wqwire, tests and bench (the files
+# are in pyproject.toml), as .pre-commit-config.yaml runs them; then import-linter: the layers and
+# the packages' independence (pyproject.toml's contracts). Needs no Node.js (node-deps is only for
+# the cross-language test in `make test`).
 lint: install
 	$(PY) -m ruff check wqbroker wqclient wqwire tests bench proto
 	$(PY) -m ruff format --check wqbroker wqclient wqwire tests bench proto
@@ -80,8 +81,8 @@ bench: install beanstalkd
 beanstalkd:
 	@command -v beanstalkd >/dev/null || (test "$$(id -u)" = 0 && apt-get install -y -q beanstalkd >/dev/null) || echo "beanstalkd not installed: the bench skips it"
 
-# Chromium from Debian's packages, for the dashboard's browser tests (tests/ui/test_dashboard.py, driven by
-# Playwright; without it they skip, or fail when CI is set). Installed as root; else says how.
+# Chromium from Debian's packages, for the dashboard's browser tests (tests/ui/test_dashboard.py,
+# driven by Playwright; without it they skip, or fail when CI is set). As root; else says how.
 CHROMIUM := /usr/bin/chromium
 browser:
 	@test -x $(CHROMIUM) || test "$$(id -u)" != 0 || \
