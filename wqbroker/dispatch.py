@@ -21,8 +21,8 @@ import asyncio
 import logging
 import math
 from collections import OrderedDict, deque
-from collections.abc import Awaitable, Callable, Iterable
-from typing import Final
+from collections.abc import Awaitable, Callable, Coroutine, Iterable
+from typing import Any, Final, TypeVar
 
 from wqbroker.clock import Clock
 from wqbroker.errors import Overloaded, WqError
@@ -33,6 +33,8 @@ from wqbroker.models import DEFAULT_QUEUE, Delivery
 from wqbroker.store import Store
 
 log = logging.getLogger("wqbroker.dispatch")
+
+T = TypeVar("T")
 
 RECLAIM_STREAM_ENDED: Final = "worker stream ended"
 
@@ -480,26 +482,8 @@ class Dispatcher:
         return deliveries
 
     async def _claim_now_many(self, lease: float, count: int, queues: Queues) -> list[Delivery]:
-        claimed = timed(
-            self._events,
-            "claim",
-            self._store.claim_many([lease] * count, now=self._clock.now(), queues=queues),
-        )
-        if self._store.never_suspends:
-            deliveries = await claimed
-        else:
-            task = asyncio.get_running_loop().create_task(claimed)
-            try:
-                deliveries = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                # The caller went away while the store committed the hand-outs: undo them once
-                # done.
-                def undo(done: asyncio.Task[list[Delivery]]) -> None:
-                    if not done.cancelled() and done.exception() is None:
-                        self._undo(done.result())
-
-                task.add_done_callback(undo)
-                raise
+        claimed = self._store.claim_many([lease] * count, now=self._clock.now(), queues=queues)
+        deliveries = await self._committed(claimed, list)
         if deliveries:
             self._events.handed_out(deliveries)
         return deliveries
@@ -522,29 +506,32 @@ class Dispatcher:
         return delivery
 
     async def _claim_now(self, lease: float, queues: Queues) -> Delivery | None:
-        claimed = timed(
-            self._events,
-            "claim",
-            self._store.claim(lease=lease, now=self._clock.now(), queues=queues),
-        )
-        if self._store.never_suspends:
-            delivery = await claimed
-        else:
-            task = asyncio.get_running_loop().create_task(claimed)
-            try:
-                delivery = await asyncio.shield(task)
-            except asyncio.CancelledError:
-                # The caller went away while the store committed the hand-out: undo it once done.
-                def undo(done: asyncio.Task[Delivery | None]) -> None:
-                    if not done.cancelled() and done.exception() is None:
-                        found = done.result()
-                        self._undo([found] if found is not None else [])
-
-                task.add_done_callback(undo)
-                raise
+        claimed = self._store.claim(lease=lease, now=self._clock.now(), queues=queues)
+        delivery = await self._committed(claimed, lambda found: [] if found is None else [found])
         if delivery is not None:
             self._events.handed_out((delivery,))
         return delivery
+
+    async def _committed(
+        self, claimed: Coroutine[Any, Any, T], handed: Callable[[T], list[Delivery]]
+    ) -> T:
+        """What a claim of the store answers (timed for the listener). With a store that
+        suspends, it runs on its own: if the caller goes away while the store commits the
+        hand-outs (``handed`` lists them), they are undone once done."""
+        timed_claim = timed(self._events, "claim", claimed)
+        if self._store.never_suspends:
+            return await timed_claim
+        task = asyncio.get_running_loop().create_task(timed_claim)
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+
+            def undo(done: asyncio.Task[T]) -> None:
+                if not done.cancelled() and done.exception() is None:
+                    self._undo(handed(done.result()))
+
+            task.add_done_callback(undo)
+            raise
 
     def _undo(self, deliveries: list[Delivery]) -> None:
         """Hand-outs that no caller is left to take (it went away while the store committed
