@@ -102,13 +102,26 @@ def drop_all() -> None:
 
 class Proxy:
     """A TCP proxy to the PostgreSQL server that can be cut (its listening socket and every
-    connection closed) and restored on the same port, as a network or a restarting server would."""
+    connection closed) and restored on the same port, as a network or a restarting server would;
+    or stalled: nothing passes either way, nothing is closed or refused (a silent partition: a
+    dead switch, a security group changed), until it flows again."""
 
     def __init__(self, target: int) -> None:
         self.target = target
         self.port = 0
         self._server: asyncio.Server | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+
+    def stall(self) -> None:
+        """Let nothing through, either way, on any connection (new ones are accepted and left
+        hanging), without closing or refusing anything."""
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        """Let everything held back through, and what follows."""
+        self._flowing.set()
 
     @classmethod
     async def start(cls, dsn: str) -> Proxy:
@@ -135,21 +148,23 @@ class Proxy:
         self._writers.clear()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        await self._flowing.wait()
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target)
         except OSError:
             writer.close()
             return
-        self._writers.update((writer, up_writer))
+        self._writers.add(up_writer)
         await asyncio.gather(
-            _pipe(reader, up_writer), _pipe(up_reader, writer), return_exceptions=True
+            self._pipe(reader, up_writer), self._pipe(up_reader, writer), return_exceptions=True
         )
 
-
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    finally:
-        writer.close()
+    async def _pipe(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                await self._flowing.wait()
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()

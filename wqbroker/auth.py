@@ -108,11 +108,18 @@ ANY_TOKEN: Final = Routes(
     ),
 )
 
-# Routes open without a token: liveness probes must work without credentials, and the API's
-# description (GET /openapi.json) is public, as the .proto is. The dashboard's static files
-# (GET /ui...) hold no data: every call the page makes carries the token the user entered.
+# Routes open without a token: liveness and readiness probes must work without credentials, and
+# the API's description (GET /openapi.json) is public, as the .proto is. The dashboard's static
+# files (GET /ui...) hold no data: every call the page makes carries the token the user entered.
 NO_TOKEN: Final = Routes(
-    http=("GET /healthz", "GET /openapi.json", "GET /ui", "GET /ui/", "GET /ui/{file}"),
+    http=(
+        "GET /healthz",
+        "GET /readyz",
+        "GET /openapi.json",
+        "GET /ui",
+        "GET /ui/",
+        "GET /ui/{file}",
+    ),
     grpc=(
         "/grpc.health.v1.Health/Check",
         "/grpc.health.v1.Health/Watch",

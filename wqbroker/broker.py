@@ -3,6 +3,7 @@ again."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import random
@@ -17,7 +18,7 @@ from wqbroker.config import Config, disabled, parse_addr
 from wqbroker.errors import StoreError
 from wqbroker.grpc.auth import AuthInterceptor
 from wqbroker.grpc.metrics import MetricsInterceptor
-from wqbroker.grpc.server import create_server, set_serving
+from wqbroker.grpc.server import create_server, set_serving, watch_readiness
 from wqbroker.http import (
     create_app,
     make_runner,
@@ -32,6 +33,10 @@ from wqbroker.store.sqlite import SqliteStore
 from wqbroker.tls import ServerTLS, TLSError, load_server_tls
 
 log = logging.getLogger("wqbroker")
+
+# How often gRPC health's readiness (``wq.v1.Broker``) is brought up to date for its watchers
+# (from what the store's probe last found: no I/O).
+READINESS_EVERY = 0.25
 
 
 class StartupError(Exception):
@@ -65,7 +70,9 @@ async def open_store(
             raise StartupError(str(e)) from None
     if spec.startswith(("postgres://", "postgresql://")):
         try:
-            return await PostgresStore.open(spec, backoff, rng, db_clock=True, clock=clock)
+            return await PostgresStore.open(
+                spec, backoff, rng, db_clock=True, clock=clock, deadline=config.db_timeout
+            )
         except (StoreError, ValueError) as e:
             raise StartupError(str(e)) from None
     raise StartupError(
@@ -92,6 +99,7 @@ class Broker:
         self._runner: web.AppRunner | None = None
         self._grpc: grpc.aio.Server | None = None
         self._health: Any = None
+        self._readiness: asyncio.Task[None] | None = None  # keeps gRPC health's readiness
         self.tokens: Tokens | None = None  # the token file's tokens (reload() on SIGHUP)
         self.metrics = Metrics(self.clock)  # this broker's registry (GET /metrics)
         self._tls: ServerTLS | None = None
@@ -214,10 +222,15 @@ class Broker:
             )
         await server.start()
         await set_serving(self._health, True)
+        self._readiness = asyncio.get_running_loop().create_task(
+            watch_readiness(self._health, self.service, READINESS_EVERY)
+        )
         self.grpc_addresses = [f"{bind_host}:{bound}"]
 
     async def stop(self) -> None:
         """Answer open long-polls, end streams, stop serving, close the store."""
+        if self._readiness is not None:
+            self._readiness.cancel()
         if self._health is not None:
             await set_serving(self._health, False)
         if self._service is not None:

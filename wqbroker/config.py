@@ -30,6 +30,7 @@ from wqbroker.limits import (
     DEFAULT_SWEEP_INTERVAL,
 )
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP
+from wqbroker.store.postgres.pool import DEADLINE as DB_DEADLINE
 from wqwire.defaults import GRPC_PORT, HTTP_PORT
 from wqwire.flags import LOG_FORMATS, Flag, non_negative_int, positive_int
 
@@ -174,6 +175,14 @@ class Config:
         "memory (lost on restart), sqlite:PATH (durable) or postgres://USER@HOST:PORT/DB "
         "(durable, shared by brokers)",
         metavar="STORE",
+    )
+    db_timeout: float = _ms(
+        "PostgreSQL: the longest any database call may take (the server's statement_timeout, "
+        "and the broker's own deadline on the answer); past it the call fails with 503 / "
+        "UNAVAILABLE, and the broker probes the database at once",
+        DB_DEADLINE,
+        flag="db-timeout-ms",
+        parse=positive_int,
     )
     sqlite_sync: str = setting(
         "full",

@@ -18,6 +18,10 @@ T = TypeVar("T")
 class WqError(Exception):
     """Base of every error the broker reports to a client."""
 
+    #: Seconds a client should wait before trying again, where the error says when (HTTP sends
+    #: it as ``Retry-After``, gRPC as ``retry-after-ms`` trailing metadata); None: it does not.
+    retry_after: float | None = None
+
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
@@ -44,7 +48,10 @@ class Unavailable(WqError):
 
 
 class StoreError(Unavailable):
-    """The storage backend failed (disk full, database unreachable, ...)."""
+    """The storage backend failed (disk full, database unreachable, ...). A client may try
+    again in a second: a broker that lost its database fails fast until it is back."""
+
+    retry_after = 1.0
 
 
 class Unauthenticated(WqError):
@@ -60,7 +67,7 @@ class Overloaded(WqError):
 
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
-        self.retry_after = retry_after  # seconds a client should wait before trying again
+        self.retry_after: float | None = retry_after
 
 
 #: How much of a client's text an error message quotes (ids can be any length; messages must stay

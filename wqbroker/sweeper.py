@@ -15,6 +15,7 @@ import math
 from collections.abc import Awaitable, Callable
 
 from wqbroker.clock import Clock, TimerHandle
+from wqbroker.errors import WqError
 
 log = logging.getLogger("wqbroker.sweeper")
 
@@ -90,6 +91,10 @@ class Sweeper:
                 next_due = await self._tick()
             except asyncio.CancelledError:
                 raise
+            except WqError as e:  # the store is away: said once, without a traceback
+                if not self._failing:
+                    log.warning("sweeper tick failed (it keeps trying): %s", e.message)
+                self._failing = True
             except Exception:  # a failing tick must not stop the sweeper
                 if not self._failing:  # say it once, not four times a second
                     log.exception("sweeper tick failed (it keeps trying)")

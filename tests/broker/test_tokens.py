@@ -366,6 +366,7 @@ HTTP_CALLS = [
     HttpCall("POST", "/queues/{name}/pause", 204),
     HttpCall("POST", "/queues/{name}/resume", 204),
     HttpCall("GET", "/healthz", 200),
+    HttpCall("GET", "/readyz", 200),
     HttpCall("GET", "/metrics", 200),
     HttpCall("GET", "/ui", 200),
     HttpCall("GET", "/ui/", 200),

@@ -963,12 +963,13 @@ async def test_broker_processes_killed_under_load_lose_nothing(dsn: str) -> None
 # -- 4. the database goes away --------------------------------------------------------------------
 
 
-async def health(node: Node) -> tuple[int, str]:
-    """/healthz's status, and the gRPC health service's answer."""
-    status, _ = await node.get("/healthz")
+async def health(node: Node, service: str = "wq.v1.Broker") -> tuple[int, str]:
+    """Readiness (/readyz's status, and the gRPC health service's answer for the broker's
+    service), or with ``service=""`` liveness (/healthz's, and the server's)."""
+    status, _ = await node.get("/readyz" if service else "/healthz")
     async with grpc.aio.insecure_channel(node.broker.grpc_target) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
+        answer = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
     return status, str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status))
 
 
@@ -1017,8 +1018,16 @@ async def cut_off(a: Node, b: Node, proxy: pg.Proxy) -> str:
     assert "unreachable" in body["error"], body
     assert time.monotonic() - asked < 5
     assert (await a.get("/jobs/next?wait_ms=0"))[0] == 503
-    await wait_until(lambda: health(a), lambda h: h == (503, "NOT_SERVING"), what="a unhealthy")
+    await wait_until(lambda: health(a), lambda h: h == (503, "NOT_SERVING"), what="a unready")
+    assert await health(a, "") == (200, "SERVING")  # (alive all the same)
     return await b.enqueue({"n": "during"})
+
+
+async def unready(node: Node) -> None:
+    """Wait until ``node`` says it cannot serve: within five seconds of its database going."""
+    await wait_until(
+        lambda: health(node), lambda h: h == (503, "NOT_SERVING"), what="unready", timeout=5
+    )
 
 
 async def recovered(node: Node, timeout: float = 6) -> None:
@@ -1051,6 +1060,129 @@ async def test_a_broker_cut_off_from_the_database_says_503_and_recovers_by_itsel
     finally:
         await a.stop()
         await proxy.cut()
+
+
+async def readiness_heard(node: Node, seen: list[str], stop: asyncio.Event) -> None:
+    """What a gRPC health Watch of the broker's service hears, into ``seen``, until ``stop``."""
+    async with grpc.aio.insecure_channel(node.broker.grpc_target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        call = stub.Watch(health_pb2.HealthCheckRequest(service="wq.v1.Broker"))
+        reading = asyncio.ensure_future(_statuses(call, seen))
+        await stop.wait()
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await reading
+
+
+async def _statuses(call: Any, seen: list[str]) -> None:
+    async for answer in call:
+        seen.append(str(health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)))
+
+
+@pytest.mark.timeout(60)
+async def test_a_silent_partition_is_noticed_within_seconds_with_no_traffic(
+    cluster: Cluster, dsn: str
+) -> None:
+    proxy = await pg.Proxy.start(dsn)
+    a = await cluster.add(dsn=proxy.dsn(dsn))
+    stop, heard = asyncio.Event(), list[str]()
+    watching = asyncio.ensure_future(readiness_heard(a, heard, stop))
+    try:
+        b = await cluster.add()
+        kept = {await a.enqueue({"n": i}) for i in range(3)}
+        assert await health(a) == (200, "SERVING")
+        # Packets dropped, nothing refused nor closed: an idle broker notices all the same, by
+        # its probe, within five seconds; the other broker does not (its database answers).
+        proxy.stall()
+        await unready(a)
+        assert await health(a, "") == (200, "SERVING")  # alive: no reason to restart it
+        assert await health(b) == (200, "SERVING")
+        await wait_until(lambda: heard[-1:] == ["NOT_SERVING"], what="a watch to hear it")
+        # Known away, it fails fast: 503 at once, with when to try again.
+        asked = time.monotonic()
+        async with cluster.session.post(a.http.base + "/jobs", json={"payload": 1}) as answer:
+            assert answer.status == 503
+            assert answer.headers["Retry-After"] == "1"
+            assert "unreachable" in (await answer.json())["error"]
+        assert time.monotonic() - asked < 1
+        during = await b.enqueue({"n": "during"})
+        # Healed: ready again by itself, and nothing accepted is lost.
+        proxy.flow()
+        await recovered(a)
+        after = await a.enqueue({"n": "after"})
+        assert await claim_all(a, 5) == kept | {during, after}
+        await wait_until(lambda: heard[-1:] == ["SERVING"], what="the watch to hear it back")
+        assert heard == ["SERVING", "NOT_SERVING", "SERVING"]
+    finally:
+        stop.set()
+        await watching
+        await a.stop()
+        proxy.flow()
+        await proxy.cut()
+
+
+@pytest.mark.timeout(60)
+async def test_every_broker_says_the_same_when_the_database_refuses_connections(
+    cluster: Cluster, dsn: str
+) -> None:
+    proxy = await pg.Proxy.start(dsn)
+    a = await cluster.add(dsn=proxy.dsn(dsn))
+    b = await cluster.add(dsn=proxy.dsn(dsn))
+    try:
+        await a.enqueue({"n": 1})  # (traffic on one of them only)
+        await proxy.cut()
+        for node in (a, b):  # each finds out by itself, with or without traffic
+            await unready(node)
+        await proxy.restore()
+        for node in (a, b):
+            await recovered(node)
+    finally:
+        await a.stop()
+        await b.stop()
+        await proxy.cut()
+
+
+@pytest.mark.timeout(60)
+async def test_calls_caught_in_a_silent_partition_are_answered_within_their_deadline(
+    cluster: Cluster, dsn: str
+) -> None:
+    proxy = await pg.Proxy.start(dsn)
+    a = await cluster.add(dsn=proxy.dsn(dsn), db_timeout=1.0)
+    try:
+        kept = await a.enqueue({"n": "before"})
+        proxy.stall()
+        # Sent into the partition before the broker knows of it: enqueues waiting behind one
+        # another's group commit, a claim, a read. None waits on the dead link past its deadline
+        # (and what waits behind a stuck call is let go once the probe finds the link dead).
+        asked = time.monotonic()
+        answers = await asyncio.gather(
+            *(a.post("/jobs", {"payload": {"n": i}}) for i in range(20)),
+            a.get("/jobs/next?wait_ms=0"),
+            a.get("/stats"),
+        )
+        took = time.monotonic() - asked
+        assert {status for status, _ in answers} == {503}, answers
+        assert took < 5, took  # (the deadline is 1 s; the probe gives up after 2 s more)
+        proxy.flow()
+        await recovered(a)
+        # Whatever of the refused enqueues the database got before the link went dead stays;
+        # what was kept is there, and the broker serves.
+        after = await a.enqueue({"n": "after"})
+        claimed = await claim_all(a, 2)
+        assert {kept, after} <= claimed | {d["task"]["id"] for d in await drain(a)}
+    finally:
+        await a.stop()
+        proxy.flow()
+        await proxy.cut()
+
+
+async def drain(node: Node) -> list[Any]:
+    """Claim and ack every task ready on ``node``; the deliveries."""
+    got: list[Any] = []
+    while (d := await node.claim(wait_ms=0)) is not None:
+        assert await node.http.ack(d["task"]["id"], d["lease_id"]) == 204
+        got.append(d)
+    return got
 
 
 @pytest.mark.timeout(60)

@@ -185,7 +185,7 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
             check = health_pb2.HealthCheckRequest(service="wq.v1.Broker")
             serving = health_pb2.HealthCheckResponse.SERVING
             assert (await health.Check(check)).status == serving
-            assert (await http.request("GET", "/healthz"))[0] == 200
+            assert (await http.request("GET", "/readyz"))[0] == 200
             monkeypatch.setattr(store, "_write", broken_write)
             status, body = await http.request("POST", "/jobs", json={"payload": 1})
             assert status == 503
@@ -194,10 +194,14 @@ async def test_a_failed_commit_stops_the_store_and_the_broker_says_so(
             status, body = await http.request("GET", "/stats")
             assert status == 503
             assert "unavailable" in body["error"]
-            status, body = await http.request("GET", "/healthz")
+            status, body = await http.request("GET", "/readyz")
             assert status == 503
             assert body["status"] == "unavailable"
             assert (await health.Check(check)).status == health_pb2.HealthCheckResponse.NOT_SERVING
+            # Alive all the same (liveness): restarting the broker would not mend its disk.
+            assert (await http.request("GET", "/healthz"))[0] == 200
+            alive = health_pb2.HealthCheckRequest(service="")
+            assert (await health.Check(alive)).status == serving
             stub = pb_grpc.BrokerStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Enqueue(pb.EnqueueRequest(payload=b"1"))

@@ -110,7 +110,7 @@ async def abort(context: Context, error: WqError) -> NoReturn:
     """End the call with the status for ``error`` (its message bounded: :func:`details`; for a
     limit, when to retry)."""
     metadata: tuple[tuple[str, str], ...] = ()
-    if isinstance(error, Overloaded):
+    if error.retry_after is not None:
         metadata = ((RETRY_AFTER_KEY, str(round(error.retry_after * 1000))),)
     await context.abort(code_for(error), details(error.message), trailing_metadata=metadata)
 
@@ -266,7 +266,7 @@ async def _written(context: Context, message: Message) -> bool:
 def _refused(error: WqError) -> pb.ProduceResponse:
     """A Produce batch's refusal: the status its EnqueueBatch call would have ended with."""
     response = pb.ProduceResponse(code=code_for(error).value[0], message=details(error.message))
-    if isinstance(error, Overloaded):
+    if error.retry_after is not None:
         response.retry_after_ms = round(error.retry_after * 1000)
     return response
 
@@ -730,15 +730,18 @@ def _entry_size(message: Message) -> int:
 
 # grpc-stubs' grpc_health stubs predate the asyncio servicer in ``health.aio``.
 class _Health(health.aio.HealthServicer):  # type: ignore[name-defined,misc]
-    """The standard health service; NOT_SERVING while the broker cannot serve (its store
-    failed, or it is shutting down), whatever was set."""
+    """The standard health service, a status per service as Kubernetes' gRPC probes ask: the
+    server as a whole (``""``) is liveness, SERVING from start until shutdown; ``wq.v1.Broker``
+    is readiness, NOT_SERVING while the broker cannot serve (its store cannot be reached, or it
+    is shutting down), as ``GET /readyz`` says. A ``Check`` reads readiness as it is now; a
+    ``Watch`` hears it change (the broker keeps it up to date: :func:`watch_readiness`)."""
 
     def __init__(self, service: Service) -> None:
         super().__init__()
         self._service = service
 
     async def Check(self, request: Any, context: Context) -> Any:
-        if self._service.problem() is not None:
+        if request.service == SERVICE_NAME and self._service.problem() is not None:
             return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.NOT_SERVING)
         return await super().Check(request, context)
 
@@ -785,11 +788,27 @@ def create_server(
     return server, health_servicer
 
 
-async def set_serving(health_servicer: Any, serving: bool) -> None:
-    status = (
+def _status(serving: bool) -> Any:
+    return (
         health_pb2.HealthCheckResponse.SERVING
         if serving
         else health_pb2.HealthCheckResponse.NOT_SERVING
     )
+
+
+async def set_serving(health_servicer: Any, serving: bool) -> None:
+    """Liveness and readiness both (at start, SERVING; at shutdown, NOT_SERVING)."""
     for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, status)
+        await health_servicer.set(name, _status(serving))
+
+
+async def watch_readiness(health_servicer: Any, service: Service, every: float) -> None:
+    """Keep ``wq.v1.Broker``'s status (what a ``Watch`` hears) on what the service says, looking
+    every ``every`` seconds, until cancelled."""
+    ready = True
+    while True:
+        await asyncio.sleep(every)
+        now = service.problem() is None
+        if now != ready:
+            ready = now
+            await health_servicer.set(SERVICE_NAME, _status(ready))

@@ -423,10 +423,19 @@ async def purge(service: Service, request: Request) -> Answer:
 
 
 async def healthz(service: Service, request: Request) -> Answer:
+    """Liveness: the process and its event loop answer (whatever the store says: an
+    orchestrator that restarted a broker for its database being away would gain nothing)."""
+    return 200, b'{"status":"ok"}'
+
+
+async def readyz(service: Service, request: Request) -> Answer:
+    """Readiness: whether this broker can serve now (its store answers, it is not shutting
+    down), as the store's probe last found it: no I/O here, and every broker of a cluster says
+    the same within a second (``wqbroker.store.postgres.pool``)."""
     problem = service.problem()
     if problem is not None:
         return 503, codec.dumps({"status": "unavailable", "error": problem})
-    return 200, b'{"status":"ok"}'
+    return 200, b'{"status":"ready"}'
 
 
 Handler = Callable[[Service, Request], Awaitable[Answer]]
@@ -487,6 +496,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("POST", "/dlq/{id}/requeue", requeue),
     Route("DELETE", "/dlq/{id}", purge, patterns=_DEAD_ID),
     Route("GET", "/healthz", healthz, head=True),
+    Route("GET", "/readyz", readyz, head=True),
 )
 """Every route of the API, in the order aiohttp's router tries them (``app.py`` adds the
 operator's: /metrics, /openapi.json, /ui)."""
@@ -497,7 +507,7 @@ operator's: /metrics, /openapi.json, /ui)."""
 
 def error_parts(error: WqError) -> tuple[int, tuple[tuple[str, str], ...]]:
     """The status for an error of the tree, and the headers that status calls for."""
-    if isinstance(error, Overloaded):
+    if error.retry_after is not None:
         return lookup(STATUS, error), (("Retry-After", str(max(1, math.ceil(error.retry_after)))),)
     if isinstance(error, Unauthenticated):
         return lookup(STATUS, error), (("WWW-Authenticate", 'Bearer realm="wq"'),)

@@ -197,7 +197,7 @@ _SCHEMAS: Final[Json] = {
     "Requeued": _object({"requeued": _count("How many dead tasks were requeued.")}),
     "Health": _object(
         {
-            "status": {"type": "string", "enum": ["ok", "unavailable"]},
+            "status": {"type": "string", "enum": ["ok", "ready", "unavailable"]},
             "error": {"type": "string", "description": "Why the broker cannot serve."},
         },
         required=["status"],
@@ -836,10 +836,26 @@ def _paths(public: Collection[str]) -> Json:
         "/healthz",
         summary="health",
         tag="broker",
-        description="Liveness, without a token. `HEAD` too.",
+        description=(
+            "Liveness, without a token. `HEAD` too. 200 while the broker's process and event loop "
+            "answer, whatever its store says (that is `/readyz`)."
+        ),
+        answers={"200": _json(_schema("Health"), 'Alive: `{"status": "ok"}`.')},
+    )
+    add(
+        "get",
+        "/readyz",
+        summary="ready",
+        tag="broker",
+        description=(
+            "Readiness, without a token. `HEAD` too. 200 while the broker can serve; 503 while "
+            "its store cannot be reached (as its probe found it, within a second or two: every "
+            "broker of a cluster says the same) or it is shutting down. For a load balancer's "
+            "health check and an orchestrator's readiness probe."
+        ),
         answers={
-            "200": _json(_schema("Health"), 'Serving: `{"status": "ok"}`.'),
-            "503": _json(_schema("Health"), "Shutting down, or the store failed."),
+            "200": _json(_schema("Health"), 'Ready: `{"status": "ready"}`.'),
+            "503": _json(_schema("Health"), "Shutting down, or the store cannot be reached."),
         },
     )
     add(

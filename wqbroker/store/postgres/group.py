@@ -5,7 +5,8 @@ A broker serving many clients one task at a time would otherwise pay a round tri
 for each; grouped, the enqueues (or settlements, or claims for one list of queues) that arrive while
 one transaction is under way wait for it and then share the next. One in flight per key: calls
 with different keys (claims for different queues; calls handed different ``now`` on a fake clock)
-never wait for each other.
+never wait for each other. While the database is away, the calls waiting fail at once
+(:meth:`Grouped.fail_waiting`) rather than behind one that may not come back before its deadline.
 """
 
 from __future__ import annotations
@@ -52,6 +53,16 @@ class Grouped(Generic[X, K, Y]):
         self._waiting.setdefault(key, []).append((arg, waiter))
         return await waiter
 
+    def fail_waiting(self, error: Exception) -> None:
+        """Fail every call still waiting for its group with ``error`` (the database is away:
+        nothing of theirs was sent, and none is to wait behind a call that may never come
+        back)."""
+        waiting, self._waiting = self._waiting, {}
+        for group in waiting.values():
+            for _, waiter in group:
+                if not waiter.done():
+                    waiter.set_exception(error)
+
     def _next(self, key: K) -> None:
         if key in self._waiting and key not in self._busy:
             self._busy.add(key)
@@ -61,7 +72,9 @@ class Grouped(Generic[X, K, Y]):
 
     async def _run_waiting(self, key: K) -> None:
         try:
-            group = self._waiting.pop(key)
+            group = self._waiting.pop(key, [])
+            if not group:
+                return  # (failed meanwhile: fail_waiting)
             try:
                 outs = await self._run([arg for arg, _ in group], key)
             except BaseException as e:

@@ -9,10 +9,12 @@ and the others hear of it a round trip sooner. With no other broker listening (a
 sweep's count, or a hello since), nothing is announced.
 
 A connection of its own LISTENs for the others' announcements and tells the store's callback
-(:meth:`Listener.on_ready`), which pumps the consumers waiting for those queues. That connection is
-made again when lost (with backoff), and then every queue is re-checked (announcements may have
-been missed); it also tells the pool (pool.py) that the database is back, if it was away. When it
-starts listening, a broker says hello, so that the others announce to it.
+(:meth:`Listener.on_ready`), which pumps the consumers waiting for those queues. The same
+connection is the store's probe: it pings the database every second, so a silent partition is
+noticed within a few seconds with or without traffic, and tells the pool (pool.py) that the
+database is away (a ping unanswered, the connection not to be made) or back. It is made again
+when lost (at once, then with backoff), and then every queue is re-checked (announcements may have
+been missed). When it starts listening, a broker says hello, so that the others announce to it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,18 @@ from typing import Final
 import asyncpg
 
 from wqbroker.models import NewTask
-from wqbroker.store.postgres.pool import RETRY_CAP, RETRY_FIRST, UNREACHABLE, Pool, cancel, one_line
+from wqbroker.store.postgres.pool import (
+    PROBE_EVERY,
+    PROBE_TIMEOUT,
+    RETRY_CAP,
+    RETRY_FIRST,
+    UNREACHABLE,
+    Pool,
+    bounded,
+    cancel,
+    one_line,
+    tune,
+)
 from wqbroker.store.postgres.queries import Q
 
 log = logging.getLogger("wqbroker.store.postgres")
@@ -169,51 +182,83 @@ class Listener:
         self.tell(None if body == "*" else body.split("\n"))
 
     async def _listen(self) -> None:
-        """Keep a connection LISTENing for other brokers' announcements: reconnect with backoff
-        when it is lost, and then re-check every queue (announcements may have been missed)."""
-        delay = RETRY_FIRST
+        """Keep a connection LISTENing for other brokers' announcements, and probing the
+        database on it (:meth:`_hear_on`): made again when lost (at once the first time, then
+        with backoff), and then every queue is re-checked (announcements may have been missed).
+        When it cannot be made, the database is taken for away (pool.py)."""
+        delay = 0.0  # (a connection lost is made again at once: only failing to make it waits)
         while not self.closed:
             try:
-                conn = await asyncpg.connect(
-                    self._dsn, timeout=5, server_settings={"application_name": LISTENER_NAME}
+                conn = await bounded(
+                    asyncpg.connect(
+                        self._dsn,
+                        timeout=PROBE_TIMEOUT,
+                        server_settings={"application_name": LISTENER_NAME},
+                    ),
+                    PROBE_TIMEOUT,
                 )
             except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                self._pool.unreachable(e)
                 log.debug("listener: cannot connect (%s); again in %.2f s", one_line(e), delay)
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, RETRY_CAP)
+                delay = min(max(delay * 2, RETRY_FIRST), RETRY_CAP)
                 continue
-            delay = RETRY_FIRST
+            delay = 0.0
             try:
+                await tune(conn)
                 await self._hear_on(conn)
             except Exception:  # whatever it was, listen again (the polls cover the gap)
                 log.exception("the listening connection failed; listening again")
                 await asyncio.sleep(RETRY_CAP)
             finally:
                 self._listening.clear()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(conn.close(), 1)
+                conn.terminate()  # (no goodbye to wait for: the link may be dead)
 
     async def _hear_on(self, conn: asyncpg.Connection) -> None:
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _c: lost.set())
         try:
-            await conn.add_listener(CHANNEL, self._heard)
-        except (*UNREACHABLE, asyncpg.PostgresError):
+            await bounded(conn.add_listener(CHANNEL, self._heard), PROBE_TIMEOUT)
+        except (*UNREACHABLE, asyncpg.PostgresError) as e:
+            self._pool.unreachable(e)
             return
         self._listens += 1
         self._listening.set()
         with contextlib.suppress(*UNREACHABLE, asyncpg.PostgresError):
-            await conn.execute(Q.announce, f"{self._me}\n{_HELLO}")
+            await bounded(conn.execute(Q.announce, f"{self._me}\n{_HELLO}"), PROBE_TIMEOUT)
         if self._pool.failed is not None:
             await self._pool.recovered()
         elif self._listens > 1:
             self.tell(None)
+        await self._probe(conn, lost)
+
+    async def _probe(self, conn: asyncpg.Connection, lost: asyncio.Event) -> None:
+        """Ping the database on this connection every PROBE_EVERY seconds (at once when a call
+        ran past its deadline), until the connection is lost. A ping unanswered within
+        PROBE_TIMEOUT means the database is away (a silent partition sends nothing back): the
+        pool fails fast from then on, whether or not this broker has traffic."""
+        look = self._pool.look
         while not lost.is_set() and not self.closed:
-            # A connection that died quietly (a network cut) is found by a ping now and then.
+            look.clear()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(lost.wait(), 5)
+                await asyncio.wait_for(_either(lost, look), PROBE_EVERY)
+            if lost.is_set() or self.closed:
                 return
             try:
-                await conn.fetchval(Q.ping, timeout=5)
-            except (*UNREACHABLE, asyncpg.PostgresError):
+                await bounded(conn.fetchval(Q.ping), PROBE_TIMEOUT)
+            except TimeoutError:
+                self._pool.unreachable(f"no answer to a ping within {PROBE_TIMEOUT:g} s")
                 return
+            except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                self._pool.unreachable(e)
+                return
+
+
+async def _either(*events: asyncio.Event) -> None:
+    """Wait until one of ``events`` is set."""
+    waits = [asyncio.ensure_future(event.wait()) for event in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()

@@ -1,21 +1,36 @@
 """The PostgreSQL store's connections, and what it does while the database is away.
 
 Calls go through a small asyncpg pool, each in its own transaction (one round trip: a pooled
-connection goes back as it is, with no reset query). A call that cannot reach the database fails
-with StoreError (503 / UNAVAILABLE) and marks the pool failed (:attr:`Pool.failed`, for the health
-checks): until a probe (with backoff, doubling from :data:`RETRY_FIRST` to :data:`RETRY_CAP`) or
-the listener (listener.py) reaches the database again, calls fail at once without trying the
-network. Then the old connections are replaced and the store is told (``on_recovered``: every
-queue is re-checked, since announcements may have been missed).
+connection goes back as it is, with no reset query).
+
+Every call has a deadline (:attr:`Pool.deadline`, ``-db-timeout-ms``, 5 s by default), kept twice:
+the server ends a statement that runs longer (``statement_timeout``), and the broker stops waiting
+for one whose answer does not come (:func:`bounded`: a silent partition, where no packet comes
+back and nothing is refused, would otherwise hold the caller for as long as TCP takes to give up).
+A call past its deadline fails with StoreError (503 / UNAVAILABLE, with a Retry-After) and has the
+probe look at once. The connections also have TCP keepalives and a user time-out (:func:`tune`),
+so the kernel drops one whose peer is gone even while the pool does not use it.
+
+The probe is the listener's connection (listener.py): it pings the database every
+:data:`PROBE_EVERY` seconds and gives it :data:`PROBE_TIMEOUT` to answer, so a broker notices a
+silent partition within a few seconds whether or not it has traffic, and every broker of a cluster
+says the same in ``/readyz``. When the database cannot be reached, the pool is marked failed
+(:attr:`Pool.failed`, for the health checks) and calls fail at once without trying the network
+(the calls waiting to go in a group commit too): until a probe (with backoff, doubling from
+:data:`RETRY_FIRST` to :data:`RETRY_CAP`) or the listener reaches the database again. Then the
+old connections are replaced and the store is told (``on_recovered``: every queue is re-checked,
+since announcements may have been missed).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import urllib.parse
-from collections.abc import Callable
-from typing import Any, Final
+from collections.abc import Callable, Coroutine
+from typing import Any, Final, TypeVar
 
 import asyncpg
 
@@ -24,7 +39,21 @@ from wqbroker.store.postgres.queries import Q
 
 log = logging.getLogger("wqbroker.store.postgres")
 
+R = TypeVar("R")
+
 POOL_SIZE: Final = 8
+#: The longest a database call may take (-db-timeout-ms), by default: shorter than any client's
+#: own time-out (wqclient waits 30 s), long enough for the largest bulk call on a busy database.
+DEADLINE: Final = 5.0
+#: How often the probe pings the database, and how long it waits for the answer: a silent
+#: partition is noticed within PROBE_EVERY + PROBE_TIMEOUT seconds.
+PROBE_EVERY: Final = 1.0
+PROBE_TIMEOUT: Final = 2.0
+#: TCP keepalives on every connection: probes after this many idle seconds, then every
+#: KEEPALIVE_EVERY, dropped after KEEPALIVE_COUNT unanswered (a dead peer: about 10 s idle).
+KEEPALIVE_IDLE: Final = 5
+KEEPALIVE_EVERY: Final = 2
+KEEPALIVE_COUNT: Final = 3
 # A broker that lost its database (or its listening connection) tries again after this long,
 # doubling up to the cap.
 RETRY_FIRST: Final = 0.05
@@ -43,15 +72,24 @@ UNREACHABLE: Final = (
 
 
 class Pool:
-    """The connections of one store (open with :meth:`connect`), failing fast while the database
-    is away."""
+    """The connections of one store (open with :meth:`connect`), each call bounded by
+    ``deadline`` seconds, failing fast while the database is away."""
 
-    def __init__(self, on_recovered: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_recovered: Callable[[], None],
+        on_failed: Callable[[StoreError], None] | None = None,
+        deadline: float = DEADLINE,
+    ) -> None:
         self.raw: asyncpg.Pool | None = None  # (None once closed)
         self.failed: str | None = None  # why the database is taken for away, while it is
         self.closed = False  # set when the store closes: calls are refused from then on
+        self.deadline = deadline
         self._on_recovered = on_recovered
+        self._on_failed = on_failed
         self._recovery: asyncio.Task[None] | None = None
+        # Set when a call ran past its deadline: the probe (listener.py) looks at once.
+        self.look = asyncio.Event()
 
     async def connect(self, dsn: str, size: int) -> None:
         """Open the pool. StoreError (one line, no password) if the database cannot be had."""
@@ -60,8 +98,10 @@ class Pool:
                 dsn,
                 min_size=1,
                 max_size=size,
-                timeout=10,
-                command_timeout=60,
+                timeout=max(self.deadline, 10),
+                command_timeout=self.deadline,
+                server_settings={"statement_timeout": str(round(self.deadline * 1000))},
+                init=tune,
                 reset=_as_it_is,
             )
         except (*UNREACHABLE, asyncpg.PostgresError, ValueError) as e:
@@ -83,30 +123,32 @@ class Pool:
         return self.raw
 
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        pool = self.ready()
-        try:
-            return await pool.fetch(sql, *args)
-        except UNREACHABLE as e:
-            raise self._unreachable(e) from None
-        except asyncpg.PostgresError as e:
-            raise _failed(e) from None
+        return await self._call(self.ready().fetch(sql, *args))
 
     async def execute(self, sql: str, *args: Any) -> str:
-        pool = self.ready()
+        return await self._call(self.ready().execute(sql, *args))
+
+    async def _call(self, call: Coroutine[Any, Any, R]) -> R:
         try:
-            return await pool.execute(sql, *args)
+            return await bounded(call, self.deadline)
+        except TimeoutError:
+            self.look.set()  # (the probe tells whether the database is away, or only slow)
+            raise StoreError(f"the database did not answer within {self.deadline:g} s") from None
         except UNREACHABLE as e:
-            raise self._unreachable(e) from None
+            raise self.unreachable(e) from None
         except asyncpg.PostgresError as e:
             raise _failed(e) from None
 
-    def _unreachable(self, error: BaseException) -> StoreError:
-        if self.failed is None:
+    def unreachable(self, error: BaseException | str) -> StoreError:
+        """The database cannot be reached: fail fast from now on, until it answers again."""
+        if self.failed is None and not self.closed:
             self.failed = f"the database is unreachable: {one_line(error)}"
             log.warning("%s (retrying with backoff)", self.failed)
-            if self._recovery is None and not self.closed:
+            if self._on_failed is not None:
+                self._on_failed(StoreError(self.failed))
+            if self._recovery is None:
                 self._recovery = asyncio.get_running_loop().create_task(self._recover())
-        return StoreError(self.failed)
+        return StoreError(self.failed or "the store is closed")
 
     async def recovered(self) -> None:
         """The database answers again: forget the failure, drop connections made before it,
@@ -127,7 +169,7 @@ class Pool:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP)
                 try:
-                    await self.raw.fetchval(Q.ping, timeout=5)
+                    await bounded(self.raw.fetchval(Q.ping), PROBE_TIMEOUT)
                 except (*UNREACHABLE, asyncpg.PostgresError):
                     continue
                 await self.recovered()
@@ -142,6 +184,42 @@ class Pool:
             await pool.close()
 
 
+async def bounded(call: Coroutine[Any, Any, R], seconds: float) -> R:
+    """What ``call`` returns, if it does within ``seconds``; else TimeoutError at once. The call
+    runs as a task of its own, so giving up on it never waits for it (asyncpg, cancelled, would
+    first try to cancel the query on the server: on a dead link, as long again); it is cancelled
+    and left to end in the background (its connection is dropped). A caller cancelled meanwhile
+    cancels it too."""
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(call)
+    waiter = loop.create_future()
+    task.add_done_callback(lambda _: _wake(waiter))
+    timer = loop.call_later(seconds, _wake, waiter)
+    try:
+        await waiter
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        timer.cancel()
+    if not task.done():
+        task.cancel()
+        task.add_done_callback(_forget)
+        raise TimeoutError
+    return task.result()
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+def _forget(task: asyncio.Task[Any]) -> None:
+    """A call given up on has ended: its outcome is nobody's (retrieved, so never logged)."""
+    if not task.cancelled():
+        task.exception()
+
+
 async def cancel(task: asyncio.Task[None] | None) -> None:
     """Cancel a background task (if any) and wait until it has stopped."""
     if task is not None:
@@ -150,6 +228,23 @@ async def cancel(task: asyncio.Task[None] | None) -> None:
             await task
         except asyncio.CancelledError:
             pass
+
+
+async def tune(conn: asyncpg.Connection) -> None:
+    """A new connection's socket: TCP keepalives (a peer gone silent is found while the
+    connection is idle) and a user time-out (data left unacknowledged as long as the keepalives
+    would take drops it too), where the platform has them."""
+    transport = getattr(conn, "_transport", None)
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return  # (a Unix socket: no network between)
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, KEEPALIVE_IDLE)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, KEEPALIVE_EVERY)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, KEEPALIVE_COUNT)
+        user_timeout = (KEEPALIVE_IDLE + KEEPALIVE_EVERY * KEEPALIVE_COUNT) * 1000
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, user_timeout)
 
 
 async def _as_it_is(_conn: asyncpg.Connection) -> None:
@@ -173,7 +268,7 @@ def redact(dsn: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
-def one_line(error: BaseException) -> str:
-    """An error's message, its first line (for a one-line StoreError or log line)."""
+def one_line(error: BaseException | str) -> str:
+    """An error's message (or a text), its first line (for a one-line StoreError or log line)."""
     text = str(error).strip().splitlines()
     return text[0] if text else type(error).__name__

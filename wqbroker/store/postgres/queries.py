@@ -50,6 +50,7 @@ class Queries:
     vacuum_counters: str
     vacuum_keys: str
     lock: str
+    no_deadline: str
     has_meta: str
     version: str
     other_tables: str

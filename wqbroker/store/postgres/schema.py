@@ -53,6 +53,7 @@ class _Database:
     @asynccontextmanager
     async def transaction(self) -> AsyncIterator[None]:
         async with self._conn.transaction():
+            await self._conn.execute(Q.no_deadline)
             await self._conn.execute(Q.lock, _LOCK_KEY)
             yield
 

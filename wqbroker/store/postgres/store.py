@@ -42,7 +42,15 @@ from wqbroker.retry import Backoff
 from wqbroker.store.index import _MASK, PRIORITIES, STATE_NAMES, _mix, hex_id, parse_id
 from wqbroker.store.postgres.group import Grouped, split
 from wqbroker.store.postgres.listener import Listener
-from wqbroker.store.postgres.pool import POOL_SIZE, UNREACHABLE, Pool, cancel, one_line, redact
+from wqbroker.store.postgres.pool import (
+    DEADLINE,
+    POOL_SIZE,
+    UNREACHABLE,
+    Pool,
+    cancel,
+    one_line,
+    redact,
+)
 from wqbroker.store.postgres.queries import Q
 from wqbroker.store.postgres.schema import SCHEMA_VERSION, prepare
 
@@ -114,6 +122,7 @@ class PostgresStore:
         *,
         pool_size: int = POOL_SIZE,
         db_clock: bool = False,
+        deadline: float = DEADLINE,
     ) -> None:
         rng = rng if rng is not None else random.Random()
         self.dsn = dsn
@@ -144,7 +153,7 @@ class PostgresStore:
         # The connections (failing fast while the database is away) and the wake-ups between
         # brokers (what this one announces, what it hears). The database back: every queue is
         # re-checked.
-        self._pool = Pool(on_recovered=self._tell_all)
+        self._pool = Pool(self._tell_all, self._fail_waiting, deadline)
         self._wake = Listener(dsn, f"{rng.getrandbits(64):016x}", self._pool)
         self._vacuum: asyncio.Task[None] | None = None
         self.vacuums = 0  # tables vacuumed by this broker (for the tests)
@@ -166,11 +175,12 @@ class PostgresStore:
         pool_size: int = POOL_SIZE,
         db_clock: bool = False,
         clock: Clock | None = None,
+        deadline: float = DEADLINE,
     ) -> PostgresStore:
         """Connect, create or check the schema, start listening to other brokers. With
         ``db_clock``, every time is the database's (``clock``, the broker's, is compared with it
-        to translate)."""
-        store = cls(dsn, backoff, rng, pool_size=pool_size, db_clock=db_clock)
+        to translate). ``deadline``: the longest any database call may take (pool.py)."""
+        store = cls(dsn, backoff, rng, pool_size=pool_size, db_clock=db_clock, deadline=deadline)
         where = redact(dsn)
         await store._pool.connect(dsn, pool_size)
         try:
@@ -209,6 +219,10 @@ class PostgresStore:
 
     def _tell_all(self) -> None:
         self._wake.tell(None)
+
+    def _fail_waiting(self, error: StoreError) -> None:
+        for grouped in (self._enqueues, self._settles, self._claims):
+            grouped.fail_waiting(error)
 
     # -- the contract ------------------------------------------------------------------------
 

@@ -154,6 +154,11 @@ VACUUM wq.keys
 -- Brokers starting together wait here for each other.
 SELECT pg_advisory_xact_lock($1)
 
+-- name: no_deadline
+-- The schema's transaction may wait for another broker's, and a migration may take long on a
+-- large database: no statement deadline for it (the connections' own: -db-timeout-ms).
+SET LOCAL statement_timeout = 0
+
 -- name: has_meta
 SELECT to_regclass('wq.meta') IS NOT NULL
 
