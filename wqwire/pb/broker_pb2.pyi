@@ -287,8 +287,9 @@ class ProduceResponse(_message.Message):
     message: _builtins.str
     """Why, when code is not 0 (at most 1 KiB, as status messages)."""
     retry_after_ms: _builtins.int
-    """With RESOURCE_EXHAUSTED for one of the broker's limits (not a size): how long to wait before
-    sending the batch again, as the retry-after-ms trailer of a call says; 0 otherwise.
+    """With RESOURCE_EXHAUSTED for one of the broker's limits (not a size), or UNAVAILABLE for a store
+    that cannot be reached: how long to wait before sending the batch again, as the
+    retry-after-ms trailer of a call says; 0 otherwise.
     """
     @_builtins.property
     def ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
