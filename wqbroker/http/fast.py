@@ -512,7 +512,7 @@ class FastProtocol(asyncio.Protocol):
         """The request, if its method, target and length are ones the lane serves."""
         length = fields.length
         if length is None or length > self._lane.max_body:
-            return None  # (aiohttp answers 413 and closes)
+            return None  # (aiohttp answers 413, drops the rest within its bounds, and closes)
         method = method_bytes.decode("ascii")
         path, _, query = target_bytes.decode("ascii").partition("?")
         found = _HOT.find(method, path)
