@@ -15,7 +15,7 @@ from urllib.parse import quote, urlencode
 import aiohttp
 
 from wqclient._coalesce import Coalescer, Unbatched
-from wqclient._tls import CERT_HINT
+from wqclient._tls import certificate_error
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -210,6 +210,21 @@ class _Settlement:
         self.future = future
 
 
+def _certificate_error(base: str, error: BaseException) -> WqError:
+    """The error for a broker whose certificate failed verification (``error``: ssl's)."""
+    wrong_host = False
+    if isinstance(error, ssl.SSLCertVerificationError):
+        reason = f"CERTIFICATE_VERIFY_FAILED: {error.verify_message.rstrip('.')}"
+        wrong_host = error.verify_code in _WRONG_HOST
+    else:
+        reason = str(error)
+    return certificate_error(f"cannot reach the broker at {base}", reason, wrong_host)
+
+
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
+_WRONG_HOST: Final = (62, 64)
+
+
 @functools.lru_cache(maxsize=64)
 def _timeout(total: float) -> aiohttp.ClientTimeout:
     """A request's time-out (one object per value: it is made for every request)."""
@@ -283,10 +298,7 @@ class HttpTransport:
                     self._raise(resp.status, data, resp.headers.get("Retry-After"))
                 return resp.status, data
         except aiohttp.ClientConnectorCertificateError as e:
-            raise Unavailable(
-                f"cannot reach the broker at {self._base}: TLS certificate verification failed "
-                f"({e.certificate_error}); {CERT_HINT}"
-            ) from None
+            raise _certificate_error(self._base, e.certificate_error) from None
         except aiohttp.ClientConnectionError as e:
             raise Unavailable(f"cannot reach the broker at {self._base}: {e}") from None
         except TimeoutError:

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from wqclient.cli import add_auth_flags
+from wqclient.cli import add_auth_flags, quiet_grpc
 from wqclient.client import AsyncClient
-from wqclient.errors import PermissionDenied, Unauthenticated, WqError
+from wqclient.errors import CertificateError, PermissionDenied, Unauthenticated, WqError
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import DEFAULT_QUEUE, Task
 from wqclient.worker import TaskFailed, Worker
@@ -164,7 +164,7 @@ async def _main(args: argparse.Namespace) -> int:
     )
     try:
         await worker.run()
-    except (Unauthenticated, PermissionDenied):
+    except (Unauthenticated, PermissionDenied, CertificateError):
         return 1  # the worker has said why
     finally:
         await client.close()
@@ -187,4 +187,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quiet_grpc()
     sys.exit(main())
