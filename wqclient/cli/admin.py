@@ -579,8 +579,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         "--broker",
         default=DEFAULT_URL,
         metavar="URL",
-        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
-        f"(default {DEFAULT_URL})",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS; "
+        f"several brokers as http://a:port,b:port (default {DEFAULT_URL})",
     )
     add_auth_flags(p)
     p.add_argument(

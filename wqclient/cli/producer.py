@@ -53,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-broker",
         "--broker",
         default=DEFAULT_URL,
-        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
-        f"(default {DEFAULT_URL})",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS; "
+        f"several brokers as http://a:port,b:port (default {DEFAULT_URL})",
     )
     p.add_argument("-n", "--n", type=positive_int, default=1, help="how many tasks (default 1)")
     p.add_argument(

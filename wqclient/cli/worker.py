@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         default=DEFAULT_URL,
         help="broker URL: http://host:port, or grpc://host:port to stream; https://, grpcs:// "
-        f"for TLS (default {DEFAULT_URL})",
+        f"for TLS; several brokers as http://a:port,b:port (default {DEFAULT_URL})",
     )
     p.add_argument(
         "-log-file", "--log-file", default="./jobs.log", help="file to append to (./jobs.log)"
