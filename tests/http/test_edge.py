@@ -27,6 +27,7 @@ from tests.helpers import Http, http_broker, http_client, settle, wait_until
 from tests.rawhttp import exchange, raw_connection, request, stubborn_upload
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
+from wqbroker.config import Config
 from wqbroker.http import transport
 from wqbroker.http.transport import LINGER_BYTES, json_response, no_content
 from wqbroker.limits import DEFAULT_MAX_PAYLOAD
@@ -319,6 +320,49 @@ async def test_a_client_that_trickles_on_is_cut_off_after_the_lingering_time(
         assert upload.sent < len(piece) * 500  # cut off long before the end
         async with http_client(b.http_url) as http:
             assert (await http.request("GET", "/healthz"))[0] == 200
+
+
+async def _refused(address: str) -> bool:
+    """Whether a new connection to ``address`` is refused (the broker stopped listening)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.open_connection(host, int(port))
+    except OSError:
+        return True
+    writer.close()
+    return False
+
+
+@pytest.mark.parametrize("then", ["goes away", "stays silent"])
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_the_broker_stops_while_a_body_is_dropped_after_its_413(
+    fast_lane: bool, then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker stops while it reads and drops what comes of a body after its 413, and the
+    client goes away (its connection ends under the request the broker waits for), or stays
+    without sending (the lingering time ends it: shortened here): it stops cleanly."""
+    monkeypatch.setattr(transport, "LINGER_SECONDS", 0.5)
+    broker = Broker(
+        Config(addr="127.0.0.1:0", grpc_addr="off", http_fast_lane=fast_lane, max_body=LIMIT)
+    )
+    await broker.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        size = 4 << 20
+        async with raw_connection(address(broker)) as conn:
+            head = request("POST", "/jobs", headers={"Content-Length": str(size)})
+            await conn.send(head + bytes(size // 4))
+            response = await conn.response()
+            assert response.status == 413
+            stopping = asyncio.create_task(broker.stop())
+            await wait_until(lambda: _refused(address(broker)), what="the broker to stop listening")
+            await settle()
+            if then == "stays silent":
+                assert await conn.closed()
+        await asyncio.wait_for(stopping, 10)  # (and it did not fail)
+    finally:
+        if stopping is None:
+            await broker.stop()
 
 
 async def test_a_small_unread_body_keeps_the_connection(broker: Broker) -> None:

@@ -732,10 +732,8 @@ class FastProtocol(asyncio.Protocol):
         seconds), then close."""
         server = self._server
         if server is not None and self._pending:
-            try:
-                await asyncio.wait_for(asyncio.shield(server), timeout)
-            except Exception:  # (a time-out, or however the request ended)
-                pass
+            # (However the request ends: answered, failed, or cancelled by the connection's end.)
+            await asyncio.wait([server], timeout=timeout)
         self._close()
 
     # -- time-outs -----------------------------------------------------------------------------

@@ -20,7 +20,9 @@ and after its answer.
   answers a close with unread bytes, and every byte after it, with a reset, and the client's
   write fails before it reads). A client still sending past either bound is cut off: no request
   is drained without end (aiohttp's own draining is switched off, see ``server.py``), and what
-  it costs is reading and dropping bytes, never keeping them.
+  it costs is reading and dropping bytes, never keeping them. A broker that stops reads no more:
+  it waits for a connection in its lingering close as for a request in hand, until the client
+  goes away or the lingering time ends (at most the shutdown's grace).
 """
 
 from __future__ import annotations
