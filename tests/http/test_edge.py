@@ -322,6 +322,25 @@ async def test_a_client_that_trickles_on_is_cut_off_after_the_lingering_time(
             assert (await http.request("GET", "/healthz"))[0] == 200
 
 
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_a_client_that_stops_sending_after_its_413_is_not_waited_for(
+    fast_lane: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing more comes of the body (the client reads its answer and waits): the connection is
+    closed once nothing has come for the idle bound, not at the end of the lingering time (made
+    long here, and the idle bound short, so that either would show)."""
+    monkeypatch.setattr(transport, "LINGER_SECONDS", 60.0)
+    monkeypatch.setattr(transport, "LINGER_IDLE", 0.2)
+    async with http_broker(http_fast_lane=fast_lane, max_body=LIMIT) as b:
+        async with raw_connection(address(b)) as conn:
+            head = request("POST", "/jobs", headers={"Content-Length": str(4 << 20)})
+            await conn.send(head + bytes(1 << 20))
+            response = await conn.response()
+            assert response.status == 413
+            assert str(LIMIT) in json_error(response)
+            assert await conn.closed(timeout=10)
+
+
 async def _refused(address: str) -> bool:
     """Whether a new connection to ``address`` is refused (the broker stopped listening)."""
     host, _, port = address.rpartition(":")

@@ -14,7 +14,8 @@ and after its answer.
   otherwise the connection is closed.
 - Before a connection is closed with a body still coming (after a 413, a 415, or a body that did
   not end within that skip), the rest of the body is read and dropped, for at most
-  :data:`LINGER_SECONDS` and :data:`LINGER_BYTES` (nginx's "lingering close"): a client that
+  :data:`LINGER_SECONDS` and :data:`LINGER_BYTES`, and until nothing has come for
+  :data:`LINGER_IDLE` (nginx's "lingering close", and its lingering time-out): a client that
   writes its whole body before it reads (Python's ``http.client``, ``requests``, ``urllib``) then
   reads the answer, where closing at once would reset the connection under it (the kernel
   answers a close with unread bytes, and every byte after it, with a reset, and the client's
@@ -49,10 +50,12 @@ DEFAULT_READ_BODY_TIMEOUT: Final = 30.0
 # for the connection to be kept.
 SKIP_SECONDS: Final = 1.0
 # A connection closed with a body still coming reads and drops the rest of it first (lingering
-# close), for at most this many seconds from the answer and this many bytes; then it is closed
-# (reset, if the client is still sending).
+# close), for at most this many seconds from the answer and this many bytes, and until nothing
+# has come for LINGER_IDLE seconds (a client that sends nothing more is not waited for); then
+# it is closed (reset, if the client is still sending).
 LINGER_SECONDS: Final = 5.0
 LINGER_BYTES: Final = 64 << 20
+LINGER_IDLE: Final = 1.0
 
 _JSON: Final = "application/json"
 
@@ -252,17 +255,18 @@ def body_late(read_timeout: float) -> RequestTimeout:
     return RequestTimeout(f"request body not received within {round(read_timeout * 1000)} ms")
 
 
-async def _skip(payload: StreamReader, budget: int, until: float) -> bool:
-    """Read and drop up to ``budget`` bytes of an unread body, until ``until`` (the loop's time);
-    True if the body ended."""
+async def _skip(payload: StreamReader, budget: int, until: float, idle: float) -> bool:
+    """Read and drop up to ``budget`` bytes of an unread body, until ``until`` (the loop's time)
+    or until nothing has come for ``idle`` seconds; True if the body ended."""
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout_at(until):
-            while budget >= 0 and not payload.is_eof():
+        while budget >= 0 and not payload.is_eof():
+            async with asyncio.timeout_at(min(until, loop.time() + idle)):
                 chunk = await payload.readany()
-                if not chunk:
-                    break
-                budget -= len(chunk)
-    except Exception:  # a body that ends badly (reset, malformed) ends the skipping
+            if not chunk:
+                break
+            budget -= len(chunk)
+    except Exception:  # a body that ends badly (reset, malformed), or in time, ends the skipping
         pass
     return payload.is_eof()
 
@@ -290,10 +294,10 @@ async def finish_body(request: web.Request, response: web.StreamResponse) -> web
     payload = request.content
     now = asyncio.get_running_loop().time()
     if response.keep_alive:
-        if await _skip(payload, request.app[BODY].max_bytes, now + SKIP_SECONDS):
+        if await _skip(payload, request.app[BODY].max_bytes, now + SKIP_SECONDS, SKIP_SECONDS):
             return response  # (the connection is kept)
         response.force_close()  # (closed after the answer already sent, as ever)
-    await _skip(payload, LINGER_BYTES, now + LINGER_SECONDS)
+    await _skip(payload, LINGER_BYTES, now + LINGER_SECONDS, LINGER_IDLE)
     return response
 
 
