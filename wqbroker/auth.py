@@ -93,24 +93,19 @@ SCOPES: Final[Mapping[str, Routes]] = {
     "metrics": Routes(http=("GET /metrics",)),
 }
 
-# Routes open to any valid token, whatever its scopes. Reflection describes the API only (the
-# .proto is public), but it is no business of callers without a token; grpcurl sends -H headers
-# to it too. A task's lookup is here too: a producer follows the task it enqueued, a worker the
-# one it holds (the DLQ listing, every dead task at once, stays the admin's).
+# Routes open to any valid token, whatever its scopes. A task's lookup is here: a producer
+# follows the task it enqueued, a worker the one it holds (the DLQ listing, every dead task at
+# once, stays the admin's).
 ANY_TOKEN: Final = Routes(
     http=("GET /stats", "GET /queues", "GET /jobs/{id}"),
-    grpc=(
-        _BROKER + "Stats",
-        _BROKER + "GetTask",
-        _BROKER + "ListQueues",
-        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
-        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
-    ),
+    grpc=(_BROKER + "Stats", _BROKER + "GetTask", _BROKER + "ListQueues"),
 )
 
 # Routes open without a token: liveness and readiness probes must work without credentials, and
-# the API's description (GET /openapi.json) is public, as the .proto is. The dashboard's static
-# files (GET /ui...) hold no data: every call the page makes carries the token the user entered.
+# the API's description is public, as the .proto is: GET /openapi.json, and gRPC's server
+# reflection (both versions), without which generic tools (grpcurl) cannot call the health check
+# by name. The dashboard's static files (GET /ui...) hold no data: every call the page makes
+# carries the token the user entered.
 NO_TOKEN: Final = Routes(
     http=(
         "GET /healthz",
@@ -124,6 +119,8 @@ NO_TOKEN: Final = Routes(
         "/grpc.health.v1.Health/Check",
         "/grpc.health.v1.Health/Watch",
         "/grpc.health.v1.Health/List",
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
     ),
 )
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from wqclient.client import AsyncClient, Client, Stream
 from wqclient.errors import (
+    CertificateError,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -42,6 +43,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncClient",
     "AsyncStream",
+    "CertificateError",
     "Client",
     "Delivery",
     "EnqueueItem",

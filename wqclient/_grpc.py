@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import deque
 from collections.abc import (
     AsyncIterator,
@@ -15,14 +16,14 @@ from collections.abc import (
     Sequence,
 )
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Final
 
 import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from wqclient._coalesce import Coalescer
-from wqclient._tls import CERT_HINT, ca_error, ssl_context, system_roots
+from wqclient._tls import ca_error, certificate_error, ssl_context, system_roots
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -85,6 +86,24 @@ def _error(e: grpc.aio.AioRpcError) -> WqError:
             return Overloaded(message, retry_after=int(value) / 1000)
     kind = _CODES.get(e.code(), WqError)
     return kind(message)
+
+
+# How gRPC's core reports a certificate that failed verification: OpenSSL's reason (an unknown
+# issuer, an expired certificate ...), or its own check of the host name.
+_VERIFY_FAILED: Final = re.compile(r"CERTIFICATE_VERIFY_FAILED(?::\s*([^:;]*[^:;\s]))?")
+_WRONG_HOST: Final = ("Hostname Verification Check failed", "is not in peer certificate")
+
+
+def _certificate_problem(details: str) -> tuple[str, bool] | None:
+    """Why a call's details say the broker's certificate failed verification, and whether it is
+    for the host name; None if they say something else."""
+    found = _VERIFY_FAILED.search(details)
+    if found is not None:
+        reason = found[0] if found[1] is None else f"CERTIFICATE_VERIFY_FAILED: {found[1]}"
+        return reason, False
+    if any(words in details for words in _WRONG_HOST):
+        return "host name mismatch", True
+    return None
 
 
 def _ts(ts: Timestamp) -> datetime:
@@ -710,10 +729,13 @@ class GrpcTransport:
         self._produces = True  # until the broker turns out to have no Produce method
 
     def _unreachable(self, error: Unavailable) -> Unavailable:
-        message = f"cannot reach the broker at {self._target}: {error.message}"
-        if "CERTIFICATE_VERIFY_FAILED" in error.message:
-            message += f"; TLS certificate verification failed: {CERT_HINT}"
-        return Unavailable(message)
+        """The error for a broker that cannot be reached (a CertificateError if its certificate
+        failed verification)."""
+        where = f"cannot reach the broker at {self._target}"
+        problem = _certificate_problem(error.message)
+        if problem is not None:
+            return certificate_error(where, *problem)
+        return Unavailable(f"{where}: {error.message}")
 
     async def _unary(self, method: Any, request: Any, timeout: float | None = None) -> Any:
         try:

@@ -1,4 +1,5 @@
-"""The HTTP/JSON transport (aiohttp), one keep-alive session per client."""
+"""The HTTP/JSON transport (aiohttp), one keep-alive session per client; over several brokers
+when its URL names them (``http://a:8080,b:8080``: see ``_brokers.py``)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ from urllib.parse import quote, urlencode
 
 import aiohttp
 
+from wqclient._brokers import Brokers, split_brokers
 from wqclient._coalesce import Coalescer, Unbatched
-from wqclient._tls import CERT_HINT
+from wqclient._tls import certificate_error
+from wqclient.clock import Clock, SystemClock
 from wqclient.errors import (
     InvalidArgument,
     LeaseLost,
@@ -210,6 +213,34 @@ class _Settlement:
         self.future = future
 
 
+def _certificate_error(base: str, error: BaseException) -> WqError:
+    """The error for a broker whose certificate failed verification (``error``: ssl's)."""
+    wrong_host = False
+    if isinstance(error, ssl.SSLCertVerificationError):
+        reason = f"CERTIFICATE_VERIFY_FAILED: {error.verify_message.rstrip('.')}"
+        wrong_host = error.verify_code in _WRONG_HOST
+    else:
+        reason = str(error)
+    return certificate_error(f"cannot reach the broker at {base}", reason, wrong_host)
+
+
+# OpenSSL's X509_V_ERR_HOSTNAME_MISMATCH and X509_V_ERR_IP_ADDRESS_MISMATCH.
+_WRONG_HOST: Final = (62, 64)
+
+
+class _NotConnected(Exception):
+    """No connection to the broker at ``base`` could be made: the request was not sent."""
+
+    def __init__(self, base: str, reason: str) -> None:
+        super().__init__(reason)
+        self.base = base
+        self.reason = reason
+
+
+# A request as _call takes it: method, path, body, headers, time-out, statuses kept.
+_Request = tuple[str, str, bytes | None, dict[str, str] | None, float, tuple[int, ...]]
+
+
 @functools.lru_cache(maxsize=64)
 def _timeout(total: float) -> aiohttp.ClientTimeout:
     """A request's time-out (one object per value: it is made for every request)."""
@@ -220,8 +251,11 @@ class HttpTransport:
     """The HTTP/JSON API over one keep-alive aiohttp session (opened on first use). A
     :class:`~wqclient.transport.Transport`: the HTTP API has no streams.
 
-    ``token``: sent with every request as ``Authorization: Bearer``. ``ssl_context``: how an
-    ``https://`` broker is verified (default: the system's store)."""
+    ``base_url`` may name several brokers (``http://a:8080,b:8080``): requests are spread over
+    them, and one that cannot be connected to is skipped for a while (``_brokers.py``; ``clock``
+    measures how long, default the system's). ``token``: sent with every request as
+    ``Authorization: Bearer``. ``ssl_context``: how an ``https://`` broker is verified (default:
+    the system's store)."""
 
     def __init__(
         self,
@@ -230,8 +264,12 @@ class HttpTransport:
         timeout: float = DEFAULT_TIMEOUT,
         token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._base = base_url.rstrip("/")
+        bases = [base.rstrip("/") for base in split_brokers(self._base)]
+        self._only = bases[0]
+        self._brokers = Brokers(bases, clock or SystemClock()) if len(bases) > 1 else None
         self._timeout = timeout
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
@@ -265,32 +303,68 @@ class HttpTransport:
         keep: tuple[int, ...] = (),
     ) -> tuple[int, bytes]:
         """The answer's status and body; an error status raises its WqError, but for those in
-        ``keep``, which are returned."""
-        session = self._http()
+        ``keep``, which are returned. (With several brokers, from the first that can be
+        connected to, in turn.)"""
         sent = _JSON_BODY if body is not None else None
         if headers:
             sent = {**(sent or {}), **headers}
+        request = (method, path, body, sent, timeout or self._timeout, keep)
+        brokers = self._brokers
+        if brokers is not None:
+            return await self._spread(brokers, request)
+        try:
+            return await self._send(self._only, *request)
+        except _NotConnected as e:
+            raise Unavailable(f"cannot reach the broker at {e.base}: {e.reason}") from None
+
+    async def _spread(self, brokers: Brokers, request: _Request) -> tuple[int, bytes]:
+        """A request to the first of the brokers that can be connected to, in turn."""
+        reasons: list[str] = []
+        for i in brokers.order():
+            if reasons:
+                brokers.went_on(i)
+            try:
+                answer = await self._send(brokers.bases[i], *request)
+            except _NotConnected as e:  # (not sent: the next broker may have it)
+                brokers.unreachable(i)
+                reasons.append(f"{e.base}: {e.reason}")
+                continue
+            except WqError:
+                brokers.reached(i)
+                raise
+            brokers.reached(i)
+            return answer
+        raise Unavailable("cannot reach any of the brokers (" + "; ".join(reasons) + ")")
+
+    async def _send(
+        self,
+        base: str,
+        method: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str] | None,
+        timeout: float,
+        keep: tuple[int, ...],
+    ) -> tuple[int, bytes]:
+        """The request to the broker at ``base``. Raises _NotConnected if no connection could be
+        made (nothing was sent)."""
+        session = self._http()
         try:
             async with session.request(
-                method,
-                self._base + path,
-                data=body,
-                headers=sent,
-                timeout=_timeout(timeout or self._timeout),
+                method, base + path, data=body, headers=headers, timeout=_timeout(timeout)
             ) as resp:
                 data = await resp.read()
                 if resp.status >= 400 and resp.status not in keep:
                     self._raise(resp.status, data, resp.headers.get("Retry-After"))
                 return resp.status, data
         except aiohttp.ClientConnectorCertificateError as e:
-            raise Unavailable(
-                f"cannot reach the broker at {self._base}: TLS certificate verification failed "
-                f"({e.certificate_error}); {CERT_HINT}"
-            ) from None
+            raise _certificate_error(base, e.certificate_error) from None
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            raise _NotConnected(base, str(e)) from None
         except aiohttp.ClientConnectionError as e:
-            raise Unavailable(f"cannot reach the broker at {self._base}: {e}") from None
+            raise Unavailable(f"cannot reach the broker at {base}: {e}") from None
         except TimeoutError:
-            raise Unavailable(f"the broker at {self._base} did not answer in time") from None
+            raise Unavailable(f"the broker at {base} did not answer in time") from None
 
     def _raise(self, status: int, data: bytes, retry_after: str | None = None) -> NoReturn:
         try:

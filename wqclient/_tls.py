@@ -4,6 +4,10 @@ bearer token.
 Trust: the CA certificates in ``ca_file`` (PEM) when one is given, else the system's store (for
 gRPC, the file OpenSSL would use: ``SSL_CERT_FILE`` or the system bundle; gRPC's own roots if there
 is none). A token is sent as ``Authorization: Bearer TOKEN``; it never appears in a message.
+
+A broker whose certificate fails verification is a :class:`~wqclient.errors.CertificateError`
+with the same message from both transports (:func:`certificate_error`): the reason, and what to
+do about it (the CA to give, or the host name to use).
 """
 
 from __future__ import annotations
@@ -11,9 +15,15 @@ from __future__ import annotations
 import os
 import ssl
 
-from wqclient.errors import WqError
+from wqclient.errors import CertificateError, WqError
 
-CERT_HINT = "give the broker's CA certificate with ca_file (wq-worker, wq-producer: -ca-file)"
+# What to do about a certificate that failed verification: an issuer this client does not trust
+# (or an expired certificate), or a certificate not issued for the host in the URL.
+CA_HINT = "give the broker's CA certificate with -ca-file or $WQ_CA_FILE (ca_file in the library)"
+HOST_HINT = (
+    "the certificate is not issued for the host in the broker URL: use a name it is issued "
+    "for, or give the broker a certificate for this one"
+)
 
 
 def check_token(token: str) -> str:
@@ -22,6 +32,14 @@ def check_token(token: str) -> str:
     if not (token.isascii() and token.isprintable()) or " " in token:
         raise WqError("the token must be printable ASCII without spaces")
     return token
+
+
+def certificate_error(where: str, reason: str, wrong_host: bool) -> CertificateError:
+    """The error for a broker whose certificate failed verification, the same from both
+    transports: ``where`` (``cannot reach the broker at …``), why (``reason``, as OpenSSL says
+    it), and what to do about it."""
+    hint = HOST_HINT if wrong_host else CA_HINT
+    return CertificateError(f"{where}: TLS certificate verification failed ({reason}); {hint}")
 
 
 def ca_error(ca_file: str, e: Exception) -> WqError:

@@ -129,11 +129,13 @@ def make_transport(
 ) -> Transport:
     """The transport for a broker URL: ``http://`` or ``https://`` (also a bare ``host:port``)
     for the HTTP API, ``grpc://host:port`` or ``grpcs://host:port`` (TLS) for gRPC (a
-    :class:`StreamingTransport`). ``timeout``: seconds for a connection, or for the answer to a
-    call that does not long-poll. ``token``: a bearer token sent with every call. ``ca_file``: PEM
-    CA certificates to verify a TLS broker with (default: the system's store; unused without
-    TLS). Raises WqError for a URL of any other kind, a token that cannot be sent, or a CA file
-    that cannot be read."""
+    :class:`StreamingTransport`). Either may name several brokers, ``http://a:port,b:port``
+    (spread over in turn, one that cannot be reached skipped: ``_brokers.py``; for gRPC see
+    :func:`grpc_target`). ``timeout``: seconds for a connection, or for the answer to a call
+    that does not long-poll. ``token``: a bearer token sent with every call. ``ca_file``: PEM CA
+    certificates to verify a TLS broker with (default: the system's store; unused without TLS).
+    Raises WqError for a URL of any other kind (or without a host, or with a port that is not
+    one), a token that cannot be sent, or a CA file that cannot be read."""
     parts = urlsplit(url if "://" in url else "http://" + url)
     if token is not None:
         check_token(token)

@@ -33,6 +33,14 @@ class Unavailable(WqError):
     gRPC UNAVAILABLE). Worth retrying later."""
 
 
+class CertificateError(Unavailable):
+    """The broker's TLS certificate failed verification: issued by a CA this client does not
+    trust (give it with ``ca_file``, ``$WQ_CA_FILE``, the commands' ``-ca-file``), expired, or
+    not issued for the host in the URL. The broker cannot be reached safely, and unlike the
+    other reasons, asking again cannot help: the configuration is to be fixed. A
+    :class:`~wqclient.Worker` stops on it as on a refused token."""
+
+
 class StreamEnded(Unavailable):
     """The stream is over (the broker ended it, or the connection broke). Tasks it delivered and
     that were not settled are reclaimed by the broker: open a new stream."""

@@ -21,8 +21,9 @@ broker unreachable) is logged and tried again after half of what is left of the 
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
 and returns. A broker that is down or restarting is reported once and retried with backoff. A
 broker that refuses the worker's token (401/403, UNAUTHENTICATED/PERMISSION_DENIED) will not change
-its mind by being asked again: that is logged once, the worker stops as on ``stop()``, and
-``run()`` raises the error.
+its mind by being asked again, nor will a certificate that failed verification
+(:class:`~wqclient.CertificateError`: the CA file is missing or wrong): that is logged once, the
+worker stops as on ``stop()``, and ``run()`` raises the error.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from typing import Any, Protocol
 from wqclient.client import AsyncClient
 from wqclient.clock import Clock, SystemClock, Timer, call_later
 from wqclient.errors import (
+    CertificateError,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -63,8 +65,8 @@ _BACKOFF_START = 0.1
 _BACKOFF_MAX = 5.0
 # How long stop() lets open claims come back before cancelling the ones still parked.
 _STOP_GRACE = 0.25
-# The broker refused the token: retrying cannot help.
-_REFUSED = (Unauthenticated, PermissionDenied)
+# Retrying cannot help: the broker refused the token, or its certificate failed verification.
+_FATAL = (Unauthenticated, PermissionDenied, CertificateError)
 # The shortest wait before trying a failed lease extension again (or half the lease, if shorter).
 _EXTEND_RETRY_MIN = 1.0
 # What an extension can answer that means the task is no longer this worker's.
@@ -293,7 +295,8 @@ class Worker:
     fake; default the system's).
 
     ``run()`` raises :class:`~wqclient.Unauthenticated` or :class:`~wqclient.PermissionDenied`
-    if the broker refuses the token (after letting the tasks in hand finish).
+    if the broker refuses the token, :class:`~wqclient.CertificateError` if its TLS certificate
+    fails verification (after letting the tasks in hand finish).
     """
 
     def __init__(
@@ -357,15 +360,19 @@ class Worker:
             if self._claims:
                 asyncio.get_running_loop().call_later(_STOP_GRACE, self._cancel_claims)
 
-    def _refused(self, error: WqError) -> None:
-        """The broker refused the token: say so once and stop (run() then raises ``error``)."""
+    def _give_up(self, error: WqError) -> None:
+        """The broker refused the token, or its certificate failed verification (``_FATAL``):
+        say so once and stop (run() then raises ``error``)."""
         if self._refusal is None:
             self._refusal = error
-            log.error(
-                "the broker refused this worker's token (%s: %s); stopping",
-                type(error).__name__,
-                error.message,
-            )
+            if isinstance(error, CertificateError):
+                log.error("%s; stopping", error.message)
+            else:
+                log.error(
+                    "the broker refused this worker's token (%s: %s); stopping",
+                    type(error).__name__,
+                    error.message,
+                )
             self._halt()
 
     def _cancel_claims(self) -> None:
@@ -489,13 +496,13 @@ class Worker:
             if current is not None and current.cancelling():
                 raise  # we are being cancelled ourselves
             return None  # stop() cancelled the idle claim
+        except _FATAL as e:  # (a CertificateError is an Unavailable that retrying cannot help)
+            self._give_up(e)
+            return None
         except Unavailable as e:
             await self._broker_down(e, failures[0])
             failures[0] += 1
             return []
-        except _REFUSED as e:
-            self._refused(e)
-            return None
         finally:
             self._claims.discard(claim)
         failures[0] = 0
@@ -511,18 +518,18 @@ class Worker:
                 stream = await self._client.stream(
                     prefetch=self.concurrency, lease_ms=self.lease_ms, queues=self.queues
                 )
+            except _FATAL as e:
+                self._give_up(e)
+                return
             except Unavailable as e:
                 await self._broker_down(e, failures)
                 failures += 1
                 continue
-            except _REFUSED as e:
-                self._refused(e)
-                return
             self._broker_up()
             failures = 0
             error = await self._consume(stream)
-            if isinstance(error, _REFUSED):
-                self._refused(error)
+            if isinstance(error, _FATAL):
+                self._give_up(error)
             if self._stopping.is_set():
                 return
             # The stream broke, or the broker ended it (it is shutting down): reconnect.
@@ -698,8 +705,8 @@ class Worker:
 
     def _extend_failed(self, delivery: Delivery, error: WqError, left: float, span: float) -> float:
         """An extension failed (not for a lost lease): say so; how long to wait to try again."""
-        if isinstance(error, _REFUSED):
-            self._refused(error)
+        if isinstance(error, _FATAL):
+            self._give_up(error)
         wait = max(left / 2, min(span / 2, _EXTEND_RETRY_MIN))
         log.warning(
             "task %s: could not extend the lease (%s: %s); trying again in %.1fs",
@@ -720,7 +727,7 @@ class Worker:
             try:
                 await call()
                 return
-            except (StreamEnded, LeaseLost, NotFound, *_REFUSED) as e:
+            except (StreamEnded, LeaseLost, NotFound, *_FATAL) as e:
                 self._not_settled(delivery, e)
                 return
             except Unavailable as e:
@@ -762,8 +769,8 @@ class Worker:
                 error.message,
                 extra=_fields(delivery.task, "lease_lost"),
             )
-        elif isinstance(error, _REFUSED):
-            self._refused(error)
+        elif isinstance(error, _FATAL):
+            self._give_up(error)
         else:
             log.warning(
                 "task %s: the broker refused its outcome (%s: %s)",

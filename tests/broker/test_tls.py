@@ -28,7 +28,7 @@ from tests.helpers import running_broker, wait_until_sync
 from tests.procs import BrokerProcess, broker_command, broker_process, env, producer_command
 from tests.procs import worker_command as worker_cmd
 from wqbroker.broker import Broker, StartupError
-from wqclient import AsyncClient, Client, Unavailable, WqError
+from wqclient import AsyncClient, CertificateError, Client, Unavailable, Worker, WqError
 from wqclient import PermissionDenied as ClientPermissionDenied
 
 pytestmark = pytest.mark.timeout(60)
@@ -146,6 +146,60 @@ async def test_a_client_without_the_ca_fails_certificate_verification(
         assert "CERTIFICATE_VERIFY_FAILED" in message
         assert "ca_file" in message
     assert broker.service.problem() is None  # and the broker serves on
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_certificate_that_fails_verification_is_a_certificate_error(
+    broker: Broker, tmp_path: Path, transport: str
+) -> None:
+    """An Unavailable (what it always was), of its own kind: retrying cannot help."""
+    async with AsyncClient(url(broker, transport), timeout=5) as wq:
+        with pytest.raises(CertificateError) as e:
+            await wq.stats()
+    assert isinstance(e.value, Unavailable)
+    assert "-ca-file or $WQ_CA_FILE" in e.value.message
+    assert "unable to get local issuer certificate" in e.value.message
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_certificate_for_another_host_is_a_certificate_error_that_says_so(
+    tmp_path: Path, transport: str
+) -> None:
+    ca = trustme.CA()
+    issued = ca.issue_cert("broker.example")  # not 127.0.0.1, which the client connects to
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    issued.private_key_pem.write_to_path(str(tmp_path / "key.pem"))
+    issued.private_key_and_cert_chain_pem.write_to_path(str(tmp_path / "cert.pem"))
+    async with running_broker(
+        tls_cert=str(tmp_path / "cert.pem"), tls_key=str(tmp_path / "key.pem")
+    ) as broker:
+        async with AsyncClient(
+            url(broker, transport), ca_file=str(tmp_path / "ca.pem"), timeout=5
+        ) as wq:
+            with pytest.raises(CertificateError) as e:
+                await wq.stats()
+    message = e.value.message
+    assert "TLS certificate verification failed" in message, message
+    assert "not issued for the host in the broker URL" in message
+    assert "-ca-file" not in message  # (the CA is trusted: another one would not help)
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_a_worker_stops_on_a_certificate_it_cannot_verify(
+    broker: Broker, transport: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As on a refused token: said once, and run() raises it, rather than retrying forever."""
+    handled: list[object] = []
+    async with AsyncClient(url(broker, transport), timeout=5) as wq:
+        worker = Worker(wq, handled.append, concurrency=3, wait_ms=200)
+        with pytest.raises(CertificateError):
+            await asyncio.wait_for(worker.run(), 20)
+    said = [r for r in caplog.records if "TLS certificate verification failed" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].levelname == "ERROR"
+    assert "-ca-file or $WQ_CA_FILE" in said[0].getMessage()
+    assert not [r for r in caplog.records if "retrying" in r.getMessage()]
+    assert handled == []
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -267,6 +321,66 @@ def test_the_broker_command_refuses_in_one_line_and_exit_1(
 
 
 # -- the commands, end to end ------------------------------------------------------------------
+
+
+def _without_a_ca(**extra: str) -> dict[str, str]:
+    """A child's environment without $WQ_CA_FILE (and $GRPC_VERBOSITY, unless given)."""
+    child = {k: v for k, v in env().items() if k not in ("WQ_CA_FILE", "GRPC_VERBOSITY")}
+    return {**child, **extra}
+
+
+@pytest.mark.parametrize("command", ["wq-worker", "wq-producer"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_the_commands_stop_on_a_certificate_they_cannot_verify(
+    broker: Broker, tmp_path: Path, transport: str, command: str
+) -> None:
+    """A configuration error, not an outage: one clear line naming -ca-file, exit status 1 (as
+    for a refused token), at once; not a retry forever, nor gRPC's core's line every retry."""
+    given = ["-broker", url(broker, transport)]
+    if command == "wq-worker":
+        cmd = worker_cmd(*given, "-wait-ms", "200")
+    else:
+        cmd = producer_command(*given, "-n", "5")
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        cmd,
+        cwd=tmp_path,
+        env=_without_a_ca(),
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert proc.returncode == 1, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "certificate" in line.lower()]
+    assert len(said) == 1, proc.stderr
+    assert "TLS certificate verification failed" in said[0]
+    assert "give the broker's CA certificate with -ca-file or $WQ_CA_FILE" in said[0]
+    assert "Handshake failed" not in proc.stderr
+    assert "Traceback" not in proc.stderr
+    if command == "wq-producer":
+        assert said[0].startswith("wq-producer: cannot reach the broker at ")
+        assert proc.stdout.startswith("enqueued 0, failed 1,")  # it stopped at the first
+    else:
+        assert " wq-worker ERROR cannot reach the broker at " in said[0]
+        assert said[0].endswith("; stopping")
+    assert broker.service.problem() is None
+
+
+async def test_grpcs_core_logs_are_shown_when_grpc_verbosity_asks_for_them(
+    broker: Broker, tmp_path: Path
+) -> None:
+    """The commands keep gRPC's core quiet only when $GRPC_VERBOSITY is not set."""
+    proc = await asyncio.to_thread(
+        subprocess.run,
+        worker_cmd("-broker", url(broker, "grpc")),
+        cwd=tmp_path,
+        env=_without_a_ca(GRPC_VERBOSITY="INFO"),
+        capture_output=True,
+        text=True,
+        timeout=20,
+    )
+    assert proc.returncode == 1
+    assert "Handshake failed" in proc.stderr
 
 
 def _get(broker: BrokerProcess, path: str, tls: TLSFiles, token: str | None = ROOT) -> Any:

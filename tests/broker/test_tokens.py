@@ -15,8 +15,9 @@ from typing import Any, cast
 import aiohttp
 import grpc
 import pytest
+from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 
 from tests.authkit import (
     ALL_BUT,
@@ -45,6 +46,7 @@ from wqbroker.auth import (
 )
 from wqbroker.broker import Broker, StartupError
 from wqbroker.errors import PermissionDenied, Unauthenticated
+from wqbroker.grpc import reflection as grpc_reflection
 from wqbroker.http import create_app
 from wqclient import AsyncClient, Client, Worker
 from wqclient import PermissionDenied as ClientPermissionDenied
@@ -253,7 +255,12 @@ def _http_routes() -> set[str]:
 
 def _grpc_methods() -> set[str]:
     methods = set()
-    for descriptor in (pb.DESCRIPTOR, health_pb2.DESCRIPTOR, reflection_pb2.DESCRIPTOR):
+    for descriptor in (
+        pb.DESCRIPTOR,
+        health_pb2.DESCRIPTOR,
+        reflection_pb2.DESCRIPTOR,
+        grpc_reflection.V1_DESCRIPTOR,
+    ):
         for service in descriptor.services_by_name.values():
             methods |= {f"/{service.full_name}/{m.name}" for m in service.methods}
     return methods
@@ -269,8 +276,7 @@ def test_every_http_route_has_a_rule_and_every_rule_a_route() -> None:
 def test_every_grpc_method_has_a_rule() -> None:
     methods = _grpc_methods()
     assert methods <= set(GRPC_RULES)
-    # The rest are the v1 reflection service (newer grpcio-reflection serves it too).
-    assert all(m.startswith("/grpc.reflection.v1.") for m in set(GRPC_RULES) - methods)
+    assert set(GRPC_RULES) <= methods  # (no rule for a method not served: v1 reflection is)
     assert {m for m in methods if GRPC_RULES[m] is Access.OPEN} == set(NO_TOKEN.grpc)
 
 
@@ -681,7 +687,37 @@ async def test_next_job_with_acks_needs_consume(
     assert [s.code for s in response.settled] == [0]
 
 
-async def test_health_is_open_and_reflection_needs_a_token(channel: grpc.aio.Channel) -> None:
+REFLECTION = {
+    version: f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo"
+    for version in ("v1", "v1alpha")
+}
+
+
+async def _reflect(
+    channel: grpc.aio.Channel,
+    version: str,
+    request: reflection_pb2.ServerReflectionRequest,
+    md: Any,
+) -> reflection_pb2.ServerReflectionResponse:
+    """One request to reflection ``version`` and its answer (v1 has v1alpha's messages under
+    another package: the same bytes)."""
+    method: Any = channel.stream_stream(  # (grpc-stubs: the request iterator is optional)
+        REFLECTION[version],
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    call = method(metadata=md)
+    await call.write(request)
+    response: reflection_pb2.ServerReflectionResponse = await asyncio.wait_for(call.read(), 5)
+    await call.done_writing()
+    return response
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+async def test_health_and_reflection_are_open(channel: grpc.aio.Channel, version: str) -> None:
+    """Without a token (or with one the broker does not know): the health check, and both
+    versions of reflection, which generic tools (grpcurl) need to call it by name; reflection
+    tells what the public .proto does, no more."""
     health = health_pb2_grpc.HealthStub(channel)
     for md in (None, metadata(UNKNOWN)):
         response = await health.Check(health_pb2.HealthCheckRequest(), metadata=md)
@@ -691,19 +727,37 @@ async def test_health_is_open_and_reflection_needs_a_token(channel: grpc.aio.Cha
         assert first.status == health_pb2.HealthCheckResponse.SERVING
         watch.cancel()
 
-    reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
-
-    async def services(md: Any) -> list[str]:
-        call = reflection.ServerReflectionInfo(metadata=md)
-        await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
-        response = await asyncio.wait_for(call.read(), 5)
-        await call.done_writing()
-        return [s.name for s in response.list_services_response.service]
-
+        listed = await _reflect(
+            channel, version, reflection_pb2.ServerReflectionRequest(list_services=""), md
+        )
+        names = {service.name for service in listed.list_services_response.service}
+        assert names == {
+            "wq.v1.Broker",
+            "grpc.health.v1.Health",
+            "grpc.reflection.v1.ServerReflection",
+            "grpc.reflection.v1alpha.ServerReflection",
+        }
+        for symbol, file in (
+            ("wq.v1.Broker", "wqwire/pb/broker.proto"),
+            ("grpc.health.v1.Health", "grpc_health/v1/health.proto"),
+            ("grpc.reflection.v1.ServerReflection", "grpc/reflection/v1/reflection.proto"),
+        ):
+            found = await _reflect(
+                channel,
+                version,
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol=symbol),
+                md,
+            )
+            files = {
+                descriptor_pb2.FileDescriptorProto.FromString(raw).name: raw
+                for raw in found.file_descriptor_response.file_descriptor_proto
+            }
+            assert file in files, (symbol, list(files))
+    # The rest of the API still needs a token.
+    stub = pb_grpc.BrokerStub(channel)
     with pytest.raises(grpc.aio.AioRpcError) as e:
-        await services(None)
+        await stub.Stats(pb.StatsRequest())
     assert e.value.code() == Code.UNAUTHENTICATED
-    assert "wq.v1.Broker" in await services(metadata(ONLY["consume"]))
 
 
 async def test_an_unknown_grpc_method_is_unimplemented_token_or_not(

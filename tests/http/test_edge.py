@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
+import json
 import logging
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from datetime import datetime
+from http.client import HTTPConnection
 from typing import Any
 
 import aiohttp
@@ -24,7 +27,10 @@ from tests.helpers import Http, http_broker, http_client, settle, wait_until
 from tests.rawhttp import exchange, raw_connection, request, stubborn_upload
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
-from wqbroker.http.transport import json_response, no_content
+from wqbroker.config import Config
+from wqbroker.http import transport
+from wqbroker.http.transport import LINGER_BYTES, json_response, no_content
+from wqbroker.limits import DEFAULT_MAX_PAYLOAD
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -221,6 +227,161 @@ async def test_a_client_that_reads_while_it_sends_gets_the_413(broker: Broker) -
         async with session.post(broker.http_url + "/jobs", data=endless()) as resp:
             assert resp.status == 413
             assert str(LIMIT) in (await resp.json())["error"]
+
+
+def _post_whole_body_then_read(address: str, size: int, chunked: bool) -> tuple[int, bytes, str]:
+    """POST ``size`` bytes to /jobs with Python's ``http.client``, which writes the whole body
+    before it reads a byte of the answer (with Content-Length, or chunked); the answer."""
+    host, _, port = address.rpartition(":")
+    connection = HTTPConnection(host, int(port), timeout=30)
+    try:
+        body = bytes(size)
+        if chunked:
+
+            def pieces() -> Iterator[bytes]:
+                for start in range(0, size, 65536):
+                    yield body[start : start + 65536]
+
+            connection.request("POST", "/jobs", body=pieces(), encode_chunked=True)
+        else:
+            connection.request("POST", "/jobs", body=body)
+        response = connection.getresponse()
+        return response.status, response.read(), response.getheader("Content-Type") or ""
+    finally:
+        connection.close()
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_a_client_that_sends_its_whole_body_before_reading_gets_the_413(
+    fast_lane: bool, chunked: bool
+) -> None:
+    """20 MB to a broker with the default limit, from a client that reads nothing until it has
+    sent everything: it reads the 413 and its JSON error (the broker reads and drops the rest
+    before it closes, rather than resetting the connection under the client's write)."""
+    async with http_broker(http_fast_lane=fast_lane) as b:
+        for _ in range(3):  # (a reset, when it happens, happens every time)
+            status, body, content_type = await asyncio.to_thread(
+                _post_whole_body_then_read, address(b), 20 << 20, chunked
+            )
+            assert status == 413, body
+            assert content_type.startswith("application/json")
+            assert json.loads(body) == {
+                "error": f"request body is larger than the limit of {DEFAULT_MAX_PAYLOAD} bytes"
+            }
+        async with http_client(b.http_url) as http:
+            assert (await http.stats())["totals"]["enqueued"] == 0
+            assert (await http.request("GET", "/healthz"))[0] == 200
+
+
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_a_client_that_never_stops_sending_is_cut_off_after_the_lingering_bytes(
+    fast_lane: bool,
+) -> None:
+    """Reading and dropping a body after its 413 has a cap: a client that goes on sending is
+    cut off once that much more has come (plus what the sockets' buffers hold)."""
+    async with http_broker(http_fast_lane=fast_lane, max_body=LIMIT) as b:
+        head = request("POST", "/jobs", headers={"Content-Length": str(1 << 40)})
+        upload = await stubborn_upload(address(b), head, itertools.repeat(bytes(1 << 20)))
+        assert upload.response.status == 413
+        assert str(LIMIT) in json_error(upload.response)
+        assert upload.closed
+        assert LINGER_BYTES <= upload.sent < LINGER_BYTES + (32 << 20)
+        async with http_client(b.http_url) as http:
+            assert (await http.request("GET", "/healthz"))[0] == 200
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_a_client_that_trickles_on_is_cut_off_after_the_lingering_time(
+    fast_lane: bool, chunked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that sends its body too slowly ever to reach the cap is cut off once the
+    lingering time has passed (shortened here, so the test need not wait the real one)."""
+    monkeypatch.setattr(transport, "LINGER_SECONDS", 0.3)
+    piece = b"x" * 4096
+    if chunked:
+        head = request("POST", "/jobs", headers={"Transfer-Encoding": "chunked"})
+        piece = b"%x\r\n%s\r\n" % (len(piece), piece)
+    else:
+        head = request("POST", "/jobs", headers={"Content-Length": str(1 << 30)})
+
+    def trickle() -> Iterator[bytes]:
+        yield piece * 20  # over the limit at once
+        for _ in range(2000):  # 40 s of it, if nothing stopped it
+            time.sleep(0.02)
+            yield piece
+
+    async with http_broker(http_fast_lane=fast_lane, max_body=LIMIT) as b:
+        upload = await stubborn_upload(address(b), head, trickle())
+        assert upload.response.status == 413
+        assert str(LIMIT) in json_error(upload.response)
+        assert upload.closed
+        assert upload.sent < len(piece) * 500  # cut off long before the end
+        async with http_client(b.http_url) as http:
+            assert (await http.request("GET", "/healthz"))[0] == 200
+
+
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_a_client_that_stops_sending_after_its_413_is_not_waited_for(
+    fast_lane: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing more comes of the body (the client reads its answer and waits): the connection is
+    closed once nothing has come for the idle bound, not at the end of the lingering time (made
+    long here, and the idle bound short, so that either would show)."""
+    monkeypatch.setattr(transport, "LINGER_SECONDS", 60.0)
+    monkeypatch.setattr(transport, "LINGER_IDLE", 0.2)
+    async with http_broker(http_fast_lane=fast_lane, max_body=LIMIT) as b:
+        async with raw_connection(address(b)) as conn:
+            head = request("POST", "/jobs", headers={"Content-Length": str(4 << 20)})
+            await conn.send(head + bytes(1 << 20))
+            response = await conn.response()
+            assert response.status == 413
+            assert str(LIMIT) in json_error(response)
+            assert await conn.closed(timeout=10)
+
+
+async def _refused(address: str) -> bool:
+    """Whether a new connection to ``address`` is refused (the broker stopped listening)."""
+    host, _, port = address.rpartition(":")
+    try:
+        _, writer = await asyncio.open_connection(host, int(port))
+    except OSError:
+        return True
+    writer.close()
+    return False
+
+
+@pytest.mark.parametrize("then", ["goes away", "stays silent"])
+@pytest.mark.parametrize("fast_lane", [True, False], ids=["fast-lane", "aiohttp-only"])
+async def test_the_broker_stops_while_a_body_is_dropped_after_its_413(
+    fast_lane: bool, then: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The broker stops while it reads and drops what comes of a body after its 413, and the
+    client goes away (its connection ends under the request the broker waits for), or stays
+    without sending (the lingering time ends it: shortened here): it stops cleanly."""
+    monkeypatch.setattr(transport, "LINGER_SECONDS", 0.5)
+    broker = Broker(
+        Config(addr="127.0.0.1:0", grpc_addr="off", http_fast_lane=fast_lane, max_body=LIMIT)
+    )
+    await broker.start()
+    stopping: asyncio.Task[None] | None = None
+    try:
+        size = 4 << 20
+        async with raw_connection(address(broker)) as conn:
+            head = request("POST", "/jobs", headers={"Content-Length": str(size)})
+            await conn.send(head + bytes(size // 4))
+            response = await conn.response()
+            assert response.status == 413
+            stopping = asyncio.create_task(broker.stop())
+            await wait_until(lambda: _refused(address(broker)), what="the broker to stop listening")
+            await settle()
+            if then == "stays silent":
+                assert await conn.closed()
+        await asyncio.wait_for(stopping, 10)  # (and it did not fail)
+    finally:
+        if stopping is None:
+            await broker.stop()
 
 
 async def test_a_small_unread_body_keeps_the_connection(broker: Broker) -> None:

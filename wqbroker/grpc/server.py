@@ -17,7 +17,6 @@ import grpc
 from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from wqbroker.dispatch import Stream
 from wqbroker.errors import (
@@ -32,6 +31,7 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
+from wqbroker.grpc import reflection
 from wqbroker.grpc.decoding import guarded, handler_table
 from wqbroker.models import Delivery, Enqueued, QueueStats, Task
 from wqbroker.service import Service, Submission
@@ -782,9 +782,7 @@ def create_server(
     server.add_registered_method_handlers(SERVICE_NAME, handlers)  # type: ignore[attr-defined]
     health_servicer = _Health(service)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        [SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME], server
-    )
+    reflection.enable(server, [SERVICE_NAME, health.SERVICE_NAME])  # (v1 and v1alpha)
     return server, health_servicer
 
 

@@ -152,9 +152,9 @@ def middleware(
     - a body the headers already rule out is refused (415, 413), before anything else;
     - the token is checked (``auth.py``), when the broker has tokens;
     - every error the check or the handler raises is answered in JSON (``_answer_to_exception``);
-    - whatever of the body the handler left unread is dealt with (``transport.finish_body``);
     - every answer is counted by method, route and status (refusals included), as is an HTTP
-      exception that goes on up.
+      exception that goes on up;
+    - whatever of the body the handler left unread is dealt with (``transport.finish_body``).
     """
 
     @web.middleware
@@ -170,12 +170,13 @@ def middleware(
                     response = _answer_to_exception(request, e)
                     if response is None:
                         raise
-            if not request.content.is_eof():
-                response = await finish_body(request, response)
         except web.HTTPException as e:
             count_http(metrics, request, e.status)
             raise
+        # (Counted before the unread body is dealt with: that may take the lingering bounds.)
         count_http(metrics, request, response.status)
+        if not request.content.is_eof():
+            response = await finish_body(request, response)
         return response
 
     return handle

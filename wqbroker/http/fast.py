@@ -512,7 +512,7 @@ class FastProtocol(asyncio.Protocol):
         """The request, if its method, target and length are ones the lane serves."""
         length = fields.length
         if length is None or length > self._lane.max_body:
-            return None  # (aiohttp answers 413 and closes)
+            return None  # (aiohttp answers 413, drops the rest within its bounds, and closes)
         method = method_bytes.decode("ascii")
         path, _, query = target_bytes.decode("ascii").partition("?")
         found = _HOT.find(method, path)
@@ -732,10 +732,8 @@ class FastProtocol(asyncio.Protocol):
         seconds), then close."""
         server = self._server
         if server is not None and self._pending:
-            try:
-                await asyncio.wait_for(asyncio.shield(server), timeout)
-            except Exception:  # (a time-out, or however the request ended)
-                pass
+            # (However the request ends: answered, failed, or cancelled by the connection's end.)
+            await asyncio.wait([server], timeout=timeout)
         self._close()
 
     # -- time-outs -----------------------------------------------------------------------------

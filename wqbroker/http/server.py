@@ -5,8 +5,11 @@
 - ``auto_decompress=False``: a body is never inflated (a compressed one is refused, see
   ``transport.py``).
 - ``lingering_time=0``: aiohttp never drains an unread body after an answer (it would, for up to
-  ten seconds, whatever it costs); ``transport.finish_body`` skips a bounded amount of it
-  first, and the connection is closed if more is left.
+  ten seconds, whatever it costs, and never after an answer that closes the connection, such as
+  a 413); ``transport.finish_body`` does, within its own bounds (a small body is skipped and
+  the connection kept; before a close, the rest is read and dropped for a bounded time and
+  amount, so a client that sends its whole body before it reads gets the answer), and the
+  connection is closed if more is left.
 - Time-outs (Go's net/http has the same three): a request's line and headers must arrive within
   the head time-out of its first byte (of the connection's start, for its first request), else
   408 and the connection is closed; a kept connection is closed, without an answer, when the

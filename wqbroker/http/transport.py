@@ -11,9 +11,19 @@ and after its answer.
 - A body must arrive within the body time-out once a handler reads it (408 after it, and the
   connection is closed).
 - A body nobody reads (an ack's, a 404's) is skipped if it ends within the limit and a second;
-  otherwise the connection is closed. What is skipped after an answer is bounded by the body
-  limit: no request is drained without end (aiohttp's own draining is switched off, see
-  ``server.py``).
+  otherwise the connection is closed.
+- Before a connection is closed with a body still coming (after a 413, a 415, or a body that did
+  not end within that skip), the rest of the body is read and dropped, for at most
+  :data:`LINGER_SECONDS` and :data:`LINGER_BYTES`, and until nothing has come for
+  :data:`LINGER_IDLE` (nginx's "lingering close", and its lingering time-out): a client that
+  writes its whole body before it reads (Python's ``http.client``, ``requests``, ``urllib``) then
+  reads the answer, where closing at once would reset the connection under it (the kernel
+  answers a close with unread bytes, and every byte after it, with a reset, and the client's
+  write fails before it reads). A client still sending past either bound is cut off: no request
+  is drained without end (aiohttp's own draining is switched off, see ``server.py``), and what
+  it costs is reading and dropping bytes, never keeping them. A broker that stops reads no more:
+  it waits for a connection in its lingering close as for a request in hand, until the client
+  goes away or the lingering time ends (at most the shutdown's grace).
 """
 
 from __future__ import annotations
@@ -37,8 +47,15 @@ DEFAULT_MAX_BODY: Final = DEFAULT_MAX_PAYLOAD
 DEFAULT_READ_BODY_TIMEOUT: Final = 30.0
 
 # How long an unread body is skipped after the answer (at most the body limit's worth of it)
-# before the connection is closed instead.
+# for the connection to be kept.
 SKIP_SECONDS: Final = 1.0
+# A connection closed with a body still coming reads and drops the rest of it first (lingering
+# close), for at most this many seconds from the answer and this many bytes, and until nothing
+# has come for LINGER_IDLE seconds (a client that sends nothing more is not waited for); then
+# it is closed (reset, if the client is still sending).
+LINGER_SECONDS: Final = 5.0
+LINGER_BYTES: Final = 64 << 20
+LINGER_IDLE: Final = 1.0
 
 _JSON: Final = "application/json"
 
@@ -238,39 +255,49 @@ def body_late(read_timeout: float) -> RequestTimeout:
     return RequestTimeout(f"request body not received within {round(read_timeout * 1000)} ms")
 
 
-async def _skip(payload: StreamReader, budget: int) -> bool:
-    """Read and drop up to ``budget`` bytes of an unread body, for up to SKIP_SECONDS; True if the
-    body ended."""
+async def _skip(payload: StreamReader, budget: int, until: float, idle: float) -> bool:
+    """Read and drop up to ``budget`` bytes of an unread body, until ``until`` (the loop's time)
+    or until nothing has come for ``idle`` seconds; True if the body ended."""
+    loop = asyncio.get_running_loop()
     try:
-        async with asyncio.timeout(SKIP_SECONDS):
-            while budget >= 0 and not payload.is_eof():
+        while budget >= 0 and not payload.is_eof():
+            async with asyncio.timeout_at(min(until, loop.time() + idle)):
                 chunk = await payload.readany()
-                if not chunk:
-                    break
-                budget -= len(chunk)
-    except Exception:  # a body that ends badly (reset, malformed) ends the skipping
+            if not chunk:
+                break
+            budget -= len(chunk)
+    except Exception:  # a body that ends badly (reset, malformed), or in time, ends the skipping
         pass
     return payload.is_eof()
 
 
 # An answer with one of these statuses closes the connection when the body was not read to its
-# end; the value says whether to skip some of it first (so a client that sends its whole body
-# before it reads gets the answer rather than a reset), or not (it will not come, or too slowly).
+# end; the value says whether to read and drop the rest first, within the lingering bounds (so a
+# client that sends its whole body before it reads gets the answer rather than a reset), or not
+# (it will not come, or too slowly).
 _CLOSING: Final = {413: True, 415: True, 408: False, 417: False}
 
 
 async def finish_body(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
     """After the answer to a request whose body was not read to its end: send the answer, then
-    skip the rest of the body if it is small, or have aiohttp close the connection (it closes
-    one whose answer says so, or whose body is unfinished: it is run with ``lingering_time=0``)."""
-    skip = _CLOSING.get(response.status, True)
+    skip the rest of the body if it is small (the connection is kept), or else read and drop it
+    within the lingering bounds and have aiohttp close the connection (it closes one whose answer
+    says so, or whose body is unfinished: it is run with ``lingering_time=0``)."""
+    linger = _CLOSING.get(response.status, True)
     if response.status in _CLOSING:
         response.force_close()
     if not response.prepared:
         await response.prepare(request)
         await response.write_eof()
-    if skip:
-        await _skip(request.content, request.app[BODY].max_bytes)
+    if not linger:
+        return response
+    payload = request.content
+    now = asyncio.get_running_loop().time()
+    if response.keep_alive:
+        if await _skip(payload, request.app[BODY].max_bytes, now + SKIP_SECONDS, SKIP_SECONDS):
+            return response  # (the connection is kept)
+        response.force_close()  # (closed after the answer already sent, as ever)
+    await _skip(payload, LINGER_BYTES, now + LINGER_SECONDS, LINGER_IDLE)
     return response
 
 

@@ -6,30 +6,44 @@ conventions of :mod:`wqwire.flags` (one dash or two, the value after a space or 
 names, one-line errors with exit status 2), and take a token and a CA file the same way (below).
 Their entry points are here: a command whose packages are not installed (``pip install wqueue``
 is the client alone) says which extra brings them.
+
+A command keeps gRPC's core to its errors (``GRPC_VERBOSITY=ERROR``, unless the variable is set):
+the commands say in their own words what went wrong, where the core would write a line at INFO
+for every failed attempt (a TLS handshake that failed, at every reconnection).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from wqclient.client import ENV_CA_FILE, ENV_TOKEN
 from wqwire.flags import run_command
 
-__all__ = ["add_auth_flags", "wq", "wq_producer", "wq_worker"]
+__all__ = ["add_auth_flags", "quiet_grpc", "wq", "wq_producer", "wq_worker"]
+
+
+def quiet_grpc() -> None:
+    """Keep gRPC's core to its errors, unless ``$GRPC_VERBOSITY`` says otherwise (a command's
+    first act: the core reads it once, when grpc is imported)."""
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 
 def wq() -> int:
     """``wq``: the admin command (needs the ``cli`` extra: rich)."""
+    quiet_grpc()
     return run_command("wq", "wqclient.cli.admin", "cli")
 
 
 def wq_worker() -> int:
     """``wq-worker``: the spec's worker, appending each task to a log file."""
+    quiet_grpc()
     return run_command("wq-worker", "wqclient.cli.worker", "cli")
 
 
 def wq_producer() -> int:
     """``wq-producer``: the spec's producer (needs the ``cli`` extra: rich, for its progress)."""
+    quiet_grpc()
     return run_command("wq-producer", "wqclient.cli.producer", "cli")
 
 

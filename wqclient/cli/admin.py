@@ -32,7 +32,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from wqclient.cli import add_auth_flags
+from wqclient.cli import add_auth_flags, quiet_grpc
 from wqclient.client import AsyncClient
 from wqclient.errors import (
     InvalidArgument,
@@ -64,7 +64,8 @@ EXIT_CODES: Final = {
     EXIT_USAGE: "usage: a bad flag or argument, a payload that is not JSON, a value the "
     "broker\n       rejects (a bad queue name ...)",
     EXIT_NOT_FOUND: "not found: no such task, or not in the dead-letter queue",
-    EXIT_UNAVAILABLE: "the broker cannot be reached, is shutting down, or is at a limit (429)",
+    EXIT_UNAVAILABLE: "the broker cannot be reached (its TLS certificate failing verification "
+    "included), is shutting down, or is at a limit (429)",
     EXIT_REFUSED: "the broker refused the token (none, unknown, or without the scope needed)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
@@ -578,8 +579,8 @@ def add_common_flags(p: argparse.ArgumentParser) -> None:
         "--broker",
         default=DEFAULT_URL,
         metavar="URL",
-        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
-        f"(default {DEFAULT_URL})",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS; "
+        f"several brokers as http://a:port,b:port (default {DEFAULT_URL})",
     )
     add_auth_flags(p)
     p.add_argument(
@@ -901,4 +902,5 @@ def main(
 
 
 if __name__ == "__main__":
+    quiet_grpc()
     sys.exit(main())

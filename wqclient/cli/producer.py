@@ -30,9 +30,15 @@ from rich.progress import Progress as RichProgress
 from rich.progress import Task as RichTask
 from rich.text import Text
 
-from wqclient.cli import add_auth_flags
+from wqclient.cli import add_auth_flags, quiet_grpc
 from wqclient.client import AsyncClient
-from wqclient.errors import Overloaded, PermissionDenied, Unauthenticated, WqError
+from wqclient.errors import (
+    CertificateError,
+    Overloaded,
+    PermissionDenied,
+    Unauthenticated,
+    WqError,
+)
 from wqclient.limits import DEFAULT_URL
 from wqclient.models import DEFAULT_QUEUE
 from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
@@ -47,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-broker",
         "--broker",
         default=DEFAULT_URL,
-        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS "
-        f"(default {DEFAULT_URL})",
+        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS; "
+        f"several brokers as http://a:port,b:port (default {DEFAULT_URL})",
     )
     p.add_argument("-n", "--n", type=positive_int, default=1, help="how many tasks (default 1)")
     p.add_argument(
@@ -205,7 +211,9 @@ class _Run:
         self.enqueued = 0
         self.duplicates = 0
         self.failures: list[str] = []
-        self.refused: list[WqError] = []  # the broker refused the token: no use posting more
+        # The broker refused the token, or its certificate failed verification: no use posting
+        # more.
+        self.refused: list[WqError] = []
         self.told_busy = False
 
     async def enqueue(self, i: int) -> bool:
@@ -238,7 +246,7 @@ class _Run:
                     self.duplicates += 1
                 else:
                     self.enqueued += 1
-            except (Unauthenticated, PermissionDenied) as e:
+            except (Unauthenticated, PermissionDenied, CertificateError) as e:
                 self.refused.append(e)
                 self.failures.append(e.message)
             except WqError as e:
@@ -252,10 +260,11 @@ class _Run:
         self.progress.update(done, len(failures), force=True)
         self.progress.finish()
         if self.refused:
-            print(
-                f"wq-producer: the broker refused the token: {self.refused[0].message}",
-                file=self.err,
-            )
+            first = self.refused[0]
+            if isinstance(first, CertificateError):
+                print(f"wq-producer: {first.message}", file=self.err)
+            else:
+                print(f"wq-producer: the broker refused the token: {first.message}", file=self.err)
         elif failures:
             print(
                 f"wq-producer: {len(failures)} enqueues failed; first error: {failures[0]}",
@@ -298,4 +307,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quiet_grpc()
     sys.exit(main())

@@ -16,9 +16,9 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
-from wqclient.cli import add_auth_flags
+from wqclient.cli import add_auth_flags, quiet_grpc
 from wqclient.client import AsyncClient
-from wqclient.errors import PermissionDenied, Unauthenticated, WqError
+from wqclient.errors import CertificateError, PermissionDenied, Unauthenticated, WqError
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import DEFAULT_QUEUE, Task
 from wqclient.worker import TaskFailed, Worker
@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--broker",
         default=DEFAULT_URL,
         help="broker URL: http://host:port, or grpc://host:port to stream; https://, grpcs:// "
-        f"for TLS (default {DEFAULT_URL})",
+        f"for TLS; several brokers as http://a:port,b:port (default {DEFAULT_URL})",
     )
     p.add_argument(
         "-log-file", "--log-file", default="./jobs.log", help="file to append to (./jobs.log)"
@@ -164,7 +164,7 @@ async def _main(args: argparse.Namespace) -> int:
     )
     try:
         await worker.run()
-    except (Unauthenticated, PermissionDenied):
+    except (Unauthenticated, PermissionDenied, CertificateError):
         return 1  # the worker has said why
     finally:
         await client.close()
@@ -187,4 +187,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    quiet_grpc()
     sys.exit(main())
