@@ -25,7 +25,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench import pg
 
@@ -723,6 +723,61 @@ def postgres(q: bool) -> None:
     add("postgres", "the section took", f"{figures['seconds']:.0f} s")
 
 
+# -- draining a backlog ---------------------------------------------------------------------------
+
+DRAIN_CONCURRENCY: Final = (3, 64)  # wq-worker's default, and the users section's Worker
+
+
+def _drain_once(url: str, n: int, concurrency: int) -> float:
+    """Fill the broker with ``n`` ready tasks (not timed), then one Worker drains them: tasks/s."""
+    run_json("bench.drain", "fill", url, str(n))
+    return float(run_json("bench.drain", "run", url, str(n), str(concurrency))["rate"])
+
+
+def drain(q: bool) -> None:
+    """One Worker (wqclient's, a handler that returns at once) draining a backlog of ready tasks,
+    on each store, the stores in turn in every round; each row's median."""
+    print("Draining a backlog: one Worker, tasks all ready before it starts (tasks/s)", flush=True)
+    n = 3_000 if q else 10_000
+    runs = 1 if q else 3
+    why = pg.unreachable()
+    found: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp, pg.scratch() as make:
+        stores = [("memory", ()), ("sqlite", ("-store", f"sqlite:{tmp}/drain.db"))]
+        if why is None:
+            stores.append(("postgres", ("-store", make("drain"))))
+        with contextlib.ExitStack() as stack:
+            brokers = [(label, stack.enter_context(broker(*args))) for label, args in stores]
+            for _ in range(runs):
+                for concurrency in DRAIN_CONCURRENCY:
+                    for label, b in brokers:
+                        key = f"{label} gRPC {concurrency}"
+                        found.setdefault(key, []).append(
+                            _drain_once(f"grpc://{b.grpc}", n, concurrency)
+                        )
+                for label, b in brokers:
+                    key = f"{label} HTTP 64"
+                    found.setdefault(key, []).append(_drain_once(b.http, n, 64))
+    RESULTS["drain"] = found
+    medians = {key: statistics.median(rates) for key, rates in found.items()}
+    if why is not None:
+        add("drain", "PostgreSQL", f"unreachable ({why}): skipped")
+    for key, rate in medians.items():
+        label, transport, concurrency = key.split()
+        name = f"{label}: {n:,} tasks, {transport}, Worker(concurrency={concurrency})"
+        mem = medians[f"memory {transport} {concurrency}"]
+        if label == "memory":
+            add("drain", name, f"{rate:,.0f}/s")
+            continue
+        add(
+            "drain",
+            name,
+            f"{rate:,.0f}/s = {rate / mem:.0%} of memory",
+            ">= 50% of memory",
+            rate >= 0.5 * mem,
+        )
+
+
 # -- the library as users write it ----------------------------------------------------------------
 
 
@@ -1004,6 +1059,7 @@ SECTIONS = {
     "pollers": pollers,
     "rabbitmq": rabbitmq,
     "postgres": postgres,
+    "drain": drain,
 }
 
 

@@ -576,6 +576,29 @@ class SqliteStore:
         self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
     ) -> list[Delivery]:
         self._check()
+        return await self._claim_many(leases, now, queues)
+
+    async def settle_claim(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        leases: Sequence[float],
+        *,
+        now: float,
+        queues: Sequence[str] = (DEFAULT_QUEUE,),
+    ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
+        """The settlements change the index at once; the claims join them in the open batch:
+        one commit for both (nothing is answered before it)."""
+        self._check()
+        acked, nacked = self._index.settle(acks, nacks, now)
+        claimed = await self._claim_many(leases, now, queues) if leases else []
+        if not claimed:
+            await self._durable()
+        return acked, nacked, claimed
+
+    async def _claim_many(
+        self, leases: Sequence[float], now: float, queues: Sequence[str]
+    ) -> list[Delivery]:
         index = self._index
         claimed: list[tuple[Record, Delivery]] = []
         while len(claimed) < len(leases):

@@ -24,6 +24,7 @@ class Queries:
     id_blocks: str
     claim: str
     settle: str
+    settle_claim: str
     extend: str
     release: str
     expired: str
