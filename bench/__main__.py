@@ -763,9 +763,9 @@ def drain(q: bool) -> None:
     if why is not None:
         add("drain", "PostgreSQL", f"unreachable ({why}): skipped")
     for key, rate in medians.items():
-        label, transport, concurrency = key.split()
-        name = f"{label}: {n:,} tasks, {transport}, Worker(concurrency={concurrency})"
-        mem = medians[f"memory {transport} {concurrency}"]
+        label, transport, width = key.split()
+        name = f"{label}: {n:,} tasks, {transport}, Worker(concurrency={width})"
+        mem = medians[f"memory {transport} {width}"]
         if label == "memory":
             add("drain", name, f"{rate:,.0f}/s")
             continue

@@ -473,7 +473,7 @@ class PostgresStore:
         ]
 
     def _settled(
-        self, plan: _SettlePlan, rows: Iterable[Sequence[Any]]
+        self, plan: _SettlePlan, rows: Iterable[Any]
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         """wq.settle's rows (o_kind, o_i, o_outcome, o_retry_at) read into the outcomes."""
         acks, sent, ack_at, nack_at = plan.acks, plan.sent, plan.ack_at, plan.nack_at
