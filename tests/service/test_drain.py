@@ -10,6 +10,7 @@ import asyncio
 import os
 import random
 from collections.abc import AsyncIterator
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -198,3 +199,32 @@ async def test_a_broker_stopped_mid_drain_loses_nothing_and_brings_back_nothing_
         assert len(back) == n - len(acked)
     finally:
         await again.close()
+
+
+async def test_on_postgres_each_round_is_one_round_trip(
+    durable: str, service: Service, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Over a slow link to the database every round trip costs the link's latency: a stream's
+    round (its acks, the claim of their successors) is one statement, so one round trip."""
+    if durable != "postgres":
+        pytest.skip("round trips to a database")
+    assert isinstance(store, PostgresStore)
+    n, prefetch, rounds = 48, 8, 5
+    await fill(service, n)
+    stream = await service.open_stream(prefetch, 60_000)
+    got = await taken(stream, prefetch)
+    sent: list[str] = []
+    for name in ("_fetch", "_fetchval", "_fetchrow", "_execute"):
+        method = getattr(store, name)
+
+        async def counted(sql: str, *args: object, _method: Any = method) -> Any:
+            sent.append(sql)
+            return await _method(sql, *args)
+
+        monkeypatch.setattr(store, name, counted)
+    for _ in range(rounds):  # (tasks are left for every round: no claim comes back short)
+        outcomes, _ = await service.settle_many(acks(got), ())
+        assert outcomes == [None] * len(got)
+        got = await taken(stream, prefetch)
+    # One statement a round: two before (the settle, then the claim).
+    assert len(sent) == rounds, [s.split()[:6] for s in sent]
