@@ -7,11 +7,10 @@ to save: it keeps its two calls)."""
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 from collections.abc import AsyncIterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -102,7 +101,8 @@ async def test_an_ack_refused_frees_no_slot_and_the_extra_task_goes_back(
     first, second = await taken(stream, 2)
     # The same ack twice: both leases are the stream's, the second is refused (already acked).
     outcomes, _ = await service.settle_many(acks([first, first]), ())
-    assert outcomes[0] is None and isinstance(outcomes[1], NotFound)
+    assert outcomes[0] is None
+    assert isinstance(outcomes[1], NotFound)
     # One slot freed: one new delivery; the other task claimed with it went back, as it was.
     (refill,) = await taken(stream)
     assert refill.task.id not in (first.task.id, second.task.id)
@@ -149,7 +149,8 @@ async def test_two_streams_acking_at_once_lose_nothing_and_repeat_nothing(
     for s in streams:
         await s.close()
     await asyncio.gather(*workers)
-    assert len(seen) == n and len(set(seen)) == n
+    assert len(seen) == n
+    assert len(set(seen)) == n
     stats = await service.stats()
     assert (stats.ready, stats.handed_out, stats.totals.delivered) == (0, 0, n)
 
