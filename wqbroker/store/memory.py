@@ -115,8 +115,11 @@ class MemoryStore:
         now: float,
         queues: Sequence[str] = (DEFAULT_QUEUE,),
     ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
+        before = self.transactions
         acked, nacked = await self.settle_many(acks, nacks, now=now)
-        return acked, nacked, await self.claim_many(leases, now=now, queues=queues)
+        claimed = await self.claim_many(leases, now=now, queues=queues)
+        self.transactions = min(self.transactions, before + 1)  # (one step: one transaction)
+        return acked, nacked, claimed
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         failure = self._index.reclaim(task_id, lease_id, error, now)
