@@ -674,10 +674,20 @@ class SqliteStore:
         here) from the file once committed."""
         assert record.lease_id is not None
         cached = self._journal.cache.take(record.id)
-        payload, created_at = cached if cached is not None else (_NO_PAYLOAD, _NO_TIME)
-        task = record.view()
-        if cached is not None:
-            task = replace(task, payload=payload, created_at=created_at)
+        if cached is None:
+            return Delivery(record.view(), record.lease_id, record.deadline)
+        lane = record.lane
+        task = Task(  # (record.view(), with the cached payload: one Task made, not two)
+            "%016x" % record.id,  # noqa: UP031
+            cached[0],
+            record.attempts,
+            record.max_attempts,
+            cached[1],
+            record.available_at,
+            record.last_error,
+            lane.queue.name,
+            lane.priority,
+        )
         return Delivery(task, record.lease_id, record.deadline)
 
     @staticmethod
