@@ -2,7 +2,7 @@
 tasks that take their places share one transaction (Store.settle_claim), within the lease rules:
 never more than the prefetch in a stream's hands, an ack durable before it is answered, nothing
 claimed lost when the broker stops. Run on SQLite and PostgreSQL (the memory store has no commit
-to save: it keeps its two calls)."""
+to save: it keeps its two calls; the race between two streams runs on it too)."""
 
 from __future__ import annotations
 
@@ -118,6 +118,7 @@ async def test_an_ack_refused_frees_no_slot_and_the_extra_task_goes_back(
     await stream.close()
 
 
+@pytest.mark.parametrize("durable", ["memory", *DURABLE], indirect=True)
 async def test_two_streams_acking_at_once_lose_nothing_and_repeat_nothing(
     service: Service, store: Store
 ) -> None:
