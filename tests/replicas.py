@@ -77,7 +77,9 @@ class Server:
     async def stop(self, mode: str = "immediate") -> None:
         """Stop the server (``immediate``: as if its processes were killed, no shutdown
         checkpoint, nothing more sent to the standby)."""
-        await self.pair.run("pg_ctl", "stop", "-w", "-t", "30", "-m", mode, "-D", self.data, check=False)
+        await self.pair.run(
+            "pg_ctl", "stop", "-w", "-t", "30", "-m", mode, "-D", self.data, check=False
+        )
 
     async def promote(self) -> None:
         await self.pair.run("pg_ctl", "promote", "-w", "-t", "30", "-D", self.data)
@@ -91,9 +93,7 @@ class Server:
     async def follow(self, primary: Server) -> None:
         """Make this (stopped) cluster a standby of ``primary`` at its next start."""
         (self.data / "standby.signal").touch()
-        self.configure(
-            {"primary_conninfo": f"host=127.0.0.1 port={primary.port} user=postgres"}
-        )
+        self.configure({"primary_conninfo": f"host=127.0.0.1 port={primary.port} user=postgres"})
         await self.pair.own(self.data)
 
 
@@ -138,7 +138,9 @@ class Replicas:
         standby streams (and, when synchronous, is the synchronous one)."""
         p, s = self.primary, self.standby
         await self.own(self.root)
-        await self.run("initdb", "-D", p.data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        await self.run(
+            "initdb", "-D", p.data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"
+        )
         for server in (p, s):
             server.sockets.mkdir()
             await self.own(server.sockets)

@@ -129,7 +129,9 @@ AND NOT EXISTS (SELECT 1 FROM wq.queues p WHERE p.name = t.queue AND p.paused))
 SELECT wq.announce($1)
 
 -- name: ping
-SELECT 1
+-- Whether the server is read-only: a standby (in recovery), or default_transaction_read_only
+-- (a primary being demoted). Answered from memory, no table read.
+SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean
 
 -- == upkeep: one broker at a time vacuums (a session advisory lock it tries) ==
 
