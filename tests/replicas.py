@@ -170,7 +170,16 @@ class Replicas:
             "-h", "127.0.0.1", "-p", p.port, "-U", "postgres",
             "-D", s.data, "-R", "-X", "stream", "--no-sync",
         )  # fmt: skip
-        s.configure({"port": str(s.port), "unix_socket_directories": str(s.sockets)})
+        # Promoted, the standby is a primary alone: were it to wait for a synchronous standby of
+        # its own, every commit would hang (a cluster manager -- Patroni's synchronous_mode --
+        # does the same: a lone primary commits without one).
+        s.configure(
+            {
+                "port": str(s.port),
+                "unix_socket_directories": str(s.sockets),
+                "synchronous_standby_names": "",
+            }
+        )
         await s.start()
         self._started.append(s)
         await self.wait_streaming()
@@ -228,8 +237,11 @@ async def _run(command: list[str], *, check: bool = True) -> None:
 
 
 async def query(dsn: str, sql: str, *args: object) -> list[tuple[object, ...]]:
-    """The rows of ``sql`` on ``dsn`` (a connection of its own)."""
-    conn = await asyncpg.connect(dsn, timeout=5)
+    """The rows of ``sql`` on ``dsn`` (a connection of its own, that may write whatever the
+    server's default_transaction_read_only)."""
+    conn = await asyncpg.connect(
+        dsn, timeout=5, server_settings={"default_transaction_read_only": "off"}
+    )
     try:
         return [tuple(r) for r in await conn.fetch(sql, *args)]
     finally:

@@ -186,7 +186,11 @@ class Pool:
     def describe(self, error: BaseException | str) -> str:
         """Why the store is unavailable, in a line, from what went wrong."""
         if isinstance(error, str):
-            return error
+            return (
+                error
+                if error.startswith("the database is")
+                else f"the database is unreachable: {error}"
+            )
         text = one_line(error)
         if isinstance(error, asyncpg.ReadOnlySQLTransactionError):
             return (
