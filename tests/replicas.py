@@ -31,6 +31,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
+from tests.pg import Proxy
 from tests.procs import free_port
 
 
@@ -84,10 +85,12 @@ class Server:
     async def promote(self) -> None:
         await self.pair.run("pg_ctl", "promote", "-w", "-t", "30", "-D", self.data)
 
-    def configure(self, settings: dict[str, str]) -> None:
-        """Append ``settings`` to the cluster's postgresql.conf (read at its next start)."""
+    def configure(self, settings: dict[str, str], *, auto: bool = False) -> None:
+        """Append ``settings`` to the cluster's postgresql.conf (read at its next start), or to
+        its postgresql.auto.conf (which wins over it: where pg_basebackup -R writes)."""
         lines = "".join(f"{k} = '{v}'\n" for k, v in settings.items())
-        with (self.data / "postgresql.conf").open("a") as f:
+        name = "postgresql.auto.conf" if auto else "postgresql.conf"
+        with (self.data / name).open("a") as f:
             f.write(lines)
 
     async def follow(self, primary: Server) -> None:
@@ -101,7 +104,7 @@ class Replicas:
     """A primary and its streaming standby (see the module's docstring). Use as a context
     manager, or call :meth:`close`."""
 
-    def __init__(self, *, synchronous: bool) -> None:
+    def __init__(self, *, synchronous: bool, relay: bool = False) -> None:
         bindir = _bin_dir()
         if bindir is None:
             unavailable("no initdb/pg_ctl (set $WQ_PG_BIN)")
@@ -116,6 +119,9 @@ class Replicas:
         self.primary = Server(self, "primary")
         self.standby = Server(self, "standby")
         self._started: list[Server] = []
+        # With ``relay``, the standby streams through a TCP proxy in the test's event loop, which
+        # the test can stall (the standby falls behind) and cut.
+        self.relay: Proxy | None = Proxy(self.primary.port) if relay else None
 
     # -- running the binaries --------------------------------------------------------------------
 
@@ -180,6 +186,10 @@ class Replicas:
                 "synchronous_standby_names": "",
             }
         )
+        if self.relay is not None:
+            await self.relay.restore()
+            conninfo = f"host=127.0.0.1 port={self.relay.port} user=postgres"
+            s.configure({"primary_conninfo": conninfo}, auto=True)
         await s.start()
         self._started.append(s)
         await self.wait_streaming()
@@ -206,11 +216,16 @@ class Replicas:
         return f"postgresql://postgres@{hosts}/{database}" + (f"?{query}" if query else "")
 
     async def fail_over(self) -> None:
-        """What a failover does: the primary stops dead, the standby is promoted."""
+        """What a failover does: the primary stops dead, the standby is promoted (with what it
+        received: the relay, if any, is cut, and what it held back is lost)."""
         await self.primary.stop("immediate")
+        if self.relay is not None:
+            await self.relay.cut()
         await self.standby.promote()
 
     async def close(self) -> None:
+        if self.relay is not None:
+            await self.relay.cut()
         for server in reversed(self._started):
             with contextlib.suppress(Exception):
                 await server.stop("immediate")

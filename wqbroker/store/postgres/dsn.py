@@ -63,11 +63,11 @@ def explain(error: BaseException, dsn: str) -> str | None:
     if not isinstance(error, asyncpg.TargetServerAttributeNotMatched):
         return None
     listed = hosts(dsn)
-    which = "the server" if len(listed) <= 1 else f"none of the {len(listed)} servers"
-    return (
-        f"{which} of {redact(dsn)} takes writes (a standby, or read-only): "
-        "wq needs the primary (target_session_attrs)"
-    )
+    if len(listed) <= 1:
+        which = f"the server of {redact(dsn)} does not take writes"
+    else:
+        which = f"none of the {len(listed)} servers of {redact(dsn)} takes writes"
+    return f"{which} (a standby, or read-only): wq needs the primary (target_session_attrs)"
 
 
 def redact(dsn: str) -> str:

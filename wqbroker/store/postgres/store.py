@@ -133,7 +133,7 @@ class PostgresStore:
         self._pool_size = pool_size
         self._id_key = 0
         self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
-        self._ids_from = 0  # the pool's generation they were reserved in
+        self._ids_from: int | None = None  # the pool's generation they were reserved in
         self._closed = False
         # How far the database's clock is ahead of the broker's (db_clock only): times from the
         # database are handed to the broker minus this, times from the broker plus this.
@@ -296,12 +296,19 @@ class PostgresStore:
 
     async def _new_ids(self, n: int) -> list[int]:
         """``n`` fresh task ids (reserving blocks of numbers from the database as needed).
-        Numbers reserved before the database was away are dropped: the server that answers now
-        may be a standby promoted since, and with asynchronous replication the reservation may
-        not have reached it (it would hand the same block to another broker)."""
-        if self._ids_from != self._pool.generation:
+
+        After the store opened and whenever the database was away, the numbers still reserved
+        are dropped and the sequence is moved ahead (``skip_ids``) before the next reservation:
+        the server that answers may be a standby promoted since, which under asynchronous
+        replication may not have had the old primary's last reservations, and would hand the
+        same blocks out again (to this broker or another). Any reservation on a new primary
+        comes after a skip by the broker that makes it, so past whatever the old one handed
+        out (unless it ran more than 2^20 blocks ahead of its standby)."""
+        generation = self._pool.generation
+        if self._ids_from != generation:
             self._ids.clear()
-            self._ids_from = self._pool.generation
+            await self._execute(Q.skip_ids)
+            self._ids_from = generation
         if len(self._ids) < n:
             blocks = (n - len(self._ids) + _ID_BLOCK - 1) // _ID_BLOCK
             rows = await self._fetch(Q.id_blocks, blocks)
@@ -723,6 +730,7 @@ class PostgresStore:
         store empty, and give the same ids to the same steps)."""
         await self._execute(Q.wipe)
         self._ids.clear()
+        self._ids_from = None
         self._queue_names.clear()
         self._held = 0
         self._keys.clear()
