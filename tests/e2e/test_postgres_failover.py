@@ -198,7 +198,8 @@ async def fail_over_under_load(
         await client.enqueue("short", queue="fenced")
         long_held = await client.claim(queues="held", lease_ms=60_000)
         short_held = await client.claim(queues="fenced", lease_ms=3000)
-        assert long_held is not None and short_held is not None
+        assert long_held is not None
+        assert short_held is not None
         async with load.running(producers=4, workers=2):
             await load.more(150)
             paused_at = time.monotonic()
@@ -313,7 +314,8 @@ async def test_a_broker_given_only_a_standby_does_not_start_and_says_why(pair: R
     with pytest.raises(StartupError) as e:
         await broker.start()
     await broker.stop()
-    assert "does not take writes" in str(e.value) and "primary" in str(e.value), str(e.value)
+    assert "does not take writes" in str(e.value), str(e.value)
+    assert "wq needs the primary" in str(e.value), str(e.value)
 
 
 async def unready_because(node: Node, words: str) -> str:
