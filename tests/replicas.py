@@ -218,9 +218,9 @@ class Replicas:
     async def fail_over(self) -> None:
         """What a failover does: the primary stops dead, the standby is promoted (with what it
         received: the relay, if any, is cut, and what it held back is lost)."""
-        await self.primary.stop("immediate")
         if self.relay is not None:
-            await self.relay.cut()
+            await self.relay.cut()  # (first: a walsender stuck on a stalled relay slows the stop)
+        await self.primary.stop("immediate")
         await self.standby.promote()
 
     async def close(self) -> None:

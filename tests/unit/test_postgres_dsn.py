@@ -7,7 +7,14 @@ import asyncpg
 import pytest
 
 from wqbroker.store.postgres import redact
-from wqbroker.store.postgres.dsn import explain, hosts, options
+from wqbroker.store.postgres.dsn import (
+    connect_time,
+    explain,
+    hosts,
+    options,
+    servers,
+    split_timeout,
+)
 
 
 @pytest.mark.parametrize(
@@ -58,3 +65,28 @@ def test_a_refusal_by_target_session_attrs_is_explained_without_the_password() -
     assert many is not None
     assert many.startswith("none of the 2 servers of")
     assert explain(OSError("refused"), "postgresql://wq@db/wq") is None
+
+
+def test_servers_pair_hosts_and_ports_as_libpq_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PGPORT", raising=False)
+    assert servers("postgresql://wq@h1:5433,[::1]:5434,h3/wq") == [
+        ("h1", 5433),
+        ("::1", 5434),
+        ("h3", 5432),
+    ]
+    assert servers("postgresql:///wq?host=h1,h2&port=6001,6002") == [("h1", 6001), ("h2", 6002)]
+    assert servers("postgresql:///wq?host=h1,h2&port=6001") == [("h1", 6001), ("h2", 6001)]
+
+
+def test_connect_timeout_is_taken_out_of_the_dsn_as_each_servers_time() -> None:
+    assert split_timeout("postgresql://wq@h1,h2/wq?connect_timeout=3&sslmode=require") == (
+        "postgresql://wq@h1,h2/wq?sslmode=require",
+        3.0,
+    )
+    assert split_timeout("postgresql://wq@h/wq?sslmode=require&connect_timeout=2") == (
+        "postgresql://wq@h/wq?sslmode=require",
+        2.0,
+    )
+    assert split_timeout("postgresql://wq@h/wq") == ("postgresql://wq@h/wq", None)
+    assert connect_time("postgresql://wq@h1,h2,h3/wq", 2.0) == 6.0
+    assert connect_time("postgresql://wq@h1,h2/wq?connect_timeout=1", 2.0) == 2.0

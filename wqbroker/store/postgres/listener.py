@@ -194,10 +194,10 @@ class Listener:
                 conn = await bounded(
                     dsns.connect(
                         self._dsn,
-                        timeout=PROBE_TIMEOUT,
+                        timeout=PROBE_TIMEOUT,  # (each server of the DSN)
                         server_settings={"application_name": LISTENER_NAME},
                     ),
-                    PROBE_TIMEOUT,
+                    dsns.connect_time(self._dsn, PROBE_TIMEOUT),
                 )
             except (*UNREACHABLE, asyncpg.PostgresError) as e:
                 self._pool.unreachable(e)

@@ -118,7 +118,9 @@ class Pool:
                 dsn,
                 min_size=1,
                 max_size=size,
-                timeout=max(self.deadline, 10),
+                # (each server of the DSN: with several, one that answers nothing must not
+                # hold the next back for long)
+                timeout=self.deadline if len(dsns.servers(dsn)) > 1 else max(self.deadline, 10),
                 command_timeout=self.deadline,
                 server_settings={"statement_timeout": str(round(self.deadline * 1000))},
                 init=tune,
