@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 
+from tests import pg
 from tests.e2e.test_postgres_cluster import Cluster, Node, health
 from tests.helpers import wait_until
 from tests.replicas import Replicas, query
@@ -379,3 +380,28 @@ async def test_an_old_primary_back_as_a_standby_makes_its_broker_unready(pair: R
     finally:
         await pinned.close()
         await both.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_server_that_answers_nothing_listed_first_only_delays_the_start(
+    pair: Replicas,
+) -> None:
+    """The first server of the DSN accepts connections and never answers (a machine gone
+    behind a load balancer, a silent partition): the broker gives it its connect time, then
+    takes the primary listed after it; and every later connection goes to the primary first."""
+    silent = pg.Proxy(pair.primary.port)
+    await silent.restore()
+    silent.stall()
+    dsn = f"postgresql://postgres@127.0.0.1:{silent.port},127.0.0.1:{pair.primary.port}/postgres"
+    cluster = Cluster(dsn)
+    try:
+        began = time.monotonic()
+        node = await cluster.add(db_timeout=1.0)  # (1 s for each server)
+        assert time.monotonic() - began < 8
+        for _ in range(3):
+            await serves(node)
+        await wait_until(lambda: health(node), lambda h: h == (200, "SERVING"), what="ready")
+    finally:
+        await cluster.close()
+        silent.flow()
+        await silent.cut()
