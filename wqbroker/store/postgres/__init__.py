@@ -63,8 +63,10 @@ unless the DSN says otherwise). A server that turns out read-only (a standby, an
 as one: SQLSTATE 25006, or the probe's ``pg_is_in_recovery()``), shutting down or starting
 (57P01, 57P02, 57P03) is a failover under way: the store is unavailable and its connections are
 made again until a primary answers. Nothing is cached from the old primary but the reserved id
-blocks (dropped when the database comes back) and the hints; leases are random ids kept in the
-rows, so the fencing is the new primary's rows, whatever the old one had.
+blocks (dropped when the database comes back, and the sequence moved ahead before the next
+reservation, so a standby promoted behind the old primary never hands out an id again) and the
+hints; leases are random ids kept in the rows, so the fencing is the new primary's rows, whatever
+the old one had.
 
 Retry backoff: the store draws the random part of each delay from its Backoff (as the other
 stores do) and sends it with the nack; the database computes the delay (``wq.backoff``, the same

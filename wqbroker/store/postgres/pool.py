@@ -20,6 +20,11 @@ says the same in ``/readyz``. When the database cannot be reached, the pool is m
 :data:`RETRY_FIRST` to :data:`RETRY_CAP`) or the listener reaches the database again. Then the
 old connections are replaced and the store is told (``on_recovered``: every queue is re-checked,
 since announcements may have been missed).
+
+A failover is the same: the connections are made through dsn.py (the DSN's servers, the one that
+takes writes), and a server that stops being the primary (:data:`SWITCHING`: a write refused as
+read-only, a server shutting down or starting; or the probe finding it read-only) makes the store
+unavailable, with the reason, and its connections are made again until a primary answers.
 """
 
 from __future__ import annotations
