@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from tests.helpers import wait_until
 from tests.replicas import Replicas, query
 from wqbroker.broker import Broker, StartupError
 from wqbroker.config import Config
+from wqbroker.retry import Backoff
+from wqbroker.store.postgres import PostgresStore
 from wqclient import AsyncClient, Delivery, LeaseLost, NotFound, WqError
 
 # Every broker serves again within this long after the primary is gone (the issue's bound).
@@ -405,3 +408,25 @@ async def test_a_server_that_answers_nothing_listed_first_only_delays_the_start(
         await cluster.close()
         silent.flow()
         await silent.cut()
+
+
+@pytest.mark.timeout(60)
+async def test_an_idle_store_notices_its_server_turned_read_only_by_its_probe(
+    pair: Replicas,
+) -> None:
+    """No call at all (no broker, no sweeper): only the probe can tell, and does, within a few
+    seconds; and the store is back once the server takes writes again."""
+    store = await PostgresStore.open(pair.primary.dsn, Backoff(rng=random.Random(1)))
+    try:
+        assert store.problem() is None
+        await query(pair.primary.dsn, "ALTER SYSTEM SET default_transaction_read_only = on")
+        await query(pair.primary.dsn, "SELECT pg_reload_conf()")
+        problem = await wait_until(
+            store.problem, lambda p: p is not None, what="the probe to notice", timeout=8
+        )
+        assert "read-only" in str(problem), problem
+        await query(pair.primary.dsn, "ALTER SYSTEM RESET default_transaction_read_only")
+        await query(pair.primary.dsn, "SELECT pg_reload_conf()")
+        await wait_until(store.problem, lambda p: p is None, what="the store back", timeout=8)
+    finally:
+        await store.close()
