@@ -10,11 +10,15 @@ is shown:
   10 s, without a restart; with synchronous replication nothing answered 201 is lost, nothing
   answered 204 comes back, and leases taken before the switch are honoured (and fenced) after it;
   with asynchronous replication the loss is counted (and printed), not asserted away;
-- a DSN that lists the standby first still lands on the primary;
+- a DSN that lists the standby first still lands on the primary; one whose first server answers
+  nothing only delays the start by that server's connect time;
 - a server that turns read-only under a broker (``default_transaction_read_only``, an old primary
   back as a standby) makes the broker unready with a message that says so, its calls 503 with a
-  Retry-After (never 500), until a primary answers; a broker pointed only at a standby does not
-  start, and says why.
+  Retry-After (never 500), until a primary answers; an idle store notices by its probe alone; a
+  broker pointed only at a standby does not start, and says why.
+
+``pytest -s -n 0 tests/e2e/test_postgres_failover.py`` prints what each failover under load saw
+as a JSON line (the README's figures).
 """
 
 from __future__ import annotations
