@@ -28,6 +28,7 @@ from typing import Final
 
 import asyncpg
 
+from wqbroker.errors import StoreError
 from wqbroker.models import NewTask
 from wqbroker.store.postgres import dsn as dsns
 from wqbroker.store.postgres.pool import (
@@ -160,9 +161,9 @@ class Listener:
                 queues, self._to_announce = self._to_announce, set()
                 payload = self._payload(queues)
                 try:
-                    await self._pool.raw.execute(Q.announce, payload)
+                    await self._pool.execute(Q.announce, payload)  # (bounded; fails fast)
                     self.announcements += 1
-                except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                except StoreError as e:
                     # The others poll (and re-check everything when they reconnect).
                     log.debug("could not announce ready queues: %s", one_line(e))
                     return

@@ -64,6 +64,8 @@ KEEPALIVE_COUNT: Final = 3
 # doubling up to the cap.
 RETRY_FIRST: Final = 0.05
 RETRY_CAP: Final = 2.0
+#: How long a closing store waits for its connections to say goodbye before it drops them.
+CLOSE_TIMEOUT: Final = 2.0
 
 UNREACHABLE: Final = (
     OSError,
@@ -110,6 +112,7 @@ class Pool:
         self._on_recovered = on_recovered
         self._on_failed = on_failed
         self._recovery: asyncio.Task[None] | None = None
+        self._open: Callable[[int], Coroutine[Any, Any, asyncpg.Pool]] | None = None
         # Set when a call ran past its deadline: the probe (listener.py) looks at once.
         self.look = asyncio.Event()
         self._expiring: set[asyncio.Task[None]] = set()
@@ -118,10 +121,11 @@ class Pool:
         """Open the pool (its connections to a server of ``dsn`` that takes writes: dsn.py).
         StoreError (one line, no password) if the database cannot be had."""
         self.dsn = dsn
-        try:
-            self.raw = await dsns.create_pool(
+
+        async def open_pool(min_size: int) -> asyncpg.Pool:
+            return await dsns.create_pool(
                 dsn,
-                min_size=1,
+                min_size=min_size,
                 max_size=size,
                 # (each server of the DSN: with several, one that answers nothing must not
                 # hold the next back for long)
@@ -131,9 +135,13 @@ class Pool:
                 init=tune,
                 reset=_as_it_is,
             )
+
+        try:
+            self.raw = await open_pool(1)
         except (*UNREACHABLE, asyncpg.PostgresError, ValueError) as e:
             why = dsns.explain(e, dsn) or one_line(e)
             raise StoreError(f"cannot connect to {redact(dsn)}: {why}") from None
+        self._open = open_pool
 
     def problem(self) -> str | None:
         if self.failed is not None:
@@ -151,18 +159,22 @@ class Pool:
         return self.raw
 
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        return await self._call(self.ready().fetch(sql, *args))
+        raw = self.ready()
+        return await self._call(raw, raw.fetch(sql, *args))
 
     async def execute(self, sql: str, *args: Any) -> str:
-        return await self._call(self.ready().execute(sql, *args))
+        raw = self.ready()
+        return await self._call(raw, raw.execute(sql, *args))
 
-    async def _call(self, call: Coroutine[Any, Any, R]) -> R:
+    async def _call(self, raw: asyncpg.Pool, call: Coroutine[Any, Any, R]) -> R:
         try:
             return await bounded(call, self.deadline)
         except TimeoutError:
             self.look.set()  # (the probe tells whether the database is away, or only slow)
             raise StoreError(f"the database did not answer within {self.deadline:g} s") from None
         except (*UNREACHABLE, *SWITCHING) as e:
+            if raw is not self.raw:  # its connection was dropped as the pool was replaced
+                raise StoreError(f"the database connection was lost: {one_line(e)}") from None
             raise self.unreachable(e) from None
         except asyncpg.PostgresError as e:
             raise _failed(e) from None
@@ -221,14 +233,27 @@ class Pool:
 
     async def recovered(self) -> None:
         """The database answers again: forget the failure, drop connections made before it,
-        and tell the store (announcements may have been missed)."""
+        and tell the store (announcements may have been missed).
+
+        The connections are dropped, not closed: a connection from before may sit on a link
+        that died, where a goodbye would wait for nothing (asyncpg's ``expire_connections``
+        closes each with a timeout in a task of its own whose failure nobody reads). So a new
+        pool (no connection opened yet) takes the old one's place, and the old one is
+        terminated: a call still on one of its connections fails (with a StoreError that does
+        not mark the store failed again)."""
         if self.failed is None:
             return
         log.warning("the database is reachable again")
         self.failed = None
         self.generation += 1
-        if self.raw is not None:
-            await self.raw.expire_connections()
+        old = self.raw
+        if old is not None and self._open is not None and not self.closed:
+            try:
+                self.raw = await self._open(0)
+            except (*UNREACHABLE, asyncpg.PostgresError) as e:  # (none expected: no connection)
+                log.warning("could not replace the connections: %s", one_line(e))
+            else:
+                old.terminate()
         self._on_recovered()
 
     async def _recover(self) -> None:
@@ -260,7 +285,12 @@ class Pool:
         await cancel(self._recovery)
         pool, self.raw = self.raw, None
         if pool is not None:
-            await pool.close()
+            # A goodbye on each connection, for CLOSE_TIMEOUT at most: one on a dead link (or
+            # a call that never came back) would hold the broker's stop; those are dropped.
+            try:
+                await asyncio.wait_for(pool.close(), CLOSE_TIMEOUT)
+            except (*UNREACHABLE, asyncpg.PostgresError):
+                pool.terminate()
 
 
 #: Why the store is unavailable when the probe finds its server read-only.
