@@ -178,6 +178,16 @@ class Pool:
             raise self.unreachable(e) from None
         except asyncpg.PostgresError as e:
             raise _failed(e) from None
+        except Exception as e:
+            if raw is self.raw:
+                raise
+            # The pool was replaced and the old one terminated under this call: asyncpg, its
+            # connection gone mid-statement, may fail with anything (seen: an AttributeError
+            # from a statement's type introspection). Lost, as above; never a 500.
+            log.debug("a call on a dropped connection failed: %r", e)
+            raise StoreError(
+                "the database connection was lost (the connections were replaced)"
+            ) from None
 
     def unreachable(self, error: BaseException | str) -> StoreError:
         """The database cannot be reached, or the server reached is not the primary (a
