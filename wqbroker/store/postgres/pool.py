@@ -88,8 +88,6 @@ SWITCHING = (
     asyncpg.CannotConnectNowError,
 )
 
-__all__ = ["redact"]  # (here for the modules that import it from the pool)
-
 
 class Pool:
     """The connections of one store (open with :meth:`connect`), each call bounded by
