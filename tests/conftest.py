@@ -55,11 +55,18 @@ LAYERS: Final = {
     "ui": "browser",
 }
 # Test modules whose every test runs on PostgreSQL.
-POSTGRES_MODULES: Final = frozenset({"store/test_postgres.py", "e2e/test_postgres_cluster.py"})
+POSTGRES_MODULES: Final = frozenset(
+    {"store/test_postgres.py", "e2e/test_postgres_cluster.py", "e2e/test_postgres_failover.py"}
+)
 NODE_MODULE: Final = "e2e/test_node_client.py"
 # Test modules whose tests run one at a time (an xdist group: one worker takes them all).
 SERIAL_MODULES: Final = frozenset(
-    {"e2e/test_sqlite_kill9.py", "e2e/test_postgres_cluster.py", "ui/test_dashboard.py"}
+    {
+        "e2e/test_sqlite_kill9.py",
+        "e2e/test_postgres_cluster.py",
+        "e2e/test_postgres_failover.py",
+        "ui/test_dashboard.py",
+    }
 )
 
 

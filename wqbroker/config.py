@@ -173,7 +173,8 @@ class Config:
     store: str = setting(
         "memory",
         "memory (lost on restart), sqlite:PATH (durable) or postgres://USER@HOST:PORT/DB "
-        "(durable, shared by brokers)",
+        "(durable, shared by brokers; several HOST:PORT, comma-separated, for a failover: the "
+        "broker uses the one that takes writes)",
         metavar="STORE",
     )
     db_timeout: float = _ms(

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
+import logging
 import random
 import signal
 import time
@@ -1174,6 +1176,37 @@ async def test_calls_caught_in_a_silent_partition_are_answered_within_their_dead
         await a.stop()
         proxy.flow()
         await proxy.cut()
+
+
+@pytest.mark.timeout(60)
+async def test_connections_caught_in_a_partition_are_dropped_once_it_heals(
+    cluster: Cluster, dsn: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    proxy = await pg.Proxy.start(dsn)
+    a = await cluster.add(dsn=proxy.dsn(dsn))
+    try:
+        await asyncio.gather(*(a.enqueue({"n": i}) for i in range(16)))  # (several connections)
+        for busy in (False, True):  # idle when it begins, then with calls caught in it
+            proxy.stall()
+            if busy:
+                answers = await asyncio.gather(*(a.post("/jobs", {"payload": i}) for i in range(8)))
+                assert {status for status, _ in answers} == {503}, answers
+            await unready(a)
+            proxy.flow()
+            await recovered(a)
+        # It serves on connections of its own again, and it stops at once: no goodbye is
+        # waited for on a connection from before the partition, nor left to fail unread.
+        await asyncio.gather(*(a.enqueue({"n": i}) for i in range(16)))
+    finally:
+        asked = time.monotonic()
+        await a.stop()
+        took = time.monotonic() - asked
+        proxy.flow()
+        await proxy.cut()
+    gc.collect()  # (a task whose failure nobody read is logged as it is collected)
+    assert took < 5, took
+    unread = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert unread == []
 
 
 async def drain(node: Node) -> list[Any]:

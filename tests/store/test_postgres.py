@@ -730,3 +730,35 @@ async def test_on_a_slow_link_calls_of_a_kind_go_side_by_side(dsn: str) -> None:
     finally:
         await store.close()
         await proxy.close()
+
+
+async def test_a_standby_promoted_behind_the_old_primary_never_hands_out_an_id_again(
+    dsn: str,
+) -> None:
+    """Under asynchronous replication a promoted standby may not have had the last blocks of ids
+    the old primary reserved. A store opened after the switch, and one that saw the database go
+    away and come back, move the sequence ahead before reserving: no id is given twice."""
+    old = await PostgresStore.open(dsn, backoff(1), random.Random(1))
+    try:
+        batch = [NewTask(b"1", 1, 0.0) for _ in range(3000)]  # (three blocks)
+        before = {e.id for e in await old.enqueue_many(batch, now=NOW)}
+        conn = await asyncpg.connect(dsn)
+        try:  # the promoted standby had not had the last three reservations
+            await conn.execute(
+                "SELECT setval('wq.id_blocks', last_value - 2, false) FROM wq.id_blocks"
+            )
+        finally:
+            await conn.close()
+        new = await PostgresStore.open(dsn, backoff(2), random.Random(2))
+        try:
+            after = {e.id for e in await new.enqueue_many(batch, now=NOW)}
+        finally:
+            await new.close()
+        # The store that was open through the switch: the database away, then back.
+        old._pool.unreachable("the primary is gone")
+        await old._pool.recovered()
+        again = {e.id for e in await old.enqueue_many(batch, now=NOW)}
+        assert len(before | after | again) == 9000
+        assert (await old.stats()).ready == 9000
+    finally:
+        await old.close()

@@ -15,6 +15,7 @@ The package, a module for each concern (as River's driver is split from its migr
   transaction);
 - ``listener.py``: wake-ups between brokers (NOTIFY after a commit, LISTEN on a connection of its
   own, made again when lost);
+- ``dsn.py``: the DSN (several servers, the one that takes writes; without its password for logs);
 - ``pool.py``: the connections, and the database away (fail fast, probe with backoff, recover);
 - ``schema.py``: the schema made, upgraded or checked at open: ``migrations/NNN_*.sql`` through the
   runner every SQL store shares (wqbroker/store/migrate.py), then ``sql/functions.sql``;
@@ -56,6 +57,17 @@ pumps the consumers waiting for those queues; the service also polls now and the
 The database away (pool.py): calls fail with StoreError (503 / UNAVAILABLE) at once until the
 database answers again; then every queue is re-checked.
 
+Failover (dsn.py, pool.py): every connection is made through one helper that honours a DSN
+listing several servers and asks for one that takes writes (``target_session_attrs=read-write``
+unless the DSN says otherwise). A server that turns out read-only (a standby, an old primary back
+as one: SQLSTATE 25006, or the probe's ``pg_is_in_recovery()``), shutting down or starting
+(57P01, 57P02, 57P03) is a failover under way: the store is unavailable and its connections are
+made again until a primary answers. Nothing is cached from the old primary but the reserved id
+blocks (dropped when the database comes back, and the sequence moved ahead before the next
+reservation, so a standby promoted behind the old primary never hands out an id again) and the
+hints; leases are random ids kept in the rows, so the fencing is the new primary's rows, whatever
+the old one had.
+
 Retry backoff: the store draws the random part of each delay from its Backoff (as the other
 stores do) and sends it with the nack; the database computes the delay (``wq.backoff``, the same
 formula as :func:`wqbroker.retry.backoff_delay`, the reference: a test checks they agree), because
@@ -63,8 +75,9 @@ only the database knows, inside the settling transaction, the task's attempts an
 retried or buried: computing it here would cost a second round trip.
 """
 
+from wqbroker.store.postgres.dsn import redact
 from wqbroker.store.postgres.listener import CHANNEL, LISTENER_NAME
-from wqbroker.store.postgres.pool import POOL_SIZE, redact
+from wqbroker.store.postgres.pool import POOL_SIZE
 from wqbroker.store.postgres.schema import SCHEMA_VERSION
 from wqbroker.store.postgres.store import LOOK_AGAIN_AFTER, PostgresStore
 

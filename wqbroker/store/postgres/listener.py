@@ -28,10 +28,13 @@ from typing import Final
 
 import asyncpg
 
+from wqbroker.errors import StoreError
 from wqbroker.models import NewTask
+from wqbroker.store.postgres import dsn as dsns
 from wqbroker.store.postgres.pool import (
     PROBE_EVERY,
     PROBE_TIMEOUT,
+    READ_ONLY,
     RETRY_CAP,
     RETRY_FIRST,
     UNREACHABLE,
@@ -158,9 +161,9 @@ class Listener:
                 queues, self._to_announce = self._to_announce, set()
                 payload = self._payload(queues)
                 try:
-                    await self._pool.raw.execute(Q.announce, payload)
+                    await self._pool.execute(Q.announce, payload)  # (bounded; fails fast)
                     self.announcements += 1
-                except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                except StoreError as e:
                     # The others poll (and re-check everything when they reconnect).
                     log.debug("could not announce ready queues: %s", one_line(e))
                     return
@@ -190,12 +193,12 @@ class Listener:
         while not self.closed:
             try:
                 conn = await bounded(
-                    asyncpg.connect(
+                    dsns.connect(
                         self._dsn,
-                        timeout=PROBE_TIMEOUT,
+                        timeout=PROBE_TIMEOUT,  # (each server of the DSN)
                         server_settings={"application_name": LISTENER_NAME},
                     ),
-                    PROBE_TIMEOUT,
+                    dsns.connect_time(self._dsn, PROBE_TIMEOUT),
                 )
             except (*UNREACHABLE, asyncpg.PostgresError) as e:
                 self._pool.unreachable(e)
@@ -236,7 +239,10 @@ class Listener:
         """Ping the database on this connection every PROBE_EVERY seconds (at once when a call
         ran past its deadline), until the connection is lost. A ping unanswered within
         PROBE_TIMEOUT means the database is away (a silent partition sends nothing back): the
-        pool fails fast from then on, whether or not this broker has traffic."""
+        pool fails fast from then on, whether or not this broker has traffic. The ping also
+        tells whether the server has become read-only (a primary demoted, or
+        ``default_transaction_read_only`` turned on): then the same, and the pool's connections
+        are made again (through the DSN's servers, to the primary) as this one is."""
         look = self._pool.look
         while not lost.is_set() and not self.closed:
             look.clear()
@@ -245,12 +251,16 @@ class Listener:
             if lost.is_set() or self.closed:
                 return
             try:
-                await bounded(conn.fetchval(Q.ping), PROBE_TIMEOUT)
+                read_only = await bounded(conn.fetchval(Q.ping), PROBE_TIMEOUT)
             except TimeoutError:
                 self._pool.unreachable(f"no answer to a ping within {PROBE_TIMEOUT:g} s")
                 return
             except (*UNREACHABLE, asyncpg.PostgresError) as e:
                 self._pool.unreachable(e)
+                return
+            if read_only:
+                self._pool.unreachable(READ_ONLY)
+                self._pool.expire()
                 return
 
 

@@ -20,6 +20,11 @@ says the same in ``/readyz``. When the database cannot be reached, the pool is m
 :data:`RETRY_FIRST` to :data:`RETRY_CAP`) or the listener reaches the database again. Then the
 old connections are replaced and the store is told (``on_recovered``: every queue is re-checked,
 since announcements may have been missed).
+
+A failover is the same: the connections are made through dsn.py (the DSN's servers, the one that
+takes writes), and a server that stops being the primary (:data:`SWITCHING`: a write refused as
+read-only, a server shutting down or starting; or the probe finding it read-only) makes the store
+unavailable, with the reason, and its connections are made again until a primary answers.
 """
 
 from __future__ import annotations
@@ -28,13 +33,14 @@ import asyncio
 import contextlib
 import logging
 import socket
-import urllib.parse
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
 
 import asyncpg
 
 from wqbroker.errors import StoreError
+from wqbroker.store.postgres import dsn as dsns
+from wqbroker.store.postgres.dsn import redact
 from wqbroker.store.postgres.queries import Q
 
 log = logging.getLogger("wqbroker.store.postgres")
@@ -58,6 +64,8 @@ KEEPALIVE_COUNT: Final = 3
 # doubling up to the cap.
 RETRY_FIRST: Final = 0.05
 RETRY_CAP: Final = 2.0
+#: How long a closing store waits for its connections to say goodbye before it drops them.
+CLOSE_TIMEOUT: Final = 2.0
 
 UNREACHABLE: Final = (
     OSError,
@@ -68,6 +76,16 @@ UNREACHABLE: Final = (
     # A pooled connection whose server side was killed can be left in a state where asyncpg
     # refuses to use it ("cannot switch to state ..."): it is replaced like a lost one.
     asyncpg.InternalClientError,
+)
+#: What a server says when it is not, or no longer, the primary a store needs: read-only (a
+#: standby, an old primary back as one, ``default_transaction_read_only``: 25006), shutting down
+#: (57P01, 57P02) or starting or in recovery (57P03). A failover under way: the connection is
+#: dropped and the store is unavailable until the probe finds a primary through the DSN.
+SWITCHING = (
+    asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.AdminShutdownError,
+    asyncpg.CrashShutdownError,
+    asyncpg.CannotConnectNowError,
 )
 
 
@@ -83,29 +101,45 @@ class Pool:
     ) -> None:
         self.raw: asyncpg.Pool | None = None  # (None once closed)
         self.failed: str | None = None  # why the database is taken for away, while it is
+        # Times the database came back after being away (what was cached from it before, such
+        # as reserved ids, may come from a server that is no longer the primary).
+        self.generation = 0
+        self.dsn = ""
         self.closed = False  # set when the store closes: calls are refused from then on
         self.deadline = deadline
         self._on_recovered = on_recovered
         self._on_failed = on_failed
         self._recovery: asyncio.Task[None] | None = None
+        self._open: Callable[[int], Coroutine[Any, Any, asyncpg.Pool]] | None = None
         # Set when a call ran past its deadline: the probe (listener.py) looks at once.
         self.look = asyncio.Event()
+        self._expiring: set[asyncio.Task[None]] = set()
 
     async def connect(self, dsn: str, size: int) -> None:
-        """Open the pool. StoreError (one line, no password) if the database cannot be had."""
-        try:
-            self.raw = await asyncpg.create_pool(
+        """Open the pool (its connections to a server of ``dsn`` that takes writes: dsn.py).
+        StoreError (one line, no password) if the database cannot be had."""
+        self.dsn = dsn
+
+        async def open_pool(min_size: int) -> asyncpg.Pool:
+            return await dsns.create_pool(
                 dsn,
-                min_size=1,
+                min_size=min_size,
                 max_size=size,
-                timeout=max(self.deadline, 10),
+                # (each server of the DSN: with several, one that answers nothing must not
+                # hold the next back for long)
+                timeout=self.deadline if len(dsns.servers(dsn)) > 1 else max(self.deadline, 10),
                 command_timeout=self.deadline,
                 server_settings={"statement_timeout": str(round(self.deadline * 1000))},
                 init=tune,
                 reset=_as_it_is,
             )
+
+        try:
+            self.raw = await open_pool(1)
         except (*UNREACHABLE, asyncpg.PostgresError, ValueError) as e:
-            raise StoreError(f"cannot connect to {redact(dsn)}: {one_line(e)}") from None
+            why = dsns.explain(e, dsn) or one_line(e)
+            raise StoreError(f"cannot connect to {redact(dsn)}: {why}") from None
+        self._open = open_pool
 
     def problem(self) -> str | None:
         if self.failed is not None:
@@ -123,42 +157,111 @@ class Pool:
         return self.raw
 
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        return await self._call(self.ready().fetch(sql, *args))
+        raw = self.ready()
+        return await self._call(raw, raw.fetch(sql, *args))
 
     async def execute(self, sql: str, *args: Any) -> str:
-        return await self._call(self.ready().execute(sql, *args))
+        raw = self.ready()
+        return await self._call(raw, raw.execute(sql, *args))
 
-    async def _call(self, call: Coroutine[Any, Any, R]) -> R:
+    async def _call(self, raw: asyncpg.Pool, call: Coroutine[Any, Any, R]) -> R:
         try:
             return await bounded(call, self.deadline)
         except TimeoutError:
             self.look.set()  # (the probe tells whether the database is away, or only slow)
             raise StoreError(f"the database did not answer within {self.deadline:g} s") from None
-        except UNREACHABLE as e:
+        except (*UNREACHABLE, *SWITCHING) as e:
+            if raw is not self.raw:  # its connection was dropped as the pool was replaced
+                raise StoreError(f"the database connection was lost: {one_line(e)}") from None
             raise self.unreachable(e) from None
         except asyncpg.PostgresError as e:
             raise _failed(e) from None
+        except Exception as e:
+            if raw is self.raw:
+                raise
+            # The pool was replaced and the old one terminated under this call: asyncpg, its
+            # connection gone mid-statement, may fail with anything (seen: an AttributeError
+            # from a statement's type introspection). Lost, as above; never a 500.
+            log.debug("a call on a dropped connection failed: %r", e)
+            raise StoreError(
+                "the database connection was lost (the connections were replaced)"
+            ) from None
 
     def unreachable(self, error: BaseException | str) -> StoreError:
-        """The database cannot be reached: fail fast from now on, until it answers again."""
-        if self.failed is None and not self.closed:
-            self.failed = f"the database is unreachable: {one_line(error)}"
+        """The database cannot be reached, or the server reached is not the primary (a
+        failover: :data:`SWITCHING`): fail fast from now on, until a primary answers again. A
+        server that refuses writes has its connections dropped (the pool makes new ones through
+        the DSN's servers). Said again, with another reason, the reason is updated (what /readyz
+        tells)."""
+        if self.closed:
+            return StoreError("the store is closed")
+        reason = self.describe(error)
+        if isinstance(error, asyncpg.ReadOnlySQLTransactionError):
+            self.expire()
+        if self.failed is None:
+            self.failed = reason
             log.warning("%s (retrying with backoff)", self.failed)
             if self._on_failed is not None:
                 self._on_failed(StoreError(self.failed))
             if self._recovery is None:
                 self._recovery = asyncio.get_running_loop().create_task(self._recover())
-        return StoreError(self.failed or "the store is closed")
+        elif reason != self.failed:
+            self.failed = reason
+            log.info("still unavailable: %s", reason)
+        return StoreError(self.failed)
+
+    def describe(self, error: BaseException | str) -> str:
+        """Why the store is unavailable, in a line, from what went wrong."""
+        if isinstance(error, str):
+            return (
+                error
+                if error.startswith("the database is")
+                else f"the database is unreachable: {error}"
+            )
+        text = one_line(error)
+        if isinstance(error, asyncpg.ReadOnlySQLTransactionError):
+            return (
+                "the database is read-only (a standby, or a primary being demoted: a failover?): "
+                + text
+            )
+        if isinstance(error, SWITCHING):
+            return f"the database is shutting down or starting (a failover?): {text}"
+        explained = dsns.explain(error, self.dsn)
+        if explained is not None:
+            return explained
+        return f"the database is unreachable: {text}"
+
+    def expire(self) -> None:
+        """Have every connection of the pool made again (idle ones at their next use, busy ones
+        when they come back): they may be to a server that is not the primary any more."""
+        if self.raw is not None:
+            task = asyncio.get_running_loop().create_task(self.raw.expire_connections())
+            self._expiring.add(task)
+            task.add_done_callback(self._expiring.discard)
 
     async def recovered(self) -> None:
         """The database answers again: forget the failure, drop connections made before it,
-        and tell the store (announcements may have been missed)."""
+        and tell the store (announcements may have been missed).
+
+        The connections are dropped, not closed: a connection from before may sit on a link
+        that died, where a goodbye would wait for nothing (asyncpg's ``expire_connections``
+        closes each with a timeout in a task of its own whose failure nobody reads). So a new
+        pool (no connection opened yet) takes the old one's place, and the old one is
+        terminated: a call still on one of its connections fails (with a StoreError that does
+        not mark the store failed again)."""
         if self.failed is None:
             return
         log.warning("the database is reachable again")
         self.failed = None
-        if self.raw is not None:
-            await self.raw.expire_connections()
+        self.generation += 1
+        old = self.raw
+        if old is not None and self._open is not None and not self.closed:
+            try:
+                self.raw = await self._open(0)
+            except (*UNREACHABLE, asyncpg.PostgresError) as e:  # (none expected: no connection)
+                log.warning("could not replace the connections: %s", one_line(e))
+            else:
+                old.terminate()
         self._on_recovered()
 
     async def _recover(self) -> None:
@@ -169,8 +272,17 @@ class Pool:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, RETRY_CAP)
                 try:
-                    await bounded(self.raw.fetchval(Q.ping), PROBE_TIMEOUT)
-                except (*UNREACHABLE, asyncpg.PostgresError):
+                    read_only = await bounded(self.raw.fetchval(Q.ping), PROBE_TIMEOUT)
+                except TimeoutError:
+                    continue
+                except (*UNREACHABLE, asyncpg.PostgresError) as e:
+                    self.unreachable(e)  # (the reason, up to date)
+                    continue
+                if read_only:
+                    # A connection made before to a server that is a standby now: made again,
+                    # through the DSN, until one reaches the primary.
+                    self.unreachable(READ_ONLY)
+                    await self.raw.expire_connections()
                     continue
                 await self.recovered()
         finally:
@@ -181,7 +293,19 @@ class Pool:
         await cancel(self._recovery)
         pool, self.raw = self.raw, None
         if pool is not None:
-            await pool.close()
+            # A goodbye on each connection, for CLOSE_TIMEOUT at most: one on a dead link (or
+            # a call that never came back) would hold the broker's stop; those are dropped.
+            try:
+                await asyncio.wait_for(pool.close(), CLOSE_TIMEOUT)
+            except (*UNREACHABLE, asyncpg.PostgresError):
+                pool.terminate()
+
+
+#: Why the store is unavailable when the probe finds its server read-only.
+READ_ONLY: Final = (
+    "the database is read-only (a standby, or a primary being demoted: a failover?): "
+    "pg_is_in_recovery() or transaction_read_only"
+)
 
 
 async def bounded(call: Coroutine[Any, Any, R], seconds: float) -> R:
@@ -256,16 +380,6 @@ async def _as_it_is(_conn: asyncpg.Connection) -> None:
 def _failed(error: asyncpg.PostgresError) -> StoreError:
     """The database refused a call (it is shutting down, out of space, was terminated...)."""
     return StoreError(f"the database failed: {one_line(error)}")
-
-
-def redact(dsn: str) -> str:
-    """The DSN without its password, for messages."""
-    parts = urllib.parse.urlsplit(dsn)
-    if parts.password is None:
-        return dsn
-    host = parts.hostname or ""
-    netloc = f"{parts.username}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
 
 
 def one_line(error: BaseException | str) -> str:

@@ -22,6 +22,7 @@ class Queries:
 
     enqueue: str
     id_blocks: str
+    skip_ids: str
     claim: str
     settle: str
     settle_claim: str

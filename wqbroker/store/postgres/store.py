@@ -40,6 +40,8 @@ from wqbroker.models import (
 )
 from wqbroker.retry import Backoff
 from wqbroker.store.index import _MASK, PRIORITIES, STATE_NAMES, _mix, hex_id, parse_id
+from wqbroker.store.postgres import dsn as dsns
+from wqbroker.store.postgres.dsn import redact
 from wqbroker.store.postgres.group import Grouped, split
 from wqbroker.store.postgres.listener import Listener
 from wqbroker.store.postgres.pool import (
@@ -49,7 +51,6 @@ from wqbroker.store.postgres.pool import (
     Pool,
     cancel,
     one_line,
-    redact,
 )
 from wqbroker.store.postgres.queries import Q
 from wqbroker.store.postgres.schema import SCHEMA_VERSION, prepare
@@ -132,6 +133,7 @@ class PostgresStore:
         self._pool_size = pool_size
         self._id_key = 0
         self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
+        self._ids_from: int | None = None  # the pool's generation they were reserved in
         self._closed = False
         # How far the database's clock is ahead of the broker's (db_clock only): times from the
         # database are handed to the broker minus this, times from the broker plus this.
@@ -294,7 +296,20 @@ class PostgresStore:
         return out
 
     async def _new_ids(self, n: int) -> list[int]:
-        """``n`` fresh task ids (reserving blocks of numbers from the database as needed)."""
+        """``n`` fresh task ids (reserving blocks of numbers from the database as needed).
+
+        After the store opened and whenever the database was away, the numbers still reserved
+        are dropped and the sequence is moved ahead (``skip_ids``) before the next reservation:
+        the server that answers may be a standby promoted since, which under asynchronous
+        replication may not have had the old primary's last reservations, and would hand the
+        same blocks out again (to this broker or another). Any reservation on a new primary
+        comes after a skip by the broker that makes it, so past whatever the old one handed
+        out (unless it ran more than 2^20 blocks ahead of its standby)."""
+        generation = self._pool.generation
+        if self._ids_from != generation:
+            self._ids.clear()
+            await self._execute(Q.skip_ids)
+            self._ids_from = generation
         if len(self._ids) < n:
             blocks = (n - len(self._ids) + _ID_BLOCK - 1) // _ID_BLOCK
             rows = await self._fetch(Q.id_blocks, blocks)
@@ -657,7 +672,7 @@ class PostgresStore:
         its own: claims must not wade through dead index entries, whether or not the server's
         autovacuum is on. One broker at a time (an advisory lock); the others skip it."""
         try:
-            conn = await asyncpg.connect(self.dsn, timeout=5)
+            conn = await dsns.connect(self.dsn, timeout=5)
         except (*UNREACHABLE, asyncpg.PostgresError):
             self._vacuum = None
             return
@@ -798,6 +813,7 @@ class PostgresStore:
         store empty, and give the same ids to the same steps)."""
         await self._execute(Q.wipe)
         self._ids.clear()
+        self._ids_from = None
         self._queue_names.clear()
         self._held = 0
         self._keys.clear()

@@ -14,6 +14,16 @@ SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
 -- $1 blocks of 1024 numbers for task ids.
 SELECT nextval('wq.id_blocks') FROM generate_series(1, $1)
 
+-- name: skip_ids
+-- The blocks' sequence moved 2^20 blocks ahead, before a store's first reservation after it
+-- opened or the database came back: a standby promoted under asynchronous replication may not
+-- have had the last reservations of the old primary, and would hand those blocks out again (the
+-- ids of tasks lost with it, given to new tasks). One store at a time (a transaction-scoped
+-- advisory lock, 0x777100000003), so that no two read the same value and one sets it back;
+-- nextval needs no lock: setval only moves the sequence forward past whatever it handed out.
+SELECT pg_advisory_xact_lock(131327215009795);
+SELECT setval('wq.id_blocks', last_value + 1048576) FROM wq.id_blocks
+
 -- name: claim
 SELECT * FROM wq.claim($1, $2, $3, $4)
 
@@ -142,7 +152,9 @@ AND NOT EXISTS (SELECT 1 FROM wq.queues p WHERE p.name = t.queue AND p.paused))
 SELECT wq.announce($1)
 
 -- name: ping
-SELECT 1
+-- Whether the server is read-only: a standby (in recovery), or default_transaction_read_only
+-- (a primary being demoted). Answered from memory, no table read.
+SELECT pg_is_in_recovery() OR current_setting('transaction_read_only')::boolean
 
 -- == upkeep: one broker at a time vacuums (a session advisory lock it tries) ==
 
