@@ -21,11 +21,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from bench import pg
 
@@ -723,6 +724,147 @@ def postgres(q: bool) -> None:
     add("postgres", "the section took", f"{figures['seconds']:.0f} s")
 
 
+# -- draining a backlog ---------------------------------------------------------------------------
+
+DRAIN_CONCURRENCY: Final = (3, 64)  # wq-worker's default, and the users section's Worker
+
+
+def _drain_once(url: str, n: int, concurrency: int) -> float:
+    """Fill the broker with ``n`` ready tasks (not timed), then one Worker drains them: tasks/s."""
+    run_json("bench.drain", "fill", url, str(n))
+    return float(run_json("bench.drain", "run", url, str(n), str(concurrency))["rate"])
+
+
+def drain(q: bool) -> None:
+    """One Worker (wqclient's, a handler that returns at once) draining a backlog of ready tasks,
+    on each store, the stores in turn in every round; each row's median."""
+    print("Draining a backlog: one Worker, tasks all ready before it starts (tasks/s)", flush=True)
+    n = 3_000 if q else 10_000
+    runs = 1 if q else 3
+    why = pg.unreachable()
+    found: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp, pg.scratch() as make:
+        stores = [("memory", ()), ("sqlite", ("-store", f"sqlite:{tmp}/drain.db"))]
+        if why is None:
+            stores.append(("postgres", ("-store", make("drain"))))
+        with contextlib.ExitStack() as stack:
+            brokers = [(label, stack.enter_context(broker(*args))) for label, args in stores]
+            for _ in range(runs):
+                for concurrency in DRAIN_CONCURRENCY:
+                    for label, b in brokers:
+                        key = f"{label} gRPC {concurrency}"
+                        found.setdefault(key, []).append(
+                            _drain_once(f"grpc://{b.grpc}", n, concurrency)
+                        )
+                for label, b in brokers:
+                    key = f"{label} HTTP 64"
+                    found.setdefault(key, []).append(_drain_once(b.http, n, 64))
+    RESULTS["drain"] = found
+    medians = {key: statistics.median(rates) for key, rates in found.items()}
+    if why is not None:
+        add("drain", "PostgreSQL", f"unreachable ({why}): skipped")
+    for key, rate in medians.items():
+        label, transport, width = key.split()
+        name = f"{label}: {n:,} tasks, {transport}, Worker(concurrency={width})"
+        mem = medians[f"memory {transport} {width}"]
+        if label == "memory":
+            add("drain", name, f"{rate:,.0f}/s")
+            continue
+        add(
+            "drain",
+            name,
+            f"{rate:,.0f}/s = {rate / mem:.0%} of memory",
+            ">= 50% of memory",
+            rate >= 0.5 * mem,
+        )
+
+
+# -- a slow link to the database -------------------------------------------------------------------
+
+LINK_DELAY_MS: Final = 20  # each way
+
+
+@contextlib.contextmanager
+def delay_proxy(target: str, delay_ms: float) -> Iterator[int]:
+    """:mod:`bench.delayproxy` in a process of its own, forwarding to ``target`` (host:port)
+    ``delay_ms`` late each way: its port."""
+    proc = subprocess.Popen(
+        [PY, "-m", "bench.delayproxy", "0", target, str(delay_ms)],
+        cwd=ROOT,
+        env=env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        yield int(json.loads(proc.stdout.readline())["port"])
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _via(dsn: str, port: int) -> str:
+    """``dsn`` with its host and port replaced by 127.0.0.1:``port``."""
+    parts = urllib.parse.urlsplit(dsn)
+    user = parts.netloc.rpartition("@")[0]
+    return urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{port}"))
+
+
+def _produce_rate(url: str, mode: str, n: int, concurrency: int) -> float:
+    r = run_json("bench.users", "produce", url, mode, str(n), str(concurrency))
+    return float(n / (r["last"] - r["first"]))
+
+
+def slow_link(q: bool) -> None:
+    """wqclient's producer and Worker against a broker whose PostgreSQL is behind a link with
+    LINK_DELAY_MS added each way (bench.delayproxy), and against one on the database directly,
+    in turns; each row's median."""
+    print(
+        f"A slow database link: PostgreSQL {LINK_DELAY_MS} ms away each way, against direct "
+        "(tasks/s)",
+        flush=True,
+    )
+    why = pg.unreachable()
+    if why is not None:
+        add("slow link", "PostgreSQL", f"unreachable ({why}): skipped")
+        return
+    n = 2_000 if q else 5_000
+    runs = 1 if q else 3
+    parts = urllib.parse.urlsplit(pg.MAINTENANCE)
+    target = f"{parts.hostname or '127.0.0.1'}:{parts.port or 5432}"
+    found: dict[str, list[float]] = {}
+    cases: list[tuple[str, Callable[[str], float]]] = [
+        ("producer: enqueue(), 32 in flight", lambda u: _produce_rate(u, "one", n, 32)),
+        (
+            "producer: enqueue_many(100 tasks), 4 in flight",
+            lambda u: _produce_rate(u, "many", n * 4, 4),
+        ),
+        ("Worker(concurrency=64) draining a backlog", lambda u: _drain_once(u, n, 64)),
+        ("Worker(concurrency=512) draining a backlog", lambda u: _drain_once(u, n * 4, 512)),
+    ]
+    with pg.scratch() as make, delay_proxy(target, LINK_DELAY_MS) as port:
+        direct, far = make("direct"), make("far")
+        with broker("-store", direct) as a, broker("-store", _via(far, port)) as b:
+            for _ in range(runs):
+                for name, measure in cases:
+                    for where, server in (("direct", a), ("slow", b)):
+                        found.setdefault(f"{where}|{name}", []).append(
+                            measure(f"grpc://{server.grpc}")
+                        )
+    RESULTS["slow_link"] = found
+    medians = {key: statistics.median(rates) for key, rates in found.items()}
+    for name, _ in cases:
+        near, slow = medians[f"direct|{name}"], medians[f"slow|{name}"]
+        add("slow link", f"{name}, gRPC: direct", f"{near:,.0f}/s")
+        add(
+            "slow link",
+            f"{name}, gRPC: {LINK_DELAY_MS} ms each way",
+            f"{slow:,.0f}/s = {slow / near:.0%} of direct",
+            ">= 50% of direct",
+            slow >= 0.5 * near,
+        )
+
+
 # -- the library as users write it ----------------------------------------------------------------
 
 
@@ -1004,6 +1146,8 @@ SECTIONS = {
     "pollers": pollers,
     "rabbitmq": rabbitmq,
     "postgres": postgres,
+    "drain": drain,
+    "slowlink": slow_link,
 }
 
 

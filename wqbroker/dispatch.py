@@ -670,6 +670,68 @@ class Dispatcher:
             else:
                 await self._pump_lines(wanted)
 
+    def refill_for(self, lease_ids: Iterable[str]) -> Stream | None:
+        """The stream whose slots the settlement of ``lease_ids`` frees, if its successors can
+        be claimed in the same transaction (:meth:`refilled`): every lease is held by that one
+        stream, which is full (out of line), still taking tasks, and nobody waits in its line
+        (the pump would serve them first; they wait because nothing was ready)."""
+        if self._closing:
+            return None
+        holder = self._stream_leases.get
+        stream: Stream | None = None
+        for lease_id in lease_ids:
+            held = holder(lease_id)
+            if held is None or (stream is not None and held is not stream):
+                return None
+            stream = held
+        if stream is None or stream.gone() or self._in_line(stream):
+            return None
+        if self._lines.get(stream.queues):
+            return None
+        return stream
+
+    async def refilled(
+        self, stream: Stream, ended: Iterable[str], claimed: list[Delivery], *, later: bool = False
+    ) -> None:
+        """Leases ended (``ended``, as :meth:`finished`) and ``claimed`` in the same transaction
+        for ``stream`` (:meth:`refill_for`): the stream gets as many as it has room for now (the
+        claim did not wait for the outcomes: an ack refused frees no slot), the rest go back.
+        A stream left with room goes back in line, and its line is pumped."""
+        wanted = self._ended_beside(stream, ended)
+        if claimed:
+            self._events.handed_out(claimed)
+        room = 0 if stream.gone() else max(0, stream.room)
+        take, rest = claimed[:room], claimed[room:]
+        if take:
+            await self._hand_out([stream] * len(take), take)
+        for delivery in reversed(rest):  # each to the head of its lane: oldest last
+            await self.give_back(delivery, pump=False)
+        for name in {d.task.queue for d in rest}:
+            wanted.update(self._listening.get(name, ()))
+        if stream.room > 0 and not stream.gone():
+            if not self._in_line(stream):
+                self._join(stream)
+            wanted.add(stream.queues)
+        if wanted and later:
+            self._background.spawn(self._pump_lines(wanted))
+        elif wanted:
+            await self._pump_lines(wanted)
+
+    def _ended_beside(self, stream: Stream, ended: Iterable[str]) -> set[Queues]:
+        """Free the slots of ended leases; ``stream``'s stay out of line (a refill fills them).
+        The lines of the other streams that went back in line."""
+        wanted: set[Queues] = set()
+        for lease_id in ended:
+            held = self._stream_leases.pop(lease_id, None)
+            if held is None:
+                continue
+            held.finished(lease_id)
+            if held is stream:
+                held.room += 1
+            elif self._freed(held):
+                wanted.add(held.queues)
+        return wanted
+
     def _freed(self, stream: Stream) -> bool:
         """One of the stream's slots is free. True if it went back in line for tasks."""
         stream.room += 1

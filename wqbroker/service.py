@@ -409,11 +409,32 @@ class Service:
         else:
             ack_items, ack_errors = _parse_each(acks, _ack_item)
             nack_items, nack_errors = _parse_each(nacks, _nack_item)
-        acked, nacked = await timed(
-            self._events,
-            "settle",
-            self._store.settle_many(ack_items, nack_items, now=self._clock.now()),
-        )
+        # A stream's acks and the claim of their successors, in one transaction (a store that
+        # waits for a commit, or the database, saves one per batch); see Dispatcher.refill_for.
+        refill = None
+        if not self._store.never_suspends:
+            lease_ids = [lid for _, lid in ack_items]
+            lease_ids += [n.lease_id for n in nack_items]
+            refill = self._dispatch.refill_for(lease_ids)
+        claimed: list[Delivery] = []
+        if refill is None:
+            acked, nacked = await timed(
+                self._events,
+                "settle",
+                self._store.settle_many(ack_items, nack_items, now=self._clock.now()),
+            )
+        else:
+            acked, nacked, claimed = await timed(
+                self._events,
+                "settle",
+                self._store.settle_claim(
+                    ack_items,
+                    nack_items,
+                    [refill.lease] * len(lease_ids),
+                    now=self._clock.now(),
+                    queues=refill.queues,
+                ),
+            )
         done = [lid for (_, lid), error in zip(ack_items, acked, strict=True) if error is None]
         failed: list[str] = []
         for item, result in zip(nack_items, nacked, strict=True):
@@ -422,7 +443,11 @@ class Service:
                 if result.retry_at is not None:
                     self._sweeper.wake_by(result.retry_at)
         self._events.settled(done, failed)
-        await self._dispatch.finished(done + failed if failed else done, later=self._later)
+        ended = done + failed if failed else done
+        if refill is None:
+            await self._dispatch.finished(ended, later=self._later)
+        else:
+            await self._dispatch.refilled(refill, ended, claimed, later=self._later)
         nack_outcomes = [r if isinstance(r, WqError) else None for r in nacked]
         return _fill(ack_errors, acked), _fill(nack_errors, nack_outcomes)
 

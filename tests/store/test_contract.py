@@ -1320,6 +1320,32 @@ async def test_settle_many_takes_nack_options(store: Store) -> None:
     )
 
 
+async def test_settle_claim_settles_then_claims_in_one_transaction(store: Store) -> None:
+    ids = [await enqueue(store) for _ in range(6)]
+    first = await store.claim_many([LEASE] * 2, now=NOW)
+    before = store.transactions
+    acked, nacked, claimed = await store.settle_claim(
+        [(first[0].task.id, first[0].lease_id), (first[1].task.id, "wrong-lease")],
+        [],
+        [LEASE * 2] * 3,
+        now=NOW + 1,
+    )
+    assert acked[0] is None
+    assert isinstance(acked[1], LeaseLost)
+    assert nacked == []
+    # The claims do not wait on the outcomes: as many as asked, in order, each its own lease.
+    assert [d.task.id for d in claimed] == ids[2:5]
+    assert all(d.deadline == NOW + 1 + LEASE * 2 for d in claimed)
+    assert store.transactions - before == 1
+    await expect(store, ready=1, handed_out=4, enqueued=6, delivered=5, acked=1)
+    # Nothing to settle that can be, nothing left to claim but one: still answered.
+    acked, _, claimed = await store.settle_claim(
+        [("0" * 16, "x")], [], [LEASE] * 3, now=NOW + 2, queues=("default", "other")
+    )
+    assert isinstance(acked[0], NotFound)
+    assert [d.task.id for d in claimed] == ids[5:]
+
+
 # -- idempotency keys -------------------------------------------------------------------------
 
 

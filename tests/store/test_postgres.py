@@ -693,6 +693,45 @@ async def terminate_listeners(dsn: str, *, everything: bool = False) -> None:
         await conn.close()
 
 
+async def test_on_a_slow_link_calls_of_a_kind_go_side_by_side(dsn: str) -> None:
+    """20 ms each way to the database (bench/delayproxy.py): once a group is seen to take that
+    long, concurrent calls go in transactions side by side (pipelined on the pool's connections)
+    instead of each waiting a whole round trip behind the one in flight; every call's answer is
+    its own, and each task is enqueued, claimed and acked once."""
+    from bench.delayproxy import DelayProxy
+
+    parts = urllib.parse.urlsplit(dsn)
+    proxy = DelayProxy((parts.hostname or "127.0.0.1", parts.port or 5432), 0.02)
+    port = await proxy.start()
+    user = parts.netloc.rpartition("@")[0]
+    slow = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{port}"))
+    store = await PostgresStore.open(slow, backoff(), random.Random(1), pool_size=8)
+    try:
+        await enqueue_one(store, b'{"n":0}', max_attempts=3, delay=0.0, now=NOW)  # (slow: seen)
+
+        async def one(n: int) -> str:
+            return (
+                await enqueue_one(store, b'{"n":%d}' % n, max_attempts=3, delay=0.0, now=NOW)
+            ).id
+
+        ids = await asyncio.gather(*(one(n) for n in range(1, 9)))
+        assert len(set(ids)) == 8
+        assert store._enqueues.most_in_flight >= 2
+        got = await asyncio.gather(*(store.claim(lease=30.0, now=NOW) for _ in range(9)))
+        claimed = [d for d in got if d is not None]
+        assert len({d.task.id for d in claimed}) == len(claimed)
+        acked = await asyncio.gather(
+            *(store.settle_many([(d.task.id, d.lease_id)], (), now=NOW) for d in claimed)
+        )
+        assert all(a == ([None], []) for a in acked)
+        stats = await store.stats()
+        assert stats.totals.acked == len(claimed)
+        assert stats.ready + stats.handed_out == 9 - len(claimed)
+    finally:
+        await store.close()
+        await proxy.close()
+
+
 async def test_a_standby_promoted_behind_the_old_primary_never_hands_out_an_id_again(
     dsn: str,
 ) -> None:

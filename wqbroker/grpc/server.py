@@ -568,6 +568,8 @@ class _StreamCall:
         self._settled: list[_Outcome] = []  # outcomes not yet taken by the writer
         self._taken = asyncio.Event()  # set when the writer takes them
         self._applying = False  # the reader is between reading a request and queuing its outcomes
+        self._applied = asyncio.Event()  # set while it is not
+        self._applied.set()
         self._drain_asked = False  # the worker sent drain (the first one is answered)
         self._drain_unanswered = False  # ... and the writer has not yet answered it
         self._drained = False  # Drained was sent: the call ends once nothing is unsettled
@@ -592,7 +594,11 @@ class _StreamCall:
     async def _write(self, reader: asyncio.Task[None]) -> None:
         stream = self._stream
         while True:
-            deliveries = stream.take_ready()
+            # While the reader settles a request, deliveries wait: they may fill slots its acks
+            # freed (a durable store claims them in the same transaction), and the .proto
+            # promises that outcomes come no later than the deliveries made after them.
+            holding = self._applying
+            deliveries = [] if holding else stream.take_ready()
             if deliveries or self._settled or self._drain_unanswered:
                 # Take the outcomes now: the reader may add more while we write.
                 outcomes, self._settled = self._settled, []
@@ -613,7 +619,10 @@ class _StreamCall:
                 return  # the worker half-closed: the stream is over
             if stream.closed:
                 return  # the broker is shutting down
-            await stream.wait()
+            if holding:
+                await self._applied.wait()
+            else:
+                await stream.wait()
 
     async def _reader_ended(self, reader: asyncio.Task[None]) -> None:
         error = reader.exception()
@@ -628,10 +637,12 @@ class _StreamCall:
         request = first
         while True:
             self._applying = True
+            self._applied.clear()
             try:
                 await self._apply(request)
             finally:
                 self._applying = False
+                self._applied.set()
             self._stream.poke()
             if len(self._settled) >= MAX_UNSENT_OUTCOMES:
                 # The worker is not reading: read nothing more from it (gRPC's flow control then

@@ -37,6 +37,7 @@ Rules every backend follows (the contract test suite checks them against each on
   ``reclaim`` (``reclaimed`` +1) record the error, then either delay the task (``retried`` +1) by
   the backoff, or by the nack's ``delay``, when ``attempts < max_attempts`` and the nack is not
   ``terminal``, or bury it in the dead-letter queue (``buried`` +1).
+- ``settle_claim`` is ``settle_many`` then ``claim_many``, in one transaction.
 - ``release`` undoes a hand-out that no worker ever saw (its long-poller disconnected): the task
   goes back to the head of its lane, ``attempts`` and ``delivered`` are decremented.
 - Every method that changes anything returns only once the change is durable (for a durable
@@ -114,6 +115,21 @@ class Operations(Protocol):
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         """Acks (task_id, lease_id), then nacks, in one transaction: each outcome is None / a
         Failure for success, or the error that ack or nack would raise."""
+        ...
+
+    async def settle_claim(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        leases: Sequence[float],
+        *,
+        now: float,
+        queues: Sequence[str] = (DEFAULT_QUEUE,),
+    ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
+        """``settle_many`` and ``claim_many`` in one transaction: the outcomes of the acks and
+        nacks, and up to ``len(leases)`` tasks handed out (whatever the outcomes: a caller that
+        was given more than the settlements freed hands the rest back). A worker's stream that
+        acks its tasks gets their successors in the same commit."""
         ...
 
     async def nack(

@@ -106,6 +106,21 @@ class MemoryStore:
             self.transactions += 1
         return acked, nacked
 
+    async def settle_claim(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        leases: Sequence[float],
+        *,
+        now: float,
+        queues: Sequence[str] = (DEFAULT_QUEUE,),
+    ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
+        before = self.transactions
+        acked, nacked = await self.settle_many(acks, nacks, now=now)
+        claimed = await self.claim_many(leases, now=now, queues=queues)
+        self.transactions = min(self.transactions, before + 1)  # (one step: one transaction)
+        return acked, nacked, claimed
+
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         failure = self._index.reclaim(task_id, lease_id, error, now)
         self.transactions += 1

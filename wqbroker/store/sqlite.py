@@ -576,6 +576,29 @@ class SqliteStore:
         self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
     ) -> list[Delivery]:
         self._check()
+        return await self._claim_many(leases, now, queues)
+
+    async def settle_claim(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        leases: Sequence[float],
+        *,
+        now: float,
+        queues: Sequence[str] = (DEFAULT_QUEUE,),
+    ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
+        """The settlements change the index at once; the claims join them in the open batch:
+        one commit for both (nothing is answered before it)."""
+        self._check()
+        acked, nacked = self._index.settle(acks, nacks, now)
+        claimed = await self._claim_many(leases, now, queues) if leases else []
+        if not claimed:
+            await self._durable()
+        return acked, nacked, claimed
+
+    async def _claim_many(
+        self, leases: Sequence[float], now: float, queues: Sequence[str]
+    ) -> list[Delivery]:
         index = self._index
         claimed: list[tuple[Record, Delivery]] = []
         while len(claimed) < len(leases):
@@ -651,10 +674,20 @@ class SqliteStore:
         here) from the file once committed."""
         assert record.lease_id is not None
         cached = self._journal.cache.take(record.id)
-        payload, created_at = cached if cached is not None else (_NO_PAYLOAD, _NO_TIME)
-        task = record.view()
-        if cached is not None:
-            task = replace(task, payload=payload, created_at=created_at)
+        if cached is None:
+            return Delivery(record.view(), record.lease_id, record.deadline)
+        lane = record.lane
+        task = Task(  # (record.view(), with the cached payload: one Task made, not two)
+            "%016x" % record.id,  # noqa: UP031
+            cached[0],
+            record.attempts,
+            record.max_attempts,
+            cached[1],
+            record.available_at,
+            record.last_error,
+            lane.queue.name,
+            lane.priority,
+        )
         return Delivery(task, record.lease_id, record.deadline)
 
     @staticmethod

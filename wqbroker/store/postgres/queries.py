@@ -25,6 +25,7 @@ class Queries:
     skip_ids: str
     claim: str
     settle: str
+    settle_claim: str
     extend: str
     release: str
     expired: str

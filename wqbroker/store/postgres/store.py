@@ -151,6 +151,7 @@ class PostgresStore:
         self._enqueues = Grouped(self._enqueue_group)
         self._settles = Grouped(self._settle_group)
         self._claims = Grouped(self._claim_group, self._unclaim)
+        self._settle_claims = Grouped(self._settle_claim_group, self._unclaim_settled)
         self._side_tasks: set[asyncio.Task[None]] = set()  # hand-backs, second looks (kept alive)
         # The connections (failing fast while the database is away) and the wake-ups between
         # brokers (what this one announces, what it hears). The database back: every queue is
@@ -223,7 +224,7 @@ class PostgresStore:
         self._wake.tell(None)
 
     def _fail_waiting(self, error: StoreError) -> None:
-        for grouped in (self._enqueues, self._settles, self._claims):
+        for grouped in (self._enqueues, self._settles, self._claims, self._settle_claims):
             grouped.fail_waiting(error)
 
     # -- the contract ------------------------------------------------------------------------
@@ -337,12 +338,30 @@ class PostgresStore:
         calls are served first."""
         queues, now = key
         leases = [lease for call in calls for lease in call]
-        lease_ids = ["%016x" % self._rng.getrandbits(64) for _ in leases]  # noqa: UP031
+        lease_ids = self._lease_ids(len(leases))
         rows = await self._fetch(Q.claim, self._now(now), leases, lease_ids, queues)
+        return self._claimed(rows, [len(call) for call in calls], lease_ids, queues)
+
+    def _lease_ids(self, n: int) -> list[str]:
+        return ["%016x" % self._rng.getrandbits(64) for _ in range(n)]  # noqa: UP031
+
+    def _claimed(
+        self,
+        rows: Sequence[Any],
+        sizes: list[int],
+        lease_ids: list[str],
+        queues: tuple[str, ...],
+        *,
+        offset: int = 0,
+    ) -> list[list[Delivery]]:
+        """A claim's rows (wq.claim's columns from ``offset`` on) read into each call's
+        deliveries (``sizes``: how many each call asked for, in order)."""
         skew = self.skew
         got: dict[int, Delivery] = {}
         promoted: list[str] = []
         for row in rows:
+            if offset:
+                row = row[offset:]
             if row[0] is None:
                 promoted.append(row[8])
             else:
@@ -353,13 +372,13 @@ class PostgresStore:
         if promoted:  # for the others, and for this broker's consumers of other queues
             self._wake.announce(promoted)
             self._wake.tell(promoted)
-        if len(got) < len(leases):
+        if len(got) < len(lease_ids):
             self._spawn(self._look_again(queues))
         out: list[list[Delivery]] = []
         at = 0
-        for call in calls:
-            out.append([got[i] for i in range(at, at + len(call)) if i in got])
-            at += len(call)
+        for size in sizes:
+            out.append([got[i] for i in range(at, at + size) if i in got])
+            at += size
         return out
 
     async def _look_again(self, queues: tuple[str, ...]) -> None:
@@ -442,20 +461,21 @@ class PostgresStore:
         *,
         reclaim: bool,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        acked: list[WqError | None] = [_not_held(t) for t, _ in acks]
-        nacked: list[Failure | WqError] = [_not_held(n.task_id) for n in nacks]
-        ack_at = [i for i, (t, _) in enumerate(acks) if parse_id(t) is not None]
-        nack_at = [i for i, n in enumerate(nacks) if parse_id(n.task_id) is not None]
-        if not ack_at and not nack_at:
-            return acked, nacked
-        sent = [nacks[i] for i in nack_at]
+        plan = _SettlePlan(acks, nacks)
+        if not plan.ack_at and not plan.nack_at:
+            return plan.acked, plan.nacked
+        rows = await self._fetch(Q.settle, *self._settle_args(plan, now, reclaim))
+        return self._settled(plan, rows)
+
+    def _settle_args(self, plan: _SettlePlan, now: float, reclaim: bool) -> list[Any]:
+        """The arguments of wq.settle for ``plan``."""
+        acks, sent = plan.acks, plan.sent
         # The random part of each backoff that may be needed (as the Backoff would draw it).
         us = [self._draw() if n.delay is None and not n.terminal else 0.0 for n in sent]
-        rows = await self._fetch(
-            Q.settle,
+        return [
             self._now(now),
-            [_key(int(acks[i][0], 16)) for i in ack_at],
-            [acks[i][1] for i in ack_at],
+            [_key(int(acks[i][0], 16)) for i in plan.ack_at],
+            [acks[i][1] for i in plan.ack_at],
             [_key(int(n.task_id, 16)) for n in sent],
             [n.lease_id for n in sent],
             [_encode(n.error) for n in sent],
@@ -465,7 +485,14 @@ class PostgresStore:
             reclaim,
             self._backoff.base,
             self._backoff.cap,
-        )
+        ]
+
+    def _settled(
+        self, plan: _SettlePlan, rows: Iterable[Any]
+    ) -> tuple[list[WqError | None], list[Failure | WqError]]:
+        """wq.settle's rows (o_kind, o_i, o_outcome, o_retry_at) read into the outcomes."""
+        acks, sent, ack_at, nack_at = plan.acks, plan.sent, plan.ack_at, plan.nack_at
+        acked, nacked = plan.acked, plan.nacked
         changed = False
         for kind, i, outcome, retry_at in rows:
             if kind == 0:
@@ -486,6 +513,62 @@ class PostgresStore:
         if changed:
             self.transactions += 1
         return acked, nacked
+
+    async def settle_claim(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        leases: Sequence[float],
+        *,
+        now: float,
+        queues: Sequence[str] = (DEFAULT_QUEUE,),
+    ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
+        """One statement (wq.settle, then wq.claim: one round trip, one commit), grouped with
+        the calls of its kind for the same queues that came meanwhile."""
+        if not leases:
+            acked, nacked = await self.settle_many(acks, nacks, now=now)
+            return acked, nacked, []
+        return await self._settle_claims.call(
+            (acks, nacks, leases), (tuple(queues), self._group_key(now))
+        )
+
+    async def _settle_claim_group(
+        self, calls: list[_SettleClaim], key: tuple[tuple[str, ...], float]
+    ) -> list[_SettledClaimed]:
+        queues, now = key
+        plan = _SettlePlan(
+            [a for call in calls for a in call[0]], [n for call in calls for n in call[1]]
+        )
+        leases = [lease for call in calls for lease in call[2]]
+        lease_ids = self._lease_ids(len(leases))
+        rows = await self._fetch(
+            Q.settle_claim,
+            *self._settle_args(plan, now, reclaim=False),
+            leases,
+            lease_ids,
+            queues,
+        )
+        before = self.transactions
+        acked, nacked = self._settled(plan, [row[1:5] for row in rows if row[0] == 0])
+        claimed = self._claimed(
+            [row for row in rows if row[0] == 1],
+            [len(call[2]) for call in calls],
+            lease_ids,
+            queues,
+            offset=5,
+        )
+        self.transactions = min(self.transactions, before + 1)  # (one commit for both)
+        return list(
+            zip(
+                split(acked, [len(c[0]) for c in calls]),
+                split(nacked, [len(c[1]) for c in calls]),
+                claimed,
+                strict=True,
+            )
+        )
+
+    def _unclaim_settled(self, done: _SettledClaimed) -> None:
+        self._unclaim(done[2])
 
     def _draw(self) -> float:
         rng = self._backoff.rng
@@ -768,6 +851,24 @@ class PostgresStore:
 
 _Settle = tuple[Sequence[tuple[str, str]], Sequence[NackItem]]
 _Settled = tuple[list[WqError | None], list[Failure | WqError]]
+_SettleClaim = tuple[Sequence[tuple[str, str]], Sequence[NackItem], Sequence[float]]
+_SettledClaimed = tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]
+
+
+class _SettlePlan:
+    """Acks and nacks as wq.settle takes them: those whose task id cannot be one are answered
+    NotFound without asking (their outcomes start so, the others are filled in)."""
+
+    __slots__ = ("acks", "nacks", "acked", "nacked", "ack_at", "nack_at", "sent")
+
+    def __init__(self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem]) -> None:
+        self.acks = acks
+        self.nacks = nacks
+        self.acked: list[WqError | None] = [_not_held(t) for t, _ in acks]
+        self.nacked: list[Failure | WqError] = [_not_held(n.task_id) for n in nacks]
+        self.ack_at = [i for i, (t, _) in enumerate(acks) if parse_id(t) is not None]
+        self.nack_at = [i for i, n in enumerate(nacks) if parse_id(n.task_id) is not None]
+        self.sent = [nacks[i] for i in self.nack_at]
 
 
 def _not_held(task_id: str) -> NotFound:

@@ -30,6 +30,19 @@ SELECT * FROM wq.claim($1, $2, $3, $4)
 -- name: settle
 SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 
+-- name: settle_claim
+-- wq.settle, then wq.claim, in one statement (one round trip, one transaction): a stream's acks
+-- and the tasks that take their places. The first column says which rows are which (0: settle's,
+-- 1: claim's); UNION ALL runs its parts in order. (Two functions of earlier schema versions: no
+-- migration needed.)
+SELECT 0 AS part, s.o_kind, s.o_i, s.o_outcome, s.o_retry_at, NULL::bigint, NULL::bigint,
+    NULL::bytea, NULL::int, NULL::int, NULL::float8, NULL::float8, NULL::bytea, NULL::text,
+    NULL::smallint, NULL::float8
+FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) s
+UNION ALL
+SELECT 1, NULL, NULL, NULL, NULL, c.*
+FROM wq.claim($1, $13, $14, $15) c
+
 -- name: extend
 SELECT * FROM wq.extend($1, $2, $3, $4)
 
