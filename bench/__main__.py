@@ -839,8 +839,14 @@ def slow_link(q: bool) -> None:
             "producer: enqueue_many(100 tasks), 4 in flight",
             lambda u: _produce_rate(u, "many", n * 4, 4),
         ),
+        ("producer: enqueue(), 512 in flight", lambda u: _produce_rate(u, "one", n * 2, 512)),
+        (
+            "producer: enqueue_many(100 tasks), 32 in flight",
+            lambda u: _produce_rate(u, "many", n * 16, 32),
+        ),
         ("Worker(concurrency=64) draining a backlog", lambda u: _drain_once(u, n, 64)),
         ("Worker(concurrency=512) draining a backlog", lambda u: _drain_once(u, n * 4, 512)),
+        ("Worker(concurrency=2048) draining a backlog", lambda u: _drain_once(u, n * 8, 2048)),
     ]
     with pg.scratch() as make, delay_proxy(target, LINK_DELAY_MS) as port:
         direct, far = make("direct"), make("far")

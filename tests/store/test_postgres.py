@@ -11,7 +11,7 @@ import random
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterable
-from typing import cast
+from typing import Any, cast
 
 import asyncpg
 import pytest
@@ -25,6 +25,7 @@ from wqbroker.models import NewTask
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
 from wqbroker.store.postgres import LISTENER_NAME, SCHEMA_VERSION, PostgresStore
+from wqbroker.store.postgres.queries import Q
 from wqclient import AsyncClient
 
 NOW = 1_700_000_000.0
@@ -762,3 +763,34 @@ async def test_a_standby_promoted_behind_the_old_primary_never_hands_out_an_id_a
         assert (await old.stats()).ready == 9000
     finally:
         await old.close()
+
+
+async def test_ids_are_reserved_ahead_so_the_next_group_waits_for_no_reservation(
+    dsn: str,
+) -> None:
+    """Every reservation of ids is a round trip before the enqueue's own: on a distant database,
+    a second one per group. The store reserves ahead, and tops up beside the calls, so a group
+    like the last finds its ids already reserved."""
+    store = await PostgresStore.open(dsn, backoff(1), random.Random(1))
+    reservations: list[str] = []
+    fetch = store._fetch
+
+    async def counted(sql: str, *args: Any) -> Any:
+        if sql == Q.id_blocks and asyncio.current_task() not in store._side_tasks:
+            reservations.append(sql)  # (one on a call's way, not a top-up beside the calls)
+        return await fetch(sql, *args)
+
+    store._fetch = counted  # type: ignore[method-assign]
+    try:
+        batch = [NewTask(b"1", 1, 0.0) for _ in range(3000)]  # (three blocks)
+        seen: set[str] = set()
+        for i in range(5):
+            await asyncio.gather(*store._side_tasks)  # (a top-up under way ends)
+            before = len(reservations)
+            seen |= {e.id for e in await store.enqueue_many(batch, now=NOW)}
+            if i:
+                assert len(reservations) == before
+        assert len(seen) == 15_000
+        assert reservations == [Q.id_blocks]  # (the first group's)
+    finally:
+        await store.close()

@@ -75,6 +75,8 @@ _VACUUM: Final = {"tasks": Q.vacuum_tasks, "counters": Q.vacuum_counters, "keys"
 LOOK_AGAIN_AFTER: Final = 0.05
 _OFFSET: Final = 2**63
 _ID_BLOCK: Final = 1024
+# The most numbers reserved ahead of a group's need (a broker that stops loses what it held).
+_AHEAD_MOST: Final = 64 * _ID_BLOCK
 
 
 def _key(n: int) -> int:
@@ -134,6 +136,7 @@ class PostgresStore:
         self._id_key = 0
         self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
         self._ids_from: int | None = None  # the pool's generation they were reserved in
+        self._reserving = asyncio.Lock()
         self._closed = False
         # How far the database's clock is ahead of the broker's (db_clock only): times from the
         # database are handed to the broker minus this, times from the broker plus this.
@@ -305,18 +308,34 @@ class PostgresStore:
         same blocks out again (to this broker or another). Any reservation on a new primary
         comes after a skip by the broker that makes it, so past whatever the old one handed
         out (unless it ran more than 2^20 blocks ahead of its standby)."""
+        if len(self._ids) < n or self._ids_from != self._pool.generation:
+            async with self._reserving:  # (one reservation at a time: the next may need none)
+                await self._reserve(n, n)
+        taken = [self._ids.pop() for _ in range(n)]
+        if len(self._ids) < n and not self._reserving.locked():
+            # Topped up beside the calls, so that the next group of this size takes its ids
+            # without a round trip first (on a distant database, one more round trip per group).
+            self._spawn(self._top_up(n))
+        return [_mix((x + self._id_key) & _MASK) for x in taken]
+
+    async def _reserve(self, n: int, ahead: int) -> None:
+        """Have at least ``n`` numbers reserved, and ``ahead`` more (at most _AHEAD_MOST)
+        when a reservation is made. The caller holds ``_reserving``."""
         generation = self._pool.generation
         if self._ids_from != generation:
             self._ids.clear()
             await self._execute(Q.skip_ids)
             self._ids_from = generation
         if len(self._ids) < n:
-            blocks = (n - len(self._ids) + _ID_BLOCK - 1) // _ID_BLOCK
-            rows = await self._fetch(Q.id_blocks, blocks)
+            want = n + min(ahead, _AHEAD_MOST) - len(self._ids)
+            rows = await self._fetch(Q.id_blocks, (want + _ID_BLOCK - 1) // _ID_BLOCK)
             fresh = [b * _ID_BLOCK + j for (b,) in rows for j in range(_ID_BLOCK)]
             self._ids[:0] = reversed(fresh)
-        taken = [self._ids.pop() for _ in range(n)]
-        return [_mix((x + self._id_key) & _MASK) for x in taken]
+
+    async def _top_up(self, n: int) -> None:
+        with contextlib.suppress(StoreError):
+            async with self._reserving:
+                await self._reserve(n, n)
 
     async def claim(
         self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
