@@ -89,6 +89,64 @@ async def test_batches_sent_ahead_are_answered_in_order_and_enqueued_in_that_ord
     assert await ready_payloads(stub) == [p for payloads in sent for p in payloads]
 
 
+async def test_batches_sent_ahead_are_enqueued_side_by_side_and_answered_in_order(
+    broker: Broker, stub: pb_grpc.BrokerAsyncStub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On a distant database a batch would otherwise wait for the round trips of every batch
+    # before it on its stream: the broker enqueues the batches it has read at once.
+    store: Any = broker.service._store
+    enqueue_many, gate, inside = store.enqueue_many, asyncio.Event(), list[int]()
+
+    async def held(items: Any, *, now: float) -> Any:
+        inside.append(len(items))
+        await gate.wait()
+        return await enqueue_many(items, now=now)
+
+    monkeypatch.setattr(store, "enqueue_many", held)
+    call: Any = stub.Produce(None)
+    for k in range(3):
+        await call.write(batch(*[f"{k}.{i}".encode() for i in range(k + 1)]))
+    await wait_until(lambda: len(inside) == 3, what="three batches enqueued at once")
+    assert inside == [1, 2, 3]
+    gate.set()
+    answers = [await read(call) for _ in range(3)]
+    assert [len(a.ids) for a in answers] == [1, 2, 3]
+    await call.done_writing()
+    assert await read(call) is EOF
+    assert await call.code() == Code.OK
+    assert await ready_payloads(stub) == [
+        f"{k}.{i}".encode() for k in range(3) for i in range(k + 1)
+    ]
+
+
+async def test_a_broker_stopping_answers_every_batch_it_was_enqueueing_then_ends_ok(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async with running_broker(max_tasks=0) as broker:
+        store: Any = broker.service._store
+        enqueue_many, gate, inside = store.enqueue_many, asyncio.Event(), list[int]()
+
+        async def held(items: Any, *, now: float) -> Any:
+            inside.append(len(items))
+            await gate.wait()
+            return await enqueue_many(items, now=now)
+
+        monkeypatch.setattr(store, "enqueue_many", held)
+        async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
+            call: Any = pb_grpc.BrokerStub(channel).Produce(None)
+            for k in range(3):
+                await call.write(batch(*[b"1"] * (k + 1)))
+            await wait_until(lambda: len(inside) == 3, what="three batches enqueued at once")
+            stopping = asyncio.ensure_future(broker.stop())
+            await asyncio.sleep(0.1)  # (the stop under way, waiting for the stream)
+            gate.set()
+            answers = [await read(call) for _ in range(3)]
+            assert [(a.code, len(a.ids)) for a in answers] == [(0, 1), (0, 2), (0, 3)]
+            assert await read(call) is EOF
+            assert await call.code() == Code.OK
+            await stopping
+
+
 async def test_a_refused_batch_is_answered_with_its_status_and_the_stream_goes_on(
     broker: Broker, stub: pb_grpc.BrokerAsyncStub
 ) -> None:

@@ -72,6 +72,8 @@ CLIENT_RECEIVE_LIMIT: Final = 4 * 1024 * 1024
 # A stream reads no more of its worker's requests while this many outcomes wait to be written
 # (a worker that sends acks and reads nothing is held back instead of filling the broker's memory).
 MAX_UNSENT_OUTCOMES: Final = 10_000
+#: Batches of one Produce call enqueued at once (read ahead of their answers).
+PRODUCE_AHEAD: Final = 8
 
 Context = grpc.aio.ServicerContext[Any, Any]
 
@@ -348,6 +350,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     def __init__(self, service: Service) -> None:
         self._service = service
         self._producing: set[asyncio.Task[Any]] = set()  # Produce calls between batches
+        self._enqueueing: set[asyncio.Future[Any]] = set()  # their batches being enqueued
         service.on_close(self._end_producing)
 
     async def Enqueue(self, request: pb.EnqueueRequest, context: Context) -> pb.EnqueueResponse:
@@ -379,35 +382,64 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def Produce(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.EnqueueBatchRequest], context: Context
     ) -> None:
-        """Each batch read is enqueued (or refused) and answered before the next is read. Ends
-        OK when the client half-closes, or between batches when the broker shuts down (the
-        batches it did not answer were not enqueued: the client sends them again)."""
+        """Batches read are enqueued and answered in the order read, up to PRODUCE_AHEAD of
+        them at once (on a distant database, a batch waits for a round trip of its own, not
+        for those of the batches before it; their tasks take their places in the queue in the
+        order sent). Ends OK when the client half-closes (every batch read answered first), or
+        between batches when the broker shuts down (the batches it did not read were not
+        enqueued: the client sends them again)."""
         call = asyncio.current_task()
         assert call is not None
         requests = aiter(request_iterator)
-        while True:
-            self._producing.add(call)  # (only while it waits for the next batch)
-            try:
-                request: pb.EnqueueBatchRequest | WqError = await anext(requests)
-            except StopAsyncIteration:
-                return
-            except InvalidArgument as e:  # a request that could not be decoded
-                request = e
-            except asyncio.CancelledError:
-                if not self._service.closing:
-                    raise
-                call.uncancel()  # cancelled by _end_producing, between batches: end OK
-                return
-            finally:
-                self._producing.discard(call)
-            if self._service.closing:
-                return  # (read just now: not enqueued, not answered)
-            if isinstance(request, WqError):
-                response = _refused(request)
-            else:
-                response = await self._produced(request)
-            if not await _written(context, response) or self._service.closing:
-                return  # (the caller gone: what it sent was taken, its answer lost with it)
+        answers: asyncio.Queue[asyncio.Future[pb.ProduceResponse] | None] = asyncio.Queue(
+            PRODUCE_AHEAD
+        )
+        writer = asyncio.ensure_future(self._answer(context, answers))
+        try:
+            while not writer.done():
+                self._producing.add(call)  # (only while it waits for the next batch)
+                try:
+                    request: pb.EnqueueBatchRequest | WqError = await anext(requests)
+                except StopAsyncIteration:
+                    break
+                except InvalidArgument as e:  # a request that could not be decoded
+                    request = e
+                except asyncio.CancelledError:
+                    if not self._service.closing:
+                        raise
+                    call.uncancel()  # cancelled by _end_producing, between batches: end OK
+                    break
+                finally:
+                    self._producing.discard(call)
+                if self._service.closing:
+                    break  # (read just now: not enqueued, not answered)
+                answer: asyncio.Future[pb.ProduceResponse]
+                if isinstance(request, WqError):
+                    answer = asyncio.get_running_loop().create_future()
+                    answer.set_result(_refused(request))
+                else:
+                    answer = asyncio.ensure_future(self._produced(request))
+                    self._enqueueing.add(answer)
+                    answer.add_done_callback(self._enqueueing.discard)
+                await answers.put(answer)  # (waits while PRODUCE_AHEAD are unanswered)
+            if not writer.done():
+                await answers.put(None)
+            await writer  # (every batch read is answered, unless the caller went away)
+        finally:
+            # The caller gone: its batches still being enqueued finish (what it sent was
+            # taken, their answers lost with it).
+            writer.cancel()
+
+    async def _answer(
+        self,
+        context: Context,
+        answers: asyncio.Queue[asyncio.Future[pb.ProduceResponse] | None],
+    ) -> None:
+        """Write a Produce call's answers in the order its batches were read."""
+        while (answer := await answers.get()) is not None:
+            response = await asyncio.shield(answer)
+            if not await _written(context, response):
+                return  # (the caller gone)
 
     async def _produced(self, request: pb.EnqueueBatchRequest) -> pb.ProduceResponse:
         try:
