@@ -145,16 +145,21 @@ class BrokerServicer:
     def Produce(self, request_iterator, context):
         """A producing stream (an extension; no HTTP equivalent): EnqueueBatch without a call per batch.
         Each request is a batch, enqueued all or none exactly as EnqueueBatch enqueues it, and
-        answered by one ProduceResponse; the broker takes a stream's batches one at a time, in the
-        order sent, and answers them in that order. A refused batch is answered with the status the
-        same EnqueueBatch call would have ended with (`code`, `message`), and the stream goes on; so
-        does it after a request that cannot be decoded (INVALID_ARGUMENT). A client may send batches
-        before the earlier ones are answered; the broker writes each answer before it reads the next
-        batch, so a client that never reads its answers is held back by gRPC's flow control once the
-        windows between them are full.
+        answered by one ProduceResponse; the broker answers a stream's batches in the order sent.
+        Batches sent before the earlier ones are answered are concurrent, as EnqueueBatch calls
+        would be: on the memory and SQLite stores their tasks take their places in their queues in
+        the order sent; on PostgreSQL, batches that went in transactions side by side (a distant
+        database) in the order those ran. (A batch's own tasks keep theirs.) A refused batch is
+        answered with the status the same EnqueueBatch call would have ended with (`code`, `message`), and the
+        stream goes on; so does it after a request that cannot be decoded (INVALID_ARGUMENT). A
+        client may send batches before the earlier ones are answered: the broker enqueues up to 8
+        of a stream's batches at once (on a distant database, a batch then waits for a round trip
+        of its own, not for those of the batches before it) and reads no more until the oldest is
+        answered, so a client that never reads its answers is held back by gRPC's flow control once
+        the windows between them are full.
 
         The stream ends with OK when the client half-closes (once every batch it sent is answered),
-        or when the broker shuts down: it then ends each stream after answering the batch it is
+        or when the broker shuts down: it then ends each stream after answering the batches it is
         enqueueing, if any, and a batch sent that it never answered was not read, so not enqueued:
         send it again (to another broker). Any other end (a broken connection, a cancelled call)
         leaves the batches sent and not answered in doubt, as a failed EnqueueBatch call would be.
