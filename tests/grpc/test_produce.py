@@ -64,6 +64,23 @@ async def ready_payloads(stub: pb_grpc.BrokerAsyncStub) -> list[bytes]:
     return out
 
 
+def held_enqueues(
+    broker: Broker, monkeypatch: pytest.MonkeyPatch
+) -> tuple[asyncio.Event, list[int]]:
+    """The broker's store holds every enqueue until the event is set; the list has the size of
+    each batch that came in meanwhile."""
+    store: Any = broker.service._store
+    enqueue_many, gate, inside = store.enqueue_many, asyncio.Event(), list[int]()
+
+    async def held(items: Any, *, now: float) -> Any:
+        inside.append(len(items))
+        await gate.wait()
+        return await enqueue_many(items, now=now)
+
+    monkeypatch.setattr(store, "enqueue_many", held)
+    return gate, inside
+
+
 # -- the broker ---------------------------------------------------------------------------------
 
 
@@ -94,15 +111,7 @@ async def test_batches_sent_ahead_are_enqueued_side_by_side_and_answered_in_orde
 ) -> None:
     # On a distant database a batch would otherwise wait for the round trips of every batch
     # before it on its stream: the broker enqueues the batches it has read at once.
-    store: Any = broker.service._store
-    enqueue_many, gate, inside = store.enqueue_many, asyncio.Event(), list[int]()
-
-    async def held(items: Any, *, now: float) -> Any:
-        inside.append(len(items))
-        await gate.wait()
-        return await enqueue_many(items, now=now)
-
-    monkeypatch.setattr(store, "enqueue_many", held)
+    gate, inside = held_enqueues(broker, monkeypatch)
     call: Any = stub.Produce(None)
     for k in range(3):
         await call.write(batch(*[f"{k}.{i}".encode() for i in range(k + 1)]))
@@ -123,15 +132,7 @@ async def test_a_broker_stopping_answers_every_batch_it_was_enqueueing_then_ends
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async with running_broker(max_tasks=0) as broker:
-        store: Any = broker.service._store
-        enqueue_many, gate, inside = store.enqueue_many, asyncio.Event(), list[int]()
-
-        async def held(items: Any, *, now: float) -> Any:
-            inside.append(len(items))
-            await gate.wait()
-            return await enqueue_many(items, now=now)
-
-        monkeypatch.setattr(store, "enqueue_many", held)
+        gate, inside = held_enqueues(broker, monkeypatch)
         async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
             call: Any = pb_grpc.BrokerStub(channel).Produce(None)
             for k in range(3):

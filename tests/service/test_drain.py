@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -30,23 +29,9 @@ DURABLE = ["sqlite", "postgres"]
 
 
 @pytest.fixture(params=DURABLE)
-def durable(request: pytest.FixtureRequest) -> str:
+def backend(request: pytest.FixtureRequest) -> str:
+    """The durable stores only (conftest's ``store`` and ``service`` are made on it)."""
     return str(request.param)
-
-
-@pytest.fixture
-async def store(durable: str, rng: random.Random, tmp_path: Path) -> AsyncIterator[Store]:
-    s = await make_store(durable, Backoff(1.0, 30.0, rng), rng, tmp_path)
-    yield s
-    await s.close()
-
-
-@pytest.fixture
-async def service(store: Store, clock: FakeClock) -> AsyncIterator[Service]:
-    svc = Service(store, clock)
-    await svc.start()
-    yield svc
-    await svc.close()
 
 
 async def fill(service: Service, n: int) -> None:
@@ -118,7 +103,7 @@ async def test_an_ack_refused_frees_no_slot_and_the_extra_task_goes_back(
     await stream.close()
 
 
-@pytest.mark.parametrize("durable", ["memory", *DURABLE], indirect=True)
+@pytest.mark.parametrize("backend", ["memory", *DURABLE], indirect=True)
 async def test_two_streams_acking_at_once_lose_nothing_and_repeat_nothing(
     service: Service, store: Store
 ) -> None:
@@ -156,7 +141,7 @@ async def test_two_streams_acking_at_once_lose_nothing_and_repeat_nothing(
     assert (stats.ready, stats.handed_out, stats.totals.delivered) == (0, 0, n)
 
 
-async def reopened(durable: str, store: Store, rng: random.Random) -> Store:
+async def reopened(backend: str, store: Store, rng: random.Random) -> Store:
     """The same store's data opened again, as a broker restarted on it would."""
     backoff = Backoff(1.0, 30.0, rng)
     if isinstance(store, SqliteStore):
@@ -166,9 +151,9 @@ async def reopened(durable: str, store: Store, rng: random.Random) -> Store:
 
 
 async def test_a_broker_stopped_mid_drain_loses_nothing_and_brings_back_nothing_acked(
-    durable: str, rng: random.Random, tmp_path: Path, clock: FakeClock
+    backend: str, rng: random.Random, tmp_path: Path, clock: FakeClock
 ) -> None:
-    store = await make_store(durable, Backoff(1.0, 30.0, rng), rng, tmp_path)
+    store = await make_store(backend, Backoff(1.0, 30.0, rng), rng, tmp_path)
     service = Service(store, clock)  # (not started: no sweeper, nothing runs on its own)
     n, prefetch = 30, 5
     await fill(service, n)
@@ -183,7 +168,7 @@ async def test_a_broker_stopped_mid_drain_loses_nothing_and_brings_back_nothing_
     assert len(in_hand) == prefetch
     # Stopped without closing the stream (as a killed broker would: nothing handed back).
     await store.close()
-    again = await reopened(durable, store, rng)
+    again = await reopened(backend, store, rng)
     try:
         stats = await again.stats()
         assert stats.totals.acked == len(acked)
@@ -203,13 +188,12 @@ async def test_a_broker_stopped_mid_drain_loses_nothing_and_brings_back_nothing_
         await again.close()
 
 
+@pytest.mark.parametrize("backend", ["postgres"], indirect=True)
 async def test_on_postgres_each_round_is_one_round_trip(
-    durable: str, service: Service, store: Store, monkeypatch: pytest.MonkeyPatch
+    service: Service, store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Over a slow link to the database every round trip costs the link's latency: a stream's
     round (its acks, the claim of their successors) is one statement, so one round trip."""
-    if durable != "postgres":
-        pytest.skip("round trips to a database")
     assert isinstance(store, PostgresStore)
     n, prefetch, rounds = 48, 8, 5
     await fill(service, n)
