@@ -382,12 +382,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def Produce(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.EnqueueBatchRequest], context: Context
     ) -> None:
-        """Batches read are enqueued and answered in the order read, up to PRODUCE_AHEAD of
-        them at once (on a distant database, a batch waits for a round trip of its own, not
-        for those of the batches before it; their tasks take their places in the queue in the
-        order sent). Ends OK when the client half-closes (every batch read answered first), or
-        between batches when the broker shuts down (the batches it did not read were not
-        enqueued: the client sends them again)."""
+        """Batches read are enqueued up to PRODUCE_AHEAD at once (on a distant database, a
+        batch waits for a round trip of its own, not for those of the batches before it) and
+        answered in the order read. Ends OK when the client half-closes, or when the broker
+        shuts down (no batch read after that), every batch read answered first; the batches it
+        did not read were not enqueued: the client sends them again."""
         call = asyncio.current_task()
         assert call is not None
         requests = aiter(request_iterator)
@@ -396,39 +395,56 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         )
         writer = asyncio.ensure_future(self._answer(context, answers))
         try:
-            while not writer.done():
-                self._producing.add(call)  # (only while it waits for the next batch)
-                try:
-                    request: pb.EnqueueBatchRequest | WqError = await anext(requests)
-                except StopAsyncIteration:
-                    break
-                except InvalidArgument as e:  # a request that could not be decoded
-                    request = e
-                except asyncio.CancelledError:
-                    if not self._service.closing:
-                        raise
-                    call.uncancel()  # cancelled by _end_producing, between batches: end OK
-                    break
-                finally:
-                    self._producing.discard(call)
-                if self._service.closing:
-                    break  # (read just now: not enqueued, not answered)
-                answer: asyncio.Future[pb.ProduceResponse]
-                if isinstance(request, WqError):
-                    answer = asyncio.get_running_loop().create_future()
-                    answer.set_result(_refused(request))
-                else:
-                    answer = asyncio.ensure_future(self._produced(request))
-                    self._enqueueing.add(answer)
-                    answer.add_done_callback(self._enqueueing.discard)
-                await answers.put(answer)  # (waits while PRODUCE_AHEAD are unanswered)
+            refusal = await self._read_batches(call, requests, answers, writer)
             if not writer.done():
                 await answers.put(None)
             await writer  # (every batch read is answered, unless the caller went away)
+            if refusal is not None:
+                raise refusal  # (a token withdrawn: after the batches read before it)
         finally:
             # The caller gone: its batches still being enqueued finish (what it sent was
             # taken, their answers lost with it).
             writer.cancel()
+
+    async def _read_batches(
+        self,
+        call: asyncio.Task[Any],
+        requests: AsyncIterator[pb.EnqueueBatchRequest],
+        answers: asyncio.Queue[asyncio.Future[pb.ProduceResponse] | None],
+        writer: asyncio.Future[None],
+    ) -> Exception | None:
+        """Read a Produce call's batches and start enqueueing each, until the client
+        half-closes, the broker shuts down or the writer ends (the caller gone); what a read
+        raised other than an undecodable batch (a refused token), to end the call with."""
+        while not writer.done() and not self._service.closing:
+            self._producing.add(call)  # (only while it waits for the next batch)
+            try:
+                request: pb.EnqueueBatchRequest | WqError = await anext(requests)
+            except StopAsyncIteration:
+                return None
+            except InvalidArgument as e:  # a request that could not be decoded
+                request = e
+            except asyncio.CancelledError:
+                if not self._service.closing:
+                    raise
+                call.uncancel()  # cancelled by _end_producing, between batches: end OK
+                return None
+            except Exception as e:
+                return e
+            finally:
+                self._producing.discard(call)
+            if self._service.closing:
+                return None  # (read just now: not enqueued, not answered)
+            answer: asyncio.Future[pb.ProduceResponse]
+            if isinstance(request, WqError):
+                answer = asyncio.get_running_loop().create_future()
+                answer.set_result(_refused(request))
+            else:
+                answer = asyncio.ensure_future(self._produced(request))
+                self._enqueueing.add(answer)
+                answer.add_done_callback(self._enqueueing.discard)
+            await answers.put(answer)  # (waits while PRODUCE_AHEAD are unanswered)
+        return None
 
     async def _answer(
         self,
@@ -452,7 +468,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     def _end_producing(self) -> None:
         """The broker is shutting down: end the Produce calls waiting for their next batch (the
-        others end once the batch they are enqueueing is answered)."""
+        others end once the batches they are enqueueing are answered)."""
         for call in list(self._producing):
             call.cancel()
 
