@@ -4,9 +4,12 @@ Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :clas
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
 with the exception's text (raise :class:`Retry` to retry after a delay of your choosing,
 :class:`Fail` to bury the task at once). Over a transport that can stream (gRPC) it consumes one
-stream whose prefetch is the concurrency; over HTTP it claims for all its free slots at once
-(``claim_many``, one claim at a time), its acks and nacks going together; from a broker without
-batch claims it long-polls, one claim loop per unit of concurrency. Synchronous handlers run in a
+stream whose prefetch is ``prefetch`` (twice the concurrency unless given: the tasks beyond the
+concurrency wait in the worker for a handler to be free, their leases kept, so that a handler
+that ends finds its next task at hand instead of waiting a round trip for it); over HTTP it
+claims for all its free slots at once (``claim_many``, one claim at a time), its acks and nacks
+going together; from a broker without batch claims it long-polls, one claim loop per unit of
+concurrency. Synchronous handlers run in a
 thread pool of that size, so they may block. On a gRPC stream a handler's ack is queued on the
 stream and its slot is free at once: the broker's answer is judged when it comes (a refusal is
 logged, as one waited for would be), and ``run()`` returns only once the broker has answered every
@@ -18,9 +21,10 @@ the lease is lost (another worker may have the task now), that is logged and the
 result is discarded: neither ack nor nack is sent for it. An extension that fails otherwise (the
 broker unreachable) is logged and tried again after half of what is left of the lease.
 
-``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle,
-and returns. A broker that is down or restarting is reported once and retried with backoff. A
-broker that refuses the worker's token (401/403, UNAUTHENTICATED/PERMISSION_DENIED) will not change
+``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle
+(those waiting for a handler too: at most ``prefetch - concurrency`` of them), and returns. A
+broker that is down or restarting is reported once and retried with backoff. A broker that
+refuses the worker's token (401/403, UNAUTHENTICATED/PERMISSION_DENIED) will not change
 its mind by being asked again, nor will a certificate that failed verification
 (:class:`~wqclient.CertificateError`: the CA file is missing or wrong): that is logged once, the
 worker stops as on ``stop()``, and ``run()`` raises the error.
@@ -61,6 +65,8 @@ log = logging.getLogger("wqclient.worker")
 
 Handler = Callable[[Task], Any]
 
+#: A gRPC worker's prefetch, by default: this many times its concurrency.
+PREFETCH_FACTOR = 2
 _BACKOFF_START = 0.1
 _BACKOFF_MAX = 5.0
 # How long stop() lets open claims come back before cancelling the ones still parked.
@@ -287,8 +293,11 @@ class Worker:
     ``broker``: a URL (the worker then makes and closes its own client, which takes its token
     and CA file from ``$WQ_TOKEN`` and ``$WQ_CA_FILE``) or an :class:`AsyncClient` (yours to
     close; ``AsyncClient(url, token=...)`` to give it a token, ``AsyncClient(transport=...)`` to
-    run on a transport of your own). At most ``concurrency`` tasks are in hand at once; each claim
-    long-polls up to ``wait_ms`` and holds its task for ``lease_ms`` at first: while the handler
+    run on a transport of your own). At most ``concurrency`` handlers run at once; over gRPC the
+    stream holds ``prefetch`` tasks (default twice the concurrency; ``prefetch=concurrency`` takes
+    a task only when a handler is free, as a worker whose tasks are long and few may prefer, so
+    that another worker takes them meanwhile). Each claim long-polls up to ``wait_ms`` and holds
+    its task for ``lease_ms`` at first: while the task waits for a handler and while the handler
     runs, the lease is extended by ``lease_ms`` each time half of it has gone by. ``queues``:
     the queues to take tasks from, in order of preference (a list, or ``"a,b"``; default the
     broker's, ``["default"]``). ``clock``: what lease extension measures time with (tests pass a
@@ -305,6 +314,7 @@ class Worker:
         handler: Handler,
         *,
         concurrency: int = 3,
+        prefetch: int | None = None,
         wait_ms: int = DEFAULT_WAIT_MS,
         lease_ms: int = DEFAULT_LEASE_MS,
         queues: str | Sequence[str] | None = None,
@@ -312,6 +322,10 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if prefetch is None:
+            prefetch = PREFETCH_FACTOR * concurrency
+        if prefetch < concurrency:
+            raise ValueError("prefetch must be at least the concurrency")
         self._client = broker if isinstance(broker, AsyncClient) else AsyncClient(broker)
         self._own_client = not isinstance(broker, AsyncClient)
         self._handler = handler
@@ -319,6 +333,7 @@ class Worker:
             getattr(handler, "__call__", None)  # noqa: B004
         )
         self.concurrency = concurrency
+        self.prefetch = prefetch
         self.wait_ms = wait_ms
         self.lease_ms = lease_ms
         self.queues = queues
@@ -329,6 +344,7 @@ class Worker:
             self._clock, timer if timer is not None else functools.partial(call_later, self._clock)
         )
         self._executor: ThreadPoolExecutor | None = None
+        self._running = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
         self._claims: set[asyncio.Future[Any]] = set()
         self._room: asyncio.Event | None = None  # a batch loop waits on it for a free slot
@@ -516,7 +532,7 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 stream = await self._client.stream(
-                    prefetch=self.concurrency, lease_ms=self.lease_ms, queues=self.queues
+                    prefetch=self.prefetch, lease_ms=self.lease_ms, queues=self.queues
                 )
             except _FATAL as e:
                 self._give_up(e)
@@ -592,6 +608,7 @@ class Worker:
         self._leases.watch(lease, span / 2, keep)
         error: Exception | None = None
         try:
+            await self._running.acquire()
             try:  # (the handler is run here, not in a coroutine of its own: this is per task)
                 if self._is_async:
                     await self._handler(delivery.task)
@@ -600,6 +617,8 @@ class Worker:
                     await loop.run_in_executor(self._executor, self._handler, delivery.task)
             except Exception as e:
                 error = e
+            finally:
+                self._running.release()
         finally:
             lease.done = True
             self._leases.drop(lease)

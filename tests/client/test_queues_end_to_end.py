@@ -315,6 +315,41 @@ async def test_the_worker_extends_a_long_task_past_many_leases(
     assert (await client.stats()).totals.reclaimed == 0
 
 
+async def test_a_task_waiting_for_a_handler_keeps_its_lease(
+    client: AsyncClient, clock: FakeClock, transport: str
+) -> None:
+    """Over a stream the worker holds twice its concurrency: the task that waits for the one
+    handler has its lease kept all the while, as the running one has (over HTTP it is not
+    claimed until the handler is free)."""
+    first = await client.enqueue("long", queue="slow")
+    second = await client.enqueue("next", queue="slow")
+    hold = Hold()
+    worker_clock = WorkerClock()
+    worker = Worker(client, hold, concurrency=1, lease_ms=10_000, queues="slow", clock=worker_clock)
+    held = 2 if transport == "grpc" else 1
+    run = asyncio.ensure_future(worker.run())
+    try:
+        await asyncio.wait_for(hold.started.wait(), 5)
+        await wait_until(client.stats, lambda s: s.handed_out == held, what="the tasks in hand")
+        for _ in range(6):  # half a minute of broker time on 10-second leases
+            await worker_clock.sleeping()
+            await worker_clock.advance(5)
+            await wait_until(lambda: worker_clock.parked >= 1, what="the next extensions")
+            await settle()
+            clock.advance(5)
+            await settle()
+            assert (await client.stats()).handed_out == held
+        hold.release.set()
+        await wait_until(lambda: worker.succeeded == 2, what="both acks")
+    finally:
+        worker.stop()
+        await asyncio.wait_for(run, 10)
+    for task_id in (first, second):
+        with pytest.raises(NotFound):
+            await client.get_task(task_id)
+    assert (await client.stats()).totals.reclaimed == 0
+
+
 async def test_on_real_clocks_the_worker_keeps_leases_shorter_than_its_tasks(
     transport: str,
 ) -> None:

@@ -19,6 +19,7 @@ import pytest
 
 from tests.fake_clock import FakeClock
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
+from tests.helpers import settle
 from wqclient import AsyncClient, Overloaded, StreamingTransport, Task, Unavailable, WqError
 from wqclient.clock import Clock, SystemClock, call_later
 from wqclient.worker import TaskFailed, Worker, _Lease, _LeaseWatch
@@ -80,16 +81,27 @@ async def test_over_a_unary_transport_the_worker_runs_one_claim_loop_per_unit_of
     assert fake.calls_to("stream") == []
 
 
-async def test_over_a_streaming_transport_the_worker_opens_one_stream_of_its_concurrency() -> None:
+@pytest.mark.parametrize(("prefetch", "opened"), [(None, 8), (4, 4), (6, 6)])
+async def test_over_a_streaming_transport_the_worker_opens_one_stream_of_its_prefetch(
+    prefetch: int | None, opened: int
+) -> None:
     fake = FakeStreamingTransport()
-    async with running(fake, lambda task: None, concurrency=4, lease_ms=7_000):
+    async with running(
+        fake, lambda task: None, concurrency=4, prefetch=prefetch, lease_ms=7_000
+    ) as worker:
         task_id = fake.add("work")
         await fake.wait_until(lambda: fake.acked == [task_id])
         [stream] = fake.streams
-        assert (stream.prefetch, stream.lease_ms) == (4, 7_000)
+        assert (stream.prefetch, stream.lease_ms) == (opened, 7_000)  # (twice, by default)
+        assert worker.prefetch == opened
     assert fake.claims == []
     assert stream.closed
     assert stream.unsettled == {}
+
+
+def test_a_prefetch_below_the_concurrency_is_refused() -> None:
+    with pytest.raises(ValueError, match="prefetch must be at least the concurrency"):
+        Worker("grpc://127.0.0.1:1", lambda task: None, concurrency=4, prefetch=3)
 
 
 # -- outcomes -----------------------------------------------------------------------------------
@@ -160,8 +172,12 @@ async def test_concurrency_is_used_and_never_exceeded(fake: FakeTransport) -> No
     gate = Gate(3)
     async with running(fake, gate, concurrency=3):
         await asyncio.wait_for(gate.full.wait(), 5)
-        # Three in hand, the other seven left on the broker for somebody else.
-        assert (len(fake.held), len(fake.ready)) == (3, 7)
+        # Three in hand (over a stream three more waiting for a handler), the rest left on the
+        # broker for somebody else.
+        held = 6 if isinstance(fake, FakeStreamingTransport) else 3
+        await fake.wait_until(lambda: len(fake.held) == held)
+        await settle()
+        assert (len(fake.held), len(fake.ready), gate.peak) == (held, 10 - held, 3)
         gate.release.set()
         await fake.wait_until(lambda: len(fake.acked) == 10)
     assert sorted(fake.acked) == sorted(ids)
@@ -175,17 +191,20 @@ async def test_stop_lets_the_tasks_in_hand_finish_and_settle_and_claims_no_more(
     gate = Gate(2)
     async with AsyncClient(transport=fake) as client:
         worker = Worker(client, gate, concurrency=2)
+        held = 4 if isinstance(fake, FakeStreamingTransport) else 2  # (its prefetch)
         run = asyncio.ensure_future(worker.run())
         await asyncio.wait_for(gate.full.wait(), 5)
+        await fake.wait_until(lambda: len(fake.held) == held)
         worker.stop()
         if isinstance(fake, FakeStreamingTransport):
             await fake.wait_until(lambda: fake.streams[0].draining)
-        assert not run.done()  # still holding two tasks
+        assert not run.done()  # still holding its tasks
         gate.release.set()
         await asyncio.wait_for(run, 10)
         assert not fake.closed  # the client is the caller's: the worker leaves it open
-    assert sorted(fake.acked) == sorted(gate.seen) == ids[:2]
-    assert list(fake.ready) == ids[2:]
+    # The tasks in hand, those waiting for a handler too, are done; no other was claimed.
+    assert sorted(fake.acked) == sorted(gate.seen) == ids[:held]
+    assert list(fake.ready) == ids[held:]
     assert fake.held == {}
 
 
@@ -414,7 +433,7 @@ async def test_a_worker_on_a_grpc_stream_does_not_wait_for_its_acks_and_judges_t
             if len(done) == 21:
                 worker.stop()
 
-        worker = Worker(url, handler, concurrency=1, clock=FakeClock())  # (one in hand)
+        worker = Worker(url, handler, concurrency=1, prefetch=1, clock=FakeClock())  # (one)
         await asyncio.wait_for(worker.run(), 15)
         stats = await other.stats()
         assert stats.totals.acked == 20

@@ -86,6 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="how many tasks to work on at once (default 3)",
     )
     p.add_argument(
+        "-prefetch",
+        "--prefetch",
+        type=positive_int,
+        default=None,
+        help="over gRPC, how many tasks to hold at once: those worked on and those waiting for "
+        "a free slot, their leases kept (default twice -concurrency; -prefetch equal to "
+        "-concurrency takes a task only when a slot is free)",
+    )
+    p.add_argument(
         "-wait-ms",
         "--wait-ms",
         type=positive_int,
@@ -142,10 +151,15 @@ async def _main(args: argparse.Namespace) -> int:
         handler.close()
         print(f"wq-worker: {e.message}", file=sys.stderr)
         return 2
+    if args.prefetch is not None and args.prefetch < args.concurrency:
+        handler.close()
+        print("wq-worker: -prefetch must be at least -concurrency", file=sys.stderr)
+        return 2
     worker = Worker(
         client,
         handler,
         concurrency=args.concurrency,
+        prefetch=args.prefetch,
         wait_ms=args.wait_ms,
         lease_ms=args.lease_ms,
         queues=None if args.queue == [DEFAULT_QUEUE] else args.queue,  # as the spec's worker
