@@ -389,13 +389,12 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         did not read were not enqueued: the client sends them again."""
         call = asyncio.current_task()
         assert call is not None
-        requests = aiter(request_iterator)
         answers: asyncio.Queue[asyncio.Future[pb.ProduceResponse] | None] = asyncio.Queue(
             PRODUCE_AHEAD
         )
         writer = asyncio.ensure_future(self._answer(context, answers))
         try:
-            refusal = await self._read_batches(call, requests, answers, writer)
+            refusal = await self._read_batches(call, request_iterator, answers, writer)
             if not writer.done():
                 await answers.put(None)
             await writer  # (every batch read is answered, unless the caller went away)
@@ -409,14 +408,17 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def _read_batches(
         self,
         call: asyncio.Task[Any],
-        requests: AsyncIterator[pb.EnqueueBatchRequest],
+        request_iterator: AsyncIterator[pb.EnqueueBatchRequest],
         answers: asyncio.Queue[asyncio.Future[pb.ProduceResponse] | None],
         writer: asyncio.Future[None],
     ) -> Exception | None:
         """Read a Produce call's batches and start enqueueing each, until the client
         half-closes, the broker shuts down or the writer ends (the caller gone); what a read
         raised other than an undecodable batch (a refused token), to end the call with."""
-        while not writer.done() and not self._service.closing:
+        requests = aiter(request_iterator)
+        first = True  # (read even when the broker is stopping: grpc warns of a stream never read)
+        while not writer.done() and (first or not self._service.closing):
+            first = False
             self._producing.add(call)  # (only while it waits for the next batch)
             try:
                 request: pb.EnqueueBatchRequest | WqError = await anext(requests)
