@@ -584,6 +584,13 @@ class _Producer:
                 # Sent or not, nobody can tell: the answers could no longer be matched with
                 # their batches.
                 self.cancel("the sending of a batch was interrupted")
+                task = asyncio.current_task()
+                if task is not None and task.cancelling() == 0:
+                    # Not this caller cancelled, but the call under it (the client closing):
+                    # the batch is in doubt, as for a stream that broke.
+                    raise Unavailable(
+                        "the producing stream was cancelled (the client is closing)"
+                    ) from None
                 raise
         return await future
 
