@@ -844,7 +844,8 @@ def slow_link(q: bool) -> None:
             "producer: enqueue_many(100 tasks), 32 in flight",
             lambda u: _produce_rate(u, "many", n * 16, 32),
         ),
-        ("Worker(concurrency=64) draining a backlog", lambda u: _drain_once(u, n, 64)),
+        ("Worker() (concurrency=3) draining a backlog", lambda u: _drain_once(u, n * 2, 3)),
+        ("Worker(concurrency=64) draining a backlog", lambda u: _drain_once(u, n * 2, 64)),
         ("Worker(concurrency=512) draining a backlog", lambda u: _drain_once(u, n * 4, 512)),
         ("Worker(concurrency=2048) draining a backlog", lambda u: _drain_once(u, n * 8, 2048)),
     ]

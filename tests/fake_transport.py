@@ -480,6 +480,7 @@ class FakeStream:
         self.closed = False
         self.broken: StreamEnded | None = None
         self.stream_extends: list[str] = []  # ids of the tasks extended on this stream
+        self.resized: list[int] = []  # the prefetches set after the stream opened
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -532,6 +533,12 @@ class FakeStream:
         self._check_open()
         self.stream_extends.append(delivery.task.id)
         return await self.broker.extend(delivery.task.id, delivery.lease_id, lease_ms)
+
+    def set_prefetch(self, prefetch: int) -> None:
+        self._check_open()
+        self.prefetch = prefetch
+        self.resized.append(prefetch)
+        self.broker.notify()
 
     async def drain(self) -> int:
         self.draining = True

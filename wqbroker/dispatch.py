@@ -45,7 +45,7 @@ HandOver = Callable[[Delivery], Awaitable[None]]
 HandOverMany = Callable[[list[Delivery]], Awaitable[None]]
 
 # How many tasks the pump claims from the store in one call (one commit in a durable store).
-_PUMP_BATCH: Final = 128
+_PUMP_BATCH: Final = 1024
 
 Queues = tuple[str, ...]  # the queues a consumer takes from, in order of preference
 _DEFAULT_QUEUES: Final[Queues] = (DEFAULT_QUEUE,)
@@ -679,7 +679,9 @@ class Dispatcher:
             return None
         holder = self._stream_leases.get
         stream: Stream | None = None
+        count = 0
         for lease_id in lease_ids:
+            count += 1
             held = holder(lease_id)
             if held is None or (stream is not None and held is not stream):
                 return None
@@ -687,6 +689,8 @@ class Dispatcher:
         if stream is None or stream.gone() or self._in_line(stream):
             return None
         if self._lines.get(stream.queues):
+            return None
+        if stream.room + count <= 0:  # its prefetch was lowered: no slot is freed
             return None
         return stream
 
@@ -733,12 +737,33 @@ class Dispatcher:
         return wanted
 
     def _freed(self, stream: Stream) -> bool:
-        """One of the stream's slots is free. True if it went back in line for tasks."""
+        """One of the stream's slots is free. True if it went back in line for tasks (it has
+        room: after its prefetch was lowered, a freed slot may leave it still full)."""
         stream.room += 1
-        if not stream.closed and not stream.draining and not self._in_line(stream):
+        return self._back_in_line(stream)
+
+    def _back_in_line(self, stream: Stream) -> bool:
+        if (
+            stream.room > 0
+            and not stream.closed
+            and not stream.draining
+            and not self._in_line(stream)
+        ):
             self._join(stream)
             return True
         return False
+
+    async def resize(self, stream: Stream, prefetch: int) -> None:
+        """The stream's prefetch is ``prefetch`` from now on. Its room grows or shrinks by the
+        difference (below zero once it holds more than the new prefetch: nothing is taken back,
+        and it takes no task until it holds fewer); with room it goes back in line and is
+        pumped, without it leaves its line."""
+        stream.room += prefetch - stream.prefetch
+        stream.prefetch = prefetch
+        if stream.room <= 0:
+            self._leave(stream)
+        elif self._back_in_line(stream):
+            await self._pump_lines({stream.queues})
 
     # -- the pump ----------------------------------------------------------------------------
 

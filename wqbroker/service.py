@@ -353,6 +353,10 @@ class Service:
         names = limits.queues_value(queues)
         return await self._dispatch.open_stream(count, lease, names)
 
+    async def resize_stream(self, stream: Stream, prefetch: object) -> None:
+        """A stream's new prefetch (as for :meth:`open_stream`), from now on."""
+        await self._dispatch.resize(stream, limits.prefetch_value(prefetch))
+
     # -- settling ----------------------------------------------------------------------------
 
     @follow_through
@@ -430,7 +434,8 @@ class Service:
                 self._store.settle_claim(
                     ack_items,
                     nack_items,
-                    [refill.lease] * len(lease_ids),
+                    # (as many as it will have room for: fewer after its prefetch was lowered)
+                    [refill.lease] * min(len(lease_ids), refill.room + len(lease_ids)),
                     now=self._clock.now(),
                     queues=refill.queues,
                 ),

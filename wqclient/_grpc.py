@@ -69,6 +69,7 @@ _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _C
 log = logging.getLogger("wqclient")
 
 _MAX_MESSAGE = MAX_GRPC_MESSAGE
+_INT64_MAX: Final = 2**63 - 1
 
 Metadata = tuple[tuple[str, str], ...]
 
@@ -489,6 +490,15 @@ class GrpcStream:
             await asyncio.gather(*waiting, return_exceptions=True)
         refused, self._refused = self._refused, []
         return refused
+
+    def set_prefetch(self, prefetch: int) -> None:
+        """The stream's prefetch from now on: it goes out with the next request, ahead of the
+        settlements gathered in it (the broker applies it first). No answer comes."""
+        if isinstance(prefetch, bool) or not isinstance(prefetch, int) or prefetch < 1:
+            raise InvalidArgument(f"prefetch must be an integer from 1, got {prefetch!r}")
+        self._check_open()
+        self._gathering().prefetch = min(prefetch, _INT64_MAX)  # (the broker clamps it)
+        self._wake.set()
 
     def _send_drain(self) -> asyncio.Future[int]:
         if self._drained is None:

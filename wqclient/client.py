@@ -559,6 +559,13 @@ class Stream:
         """Extend a delivery's lease to now + ``lease_ms``; returns the new deadline."""
         return self._runner.run(self._stream.extend(delivery, _option("lease_ms", lease_ms)))
 
+    def set_prefetch(self, prefetch: int) -> None:
+        """Change the stream's prefetch (as AsyncStream.set_prefetch)."""
+        self._runner.run(self._set_prefetch(prefetch))
+
+    async def _set_prefetch(self, prefetch: int) -> None:
+        self._stream.set_prefetch(prefetch)
+
     def drain(self) -> int:
         """Ask for no new tasks; those already pushed still arrive. Returns how many
         deliveries are still unsettled (those on their way included), as the broker counts."""

@@ -61,6 +61,13 @@ class AsyncStream(Protocol):
         returns the new deadline. LeaseLost / NotFound as for an ack."""
         ...
 
+    def set_prefetch(self, prefetch: int) -> None:
+        """Change how many unsettled tasks the broker may push (at least 1): more are pushed
+        at once if it grows; if it shrinks, none is taken back, and none is pushed until fewer
+        than it are unsettled. It goes out with the next message, ahead of the settlements in
+        it. (A broker of an earlier version ignores it.)"""
+        ...
+
     async def drain(self) -> int:
         """Ask for no new tasks; those already pushed still arrive and must be settled. Returns
         the broker's answer: how many deliveries are still unsettled (those on their way

@@ -4,12 +4,15 @@ Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :clas
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
 with the exception's text (raise :class:`Retry` to retry after a delay of your choosing,
 :class:`Fail` to bury the task at once). Over a transport that can stream (gRPC) it consumes one
-stream whose prefetch is ``prefetch`` (twice the concurrency unless given: the tasks beyond the
-concurrency wait in the worker for a handler to be free, their leases kept, so that a handler
-that ends finds its next task at hand instead of waiting a round trip for it); over HTTP it
-claims for all its free slots at once (``claim_many``, one claim at a time), its acks and nacks
-going together; from a broker without batch claims it long-polls, one claim loop per unit of
-concurrency. Synchronous handlers run in a
+stream whose prefetch is ``prefetch``: the tasks beyond the concurrency wait in the worker for a
+handler to be free, their leases kept, so that a handler that ends finds its next task at hand
+instead of waiting a round trip for it. Over HTTP it claims for its free slots at once
+(``claim_many``, one claim at a time), its acks and nacks going together; from a broker without
+batch claims it long-polls, one claim loop per unit of concurrency. Given no ``prefetch``, how
+many tasks it holds follows its handlers (:class:`_Window`): twice the concurrency over gRPC (the
+concurrency over HTTP) while handlers are long against the broker's round trip, more while they
+are short, so a worker of short tasks is not bound by its round trips (up to AUTO_PREFETCH_MAX
+tasks and AUTO_PREFETCH_BYTES of payloads). Synchronous handlers run in a
 thread pool of that size, so they may block. On a gRPC stream a handler's ack is queued on the
 stream and its slot is free at once: the broker's answer is judged when it comes (a refusal is
 logged, as one waited for would be), and ``run()`` returns only once the broker has answered every
@@ -36,12 +39,13 @@ import asyncio
 import functools
 import inspect
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from wqclient.client import AsyncClient
 from wqclient.clock import Clock, SystemClock, Timer, call_later
@@ -65,8 +69,13 @@ log = logging.getLogger("wqclient.worker")
 
 Handler = Callable[[Task], Any]
 
-#: A gRPC worker's prefetch, by default: this many times its concurrency.
+#: A gRPC worker's prefetch, when none is given, starts at this many times its concurrency and
+#: never goes below it (see :class:`_Window`)...
 PREFETCH_FACTOR = 2
+#: ... and grows, while its handlers end fast against the broker's round trip, up to this many
+#: tasks (or the start, if more), and no more than this many bytes of payloads held.
+AUTO_PREFETCH_MAX = 4096
+AUTO_PREFETCH_BYTES = 32 * 1024 * 1024
 _BACKOFF_START = 0.1
 _BACKOFF_MAX = 5.0
 # How long stop() lets open claims come back before cancelling the ones still parked.
@@ -133,7 +142,10 @@ def _fields(task: Task, outcome: str) -> dict[str, object]:
 
 class _Settler(Protocol):
     """Where a delivery is settled and its lease extended: the client (claim loops) or the
-    stream it came on."""
+    stream it came on. ``window``: the stream's prefetch if it follows the handlers (each
+    handler's time is then told to :meth:`handled`), else None."""
+
+    window: _Window | None
 
     def ack(self, delivery: Delivery) -> Awaitable[None]: ...
 
@@ -147,12 +159,20 @@ class _Settler(Protocol):
 
     def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]: ...
 
+    def handled(self, delivery: Delivery, seconds: float) -> None: ...
+
 
 class _Unary:
-    """Settling and extending through the client's unary calls."""
+    """Settling and extending through the client's unary calls (``window``: how many tasks
+    batch claims hold, if it follows the handlers)."""
 
-    def __init__(self, client: AsyncClient) -> None:
+    def __init__(self, client: AsyncClient, window: _Window | None = None) -> None:
         self._client = client
+        self.window = window
+
+    def handled(self, delivery: Delivery, seconds: float) -> None:
+        if self.window is not None:
+            self.window.handled(seconds, len(delivery.task.payload_json))
 
     def ack(self, delivery: Delivery) -> Awaitable[None]:
         return self._client.ack(delivery)
@@ -191,13 +211,20 @@ class _OnStream:
     has answered every ack sent on it.)"""
 
     def __init__(
-        self, stream: AsyncStream, judge: Callable[[Delivery, asyncio.Future[Any]], None]
+        self,
+        stream: AsyncStream,
+        judge: Callable[[Delivery, asyncio.Future[Any]], None],
+        window: _Window | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._stream = stream
         self._ack_soon: Callable[[Delivery], asyncio.Future[Any]] | None = getattr(
             stream, "ack_soon", None
         )
         self._judge = judge
+        # The window is followed where acks are not waited for (their answers are timed).
+        self.window = window if self._ack_soon is not None else None
+        self._clock: Clock = clock or SystemClock()
 
     # (Each hands over the stream's own awaitable, or one already done: no coroutine per task.)
     def ack(self, delivery: Delivery) -> Awaitable[None]:
@@ -205,7 +232,31 @@ class _OnStream:
             return self._stream.ack(delivery, confirm=True)
         answer = self._ack_soon(delivery)  # (raises StreamEnded at once if the stream is over)
         answer.add_done_callback(functools.partial(self._judge, delivery))
+        window = self.window
+        if window is not None and not window.timing:
+            window.timing = True
+            answer.add_done_callback(functools.partial(self._answered, self._clock.monotonic()))
         return _DONE
+
+    def _answered(self, asked: float, answer: asyncio.Future[Any]) -> None:
+        window = self.window
+        assert window is not None
+        if answer.cancelled() or answer.exception() is not None:
+            window.timing = False  # (a refusal's time says nothing of the round trip)
+            return
+        self._resize(window.answered(self._clock.monotonic() - asked))
+
+    def handled(self, delivery: Delivery, seconds: float) -> None:
+        if self.window is not None:
+            self._resize(self.window.handled(seconds, len(delivery.task.payload_json)))
+
+    def _resize(self, size: int | None) -> None:
+        if size is not None:
+            log.debug("prefetch %d from now on", size)
+            try:
+                self._stream.set_prefetch(size)
+            except WqError:
+                pass  # the stream is over: a new one opens with this size
 
     def nack(
         self,
@@ -287,21 +338,115 @@ class _LeaseWatch:
         self._due.clear()
 
 
+class _Window:
+    """The prefetch of a gRPC worker given none: as many tasks as keep its handlers busy over
+    the broker's round trip, and no more.
+
+    A handler that ends takes its next task at once if the stream holds more tasks than the
+    handlers run; the broker sends the task that takes the ended one's place a round trip
+    later (its ack, the commit, the delivery). So the tasks beyond the concurrency are worth
+    holding while handlers are short against that round trip, and not otherwise (a task held
+    waits while another worker may be idle). The window is ``concurrency * (1 + 2 * trip /
+    handler)``: two round trips of work at hand, so one slow answer starves no handler; at
+    least ``floor`` (PREFETCH_FACTOR times the concurrency, the fixed default before), at most
+    ``cap`` tasks and ``budget`` bytes of payloads. ``handler`` follows a handler's time up at
+    once and down slowly (a burst of slow tasks shrinks the window before many more are taken;
+    fast ones grow it back over many tasks); ``trip`` is a moving average of an ack's answer
+    time, one ack timed at a time; ``payload``, of the payloads' sizes. The window changes
+    only by a quarter or more, so a steady workload sends no change at all."""
+
+    __slots__ = (
+        "concurrency",
+        "floor",
+        "cap",
+        "budget",
+        "size",
+        "handler",
+        "trip",
+        "payload",
+        "timing",
+    )
+
+    # How much of each new figure goes into the averages.
+    UP: Final = 0.5
+    DOWN: Final = 0.05
+    TRIP: Final = 0.2
+    # A change smaller than this share of the window is not made.
+    STEP: Final = 0.25
+
+    def __init__(self, concurrency: int, floor: int, cap: int, budget: int) -> None:
+        self.concurrency = concurrency
+        self.floor = floor
+        self.cap = max(cap, floor)
+        self.budget = budget
+        self.size = floor
+        self.handler: float | None = None  # seconds a handler runs
+        self.trip: float | None = None  # seconds from an ack sent to its answer
+        self.payload = 0.0  # bytes in a task's payload
+        self.timing = False  # an ack's answer is being timed
+
+    def handled(self, seconds: float, size: int) -> int | None:
+        """A handler ran ``seconds`` on a payload of ``size`` bytes: the new window, if it is
+        to change."""
+        self.payload += self.TRIP * (size - self.payload)
+        h = self.handler
+        if h is None:
+            self.handler = seconds
+        else:
+            self.handler = h + (self.UP if seconds > h else self.DOWN) * (seconds - h)
+            if seconds <= 4 * h:
+                return None  # (looked at once per round trip, unless handlers got much slower)
+        return self._resized()
+
+    def answered(self, seconds: float) -> int | None:
+        """An ack's answer came ``seconds`` after it was sent: the new window, if it is to
+        change."""
+        self.timing = False
+        t = self.trip
+        self.trip = seconds if t is None else t + self.TRIP * (seconds - t)
+        return self._resized()
+
+    def target(self) -> int:
+        h, t = self.handler, self.trip
+        if h is None or t is None:
+            return self.size
+        c = self.concurrency
+        if t <= 0:
+            want = c  # (no time measured: a clock that does not move)
+        elif t >= h * self.cap:
+            want = self.cap  # (handlers that take no time, or next to none)
+        else:
+            want = c + math.ceil(2 * c * t / h)
+        cap = min(self.cap, int(self.budget // max(1.0, self.payload)))
+        return max(self.floor, min(cap, want))
+
+    def _resized(self) -> int | None:
+        want = self.target()
+        if abs(want - self.size) < max(1, self.STEP * self.size):
+            return None
+        self.size = want
+        return want
+
+
 class Worker:
     """Runs ``handler`` on tasks from a broker until ``stop()``.
 
     ``broker``: a URL (the worker then makes and closes its own client, which takes its token
     and CA file from ``$WQ_TOKEN`` and ``$WQ_CA_FILE``) or an :class:`AsyncClient` (yours to
     close; ``AsyncClient(url, token=...)`` to give it a token, ``AsyncClient(transport=...)`` to
-    run on a transport of your own). At most ``concurrency`` handlers run at once; over gRPC the
-    stream holds ``prefetch`` tasks (default twice the concurrency; ``prefetch=concurrency`` takes
-    a task only when a handler is free, as a worker whose tasks are long and few may prefer, so
-    that another worker takes them meanwhile). Each claim long-polls up to ``wait_ms`` and holds
-    its task for ``lease_ms`` at first: while the task waits for a handler and while the handler
-    runs, the lease is extended by ``lease_ms`` each time half of it has gone by. ``queues``:
-    the queues to take tasks from, in order of preference (a list, or ``"a,b"``; default the
-    broker's, ``["default"]``). ``clock``: what lease extension measures time with (tests pass a
-    fake; default the system's).
+    run on a transport of your own). At most ``concurrency`` handlers run at once; the worker
+    holds ``prefetch`` tasks, those waiting for a handler included (over HTTP, in batch claims).
+    None (the default) lets it follow the handlers: twice the concurrency over gRPC (the
+    concurrency over HTTP) while they are long against the broker's round trip, up to
+    AUTO_PREFETCH_MAX while they are short (see the module's docstring).
+    ``prefetch=concurrency`` takes a task only when a handler is free, as a worker whose tasks
+    are long and few may prefer, so that another worker takes them meanwhile. Each claim
+    long-polls up to ``wait_ms`` and holds its task for ``lease_ms`` at first: while the task
+    waits for a handler and while the handler runs, the lease is extended by ``lease_ms`` each
+    time half of it has gone by. ``queues``: the queues to take tasks from, in order of
+    preference (a list, or ``"a,b"``; default the broker's, ``["default"]``). ``clock``: what
+    lease extension and the prefetch's window measure time with (tests pass a fake; default
+    the system's).
 
     ``run()`` raises :class:`~wqclient.Unauthenticated` or :class:`~wqclient.PermissionDenied`
     if the broker refuses the token, :class:`~wqclient.CertificateError` if its TLS certificate
@@ -322,10 +467,18 @@ class Worker:
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
-        if prefetch is None:
-            prefetch = PREFETCH_FACTOR * concurrency
-        if prefetch < concurrency:
+        if prefetch is not None and prefetch < concurrency:
             raise ValueError("prefetch must be at least the concurrency")
+        floor = PREFETCH_FACTOR * concurrency
+        # None: the prefetch follows the handlers (over a stream that can change it; batch
+        # claims from the concurrency up, as they held before).
+        self._window: _Window | None = None
+        self._batch_window: _Window | None = None
+        if prefetch is None:
+            self._window = _Window(concurrency, floor, AUTO_PREFETCH_MAX, AUTO_PREFETCH_BYTES)
+            self._batch_window = _Window(
+                concurrency, concurrency, AUTO_PREFETCH_MAX, AUTO_PREFETCH_BYTES
+            )
         self._client = broker if isinstance(broker, AsyncClient) else AsyncClient(broker)
         self._own_client = not isinstance(broker, AsyncClient)
         self._handler = handler
@@ -333,7 +486,7 @@ class Worker:
             getattr(handler, "__call__", None)  # noqa: B004
         )
         self.concurrency = concurrency
-        self.prefetch = prefetch
+        self._prefetch = floor if prefetch is None else prefetch
         self.wait_ms = wait_ms
         self.lease_ms = lease_ms
         self.queues = queues
@@ -357,6 +510,12 @@ class Worker:
     @property
     def client(self) -> AsyncClient:
         return self._client
+
+    @property
+    def prefetch(self) -> int:
+        """The stream's prefetch now: the one given, or where the window stands (a new stream
+        opens with it)."""
+        return self._prefetch if self._window is None else self._window.size
 
     def stop(self) -> None:
         """Stop claiming; tasks in hand finish and are settled. Safe to call more than once.
@@ -463,7 +622,8 @@ class Worker:
         broker turned out to have no batch claims: the claim loops take over."""
         in_flight: set[asyncio.Task[None]] = set()
         room = self._room = asyncio.Event()
-        settler = _Unary(self._client)
+        window = self._batch_window
+        settler = _Unary(self._client, window)
         create_task = asyncio.get_running_loop().create_task
         failures = [0]
 
@@ -473,7 +633,8 @@ class Worker:
 
         try:
             while not self._stopping.is_set():
-                free = self.concurrency - len(in_flight)
+                held = self._prefetch if window is None else window.size
+                free = held - len(in_flight)
                 if free <= 0:
                     room.clear()
                     await room.wait()
@@ -481,9 +642,14 @@ class Worker:
                 many = self._client.claim_many(
                     free, wait_ms=self.wait_ms, lease_ms=self.lease_ms, queues=self.queues
                 )
+                asked = self._clock.monotonic()
                 deliveries = await self._claimed(many, failures)
                 if deliveries is None:
                     return False  # stopped, or the token was refused
+                if window is not None and len(deliveries) == free:
+                    # A claim answered in full did not wait for tasks: its time is the round
+                    # trip a free handler would wait for its next task.
+                    window.answered(self._clock.monotonic() - asked)
                 for delivery in deliveries:
                     task = create_task(self._process(delivery, settler))
                     in_flight.add(task)
@@ -556,7 +722,7 @@ class Worker:
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
-        settler = _OnStream(stream, self._judge_ack)
+        settler = _OnStream(stream, self._judge_ack, self._window, self._clock)
 
         async def receive() -> WqError | None:
             create_task, process = asyncio.get_running_loop().create_task, self._process
@@ -607,8 +773,10 @@ class Worker:
         # Watched, not a task that sleeps: most handlers end long before it would be time.
         self._leases.watch(lease, span / 2, keep)
         error: Exception | None = None
+        timed = settler.window is not None
         try:
             await self._running.acquire()
+            started = self._clock.monotonic() if timed else 0.0
             try:  # (the handler is run here, not in a coroutine of its own: this is per task)
                 if self._is_async:
                     await self._handler(delivery.task)
@@ -619,6 +787,8 @@ class Worker:
                 error = e
             finally:
                 self._running.release()
+                if timed:
+                    settler.handled(delivery, self._clock.monotonic() - started)
         finally:
             lease.done = True
             self._leases.drop(lease)

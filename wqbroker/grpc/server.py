@@ -712,6 +712,8 @@ class _StreamCall:
     async def _apply(self, request: pb.StreamJobsRequest) -> None:
         # Never `self._settled += await ...`: that reads the list before the await, and the
         # writer may take (and send) it meanwhile; its outcomes would then be sent again.
+        if request.HasField("prefetch"):
+            await self._service.resize_stream(self._stream, request.prefetch)
         if request.extends:
             outcomes = await _extend(self._service, request.extends)
             self._settled.extend(outcomes)

@@ -21,7 +21,7 @@ from wqclient.client import AsyncClient
 from wqclient.errors import CertificateError, PermissionDenied, Unauthenticated, WqError
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
 from wqclient.models import DEFAULT_QUEUE, Task
-from wqclient.worker import TaskFailed, Worker
+from wqclient.worker import AUTO_PREFETCH_MAX, TaskFailed, Worker
 from wqwire.flags import LOG_FORMATS, FlagParser, bool_flag, positive_int, queue_list, setup_logging
 
 log = logging.getLogger("wqclient.worker")
@@ -90,9 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefetch",
         type=positive_int,
         default=None,
-        help="over gRPC, how many tasks to hold at once: those worked on and those waiting for "
-        "a free slot, their leases kept (default twice -concurrency; -prefetch equal to "
-        "-concurrency takes a task only when a slot is free)",
+        help="how many tasks to hold at once: those worked on and those waiting for a free "
+        "slot, their leases kept (default: it follows the handlers, from twice -concurrency "
+        f"over gRPC, or -concurrency over HTTP, up to {AUTO_PREFETCH_MAX} while tasks are short "
+        "against the "
+        "broker's round trip; -prefetch equal to -concurrency takes a task only when a slot "
+        "is free)",
     )
     p.add_argument(
         "-wait-ms",

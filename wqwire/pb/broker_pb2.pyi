@@ -1048,9 +1048,17 @@ class StreamJobsRequest(_message.Message):
     NACKS_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
     EXTENDS_FIELD_NUMBER: _builtins.int
+    PREFETCH_FIELD_NUMBER: _builtins.int
     drain: _builtins.bool
     """Stop pushing new tasks to this stream; tasks queued for it and not yet sent go back to ready.
     Answered with StreamJobsResponse.drained (the first drain only).
+    """
+    prefetch: _builtins.int
+    """A new prefetch for the stream, from this request on (as StreamOpen.prefetch: at least 1,
+    values above 10000 clamped to 10000; INVALID_ARGUMENT otherwise, which ends the call). Applied
+    before the request's settlements. A larger one pushes more tasks at once; a smaller one takes
+    back nothing already pushed: no task is pushed until fewer than it are unfinished. Not
+    answered. A broker of an earlier version ignores it (the prefetch stays as opened).
     """
     @_builtins.property
     def open(self) -> Global___StreamOpen:
@@ -1058,7 +1066,7 @@ class StreamJobsRequest(_message.Message):
 
     @_builtins.property
     def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___AckRequest]:
-        """Finish streamed (or any) tasks. Processed in order: extends, then acks, then nacks."""
+        """Finish streamed (or any) tasks. Processed in order: prefetch, extends, then acks, then nacks."""
 
     @_builtins.property
     def nacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___NackRequest]: ...
@@ -1076,12 +1084,15 @@ class StreamJobsRequest(_message.Message):
         nacks: _abc.Iterable[Global___NackRequest] | None = ...,
         drain: _builtins.bool = ...,
         extends: _abc.Iterable[Global___ExtendLeaseRequest] | None = ...,
+        prefetch: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["open", b"open"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prefetch", b"_prefetch", "open", b"open", "prefetch", b"prefetch"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks", "drain", b"drain", "extends", b"extends", "nacks", b"nacks", "open", b"open"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prefetch", b"_prefetch", "acks", b"acks", "drain", b"drain", "extends", b"extends", "nacks", b"nacks", "open", b"open", "prefetch", b"prefetch"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__prefetch: _TypeAlias = _typing.Literal["prefetch"]  # noqa: Y015
+    _WhichOneofArgType__prefetch: _TypeAlias = _typing.Literal["_prefetch", b"_prefetch"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__prefetch) -> _WhichOneofReturnType__prefetch | None: ...
 
 Global___StreamJobsRequest: _TypeAlias = StreamJobsRequest  # noqa: Y015
 
