@@ -530,9 +530,20 @@ def test_worker_sigterm_mid_flow_settles_what_it_holds(transport: str, tmp_path:
         url = client_url(broker, transport)
         produce_ok(tmp_path, url, "-n", str(total), "-concurrency", "50")
         # Three workers in turn, each signalled while busy: a shutdown race gets three chances.
+        # (A fixed prefetch: left to follow its quick handler, a worker would hold thousands of
+        # the tasks at once, and finish them all before it stops.)
         for cycle in range(1, 4):
             with worker_process(
-                tmp_path, url, "-concurrency", "16", "-wait-ms", "5000", "-lease-ms", "300000"
+                tmp_path,
+                url,
+                "-concurrency",
+                "16",
+                "-prefetch",
+                "32",
+                "-wait-ms",
+                "5000",
+                "-lease-ms",
+                "300000",
             ) as worker:
                 try:
                     wait_lines(tmp_path / "jobs.log", 700 * cycle)
