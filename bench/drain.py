@@ -7,8 +7,8 @@ working through tasks that are all ready before it starts.
 ``run`` starts ``Worker(URL, handler, concurrency=CONCURRENCY)`` and times it from ``run()`` to
 the moment the broker's ``acked`` total (``GET /stats``: read only once the handler has seen N
 tasks, so the polling costs the broker nothing while the worker drains) says all N are acked.
-URL is ``grpc://...`` (one stream, prefetch CONCURRENCY) or ``http://...`` (batch claims). Each
-prints one JSON line: ``{"n", "seconds", "rate"}`` for ``run``.
+URL is ``grpc://...`` (one stream) or ``http://...`` (batch claims), the Worker's prefetch left to
+follow its handlers. Each prints one JSON line: ``{"n", "seconds", "rate"}`` for ``run``.
 """
 
 from __future__ import annotations

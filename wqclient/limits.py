@@ -13,6 +13,7 @@ from typing import Final
 from wqwire.defaults import DEFAULT_LEASE_MS as DEFAULT_LEASE_MS
 from wqwire.defaults import DEFAULT_WAIT_MS as DEFAULT_WAIT_MS
 from wqwire.defaults import HTTP_PORT
+from wqwire.defaults import MAX_CLAIM_BATCH as MAX_CLAIM_BATCH
 from wqwire.defaults import MAX_LEASE_MS as MAX_LEASE_MS
 from wqwire.defaults import MAX_WAIT_MS as MAX_WAIT_MS
 

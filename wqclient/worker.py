@@ -61,7 +61,7 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS, MAX_LEASE_MS
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS, MAX_CLAIM_BATCH, MAX_LEASE_MS
 from wqclient.models import Delivery, Task
 from wqclient.transport import AsyncStream
 
@@ -339,21 +339,24 @@ class _LeaseWatch:
 
 
 class _Window:
-    """The prefetch of a gRPC worker given none: as many tasks as keep its handlers busy over
-    the broker's round trip, and no more.
+    """How many tasks a worker given no prefetch holds (its stream's prefetch over gRPC, its
+    batch claims over HTTP): as many as keep its handlers busy over the broker's round trip,
+    and no more.
 
-    A handler that ends takes its next task at once if the stream holds more tasks than the
+    A handler that ends takes its next task at once if the worker holds more tasks than the
     handlers run; the broker sends the task that takes the ended one's place a round trip
-    later (its ack, the commit, the delivery). So the tasks beyond the concurrency are worth
-    holding while handlers are short against that round trip, and not otherwise (a task held
-    waits while another worker may be idle). The window is ``concurrency * (1 + 2 * trip /
-    handler)``: two round trips of work at hand, so one slow answer starves no handler; at
-    least ``floor`` (PREFETCH_FACTOR times the concurrency, the fixed default before), at most
-    ``cap`` tasks and ``budget`` bytes of payloads. ``handler`` follows a handler's time up at
-    once and down slowly (a burst of slow tasks shrinks the window before many more are taken;
-    fast ones grow it back over many tasks); ``trip`` is a moving average of an ack's answer
-    time, one ack timed at a time; ``payload``, of the payloads' sizes. The window changes
-    only by a quarter or more, so a steady workload sends no change at all."""
+    later (its ack, the commit, the delivery; over HTTP, the next claim). So the tasks beyond
+    the concurrency are worth holding while handlers are short against that round trip, and
+    not otherwise (a task held waits while another worker may be idle). The window is
+    ``concurrency * (1 + 2 * trip / handler)``: two round trips of work at hand, so one slow
+    answer starves no handler; at least ``floor`` (over gRPC PREFETCH_FACTOR times the
+    concurrency, the fixed default before; over HTTP the concurrency), at most ``cap`` tasks
+    and ``budget`` bytes of payloads. ``handler`` follows a handler's time up at once and down
+    slowly (a burst of slow tasks shrinks the window before many more are taken; fast ones grow
+    it back over many tasks); ``trip`` is a moving average of the round trip (over gRPC an
+    ack's answer time, one ack timed at a time; over HTTP a claim answered in full); ``payload``,
+    of the payloads' sizes. The window changes only by a quarter or more, so a steady workload
+    sends no change at all."""
 
     __slots__ = (
         "concurrency",
@@ -634,7 +637,7 @@ class Worker:
         try:
             while not self._stopping.is_set():
                 held = self._prefetch if window is None else window.size
-                free = held - len(in_flight)
+                free = min(held - len(in_flight), MAX_CLAIM_BATCH)
                 if free <= 0:
                     room.clear()
                     await room.wait()

@@ -93,9 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="how many tasks to hold at once: those worked on and those waiting for a free "
         "slot, their leases kept (default: it follows the handlers, from twice -concurrency "
         f"over gRPC, or -concurrency over HTTP, up to {AUTO_PREFETCH_MAX} while tasks are short "
-        "against the "
-        "broker's round trip; -prefetch equal to -concurrency takes a task only when a slot "
-        "is free)",
+        "against the broker's round trip; -prefetch equal to -concurrency takes a task only "
+        "when a slot is free)",
     )
     p.add_argument(
         "-wait-ms",
