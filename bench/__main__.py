@@ -779,6 +779,42 @@ def drain(q: bool) -> None:
         )
 
 
+# -- listing a queue's tasks --------------------------------------------------------------------
+
+
+def listing(q: bool) -> None:
+    """A page of a queue's tasks (ListTasks, 100 a page) with a small and a large queue, ready
+    and delayed, on each store: the whole listing read page after page, each call timed."""
+    print("Listing a queue's tasks, 100 a page (ms per page)", flush=True)
+    big = 100_000 if q else 1_000_000
+    why = pg.unreachable()
+    found: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp, pg.scratch() as make:
+        stores: list[tuple[str, Callable[[str], tuple[str, ...]]]] = [
+            ("memory", lambda _: ()),
+            ("sqlite", lambda tag: ("-store", f"sqlite:{tmp}/{tag}.db")),
+        ]
+        if why is None:
+            stores.append(("postgres", lambda tag: ("-store", make(tag))))
+        for label, store in stores:
+            for state in ("ready", "delayed"):
+                for n in (1_000, big):
+                    tag = f"list_{state}_{n}"
+                    with broker(*store(tag), "-max-tasks", "0") as b:
+                        run_json("bench.listing", "fill", b.grpc, str(n), state, timeout=1800)
+                        r = run_json("bench.listing", "pages", b.grpc, state, "100", timeout=1800)
+                    found[f"{label} {state} {n}"] = r
+                    add(
+                        "listing",
+                        f"{label}: {n:,} {state} tasks, {r['pages']:,} pages",
+                        f"first {r['first_ms']:.2f}, median {r['median_ms']:.2f}, p99 "
+                        f"{r['p99_ms']:.2f}, last {r['last_ms']:.2f} ms",
+                    )
+    if why is not None:
+        add("listing", "PostgreSQL", f"unreachable ({why}): skipped")
+    RESULTS["listing"] = found
+
+
 # -- a slow link to the database -------------------------------------------------------------------
 
 LINK_DELAY_MS: Final = 20  # each way
@@ -1155,6 +1191,7 @@ SECTIONS = {
     "postgres": postgres,
     "drain": drain,
     "slowlink": slow_link,
+    "listing": listing,
 }
 
 

@@ -56,7 +56,12 @@ LAYERS: Final = {
 }
 # Test modules whose every test runs on PostgreSQL.
 POSTGRES_MODULES: Final = frozenset(
-    {"store/test_postgres.py", "e2e/test_postgres_cluster.py", "e2e/test_postgres_failover.py"}
+    {
+        "store/test_postgres.py",
+        "store/test_postgres_control.py",
+        "e2e/test_postgres_cluster.py",
+        "e2e/test_postgres_failover.py",
+    }
 )
 NODE_MODULE: Final = "e2e/test_node_client.py"
 # Test modules whose tests run one at a time (an xdist group: one worker takes them all).

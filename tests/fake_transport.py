@@ -5,9 +5,13 @@
 Hand either to ``AsyncClient(transport=...)``. They keep the broker's rules that a client can
 notice (leases, attempts, burial after ``max_attempts``, prefetch, reclaiming a closed stream's
 tasks, named queues claimed in the order listed, priorities (higher first, then oldest), paused
-queues, idempotency keys, lease extension, nack options, lookups, the DLQ's bulk operations) and
-leave out time: delays and backoff are not honoured (a task nacked with ``delay_ms`` is ready at
-once, as after any nack), idempotency keys never expire, and a lease never runs out unless a test
+queues, idempotency keys, lease extension, nack options, lookups, the DLQ's bulk operations, and
+task control: cancels (a handed-out task becomes cancelling: its extensions are refused with
+Cancelled, its stream is told, its nack drops it), listings with cursors, emptying and deleting
+queues, progress, and the new enqueue options, kept on the task) and leave out time: delays and
+backoff are not honoured (a task nacked with ``delay_ms`` is ready at once, as after any nack),
+idempotency keys never expire, tasks never expire, time limits are not enforced (make extensions
+raise TimeLimitReached with :meth:`FakeTransport.fail`), and a lease never runs out unless a test
 says so (:meth:`FakeTransport.take_away`).
 
 Tests steer them and watch them without sleeping: :meth:`FakeTransport.fail` makes the next calls
@@ -28,6 +32,8 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
 from wqclient import (
+    Cancelled,
+    Conflict,
     Delivery,
     Enqueued,
     EnqueueItem,
@@ -38,6 +44,7 @@ from wqclient import (
     Stats,
     StreamEnded,
     Task,
+    TaskPage,
     Totals,
     Unavailable,
     WqError,
@@ -73,6 +80,7 @@ class Counters:
     buried: int = 0
     requeued: int = 0
     purged: int = 0
+    cancelled: int = 0
 
 
 class FakeTransport:
@@ -94,6 +102,13 @@ class FakeTransport:
         self.calls: list[Call] = []
         self.claims: list[tuple[int | None, int | None]] = []  # (wait_ms, lease_ms) asked for
         self.purged: set[str] = set()
+        self.gone: set[str] = set()  # cancelled (or emptied out) for good
+        self.cancelling: set[str] = set()  # handed out, and cancelled meanwhile
+        self.progress: dict[str, bytes] = {}  # the last progress reported, while handed out
+        self.progress_reports: list[tuple[str, bytes]] = []  # (id, JSON text), in order
+        self.options: dict[str, EnqueueItem] = {}  # what each enqueue asked for, by task id
+        self._seq = itertools.count(1)  # positions, for listings (see _key)
+        self.position: dict[str, int] = {}  # a task's place in its state, for listings
         self.closed = False
         self.counters = Counters()
         self._failures: dict[str, deque[WqError]] = {}
@@ -110,9 +125,12 @@ class FakeTransport:
         max_attempts: int = 3,
         queue: str = DEFAULT_QUEUE,
         priority: int = 0,
+        timeout_ms: int | None = None,
     ) -> str:
         """Enqueue a task directly (no call recorded); returns its id."""
-        return self._add(json.dumps(payload).encode(), max_attempts, queue, priority)
+        return self._add(
+            json.dumps(payload).encode(), max_attempts, queue, priority, timeout_ms=timeout_ms
+        )
 
     def fail(self, op: str, error: WqError, times: int = 1) -> None:
         """Make the next ``times`` calls of ``op`` ("claim", "ack", "stream", ...) raise
@@ -148,9 +166,23 @@ class FakeTransport:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
+        *,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        unique: bool = False,
     ) -> Enqueued:
         self._call("enqueue")
-        item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        item = EnqueueItem(
+            payload_json,
+            max_attempts,
+            delay_ms,
+            queue,
+            priority,
+            idempotency_key,
+            expires_in_ms,
+            timeout_ms,
+            unique,
+        )
         self._check(item, "")
         return self._submit(item)
 
@@ -201,23 +233,138 @@ class FakeTransport:
         self._release(task_id, lease_id)
         self.nacked.append((task_id, error))
         self.nacks.append(Nack(task_id, error, delay_ms, terminal))
+        if task_id in self.cancelling:  # dropped, counted cancelled: no retry
+            self.cancelling.discard(task_id)
+            self.gone.add(task_id)
+            self.counters.cancelled += 1
+            self.notify()
+            return
         self.failed(task_id, error, terminal=terminal)
 
-    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
+    async def extend(
+        self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None
+    ) -> datetime:
         self._call("extend", task_id)
         if lease_ms is not None and lease_ms <= 0:
             raise InvalidArgument("lease_ms must be a positive integer")
         self._check_lease(task_id, lease_id)
+        if task_id in self.cancelling:
+            raise Cancelled(f"task {task_id} was cancelled")
+        if progress is not None:
+            if len(progress) > 4096:
+                raise InvalidArgument(f"progress must be at most 4096 bytes, got {len(progress)}")
+            json.loads(progress)  # (the fake trusts the client to send JSON)
+            self.progress[task_id] = progress
+            self.progress_reports.append((task_id, progress))
         self.extends.append((task_id, lease_ms))
         self.notify()
         return self.deadline(lease_ms)
 
+    async def cancel(self, task_id: str) -> str:
+        self._call("cancel", task_id)
+        if task_id in self.held:
+            if task_id not in self.cancelling:
+                self.cancelling.add(task_id)
+                self.told_cancel(task_id, self.held[task_id])
+            self.notify()
+            return "cancelling"
+        if task_id in self.ready:
+            self.ready.remove(task_id)
+            self.gone.add(task_id)
+            self.counters.cancelled += 1
+            self.notify()
+            return "cancelled"
+        if task_id in self.dead:
+            self.dead.remove(task_id)
+            self.purged.add(task_id)
+            self.counters.purged += 1
+            self.notify()
+            return "purged"
+        raise NotFound(f"task {task_id} not found")
+
+    def told_cancel(self, task_id: str, lease_id: str) -> None:
+        """A handed-out task was cancelled: whoever holds it on a stream is told (none here)."""
+
+    async def list_tasks(
+        self, queue: str | None, state: str | None, limit: int | None, cursor: str | None
+    ) -> TaskPage:
+        self._call("list_tasks")
+        name = DEFAULT_QUEUE if queue is None else queue
+        self._check_queue(name, "queue")
+        which = "ready" if state is None else state
+        count = 100 if limit is None else limit
+        if not 1 <= count <= 1000:
+            raise InvalidArgument(f"limit must be from 1 to 1000, got {count}")
+        members = {"ready": self.ready, "handed_out": self.held, "dead": self.dead, "delayed": ()}
+        if which not in members:
+            raise InvalidArgument(f"state {which!r} is not one of ready, delayed, handed_out, dead")
+        ids = sorted(
+            (i for i in members[which] if self.tasks[i].queue == name),
+            key=lambda i: self._key(i, which),
+        )
+        if cursor:
+            state_of, _, at = cursor.partition(":")
+            if state_of != which:
+                raise InvalidArgument(f"cursor is not one of this listing's: {cursor!r}")
+            after = tuple(int(n) for n in at.split(","))
+            ids = [i for i in ids if self._key(i, which) > after]
+        page = ids[:count]
+        tasks = [replace(self._view(i), state=which) for i in page]
+        more = len(ids) > count
+        next_cursor = f"{which}:" + ",".join(map(str, self._key(page[-1], which))) if more else None
+        return TaskPage(tasks, next_cursor)
+
+    def _key(self, task_id: str, state: str) -> tuple[int, ...]:
+        """A task's place in a listing of its state: ready ones by priority, then oldest."""
+        if state == "ready":
+            return (-self.tasks[task_id].priority, self.position[task_id])
+        return (self.position[task_id],)
+
+    async def empty_queue(self, queue: str) -> int:
+        self._call("empty_queue")
+        self._check_queue(queue, "queue")
+        if queue not in self.known_queues:
+            raise NotFound(f"queue {queue} not found")
+        ids = [i for i in self.ready if self.tasks[i].queue == queue]
+        for task_id in ids:
+            self.ready.remove(task_id)
+            self.gone.add(task_id)
+        self.counters.cancelled += len(ids)
+        self.notify()
+        return len(ids)
+
+    async def delete_queue(self, queue: str) -> None:
+        self._call("delete_queue")
+        self._check_queue(queue, "queue")
+        if queue not in self.known_queues:
+            raise NotFound(f"queue {queue} not found")
+        info = self._queue_info(queue)
+        if info.ready or info.handed_out or info.dead:
+            raise Conflict(
+                f"queue {queue} holds tasks: {info.ready} ready, {info.handed_out} handed out, "
+                f"0 delayed, {info.dead} dead"
+            )
+        self.known_queues.discard(queue)
+        self.paused.discard(queue)
+        self.notify()
+
     async def get_task(self, task_id: str) -> Task:
         self._call("get_task", task_id)
         task = self.tasks.get(task_id)
-        if task is None or task_id in self.acked or task_id in self.purged:
+        if task is None or task_id in self.acked or task_id in self.purged or task_id in self.gone:
             raise NotFound(f"task {task_id} not found")
-        return replace(task, state=self.state_of(task_id))
+        return replace(self._view(task_id), state=self.state_of(task_id))
+
+    def _view(self, task_id: str) -> Task:
+        """The task as a lookup shows it: with its progress and cancelling while handed out."""
+        task = self.tasks[task_id]
+        if task_id not in self.held:
+            return task
+        return replace(
+            task,
+            progress_json=self.progress.get(task_id),
+            cancelling=task_id in self.cancelling,
+        )
 
     def state_of(self, task_id: str) -> str:
         """The task's state as a lookup reports it (the fake has no delayed tasks)."""
@@ -261,6 +408,7 @@ class FakeTransport:
             buried=c.buried,
             requeued=c.requeued,
             purged=c.purged,
+            cancelled=c.cancelled,
         )
         return totals
 
@@ -347,6 +495,7 @@ class FakeTransport:
         self.ready.remove(task_id)
         task = replace(self.tasks[task_id], attempts=self.tasks[task_id].attempts + 1)
         self.tasks[task_id] = task
+        self.position[task_id] = next(self._seq)
         lease_id = self.held[task_id] = self._lease()
         self.counters.delivered += 1
         self.notify()
@@ -362,6 +511,7 @@ class FakeTransport:
         """A delivery of the task failed: it is retried at once, or buried when out of attempts
         (or ``terminal``)."""
         task = self.tasks[task_id] = replace(self.tasks[task_id], last_error=error)
+        self.position[task_id] = next(self._seq)
         if terminal or task.attempts >= task.max_attempts:
             self.dead.append(task_id)
             self.counters.buried += 1
@@ -374,6 +524,13 @@ class FakeTransport:
         """Take back a task held under ``lease_id`` whose holder went away (its stream ended)."""
         if self.held.get(task_id) == lease_id:
             del self.held[task_id]
+            self.progress.pop(task_id, None)
+            if task_id in self.cancelling:
+                self.cancelling.discard(task_id)
+                self.gone.add(task_id)
+                self.counters.cancelled += 1
+                self.notify()
+                return
             self.counters.reclaimed += 1
             self.failed(task_id, "reclaimed")
 
@@ -394,12 +551,25 @@ class FakeTransport:
         max_attempts: int,
         queue: str = DEFAULT_QUEUE,
         priority: int = 0,
+        timeout_ms: int | None = None,
+        expires_in_ms: int | None = None,
     ) -> str:
         task_id = f"t{next(self._ids)}"
         now = datetime.now(UTC)
+        expires_at = None if expires_in_ms is None else now + timedelta(milliseconds=expires_in_ms)
         self.tasks[task_id] = Task(
-            task_id, payload_json, 0, max_attempts, now, now, queue=queue, priority=priority
+            task_id,
+            payload_json,
+            0,
+            max_attempts,
+            now,
+            now,
+            queue=queue,
+            priority=priority,
+            timeout_ms=timeout_ms,
+            expires_at=expires_at,
         )
+        self.position[task_id] = next(self._seq)
         self.known_queues.add(queue)
         self.ready.append(task_id)
         self.counters.enqueued += 1
@@ -420,6 +590,12 @@ class FakeTransport:
         key = item.idempotency_key
         if key is not None and not (0 < len(key) <= 256 and key.isprintable()):
             raise InvalidArgument(f"{where}idempotency_key must be 1-256 printable characters")
+        if item.unique and key is None:
+            raise InvalidArgument(f"{where}unique needs an idempotency key")
+        for name in ("expires_in_ms", "timeout_ms"):
+            value = getattr(item, name)
+            if value is not None and not 1 <= value <= 31_536_000_000:
+                raise InvalidArgument(f"{where}{name} must be from 1 to 31536000000, got {value}")
 
     def _submit(self, item: EnqueueItem) -> Enqueued:
         queue = DEFAULT_QUEUE if item.queue is None else item.queue
@@ -428,7 +604,15 @@ class FakeTransport:
             if first is not None:
                 return Enqueued(first, duplicate=True)
         attempts = 3 if item.max_attempts is None else item.max_attempts
-        task_id = self._add(item.payload_json, attempts, queue, item.priority or 0)
+        task_id = self._add(
+            item.payload_json,
+            attempts,
+            queue,
+            item.priority or 0,
+            timeout_ms=item.timeout_ms,
+            expires_in_ms=item.expires_in_ms,
+        )
+        self.options[task_id] = item
         if item.idempotency_key is not None:
             self.keys[(queue, item.idempotency_key)] = task_id
         return Enqueued(task_id)
@@ -446,6 +630,7 @@ class FakeTransport:
     def _release(self, task_id: str, lease_id: str) -> None:
         self._check_lease(task_id, lease_id)
         del self.held[task_id]
+        self.progress.pop(task_id, None)
 
     def notify(self) -> None:
         """Wake everything waiting (in :meth:`until`) for a change."""
@@ -481,6 +666,29 @@ class FakeStream:
         self.broken: StreamEnded | None = None
         self.stream_extends: list[str] = []  # ids of the tasks extended on this stream
         self.resized: list[int] = []  # the prefetches set after the stream opened
+        self.on_cancel_callback: Callable[[str, str], None] | None = None
+        self.cancels: list[tuple[str, str]] = []  # told while no callback was set
+
+    def on_cancel(self, callback: Callable[[str, str], None] | None) -> None:
+        """As GrpcStream.on_cancel: cancels of the tasks this stream holds go to ``callback``."""
+        self.on_cancel_callback = callback
+        if callback is not None:
+            pending, self.cancels = self.cancels, []
+            for task_id, lease_id in pending:
+                callback(task_id, lease_id)
+
+    def take_cancels(self) -> list[tuple[str, str]]:
+        taken, self.cancels = self.cancels, []
+        return taken
+
+    def tell_cancel(self, task_id: str, lease_id: str) -> None:
+        """The broker tells this stream a task it holds was cancelled (a turn of the loop
+        later, as a message would come)."""
+        callback = self.on_cancel_callback
+        if callback is None:
+            self.cancels.append((task_id, lease_id))
+        else:
+            asyncio.get_running_loop().call_soon(callback, task_id, lease_id)
 
     def __aiter__(self) -> FakeStream:
         return self
@@ -529,10 +737,14 @@ class FakeStream:
         finally:
             self._settled(delivery)
 
-    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
+    async def extend(
+        self, delivery: Delivery, lease_ms: int | None, *, progress: bytes | None = None
+    ) -> datetime:
         self._check_open()
         self.stream_extends.append(delivery.task.id)
-        return await self.broker.extend(delivery.task.id, delivery.lease_id, lease_ms)
+        return await self.broker.extend(
+            delivery.task.id, delivery.lease_id, lease_ms, progress=progress
+        )
 
     def set_prefetch(self, prefetch: int) -> None:
         self._check_open()
@@ -590,6 +802,12 @@ class FakeStreamingTransport(FakeTransport):
         stream = FakeStream(self, prefetch, lease_ms, wanted)
         self.streams.append(stream)
         return stream
+
+    def told_cancel(self, task_id: str, lease_id: str) -> None:
+        """The stream that holds a task cancelled (if any) is told at once."""
+        for stream in self.streams:
+            if task_id in stream.unsettled and not stream.closed and stream.broken is None:
+                stream.tell_cancel(task_id, lease_id)
 
     def take_away(self, task_id: str) -> None:
         """As FakeTransport.take_away; a stream that had the task is finished with it (the

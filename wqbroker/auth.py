@@ -48,6 +48,8 @@ _BROKER: Final = "/wq.v1.Broker/"
 
 # Each scope a token can be granted, and the routes it opens. A token holds any number of them;
 # none implies another. A new scope is one more entry (the token file accepts every key here).
+# A route under several scopes is opened by any one of them (listing a queue's tasks: a worker's
+# business and an admin's).
 SCOPES: Final[Mapping[str, Routes]] = {
     "produce": Routes(
         http=("POST /jobs", "POST /jobs/batch"),
@@ -62,6 +64,7 @@ SCOPES: Final[Mapping[str, Routes]] = {
             "POST /jobs/{id}/extend",
             "GET /jobs/next/batch",
             "POST /jobs/settle",
+            "GET /jobs",
         ),
         grpc=(
             _BROKER + "NextJob",
@@ -69,6 +72,7 @@ SCOPES: Final[Mapping[str, Routes]] = {
             _BROKER + "Ack",
             _BROKER + "Nack",
             _BROKER + "ExtendLease",
+            _BROKER + "ListTasks",
         ),
     ),
     "admin": Routes(
@@ -79,6 +83,10 @@ SCOPES: Final[Mapping[str, Routes]] = {
             "DELETE /dlq/{id}",
             "POST /queues/{name}/pause",
             "POST /queues/{name}/resume",
+            "GET /jobs",
+            "DELETE /jobs/{id}",
+            "POST /queues/{name}/empty",
+            "DELETE /queues/{name}",
         ),
         grpc=(
             _BROKER + "ListDead",
@@ -87,6 +95,10 @@ SCOPES: Final[Mapping[str, Routes]] = {
             _BROKER + "PurgeDead",
             _BROKER + "PauseQueue",
             _BROKER + "ResumeQueue",
+            _BROKER + "ListTasks",
+            _BROKER + "CancelTask",
+            _BROKER + "EmptyQueue",
+            _BROKER + "DeleteQueue",
         ),
     ),
     # Prometheus scrapes (the broker's -metrics-public opens it to callers without a token).
@@ -136,7 +148,9 @@ class Access(enum.Enum):
     OPEN = "no token"
 
 
-Rule = str | Access  # a scope name, or one of Access
+Rule = str | tuple[str, ...] | Access
+"""A scope name; scope names, any of which will do (a route under several scopes, in the order
+of :data:`SCOPES`); or one of Access."""
 
 
 def _rules(kind: str) -> dict[str, Rule]:
@@ -148,10 +162,29 @@ def _rules(kind: str) -> dict[str, Rule]:
     ]
     for rule, routes in named:
         for route in getattr(routes, kind):
-            if route in table:
+            held = table.get(route)
+            if held is None:
+                table[route] = rule
+            elif isinstance(rule, str) and not isinstance(held, Access):
+                table[route] = (*scopes_of(held), rule)  # (another scope opens it too)
+            else:
                 raise ValueError(f"{route} has two rules")
-            table[route] = rule
     return table
+
+
+def scopes_of(rule: Rule) -> tuple[str, ...]:
+    """The scopes any one of which lets a call through ``rule`` (none for one of Access)."""
+    if isinstance(rule, Access):
+        return ()
+    return (rule,) if isinstance(rule, str) else rule
+
+
+def describe_rule(rule: Rule) -> str:
+    """``rule`` for a person: ``the admin scope``, ``the consume or admin scope``, ``any valid
+    token``, ``no token``."""
+    if isinstance(rule, Access):
+        return rule.value
+    return f"the {' or '.join(scopes_of(rule))} scope"
 
 
 HTTP_RULES: Final[Mapping[str, Rule]] = _rules("http")
@@ -289,9 +322,14 @@ class Tokens:
         scopes = self._scopes.get(_digest(_bearer(authorization, what)))
         if scopes is None:
             raise Unauthenticated(f"unknown token: {what} needs a valid bearer token")
-        if rule is Access.ANY or rule in scopes:
+        if rule is Access.ANY:
             return
-        raise PermissionDenied(f"{what} needs a token with the {rule} scope")
+        if isinstance(rule, str):
+            if rule in scopes:
+                return
+        elif isinstance(rule, tuple) and not scopes.isdisjoint(rule):
+            return
+        raise PermissionDenied(f"{what} needs a token with {describe_rule(rule)}")
 
 
 def _bearer(authorization: str | None, what: str) -> str:

@@ -157,7 +157,17 @@ class Stream(Consumer):
     reclaims the ones it passed on and that are still unfinished.
     """
 
-    __slots__ = ("prefetch", "draining", "_dispatcher", "_pending", "_waiter", "_sent")
+    __slots__ = (
+        "prefetch",
+        "draining",
+        "_dispatcher",
+        "_pending",
+        "_waiter",
+        "_sent",
+        "_cancels",
+        "_told",
+        "_cancel_on_take",
+    )
 
     def __init__(
         self,
@@ -173,6 +183,11 @@ class Stream(Consumer):
         self._pending: deque[Delivery] = deque()  # pushed to us, not yet taken by next()
         self._waiter: asyncio.Future[None] | None = None
         self._sent: dict[str, str] = {}  # lease_id -> task_id, taken by next() and unfinished
+        # Cancels to tell the worker, (task_id, lease_id), oldest first; the leases told so far
+        # (each is told once); those of deliveries not yet taken (told once they are).
+        self._cancels: list[tuple[str, str]] = []
+        self._told: set[str] = set()
+        self._cancel_on_take: set[str] = set()
 
     def gone(self) -> bool:
         # A draining stream takes no new task, also one claimed for it before the drain (by a
@@ -226,7 +241,30 @@ class Stream(Consumer):
                 continue  # reclaimed (its lease ran out) before the worker took it
             self._sent[delivery.lease_id] = delivery.task.id
             out.append(delivery)
+            if self._cancel_on_take and delivery.lease_id in self._cancel_on_take:
+                self._cancel_on_take.discard(delivery.lease_id)
+                self._tell_cancel(delivery.task.id, delivery.lease_id)
         return out
+
+    def cancel(self, lease_id: str) -> None:
+        """The task this stream holds under ``lease_id`` was cancelled: tell the worker (once;
+        for a delivery not yet taken, once it is)."""
+        task_id = self._sent.get(lease_id)
+        if task_id is not None:
+            self._tell_cancel(task_id, lease_id)
+        elif any(d.lease_id == lease_id for d in self._pending):
+            self._cancel_on_take.add(lease_id)
+
+    def _tell_cancel(self, task_id: str, lease_id: str) -> None:
+        if lease_id not in self._told:
+            self._told.add(lease_id)
+            self._cancels.append((task_id, lease_id))
+            self.poke()
+
+    def take_cancels(self) -> list[tuple[str, str]]:
+        """The cancels to tell the worker, (task_id, lease_id), oldest first; taken."""
+        cancels, self._cancels = self._cancels, []
+        return cancels
 
     @property
     def unsettled(self) -> int:
@@ -259,6 +297,8 @@ class Stream(Consumer):
 
     def finished(self, lease_id: str) -> None:
         self._sent.pop(lease_id, None)
+        if self._told:
+            self._told.discard(lease_id)
         if self.draining:
             self.poke()  # an adapter may be waiting for the last one to be settled
 
@@ -670,6 +710,14 @@ class Dispatcher:
             else:
                 await self._pump_lines(wanted)
 
+    def cancelled(self, lease_ids: Iterable[str]) -> None:
+        """Tasks under these leases were cancelled (here or on another broker): the streams of
+        this broker that hold them tell their workers."""
+        for lease_id in lease_ids:
+            stream = self._stream_leases.get(lease_id)
+            if stream is not None:
+                stream.cancel(lease_id)
+
     def refill_for(self, lease_ids: Iterable[str]) -> Stream | None:
         """The stream whose slots the settlement of ``lease_ids`` frees, if its successors can
         be claimed in the same transaction (:meth:`refilled`): every lease is held by that one
@@ -740,7 +788,13 @@ class Dispatcher:
         """One of the stream's slots is free. True if it went back in line for tasks (it has
         room: after its prefetch was lowered, a freed slot may leave it still full)."""
         stream.room += 1
-        return self._back_in_line(stream)
+        # (_back_in_line, inline: this runs for every task a stream finishes)
+        if stream.room > 0 and not stream.closed and not stream.draining:
+            line = self._lines.get(stream.queues)
+            if line is None or stream not in line:
+                self._join(stream)
+                return True
+        return False
 
     def _back_in_line(self, stream: Stream) -> bool:
         if (

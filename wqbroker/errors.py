@@ -39,6 +39,20 @@ class LeaseLost(WqError):
     """The task is held, but under a different lease: the caller's lease is no longer valid."""
 
 
+class Cancelled(LeaseLost):
+    """The task was cancelled while its caller held it: its lease is not extended (an ack still
+    counts; a nack, or the lease running out, drops it)."""
+
+
+class TimeLimitReached(LeaseLost):
+    """The task's lease cannot be extended past its time limit (``timeout_ms`` from hand-out):
+    it runs out, and the task is retried or buried."""
+
+
+class Conflict(WqError):
+    """The request cannot be done in the present state (a queue that still holds tasks)."""
+
+
 class PayloadTooLarge(WqError):
     """The request body or payload is over the configured size limit."""
 

@@ -25,7 +25,8 @@ R = TypeVar("R")
 
 #: The store calls that change something, as :meth:`Events.store_call` names them: ``settle`` is
 #: an ack, a nack or a batch of both; ``requeue`` one task or every dead one; ``pause`` a pause
-#: or a resume; ``sweep`` one that reclaimed or promoted something.
+#: or a resume; ``sweep`` one that reclaimed, promoted or expired something; ``cancel`` a task's
+#: cancel or a queue emptied; ``queue`` a queue deleted.
 Operation = Literal[
     "enqueue",
     "claim",
@@ -37,6 +38,8 @@ Operation = Literal[
     "requeue",
     "purge",
     "pause",
+    "cancel",
+    "queue",
 ]
 OPERATIONS: Final[tuple[Operation, ...]] = get_args(Operation)
 

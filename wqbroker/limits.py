@@ -15,7 +15,7 @@ from typing import Final
 
 from wqbroker import codec
 from wqbroker.errors import InvalidArgument, PayloadTooLarge
-from wqbroker.models import DEFAULT_QUEUE
+from wqbroker.models import DEFAULT_QUEUE, LIST_STATES
 
 # The spec's defaults and caps, and ours on what it leaves open, as the wire contract states them
 # (wqwire.defaults: the client reads the same figures).
@@ -39,6 +39,13 @@ MAX_MAX_ATTEMPTS: Final = 2**31 - 1
 MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000
 MAX_ERROR_BYTES: Final = 8 * 1024  # a nack's error text is cut to this (UTF-8), saying so
+
+# Control over tasks (docs/design/control.md).
+MAX_EXPIRES_IN_MS: Final = MAX_DELAY_MS  # a year
+MAX_TIMEOUT_MS: Final = MAX_DELAY_MS
+MAX_PROGRESS_BYTES: Final = 4096
+DEFAULT_LIST_LIMIT: Final = 100
+MAX_LIST_LIMIT: Final = 1000
 
 # Queues, priorities, idempotency keys.
 MAX_QUEUE_NAME: Final = 64
@@ -292,3 +299,60 @@ def flag_value(name: str, value: object | None) -> bool:
 def retry_delay_seconds(value: object | None) -> float | None:
     """A nack's ``delay_ms``: retry after exactly this long (None: the backoff decides)."""
     return None if value is None else delay_seconds(value)
+
+
+def _duration_ms(name: str, value: object | None, cap: int) -> float | None:
+    """An optional duration of 1 ms to ``cap`` ms (refused outside): seconds, or None."""
+    if value is None:
+        return None
+    n = integer(name, value)
+    if not 1 <= n <= cap:
+        raise InvalidArgument(f"{name} must be from 1 to {cap} (a year), got {n}")
+    return n / 1000.0
+
+
+def expires_in_seconds(value: object | None) -> float | None:
+    """``expires_in_ms``: 1 ms to a year; None when absent (never expires)."""
+    return _duration_ms("expires_in_ms", value, MAX_EXPIRES_IN_MS)
+
+
+def timeout_seconds(value: object | None) -> float | None:
+    """``timeout_ms``: 1 ms to a year; None when absent (no time limit)."""
+    return _duration_ms("timeout_ms", value, MAX_TIMEOUT_MS)
+
+
+def progress_value(data: bytes | None) -> bytes | None:
+    """A progress report: one JSON value, at most MAX_PROGRESS_BYTES of text; None when absent.
+    Kept as received."""
+    if data is None:
+        return None
+    if len(data) > MAX_PROGRESS_BYTES:
+        raise InvalidArgument(
+            f"progress must be at most {MAX_PROGRESS_BYTES} bytes of JSON, got {len(data)}"
+        )
+    if isinstance(data, codec.JsonText):
+        return data
+    if not data:
+        raise InvalidArgument("progress must be one JSON value, got nothing")
+    return codec.validate_json(data, "progress")
+
+
+def list_limit_value(value: object | None) -> int:
+    """A task listing's ``limit``: 1 to MAX_LIST_LIMIT, DEFAULT_LIST_LIMIT when absent."""
+    if value is None:
+        return DEFAULT_LIST_LIMIT
+    n = integer("limit", value)
+    if not 1 <= n <= MAX_LIST_LIMIT:
+        raise InvalidArgument(f"limit must be from 1 to {MAX_LIST_LIMIT}, got {n}")
+    return n
+
+
+def list_state_value(value: object | None) -> str:
+    """A task listing's ``state``: one of LIST_STATES, ``ready`` when absent."""
+    if value is None:
+        return "ready"
+    if not isinstance(value, str):
+        raise InvalidArgument(f"state must be a string, got {describe(value)}")
+    if value not in LIST_STATES:
+        raise InvalidArgument(f"state {_quote(value)} is not one of {', '.join(LIST_STATES)}")
+    return value

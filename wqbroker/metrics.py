@@ -67,6 +67,9 @@ _TOTAL_HELP: Final = {
     "buried": "Tasks moved to the dead-letter queue.",
     "requeued": "Dead tasks requeued.",
     "purged": "Dead tasks dropped for good.",
+    "cancelled": "Tasks cancelled: ready or delayed ones at once (a cancel, a queue emptied), "
+    "cancelling ones once nacked or their lease ran out.",
+    "expired": "Tasks dropped unhanded at their expiry (expires_in_ms).",
 }
 _GAUGES: Final = {
     "ready": "Tasks ready to be handed out.",
@@ -355,6 +358,12 @@ class _StateCollector:
                 value = max(getattr(report.totals, name), high.get(key, 0))
                 high[key] = value
                 totals[name].add_metric(label, value)
+        if len(high) > len(reports) * len(_TOTALS):
+            # A queue deleted (DELETE /queues/{name}) forgot its totals: so do these, so that
+            # one made again under its name counts from 0 (a counter reset), not from its peak.
+            names = {report.queue.name for report in reports}
+            for key in [key for key in high if key[1] not in names]:
+                del high[key]
         yield from gauges.values()
         yield from (paused, age)
         yield from totals.values()

@@ -19,6 +19,8 @@ READY: Final = "ready"
 HANDED_OUT: Final = "handed_out"
 DELAYED: Final = "delayed"
 DEAD: Final = "dead"
+#: The states a listing can be asked for, in the order the API names them.
+LIST_STATES: Final = (READY, DELAYED, HANDED_OUT, DEAD)
 
 
 @dataclass(slots=True)
@@ -34,6 +36,11 @@ class Task:
     last_error: str | None = None
     queue: str = DEFAULT_QUEUE
     priority: int = 0  # 0-9, higher first
+    # The extensions of docs/design/control.md; the defaults mean "not set".
+    expires_at: float | None = None  # epoch seconds: never handed out at or after this
+    timeout: float | None = None  # seconds one attempt may run
+    progress: bytes | None = None  # JSON text, while handed out
+    cancelling: bool = False  # handed out, and a cancel came
 
 
 @dataclass(slots=True)
@@ -55,7 +62,8 @@ class TaskState:
 
 @dataclass(slots=True)
 class NewTask:
-    """A checked task to enqueue. ``key``: its idempotency key, remembered until ``key_until``."""
+    """A checked task to enqueue. ``key``: its idempotency key, remembered until ``key_until``
+    (or, ``unique``, while the task is active, and not in the window)."""
 
     payload: bytes
     max_attempts: int
@@ -64,6 +72,9 @@ class NewTask:
     priority: int = 0
     key: str | None = None
     key_until: float = 0.0
+    expires_at: float | None = None  # epoch seconds (see Task)
+    timeout: float | None = None  # seconds (see Task)
+    unique: bool = False  # ``key`` holds while the task is ready, delayed or handed out
 
 
 @dataclass(slots=True)
@@ -77,7 +88,8 @@ class Delivery:
 
 @dataclass(slots=True)
 class Totals:
-    """Lifetime counters. ``nacked + reclaimed == retried + buried`` always holds."""
+    """Lifetime counters. ``nacked + reclaimed == retried + buried`` always holds, and the four
+    gauges add up to ``enqueued - acked - purged - cancelled - expired``."""
 
     enqueued: int = 0
     delivered: int = 0
@@ -88,6 +100,8 @@ class Totals:
     buried: int = 0
     requeued: int = 0
     purged: int = 0  # dead tasks dropped for good (DELETE /dlq/{id})
+    cancelled: int = 0  # ready or delayed tasks cancelled, cancelling ones that came back
+    expired: int = 0  # tasks dropped unhanded at their expiry
 
     def copy(self) -> Totals:
         return replace(self)
@@ -149,12 +163,46 @@ class Failure:
     task_id: str
     buried: bool  # True: moved to the dead-letter queue; False: delayed for a retry
     retry_at: float | None  # when it becomes ready again (None when buried)
+    cancelled: bool = False  # True: it was cancelling, and is gone (neither retried nor buried)
+
+
+# What a cancel did (CancelResult.state).
+CANCELLED: Final = "cancelled"  # a ready or delayed task: gone
+CANCELLING: Final = "cancelling"  # a handed-out task: gone once its holder nacks or lets go
+PURGED: Final = "purged"  # a dead task: dropped, as DELETE /dlq/{id}
+
+
+@dataclass(slots=True)
+class CancelResult:
+    """What a cancel did: ``state`` is CANCELLED, CANCELLING or PURGED. A cancelling task's
+    ``lease_id`` is the lease its holder has (to tell the stream holding it, on any broker)."""
+
+    task_id: str
+    state: str
+    queue: str
+    lease_id: str | None = None
+
+
+#: Where a listing stands: the key of the last task of a page (a store's own numbers, at most
+#: three of them); the next page starts after it.
+ListKey = tuple[float, ...]
+
+
+@dataclass(slots=True)
+class TaskPage:
+    """A page of a queue's tasks in one state, and where the next starts (None: no more)."""
+
+    tasks: list[TaskState]
+    after: ListKey | None
 
 
 @dataclass(slots=True)
 class SweepResult:
     """What one sweep did."""
 
-    reclaimed: list[tuple[str, str]] = field(default_factory=list)  # (task_id, lease_id)
+    # (task_id, lease_id) of every lease that ran out: its task retried, buried, or (cancelling)
+    # gone, counted cancelled.
+    reclaimed: list[tuple[str, str]] = field(default_factory=list)
     promoted: int = 0  # delayed tasks moved to ready
     ready_queues: set[str] = field(default_factory=set)  # queues where tasks became ready
+    expired: int = 0  # ready or delayed tasks dropped at their expiry

@@ -10,10 +10,13 @@ and every store call that changes something is timed for it, here or in the disp
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
+import math
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from wqbroker import limits
 from wqbroker.clock import Clock
@@ -31,9 +34,11 @@ from wqbroker.events import Events, timed, timed_if
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import (
     DEFAULT_QUEUE,
+    CancelResult,
     Delivery,
     Enqueued,
     Failure,
+    ListKey,
     NackItem,
     NewTask,
     QueueReport,
@@ -43,7 +48,7 @@ from wqbroker.models import (
     Task,
     TaskState,
 )
-from wqbroker.store import ReadyListener, Store
+from wqbroker.store import CancelListener, ReadyListener, Store
 from wqbroker.sweeper import Sweeper
 
 log = logging.getLogger("wqbroker.service")
@@ -65,6 +70,9 @@ class Submission:
     queue: object | None = None
     priority: object | None = None
     key: object | None = None  # its idempotency key
+    expires_in_ms: object | None = None
+    timeout_ms: object | None = None
+    unique: object | None = None  # the key holds while the task is active
 
 
 class Service:
@@ -103,6 +111,8 @@ class Service:
         self._next_poll = 0.0
         if isinstance(store, ReadyListener):
             store.on_ready(self._ready_elsewhere)
+        if isinstance(store, CancelListener):
+            store.on_cancel(self._cancelled_elsewhere)
         # Feed waiting consumers after an enqueue or an ack in the background rather than before
         # answering (a shared store: each hand-out is a round trip to the database).
         self._later = store.shared
@@ -174,11 +184,28 @@ class Service:
         queue: object | None = None,
         priority: object | None = None,
         key: object | None = None,
+        expires_in_ms: object | None = None,
+        timeout_ms: object | None = None,
+        unique: object | None = None,
     ) -> Enqueued:
         """Accept a task. ``payload`` is JSON text (checked here: present, within the size
         limit, valid JSON). With an idempotency ``key`` seen in the same queue within the
-        window, nothing is created and the first task's id comes back as a duplicate."""
-        new = self._checked(Submission(payload, max_attempts, delay_ms, queue, priority, key))
+        window (``unique``: held by a task still ready, delayed or handed out), nothing is
+        created and the first task's id comes back as a duplicate. ``expires_in_ms``,
+        ``timeout_ms``: see docs/design/control.md."""
+        new = self._checked(
+            Submission(
+                payload,
+                max_attempts,
+                delay_ms,
+                queue,
+                priority,
+                key,
+                expires_in_ms,
+                timeout_ms,
+                unique,
+            )
+        )
         self._room_for((new,))
         now = self._clock.now()
         done = await timed(self._events, "enqueue", self._store.enqueue_many((new,), now=now))
@@ -268,7 +295,7 @@ class Service:
     def _checked(self, item: Submission) -> NewTask:
         # (Options left to their defaults skip their checks: this runs for every task.)
         key = None if item.key is None else limits.key_value(item.key)
-        return NewTask(
+        new = NewTask(
             limits.payload_value(item.payload, self.max_payload),
             limits.DEFAULT_MAX_ATTEMPTS
             if item.max_attempts is None
@@ -279,6 +306,25 @@ class Service:
             key,
             self._clock.now() + self.dedup_window if key is not None else 0.0,
         )
+        if (
+            item.expires_in_ms is not None
+            or item.timeout_ms is not None
+            or item.unique is not None  # (not falsy: "unique": 0 is refused, not taken as false)
+        ):
+            self._controlled(new, item)
+        return new
+
+    def _controlled(self, new: NewTask, item: Submission) -> None:
+        """The options of docs/design/control.md, checked onto ``new``."""
+        expires_in = limits.expires_in_seconds(item.expires_in_ms)
+        if expires_in is not None:
+            new.expires_at = self._clock.now() + expires_in
+        new.timeout = limits.timeout_seconds(item.timeout_ms)
+        if limits.flag_value("unique", item.unique):
+            if new.key is None:
+                raise InvalidArgument("unique needs an idempotency key (the key it keeps unique)")
+            new.unique = True
+            new.key_until = 0.0
 
     # -- consuming ---------------------------------------------------------------------------
 
@@ -458,17 +504,73 @@ class Service:
 
     @follow_through
     async def extend(
-        self, task_id: object, lease_id: object, lease_ms: object | None = None
+        self,
+        task_id: object,
+        lease_id: object,
+        lease_ms: object | None = None,
+        *,
+        progress: bytes | None = None,
     ) -> float:
         """Extend a lease: the new deadline (returned, epoch seconds) is now + ``lease_ms``
-        (default and cap as for claims)."""
+        (default and cap as for claims; never past the task's time limit). ``progress``: JSON
+        text to record on the task. Cancelled if the task was cancelled, TimeLimitReached at
+        its limit."""
         tid, lid = _ack_item((task_id, lease_id))
         lease = limits.lease_seconds(lease_ms)
+        report = limits.progress_value(progress)
         deadline = await timed(
-            self._events, "extend", self._store.extend(tid, lid, lease=lease, now=self._clock.now())
+            self._events,
+            "extend",
+            self._store.extend(tid, lid, lease=lease, now=self._clock.now(), progress=report),
         )
         self._sweeper.wake_by(deadline)  # a shortened lease is reclaimed at its new deadline
         return deadline
+
+    # -- control over tasks (docs/design/control.md) ------------------------------------------
+
+    @follow_through
+    async def cancel(self, task_id: object) -> CancelResult:
+        """Cancel a task: a ready or delayed one is gone, a handed-out one cancelling (its holder
+        told, on a stream at once), a dead one purged. NotFound for an unknown task."""
+        tid = limits.id_value("id", task_id)
+        result = await timed(self._events, "cancel", self._store.cancel(tid, now=self._clock.now()))
+        if result.lease_id is not None:
+            self._dispatch.cancelled((result.lease_id,))
+        return result
+
+    def _cancelled_elsewhere(self, lease_ids: Iterable[str]) -> None:
+        """Another broker made tasks cancelling: tell the streams of ours that hold them."""
+        self._dispatch.cancelled(lease_ids)
+
+    async def list_tasks(
+        self,
+        queue: object | None = None,
+        state: object | None = None,
+        limit: object | None = None,
+        cursor: object | None = None,
+    ) -> tuple[list[TaskState], str | None]:
+        """A page of a queue's tasks in one state, and the cursor of the next page (None at the
+        end)."""
+        name = limits.queue_value(queue)
+        which = limits.list_state_value(state)
+        count = limits.list_limit_value(limit)
+        after = None if cursor is None or cursor == "" else decode_cursor(cursor, which)
+        page = await self._store.list_tasks(name, which, limit=count, after=after)
+        return page.tasks, None if page.after is None else encode_cursor(which, page.after)
+
+    @follow_through
+    async def empty_queue(self, queue: object) -> int:
+        """Cancel every ready and delayed task of a queue: how many. NotFound if unknown."""
+        name = limits.queue_value(queue)
+        return await timed(
+            self._events, "cancel", self._store.empty_queue(name, now=self._clock.now())
+        )
+
+    @follow_through
+    async def delete_queue(self, queue: object) -> None:
+        """Forget a queue that holds nothing. NotFound if unknown, Conflict if it holds tasks."""
+        name = limits.queue_value(queue)
+        await timed(self._events, "queue", self._store.delete_queue(name))
 
     # -- looking, the dead-letter queue, queues, stats, the clock -----------------------------
 
@@ -568,7 +670,7 @@ class Service:
 def _swept_something(swept: tuple[SweepResult, float | None]) -> bool:
     """Whether a sweep changed the store (most find nothing due: no commit to time)."""
     result, _ = swept
-    return bool(result.reclaimed or result.promoted)
+    return bool(result.reclaimed or result.promoted or result.expired)
 
 
 def _ack_item(item: AckItem) -> tuple[str, str]:
@@ -616,3 +718,44 @@ def _fill(errors: list[WqError | None], outcomes: Sequence[WqError | None]) -> l
     """The items that parsed (None in ``errors``) take their outcomes, in order."""
     results = iter(outcomes)
     return [error if error is not None else next(results) for error in errors]
+
+
+# -- listing cursors ------------------------------------------------------------------------------
+
+_CURSOR_MAX: Final = 200  # characters: a cursor is a state and at most three numbers
+
+
+def encode_cursor(state: str, key: ListKey) -> str:
+    """The cursor text of a page's end: URL-safe base64 of ``[state, key...]`` as JSON."""
+    raw = json.dumps([state, *key], separators=(",", ":")).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def decode_cursor(cursor: object, state: str) -> ListKey:
+    """A listing key from cursor text this broker made, for ``state``; InvalidArgument naming
+    ``cursor`` otherwise."""
+    if not isinstance(cursor, str):
+        raise InvalidArgument(f"cursor must be a string, got {limits.describe(cursor)}")
+    bad = InvalidArgument("cursor is not one this broker gave (pass next_cursor as it came)")
+    if len(cursor) > _CURSOR_MAX or not cursor.isascii():
+        raise bad
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        value = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad from None
+    if (
+        not isinstance(value, list)
+        or not 2 <= len(value) <= 4
+        or not isinstance(value[0], str)
+        or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            for x in value[1:]
+        )
+    ):
+        raise bad
+    if value[0] != state:
+        raise InvalidArgument(
+            f"cursor is for state {value[0]!r}, not {state!r} (a cursor goes with its state)"
+        )
+    return tuple(value[1:])

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from wqclient.client import AsyncClient, Client, Stream
 from wqclient.errors import (
+    Cancelled,
     CertificateError,
+    Conflict,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -20,11 +22,21 @@ from wqclient.errors import (
     PermissionDenied,
     ProtocolError,
     StreamEnded,
+    TimeLimitReached,
     Unauthenticated,
     Unavailable,
     WqError,
 )
-from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task, Totals
+from wqclient.models import (
+    Delivery,
+    Enqueued,
+    EnqueueItem,
+    QueueInfo,
+    Stats,
+    Task,
+    TaskPage,
+    Totals,
+)
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 if TYPE_CHECKING:
@@ -43,8 +55,10 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "AsyncClient",
     "AsyncStream",
+    "Cancelled",
     "CertificateError",
     "Client",
+    "Conflict",
     "Delivery",
     "EnqueueItem",
     "Enqueued",
@@ -64,6 +78,8 @@ __all__ = [
     "StreamingTransport",
     "Task",
     "TaskFailed",
+    "TaskPage",
+    "TimeLimitReached",
     "Totals",
     "Transport",
     "Unauthenticated",

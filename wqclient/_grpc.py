@@ -25,6 +25,8 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from wqclient._coalesce import Coalescer
 from wqclient._tls import ca_error, certificate_error, ssl_context, system_roots
 from wqclient.errors import (
+    Cancelled,
+    Conflict,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -33,12 +35,14 @@ from wqclient.errors import (
     PermissionDenied,
     ProtocolError,
     StreamEnded,
+    TimeLimitReached,
     Unauthenticated,
     Unavailable,
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
 from wqclient.models import (
+    CANCEL_STATES,
     DEFAULT_QUEUE,
     Delivery,
     Enqueued,
@@ -46,6 +50,8 @@ from wqclient.models import (
     QueueInfo,
     Stats,
     Task,
+    TaskPage,
+    plain_task,
 )
 from wqwire.defaults import MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
 from wqwire.pb import broker_pb2 as pb
@@ -78,14 +84,37 @@ Metadata = tuple[tuple[str, str], ...]
 _RETRY_AFTER_KEY = RETRY_AFTER_MS_KEY
 
 
+# Sent with FAILED_PRECONDITION when the lease was refused because the task was cancelled.
+_CANCELLED_KEY: Final = "wq-cancelled"
+_FAILED_PRECONDITION: Final = grpc.StatusCode.FAILED_PRECONDITION.value[0]
+# How a refusal names the task's time limit (there is no metadata of its own for it:
+# docs/design/control.md words it "has reached its time limit of N ms").
+_TIME_LIMIT: Final = re.compile(r"\btime limit\b")
+
+
+def _lease_refusal(message: str, cancelled: bool) -> LeaseLost:
+    """The LeaseLost a FAILED_PRECONDITION stands for: Cancelled (``wq-cancelled: 1``, or a
+    stream's ``Settled.cancelled``), TimeLimitReached when it names the time limit."""
+    if cancelled:
+        return Cancelled(message)
+    if _TIME_LIMIT.search(message):
+        return TimeLimitReached(message)
+    return LeaseLost(message)
+
+
 def _error(e: grpc.aio.AioRpcError) -> WqError:
     message = e.details() or e.code().name
-    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    code = e.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
         metadata: Any = e.trailing_metadata()  # a grpc.aio.Metadata (the stubs say otherwise)
         value = str(metadata.get(_RETRY_AFTER_KEY, "")) if metadata else ""
         if value.isdigit():
             return Overloaded(message, retry_after=int(value) / 1000)
-    kind = _CODES.get(e.code(), WqError)
+    elif code == grpc.StatusCode.FAILED_PRECONDITION:
+        trailing: Any = e.trailing_metadata()
+        flag = str(trailing.get(_CANCELLED_KEY, "")) if trailing else ""
+        return _lease_refusal(message, flag == "1")
+    kind = _CODES.get(code, WqError)
     return kind(message)
 
 
@@ -168,18 +197,37 @@ def _delivery(d: pb.Delivery) -> Delivery:
         and t.HasField("available_at")
     ):
         return Delivery.from_mapping(_Fields(d))  # (raises ProtocolError, naming what is missing)
-    # The fields read directly: a worker reads one of these per task.
-    task = Task(
-        t.id,
-        t.payload,
-        t.attempts,
-        t.max_attempts,
-        _time_of(t.created_at),
-        _time_of(t.available_at),
-        t.last_error if t.HasField("last_error") else None,
-        t.queue or DEFAULT_QUEUE,
-        t.priority,
-    )
+    # The fields read directly: a worker reads one of these per task. (The control fields,
+    # seldom set, are looked at once: a time limit, progress or a cancel is never 0 or empty.)
+    if t.timeout_ms or t.progress or t.cancelling or t.HasField("expires_at"):
+        task = Task(
+            t.id,
+            t.payload,
+            t.attempts,
+            t.max_attempts,
+            _time_of(t.created_at),
+            _time_of(t.available_at),
+            t.last_error if t.HasField("last_error") else None,
+            t.queue or DEFAULT_QUEUE,
+            t.priority,
+            None,
+            _time_of(t.expires_at) if t.HasField("expires_at") else None,
+            t.timeout_ms if t.HasField("timeout_ms") else None,
+            t.progress or None,
+            t.cancelling,
+        )
+    else:
+        task = plain_task(
+            t.id,
+            t.payload,
+            t.attempts,
+            t.max_attempts,
+            _time_of(t.created_at),
+            _time_of(t.available_at),
+            t.last_error if t.HasField("last_error") else None,
+            t.queue or DEFAULT_QUEUE,
+            t.priority,
+        )
     return Delivery(task, d.lease_id, _time_of(d.deadline))
 
 
@@ -203,6 +251,12 @@ def _fill_enqueue(out: pb.EnqueueRequest, item: EnqueueItem) -> None:
         out.priority = item.priority
     if item.idempotency_key:
         out.idempotency_key = item.idempotency_key
+    if item.expires_in_ms is not None:
+        out.expires_in_ms = item.expires_in_ms
+    if item.timeout_ms is not None:
+        out.timeout_ms = item.timeout_ms
+    if item.unique:
+        out.unique = True
 
 
 def _nack_request(
@@ -261,6 +315,12 @@ class GrpcStream:
         self._drained: asyncio.Future[int] | None = None  # the answer to our drain, once sent
         # Unconfirmed acks and nacks the broker refused, until flush() hands them over.
         self._refused: list[tuple[Delivery, WqError]] = []
+        # Cancels of tasks this stream holds (StreamJobsResponse.cancels), as (task id, lease
+        # id): given to the on_cancel callback, or kept for take_cancels() until there is one;
+        # and those of deliveries not yet taken, by lease, held back until they are.
+        self._on_cancel: Callable[[str, str], None] | None = None
+        self._cancels: list[tuple[str, str]] = []
+        self._held_back: dict[str, str] = {}
         self._call = stub.StreamJobs(self._requests(), metadata=metadata)
         self._reader = self._loop.create_task(self._read())
 
@@ -304,6 +364,8 @@ class GrpcStream:
                     self._settled(response.settled)
                 if response.deliveries:
                     self._received(response.deliveries)
+                if response.cancels:
+                    self._cancelled(response.cancels)
                 if response.HasField("drained") and self._drained and not self._drained.done():
                     self._drained.set_result(response.drained.unsettled)
         except grpc.aio.AioRpcError as e:
@@ -325,6 +387,8 @@ class GrpcStream:
                 continue
             if outcome.code == 0:
                 future.set_result(_outcome(outcome))
+            elif outcome.code == _FAILED_PRECONDITION:
+                future.set_exception(_lease_refusal(outcome.message, outcome.cancelled))
             else:
                 kind = _BY_NUMBER.get(outcome.code, WqError)
                 future.set_exception(kind(outcome.message))
@@ -336,6 +400,44 @@ class GrpcStream:
                 ready.append(_delivery(delivery))
         finally:  # (the ones read before one that cannot be are handed over)
             self._wake_taker()
+
+    def _cancelled(self, cancels: Iterable[pb.Cancel]) -> None:
+        """Tell of the cancels (those of deliveries not yet taken once they are)."""
+        for cancel in cancels:
+            lease_id = cancel.lease_id
+            if any(d.lease_id == lease_id for d in self._ready):
+                self._held_back[lease_id] = cancel.id
+            else:
+                self._tell_cancel(cancel.id, lease_id)
+
+    def _tell_cancel(self, task_id: str, lease_id: str) -> None:
+        callback = self._on_cancel
+        if callback is None:
+            self._cancels.append((task_id, lease_id))
+            return
+        try:
+            callback(task_id, lease_id)
+        except Exception:  # (a callback's bug must not end the stream)
+            log.exception("task %s: the stream's cancel callback failed", task_id)
+
+    def on_cancel(self, callback: Callable[[str, str], None] | None) -> None:
+        """Call ``callback(task_id, lease_id)`` for each task this stream delivered that is
+        cancelled while it is held (the broker's ``StreamJobsResponse.cancels``; a delivery not
+        yet taken from the stream, once it is taken, after the code that took it has run): stop
+        working on it, and nack it (the broker then drops it without a retry). The cancels that
+        came before a callback was set go to it at once. None: keep them for
+        :meth:`take_cancels` again."""
+        self._on_cancel = callback
+        if callback is not None:
+            pending, self._cancels = self._cancels, []
+            for task_id, lease_id in pending:
+                self._tell_cancel(task_id, lease_id)
+
+    def take_cancels(self) -> list[tuple[str, str]]:
+        """The cancels that came while no callback was set (see :meth:`on_cancel`), as
+        ``(task_id, lease_id)``, oldest first; each is returned once."""
+        taken, self._cancels = self._cancels, []
+        return taken
 
     def _wake_taker(self) -> None:
         waiter = self._waiter
@@ -381,7 +483,12 @@ class GrpcStream:
                 await waiter
             finally:
                 self._waiter = None
-        return ready.popleft()
+        delivery = ready.popleft()
+        if self._held_back:
+            task_id = self._held_back.pop(delivery.lease_id, None)
+            if task_id is not None:  # (told once the taker has run on with it)
+                self._loop.call_soon(self._tell_cancel, task_id, delivery.lease_id)
+        return delivery
 
     async def wait_open(self, timeout: float) -> None:
         """Return once the broker has accepted the stream; raise if it ended first."""
@@ -407,7 +514,12 @@ class GrpcStream:
         if self._reader.done() or self._closing:
             raise StreamEnded("the stream has ended")
 
-    async def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
+    async def extend(
+        self, delivery: Delivery, lease_ms: int | None = None, *, progress: bytes | None = None
+    ) -> datetime:
+        """Extend a delivery's lease (``progress``: JSON text to record on the task). Raises
+        Cancelled if the task was cancelled, TimeLimitReached at its time limit, LeaseLost or
+        NotFound as an ack does."""
         self._check_open()
         # Extends go first in a request: one after acks or nacks starts a new request.
         if self._batch_settles:
@@ -417,6 +529,8 @@ class GrpcStream:
         added.lease_id = delivery.lease_id
         if lease_ms is not None:
             added.lease_ms = lease_ms
+        if progress is not None:
+            added.progress = progress
         deadline: datetime = await self._settle()
         return deadline
 
@@ -771,13 +885,27 @@ class GrpcTransport:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
+        *,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        unique: bool = False,
     ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, as one batch (:meth:`enqueue_many`), each caller getting its
         own answer (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as a batch
         of one (sent again with an Enqueue call if refused, for its own error). (The answer's
         future itself: no coroutine of its own per task.)"""
-        item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        item = EnqueueItem(
+            payload_json,
+            max_attempts,
+            delay_ms,
+            queue,
+            priority,
+            idempotency_key,
+            expires_in_ms,
+            timeout_ms,
+            unique,
+        )
         return self._coalescer.add(item)
 
     async def _enqueue_one(self, item: EnqueueItem) -> Enqueued:
@@ -874,8 +1002,12 @@ class GrpcTransport:
         request = _nack_request(task_id, lease_id, error, delay_ms, terminal)
         await self._unary(self._stub.Nack, request)
 
-    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
-        request = pb.ExtendLeaseRequest(id=task_id, lease_id=lease_id, lease_ms=lease_ms)
+    async def extend(
+        self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None
+    ) -> datetime:
+        request = pb.ExtendLeaseRequest(
+            id=task_id, lease_id=lease_id, lease_ms=lease_ms, progress=progress or b""
+        )
         response = await self._unary(self._stub.ExtendLease, request)
         return _ts(response.deadline)
 
@@ -911,6 +1043,32 @@ class GrpcTransport:
 
     async def resume(self, queue: str) -> None:
         await self._unary(self._stub.ResumeQueue, pb.ResumeQueueRequest(queue=queue))
+
+    async def cancel(self, task_id: str) -> str:
+        response = await self._unary(self._stub.CancelTask, pb.CancelTaskRequest(id=task_id))
+        if response.state not in CANCEL_STATES:
+            raise ProtocolError(f"the broker answered a cancel with state {response.state!r}")
+        return str(response.state)
+
+    async def list_tasks(
+        self, queue: str | None, state: str | None, limit: int | None, cursor: str | None
+    ) -> TaskPage:
+        request = pb.ListTasksRequest(
+            queue=queue or "", state=state or "", limit=limit, cursor=cursor or ""
+        )
+        response = await self._unary(self._stub.ListTasks, request)
+        tasks = [_task(row.task, row.state) for row in response.tasks]
+        return TaskPage(tasks, response.next_cursor or None)
+
+    async def empty_queue(self, queue: str) -> int:
+        response = await self._unary(self._stub.EmptyQueue, pb.EmptyQueueRequest(queue=queue))
+        return int(response.cancelled)
+
+    async def delete_queue(self, queue: str) -> None:
+        try:
+            await self._unary(self._stub.DeleteQueue, pb.DeleteQueueRequest(queue=queue))
+        except LeaseLost as e:  # (FAILED_PRECONDITION here: the queue holds tasks)
+            raise Conflict(e.message) from None
 
     async def stream(
         self, prefetch: int, lease_ms: int | None, queues: Sequence[str] | None = None

@@ -20,6 +20,8 @@ from wqclient._coalesce import Coalescer, Unbatched
 from wqclient._tls import certificate_error
 from wqclient.clock import Clock, SystemClock
 from wqclient.errors import (
+    Cancelled,
+    Conflict,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -27,12 +29,24 @@ from wqclient.errors import (
     PayloadTooLarge,
     PermissionDenied,
     ProtocolError,
+    TimeLimitReached,
     Unauthenticated,
     Unavailable,
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
-from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
+from wqclient.models import (
+    CANCEL_STATES,
+    CANCELLED,
+    PURGED,
+    Delivery,
+    Enqueued,
+    EnqueueItem,
+    QueueInfo,
+    Stats,
+    Task,
+    TaskPage,
+)
 from wqwire.defaults import BATCH_PATH, CLAIM_BATCH_PATH, IDEMPOTENCY_KEY_HEADER, SETTLE_PATH
 from wqwire.scan import JsonText, read_members, scanner, skip
 
@@ -47,6 +61,20 @@ _ERRORS: dict[int, type[WqError]] = {
     503: Unavailable,
 }
 
+# How a 409 says the lease cannot be extended because of the task's time limit (the answer has no
+# member of its own for it: docs/design/control.md words it "has reached its time limit of N ms").
+_TIME_LIMIT = re.compile(r"\btime limit\b")
+
+
+def _lease_refusal(message: str, cancelled: object) -> LeaseLost:
+    """The LeaseLost a 409 stands for: Cancelled when the answer says ``"cancelled": true``,
+    TimeLimitReached when it names the task's time limit."""
+    if cancelled is True:
+        return Cancelled(message)
+    if _TIME_LIMIT.search(message):
+        return TimeLimitReached(message)
+    return LeaseLost(message)
+
 
 # -- reading answers while keeping each payload's exact JSON text ---------------------------------
 # The broker splices a payload into its answers exactly as it was enqueued; decoding and
@@ -54,7 +82,8 @@ _ERRORS: dict[int, type[WqError]] = {
 # "payload" members are kept as their raw text.
 
 _scan_once = scanner(json.JSONDecoder())
-_PAYLOAD: Final = frozenset({"payload"})
+# (A task's progress is JSON its holder reported, kept byte for byte as payloads are.)
+_PAYLOAD: Final = frozenset({"payload", "progress"})
 
 
 def _value(text: str, i: int) -> tuple[Any, int]:
@@ -106,7 +135,7 @@ def _loads_led(text: str) -> Any:
         _, end = _scan_once(text, start)
         rest = text[end:]
         wrapped = text.startswith('{"task":')
-        if '"payload"' in rest or (wrapped and '"task"' in rest):
+        if '"payload"' in rest or '"progress"' in rest or (wrapped and '"task"' in rest):
             return None
         value = json.loads(text[:start] + "null" + rest)
     except (ValueError, StopIteration, RecursionError):
@@ -143,6 +172,8 @@ def _loads_deliveries(text: str) -> dict[str, list[Any]] | None:
         task = value.get("task") if isinstance(value, dict) else None
         if not isinstance(task, dict) or '"payload"' in rest or '"task"' in rest:
             return None
+        if '"progress"' in rest:
+            return None  # (kept as its text by the general parser)
         task["payload"] = JsonText(text[start:after_payload].encode())
         out.append(value)
         if text.startswith(",", end):
@@ -367,10 +398,15 @@ class HttpTransport:
             raise Unavailable(f"the broker at {base} did not answer in time") from None
 
     def _raise(self, status: int, data: bytes, retry_after: str | None = None) -> NoReturn:
+        cancelled: object = None
         try:
-            message = str(json.loads(data)["error"])
-        except (ValueError, KeyError, TypeError):
+            answer = json.loads(data)
+            message = str(answer["error"])
+            cancelled = answer.get("cancelled")
+        except (ValueError, KeyError, TypeError, AttributeError):
             message = data.decode("utf-8", "replace").strip() or f"HTTP {status}"
+        if status == 409:
+            raise _lease_refusal(message, cancelled)
         if status == 429:
             seconds = retry_after.strip() if retry_after else ""
             raise Overloaded(message, retry_after=float(seconds) if seconds.isdigit() else 1.0)
@@ -401,6 +437,12 @@ class HttpTransport:
             parts.append(b',"queue":' + json.dumps(item.queue).encode())
         if item.priority is not None:
             parts.append(b',"priority":%d' % item.priority)
+        if item.expires_in_ms is not None:
+            parts.append(b',"expires_in_ms":%d' % item.expires_in_ms)
+        if item.timeout_ms is not None:
+            parts.append(b',"timeout_ms":%d' % item.timeout_ms)
+        if item.unique:
+            parts.append(b',"unique":true')
         parts.append(b"}")
         return b"".join(parts)
 
@@ -422,12 +464,26 @@ class HttpTransport:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
+        *,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        unique: bool = False,
     ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, in one POST /jobs/batch, each caller getting its own answer
         (see :class:`~wqclient._coalesce.Coalescer`); a lone call goes as it is, as POST /jobs.
         (The answer's future itself: no coroutine of its own per task.)"""
-        item = EnqueueItem(payload_json, max_attempts, delay_ms, queue, priority, idempotency_key)
+        item = EnqueueItem(
+            payload_json,
+            max_attempts,
+            delay_ms,
+            queue,
+            priority,
+            idempotency_key,
+            expires_in_ms,
+            timeout_ms,
+            unique,
+        )
         return self._coalescer.add(item)
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
@@ -595,6 +651,8 @@ class HttpTransport:
 
     def _refusal(self, row: dict[str, Any]) -> WqError:
         status = int(row["status"])
+        if status == 409:
+            return _lease_refusal(str(row["error"]), row.get("cancelled"))
         kind = _ERRORS.get(status) or (Unavailable if status >= 500 else WqError)
         return kind(str(row["error"]))
 
@@ -634,9 +692,12 @@ class HttpTransport:
         path = f"/jobs/{_q(str(task_id))}/nack?lease_id={_q(str(lease_id))}"
         await self._call("POST", path, body=body)
 
-    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
+    async def extend(
+        self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None
+    ) -> datetime:
         query = _query(lease_id=lease_id, lease_ms=lease_ms)
-        _, data = await self._call("POST", f"/jobs/{_q(task_id)}/extend{query}")
+        body = None if progress is None else b'{"progress":' + progress + b"}"
+        _, data = await self._call("POST", f"/jobs/{_q(task_id)}/extend{query}", body=body)
         answer = self._json(data)
         try:
             return datetime.fromisoformat(answer["deadline"])
@@ -687,6 +748,48 @@ class HttpTransport:
 
     async def resume(self, queue: str) -> None:
         await self._call("POST", f"/queues/{_q(queue)}/resume")
+
+    async def cancel(self, task_id: str) -> str:
+        """DELETE /jobs/{id}. Its 204 is the same for a ready or delayed task (cancelled) and
+        for a dead one (purged), so the task is looked up first to tell which it was (a task
+        that dies or is requeued between the two requests is then named by its state before)."""
+        if task_id == "next":  # (/jobs/next is no task: a claim)
+            raise NotFound("task next not found")
+        before = await self.get_task(task_id)  # (NotFound for an unknown task: nothing to do)
+        status, data = await self._call("DELETE", f"/jobs/{_q(task_id)}")
+        if status == 204 or not data.strip():
+            return PURGED if before.state == "dead" else CANCELLED
+        answer = self._json(data)
+        state = answer.get("state") if isinstance(answer, dict) else None
+        if state not in CANCEL_STATES:
+            raise ProtocolError(f"the broker's answer to a cancel has no state: {data[:200]!r}")
+        return str(state)
+
+    async def list_tasks(
+        self, queue: str | None, state: str | None, limit: int | None, cursor: str | None
+    ) -> TaskPage:
+        query = _query(queue=queue, state=state, limit=limit, cursor=cursor or None)
+        _, data = await self._call("GET", "/jobs" + query)
+        answer = _loads(data)
+        if not isinstance(answer, dict):
+            raise ProtocolError(f"the broker's list of tasks is not one: {data[:200]!r}")
+        return TaskPage.from_mapping(answer)
+
+    async def empty_queue(self, queue: str) -> int:
+        _, data = await self._call("POST", f"/queues/{_q(queue)}/empty")
+        answer = self._json(data)
+        try:
+            return int(answer["cancelled"])
+        except (KeyError, TypeError, ValueError):
+            raise ProtocolError(
+                f"the broker's answer to emptying a queue has no count: {data[:200]!r}"
+            ) from None
+
+    async def delete_queue(self, queue: str) -> None:
+        try:
+            await self._call("DELETE", f"/queues/{_q(queue)}")
+        except LeaseLost as e:  # (409 here: the queue holds tasks)
+            raise Conflict(e.message) from None
 
     async def close(self) -> None:
         if self._settling:  # (the settlements on their way are let land)

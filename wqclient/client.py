@@ -13,7 +13,15 @@ import asyncio
 import ipaddress
 import json
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from datetime import datetime
 from types import TracebackType
 from typing import Any, TypeVar
@@ -23,7 +31,16 @@ from wqclient._http import HttpTransport
 from wqclient._tls import check_token, env_default, ssl_context
 from wqclient.errors import InvalidArgument, Unavailable, WqError
 from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
-from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
+from wqclient.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    Enqueued,
+    EnqueueItem,
+    QueueInfo,
+    Stats,
+    Task,
+    TaskPage,
+)
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 T = TypeVar("T")
@@ -101,11 +118,21 @@ def _item(
     delay_ms: int | None,
     queue: str | None,
     priority: int | None,
+    expires_in_ms: int | None = None,
+    timeout_ms: int | None = None,
 ) -> EnqueueItem:
     """One task of a batch: an EnqueueItem as given (its options left unset take the call's),
     or a payload with the call's options."""
     if not isinstance(payload, EnqueueItem):
-        return EnqueueItem(encode_payload(payload), max_attempts, delay_ms, queue, priority)
+        return EnqueueItem(
+            encode_payload(payload),
+            max_attempts,
+            delay_ms,
+            queue,
+            priority,
+            expires_in_ms=expires_in_ms,
+            timeout_ms=timeout_ms,
+        )
     return EnqueueItem(
         encode_payload(payload.payload_json),
         _either(_option("max_attempts", payload.max_attempts), max_attempts),
@@ -113,7 +140,41 @@ def _item(
         _either(_text("queue", payload.queue), queue),
         _either(_option("priority", payload.priority), priority),
         _text("idempotency_key", payload.idempotency_key),
+        _either(_option("expires_in_ms", payload.expires_in_ms), expires_in_ms),
+        _either(_option("timeout_ms", payload.timeout_ms), timeout_ms),
+        _flag("unique", payload.unique),
     )
+
+
+class _Unset:
+    """The default of an argument for which None is a value (a progress of JSON null)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+UNSET: Any = _Unset()
+
+
+def encode_progress(value: Any) -> bytes:
+    """A progress report as JSON text (``bytes`` are taken to be JSON text already). The
+    broker takes at most 4 KiB of it, and says so."""
+    try:
+        return encode_payload(value)
+    except InvalidArgument as e:
+        raise InvalidArgument("progress" + e.message.removeprefix("payload")) from None
+
+
+def _task_id(task: Delivery | Task | str) -> str:
+    if isinstance(task, Delivery):
+        return task.task.id
+    if isinstance(task, Task):
+        return task.id
+    if not isinstance(task, str):
+        raise InvalidArgument(f"a task id must be a string, got {type(task).__name__}")
+    return str(task)
 
 
 def _either(value: T | None, default: T | None) -> T | None:
@@ -266,14 +327,21 @@ class AsyncClient:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        unique: bool = False,
     ) -> Enqueued:
         """Enqueue a task and return its id. ``payload``: any JSON value, or JSON bytes.
 
         ``queue``: the named queue (1-64 characters of ``[A-Za-z0-9_.-]``; default
         ``"default"``); ``priority``: 0-9, higher is served first (default 0);
         ``idempotency_key``: within the broker's window (default 5 minutes) a second enqueue
-        with the same key to the same queue creates nothing and returns the first task's id.
-        The id is an :class:`~wqclient.Enqueued`, a ``str`` whose ``duplicate`` says which
+        with the same key to the same queue creates nothing and returns the first task's id
+        (``unique=True``: instead of the window, the key holds as long as its task is ready,
+        delayed or handed out). ``expires_in_ms``: the task is dropped (counted ``expired``)
+        if it is not handed out within this long. ``timeout_ms``: the most one attempt may
+        run (the broker extends no lease past it; a Worker cancels its handler there). The
+        id is an :class:`~wqclient.Enqueued`, a ``str`` whose ``duplicate`` says which
         happened."""
         if (
             max_attempts is None
@@ -281,6 +349,9 @@ class AsyncClient:
             and queue is None
             and priority is None
             and idempotency_key is None
+            and expires_in_ms is None
+            and timeout_ms is None
+            and unique is False
         ):  # (the usual call: nothing to check or pass but the payload)
             return await self._transport.enqueue(encode_payload(payload), None, None)
         return await self._transport.enqueue(
@@ -291,6 +362,9 @@ class AsyncClient:
                 queue=_text("queue", queue),
                 priority=_option("priority", priority),
                 idempotency_key=_text("idempotency_key", idempotency_key),
+                expires_in_ms=_option("expires_in_ms", expires_in_ms),
+                timeout_ms=_option("timeout_ms", timeout_ms),
+                unique=_flag("unique", unique),
             ),
         )
 
@@ -302,19 +376,24 @@ class AsyncClient:
         delay_ms: int | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
     ) -> list[Enqueued]:
         """Enqueue several tasks (one batch call, all or none); returns their ids in order.
 
         Each of ``payloads`` is a payload (taking the options given here) or an
         :class:`~wqclient.EnqueueItem` (``EnqueueItem(b'{"n":1}', priority=9,
-        idempotency_key="k1")``: its options, those it leaves unset taking the ones given here).
-        A duplicate (an idempotency key seen within the window) comes back as the first task's
-        id with ``duplicate`` set."""
+        idempotency_key="k1", unique=True)``: its options, those it leaves unset taking the ones
+        given here). A duplicate (an idempotency key seen within the window, or held by a task
+        still active for a ``unique`` one) comes back as the first task's id with ``duplicate``
+        set. ``expires_in_ms``, ``timeout_ms``: as for :meth:`enqueue`."""
         options = (
             _option("max_attempts", max_attempts),
             _option("delay_ms", delay_ms),
             _text("queue", queue),
             _option("priority", priority),
+            _option("expires_in_ms", expires_in_ms),
+            _option("timeout_ms", timeout_ms),
         )
         items = [_item(p, *options) for p in payloads]
         return list(await self._transport.enqueue_many(items)) if items else []
@@ -397,12 +476,26 @@ class AsyncClient:
         )
 
     async def extend(
-        self, task: Delivery | str, lease_ms: int | None = None, *, lease_id: str | None = None
+        self,
+        task: Delivery | str,
+        lease_ms: int | None = None,
+        *,
+        lease_id: str | None = None,
+        progress: Any = UNSET,
     ) -> datetime:
         """Extend a lease you hold to now + ``lease_ms`` (unset: the broker's default, 30 s; at
-        most 300 s) and return the new deadline. Raises LeaseLost or NotFound as ack does.
-        (A :class:`~wqclient.Worker` extends its tasks' leases itself.)"""
-        return await self._transport.extend(*_ids(task, lease_id), _option("lease_ms", lease_ms))
+        most 300 s, and never past the task's ``timeout_ms`` from hand-out) and return the new
+        deadline. ``progress``: how far the work has come, any JSON value (at most 4 KiB
+        encoded; ``bytes`` are JSON text), recorded on the task while it is handed out.
+        Raises LeaseLost or NotFound as ack does; :class:`~wqclient.Cancelled` (a LeaseLost)
+        if the task was cancelled (nack it: it is then dropped, without a retry),
+        :class:`~wqclient.TimeLimitReached` (a LeaseLost) once the lease is at the time
+        limit. (A :class:`~wqclient.Worker` extends its tasks' leases itself.)"""
+        ids = _ids(task, lease_id)
+        lease = _option("lease_ms", lease_ms)
+        if progress is UNSET:
+            return await self._transport.extend(*ids, lease)
+        return await self._transport.extend(*ids, lease, progress=encode_progress(progress))
 
     async def get_task(self, task_id: str) -> Task:
         """Look a task up: a Task with its ``state`` (``"ready"``, ``"handed_out"``,
@@ -447,6 +540,68 @@ class AsyncClient:
     async def resume(self, queue: str) -> None:
         """Resume a paused queue (resuming one that is not paused does nothing)."""
         await self._transport.resume(_text("queue", queue) or "")
+
+    async def cancel(self, task: Delivery | Task | str) -> str:
+        """Cancel a task (its id, or the task or delivery): returns ``"cancelled"`` (it was
+        ready or delayed: it is gone, counted ``cancelled``), ``"cancelling"`` (it is handed
+        out: it will not be retried; its holder is told, a Worker cancels its handler; the
+        task is gone once it is nacked or its lease runs out, while an ack still counts) or
+        ``"purged"`` (it was dead: dropped, as :meth:`purge` does). Raises NotFound for a
+        task the broker does not have (never known, acked, gone)."""
+        return await self._transport.cancel(_task_id(task))
+
+    async def list_tasks(
+        self,
+        queue: str = DEFAULT_QUEUE,
+        state: str = "ready",
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """A page of a queue's tasks in one ``state`` (``"ready"``, ``"delayed"``,
+        ``"handed_out"`` or ``"dead"``), each with its ``state``: ready ones in the order they
+        would be claimed, delayed ones by due time, handed-out ones by lease deadline, dead
+        ones by burial. ``limit``: 1 to 1000. ``cursor``: where the previous page ended (its
+        ``next_cursor``); a task that stays in its state is neither repeated nor skipped
+        from page to page. ``next_cursor`` is None once a page reaches the end. See
+        :meth:`iter_tasks` for every page."""
+        return await self._transport.list_tasks(
+            _text("queue", queue),
+            _text("state", state),
+            _option("limit", limit),
+            _text("cursor", cursor),
+        )
+
+    async def iter_tasks(
+        self,
+        queue: str = DEFAULT_QUEUE,
+        state: str = "ready",
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> AsyncIterator[Task]:
+        """Every task of a queue in one ``state``, page after page of ``limit`` (from
+        ``cursor``, or the start), as :meth:`list_tasks` lists them.
+
+        >>> async for task in wq.iter_tasks("emails", state="dead"):
+        ...     print(task.id, task.last_error)
+        """
+        while True:
+            page = await self.list_tasks(queue, state, limit, cursor)
+            for task in page.tasks:
+                yield task
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    async def empty_queue(self, queue: str) -> int:
+        """Cancel every ready and delayed task of a queue (handed-out ones run their course);
+        returns how many (counted ``cancelled``). NotFound for a queue never seen."""
+        return await self._transport.empty_queue(_text("queue", queue) or "")
+
+    async def delete_queue(self, queue: str) -> None:
+        """Forget a queue that holds nothing: it leaves :meth:`queues`, its paused flag and
+        totals are forgotten. Raises :class:`~wqclient.Conflict` (naming its counts) if it
+        holds tasks, NotFound for a queue never seen."""
+        await self._transport.delete_queue(_text("queue", queue) or "")
 
     async def stream(
         self,
@@ -555,9 +710,28 @@ class Stream:
         nacks it refused since the last flush, each with its error."""
         return self._runner.run(self._stream.flush())
 
-    def extend(self, delivery: Delivery, lease_ms: int | None = None) -> datetime:
-        """Extend a delivery's lease to now + ``lease_ms``; returns the new deadline."""
-        return self._runner.run(self._stream.extend(delivery, _option("lease_ms", lease_ms)))
+    def extend(
+        self, delivery: Delivery, lease_ms: int | None = None, *, progress: Any = UNSET
+    ) -> datetime:
+        """Extend a delivery's lease to now + ``lease_ms``; returns the new deadline.
+        ``progress``: as for AsyncClient.extend."""
+        lease = _option("lease_ms", lease_ms)
+        if progress is UNSET:
+            return self._runner.run(self._stream.extend(delivery, lease))
+        return self._runner.run(
+            self._stream.extend(delivery, lease, progress=encode_progress(progress))
+        )
+
+    def take_cancels(self) -> list[tuple[str, str]]:
+        """The tasks this stream delivered that were cancelled while held (``(task_id,
+        lease_id)``, oldest first, each once): stop working on them and nack them. Empty for
+        a stream that is not told of cancels."""
+        take = getattr(self._stream, "take_cancels", None)
+        return [] if take is None else self._runner.run(self._take(take))
+
+    @staticmethod
+    async def _take(take: Callable[[], list[tuple[str, str]]]) -> list[tuple[str, str]]:
+        return take()
 
     def set_prefetch(self, prefetch: int) -> None:
         """Change the stream's prefetch (as AsyncStream.set_prefetch)."""
@@ -644,6 +818,9 @@ class Client:
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        unique: bool = False,
     ) -> Enqueued:
         """Enqueue a task and return its id (see AsyncClient.enqueue)."""
         return self._run(
@@ -654,6 +831,9 @@ class Client:
             queue=queue,
             priority=priority,
             idempotency_key=idempotency_key,
+            expires_in_ms=expires_in_ms,
+            timeout_ms=timeout_ms,
+            unique=unique,
         )
 
     def enqueue_many(
@@ -664,6 +844,8 @@ class Client:
         delay_ms: int | None = None,
         queue: str | None = None,
         priority: int | None = None,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
     ) -> list[Enqueued]:
         """Enqueue several tasks; returns their ids (see AsyncClient.enqueue_many)."""
         return self._run(
@@ -673,6 +855,8 @@ class Client:
             delay_ms=delay_ms,
             queue=queue,
             priority=priority,
+            expires_in_ms=expires_in_ms,
+            timeout_ms=timeout_ms,
         )
 
     def claim(
@@ -717,10 +901,16 @@ class Client:
         )
 
     def extend(
-        self, task: Delivery | str, lease_ms: int | None = None, *, lease_id: str | None = None
+        self,
+        task: Delivery | str,
+        lease_ms: int | None = None,
+        *,
+        lease_id: str | None = None,
+        progress: Any = UNSET,
     ) -> datetime:
-        """Extend a lease; returns the new deadline (see AsyncClient.extend)."""
-        return self._run(self._client.extend, task, lease_ms, lease_id=lease_id)
+        """Extend a lease, recording ``progress`` if given; returns the new deadline (see
+        AsyncClient.extend)."""
+        return self._run(self._client.extend, task, lease_ms, lease_id=lease_id, progress=progress)
 
     def get_task(self, task_id: str) -> Task:
         """Look a task up, with its state (see AsyncClient.get_task)."""
@@ -757,6 +947,47 @@ class Client:
     def resume(self, queue: str) -> None:
         """Resume a paused queue (see AsyncClient.resume)."""
         self._run(self._client.resume, queue)
+
+    def cancel(self, task: Delivery | Task | str) -> str:
+        """Cancel a task: ``"cancelled"``, ``"cancelling"`` or ``"purged"`` (see
+        AsyncClient.cancel)."""
+        return self._run(self._client.cancel, task)
+
+    def list_tasks(
+        self,
+        queue: str = DEFAULT_QUEUE,
+        state: str = "ready",
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> TaskPage:
+        """A page of a queue's tasks in one state (see AsyncClient.list_tasks)."""
+        return self._run(self._client.list_tasks, queue, state, limit, cursor)
+
+    def iter_tasks(
+        self,
+        queue: str = DEFAULT_QUEUE,
+        state: str = "ready",
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Iterator[Task]:
+        """Every task of a queue in one state, a page of ``limit`` fetched at a time (see
+        AsyncClient.iter_tasks)."""
+        while True:
+            page = self.list_tasks(queue, state, limit, cursor)
+            yield from page.tasks
+            if page.next_cursor is None:
+                return
+            cursor = page.next_cursor
+
+    def empty_queue(self, queue: str) -> int:
+        """Cancel every ready and delayed task of a queue; returns how many (see
+        AsyncClient.empty_queue)."""
+        return self._run(self._client.empty_queue, queue)
+
+    def delete_queue(self, queue: str) -> None:
+        """Forget a queue that holds nothing; Conflict if it holds tasks (see
+        AsyncClient.delete_queue)."""
+        self._run(self._client.delete_queue, queue)
 
     def stream(
         self,

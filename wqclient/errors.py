@@ -28,6 +28,24 @@ class LeaseLost(WqError):
     gRPC FAILED_PRECONDITION). Another worker may be running the task."""
 
 
+class Cancelled(LeaseLost):
+    """The task was cancelled while you held it (``cancel()``, ``wq cancel``): its lease is not
+    extended any more (HTTP 409 with ``"cancelled": true``, gRPC FAILED_PRECONDITION with
+    ``wq-cancelled: 1``). Stop working on it and nack it: the broker then drops it, counted
+    cancelled, without a retry (an ack still counts as usual)."""
+
+
+class TimeLimitReached(LeaseLost):
+    """The task's lease cannot be extended past its time limit (``timeout_ms`` from hand-out,
+    HTTP 409, gRPC FAILED_PRECONDITION): it runs out there, and the task is retried (or
+    buried)."""
+
+
+class Conflict(WqError):
+    """The request cannot be done in the present state: a queue to delete still holds tasks
+    (HTTP 409, gRPC FAILED_PRECONDITION); the message names the counts."""
+
+
 class Unavailable(WqError):
     """The broker cannot be reached, or is shutting down (connection refused, HTTP 503,
     gRPC UNAVAILABLE). Worth retrying later."""

@@ -8,12 +8,12 @@ only have to present an answer as a mapping: the field lists live here, once.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, Final, Protocol
 
-from wqclient.errors import ProtocolError
+from wqclient.errors import ProtocolError, WqError
 from wqwire.defaults import DEFAULT_QUEUE as DEFAULT_QUEUE
 
 # What reading a field that is missing or of the wrong kind raises: reported as the broker's fault.
@@ -45,9 +45,48 @@ def _when(value: datetime | str) -> datetime:
     return when
 
 
+# What a cancel did (``AsyncClient.cancel``'s answer).
+CANCELLED: Final = "cancelled"  # it was ready or delayed: gone
+CANCELLING: Final = "cancelling"  # handed out: gone once its holder nacks it or lets it go
+PURGED: Final = "purged"  # it was dead: dropped for good, as purge() does
+CANCEL_STATES: Final = (CANCELLED, CANCELLING, PURGED)
+
+# The states a listing can be asked for (``AsyncClient.list_tasks``).
+LIST_STATES: Final = ("ready", "delayed", "handed_out", "dead")
+
+
+class TaskControl(Protocol):
+    """What a :class:`~wqclient.Worker` attaches to the task it hands its handler: the cancel it
+    was told of, and the way a progress report reaches the broker (the delivery's settler)."""
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    async def progress(self, value: Any) -> None: ...
+
+    def report_progress(self, value: Any) -> None: ...
+
+
+_NOT_FROM_A_WORKER: Final = (
+    "this task was not handed to a handler by a wqclient Worker, so it has no lease to report "
+    "progress on: use AsyncClient.extend(delivery, progress=...) instead"
+)
+
+
+class _Controlled:
+    """Where a Worker attaches its TaskControl to a task: a slot that is not a field (neither
+    compared, nor copied by ``replace``, nor set, at a cost, for every task made)."""
+
+    __slots__ = ("_control",)
+
+
 @dataclass(frozen=True, slots=True)
-class Task:
-    """A task as the broker reports it."""
+class Task(_Controlled):
+    """A task as the broker reports it.
+
+    Handed to a :class:`~wqclient.Worker`'s handler, it can also report how far the work has
+    come (``await task.progress(value)``, or ``task.report_progress(value)`` from a synchronous
+    handler), and it says when the task was cancelled meanwhile (:attr:`cancelled`)."""
 
     id: str
     payload_json: bytes  # the payload's JSON text
@@ -58,20 +97,84 @@ class Task:
     last_error: str | None = None
     queue: str = DEFAULT_QUEUE
     priority: int = 0  # 0-9, higher is served first
-    state: str | None = None  # "ready", "handed_out", "delayed" or "dead": set only by a lookup
+    state: str | None = None  # "ready", "handed_out", "delayed" or "dead": set by lookups
+    # When set: never handed out at or after this time (enqueue's expires_in_ms).
+    expires_at: datetime | None = None
+    # When set: the most one attempt may run (enqueue's timeout_ms).
+    timeout_ms: int | None = None
+    # The JSON text of the progress its holder last reported, while it is handed out; None: none.
+    progress_json: bytes | None = None
+    # True if it is handed out and a cancel came: it will not be retried.
+    cancelling: bool = False
 
     @property
     def payload(self) -> Any:
         """The payload, decoded from JSON."""
         return json.loads(self.payload_json)
 
+    @property
+    def progress_value(self) -> Any:
+        """The last progress reported (see :attr:`progress_json`), decoded; None if none."""
+        return None if self.progress_json is None else json.loads(self.progress_json)
+
+    @property
+    def cancelled(self) -> bool:
+        """True once the broker has said the task was cancelled while a Worker's handler runs
+        it: a synchronous handler should then stop (an asyncio one gets CancelledError).
+        Always False for a task that no Worker handed to a handler (see :attr:`cancelling`
+        for what a lookup says)."""
+        control: TaskControl | None = getattr(self, "_control", None)
+        return control is not None and control.cancelled
+
+    async def progress(self, value: Any) -> None:
+        """Report how far the work has come (any JSON value, at most 4 KiB encoded; ``bytes``
+        are taken as JSON text), and extend the lease, as the Worker would: the broker shows it
+        in the task's ``progress`` while it is handed out. Only in a Worker's handler (raises
+        WqError otherwise). Raises what the extension raises (LeaseLost, Unavailable ...); a
+        task cancelled meanwhile is cancelled (CancelledError in an asyncio handler)."""
+        control: TaskControl | None = getattr(self, "_control", None)
+        if control is None:
+            raise WqError(_NOT_FROM_A_WORKER)
+        await control.progress(value)
+
+    def report_progress(self, value: Any) -> None:
+        """:meth:`progress` for a synchronous handler: blocks until the broker has it. A task
+        cancelled meanwhile raises :class:`~wqclient.Cancelled` (and :attr:`cancelled` is
+        then True)."""
+        control: TaskControl | None = getattr(self, "_control", None)
+        if control is None:
+            raise WqError(_NOT_FROM_A_WORKER)
+        control.report_progress(value)
+
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Task:
         """A task from the wire's fields: ``payload`` is the JSON text (bytes), timestamps are
         datetimes or RFC 3339 text; ``last_error``, ``queue`` (default ``"default"``),
-        ``priority`` (default 0) and ``state`` may be absent (or empty, as a protobuf field left
-        unset is). Raises ProtocolError if a field is missing or unreadable."""
+        ``priority`` (default 0), ``state``, ``expires_at``, ``timeout_ms``, ``progress`` (the
+        JSON text) and ``cancelling`` may be absent (or empty, as a protobuf field left unset
+        is). Raises ProtocolError if a field is missing or unreadable."""
         try:
+            if not (
+                "state" in data
+                or "expires_at" in data
+                or "timeout_ms" in data
+                or "progress" in data
+                or "cancelling" in data
+            ):  # (the usual: a delivery's task, none of them set)
+                return plain_task(
+                    data["id"],
+                    bytes(data["payload"]),
+                    data["attempts"],
+                    data["max_attempts"],
+                    _when(data["created_at"]),
+                    _when(data["available_at"]),
+                    data.get("last_error"),
+                    str(data.get("queue") or DEFAULT_QUEUE),
+                    int(data.get("priority") or 0),
+                )
+            expires_at = data.get("expires_at")
+            timeout_ms = data.get("timeout_ms")
+            progress = data.get("progress")
             return cls(
                 id=data["id"],
                 payload_json=bytes(data["payload"]),
@@ -83,9 +186,114 @@ class Task:
                 queue=str(data.get("queue") or DEFAULT_QUEUE),
                 priority=int(data.get("priority") or 0),
                 state=str(data["state"]) if data.get("state") else None,
+                expires_at=None if expires_at is None else _when(expires_at),
+                timeout_ms=None if timeout_ms is None else int(timeout_ms),
+                progress_json=bytes(progress) if progress else None,
+                cancelling=data.get("cancelling") is True,
             )
         except _UNREADABLE as e:
             raise _unreadable("a task", e) from None
+
+
+@dataclass(frozen=True, slots=True)
+class TaskPage:
+    """A page of a queue's tasks in one state (``list_tasks``), each with its ``state``, and
+    where the next page starts: pass ``next_cursor`` back as ``cursor`` (None: this page reached
+    the end)."""
+
+    tasks: list[Task]
+    next_cursor: str | None = None
+
+    def __iter__(self) -> Iterator[Task]:
+        return iter(self.tasks)
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> TaskPage:
+        """From the wire's fields: ``tasks`` (task views, each with its ``state``) and
+        ``next_cursor`` (absent, null or empty at the end)."""
+        try:
+            rows = data["tasks"]
+            if not isinstance(rows, list):
+                raise TypeError(f"tasks is a {type(rows).__name__}")
+            cursor = data.get("next_cursor")
+            if cursor is not None and not isinstance(cursor, str):
+                raise TypeError(f"next_cursor is a {type(cursor).__name__}")
+            return cls([Task.from_mapping(row) for row in rows], cursor or None)
+        except _UNREADABLE as e:
+            raise _unreadable("a page of tasks", e) from None
+
+
+_FIELDS_SET: Final = tuple(
+    Task.__dict__[name].__set__  # (each slot's own descriptor)
+    for name in (
+        "id",
+        "payload_json",
+        "attempts",
+        "max_attempts",
+        "created_at",
+        "available_at",
+        "last_error",
+        "queue",
+        "priority",
+        "state",
+        "expires_at",
+        "timeout_ms",
+        "progress_json",
+        "cancelling",
+    )
+)
+(
+    _set_id,
+    _set_payload,
+    _set_attempts,
+    _set_max_attempts,
+    _set_created,
+    _set_available,
+    _set_error,
+    _set_queue,
+    _set_priority,
+    _set_state,
+    _set_expires,
+    _set_timeout,
+    _set_progress,
+    _set_cancelling,
+) = _FIELDS_SET
+_new_object: Final = object.__new__
+
+
+def plain_task(
+    task_id: str,
+    payload_json: bytes,
+    attempts: int,
+    max_attempts: int,
+    created_at: datetime,
+    available_at: datetime,
+    last_error: str | None,
+    queue: str,
+    priority: int,
+) -> Task:
+    """``Task(...)`` with none of the later fields set (no state, expiry, time limit, progress
+    or cancel), made in half the time: each slot set by its own descriptor, not through the
+    frozen dataclass's checks (a worker's transport makes one for every task it receives)."""
+    task: Task = _new_object(Task)
+    _set_id(task, task_id)
+    _set_payload(task, payload_json)
+    _set_attempts(task, attempts)
+    _set_max_attempts(task, max_attempts)
+    _set_created(task, created_at)
+    _set_available(task, available_at)
+    _set_error(task, last_error)
+    _set_queue(task, queue)
+    _set_priority(task, priority)
+    _set_state(task, None)
+    _set_expires(task, None)
+    _set_timeout(task, None)
+    _set_progress(task, None)
+    _set_cancelling(task, False)
+    return task
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +364,8 @@ class Enqueued(str):
 class EnqueueItem:
     """One task of a batch (``enqueue_many``), with options of its own. ``None`` leaves an
     option to the broker's default (3 attempts, no delay, queue ``"default"``, priority 0, no
-    idempotency key)."""
+    idempotency key, no expiry, no time limit); ``unique`` (with an idempotency key): the key
+    holds while the task is ready, delayed or handed out, instead of for the broker's window."""
 
     payload_json: bytes  # the payload's JSON text
     max_attempts: int | None = None
@@ -164,6 +373,9 @@ class EnqueueItem:
     queue: str | None = None
     priority: int | None = None
     idempotency_key: str | None = None
+    expires_in_ms: int | None = None
+    timeout_ms: int | None = None
+    unique: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +416,8 @@ class QueueInfo:
 
 @dataclass(frozen=True, slots=True)
 class Totals:
-    """Lifetime counters. ``nacked + reclaimed == retried + buried`` always holds."""
+    """Lifetime counters. ``nacked + reclaimed == retried + buried`` always holds, and the
+    gauges add up to ``enqueued - acked - purged - cancelled - expired``."""
 
     enqueued: int = 0
     delivered: int = 0
@@ -215,6 +428,8 @@ class Totals:
     buried: int = 0
     requeued: int = 0
     purged: int = 0  # dead tasks dropped for good (DELETE /dlq/{id})
+    cancelled: int = 0  # tasks cancelled (cancel, empty_queue), none of them retried
+    expired: int = 0  # tasks dropped at their expiry, never handed out after it
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Totals:

@@ -11,7 +11,8 @@ Arguments reach a transport already encoded and type-checked by the client (payl
 bytes; ``None`` for an option left to the broker's default); the broker checks ranges. The
 options added since the first version (queues, priorities, idempotency keys, nack options) are
 passed by keyword and only when set, so a transport written before them still serves the calls
-that leave them unset.
+that leave them unset (the same goes for those of task control: ``expires_in_ms``, ``timeout_ms``,
+``unique``, an extension's ``progress``).
 """
 
 from __future__ import annotations
@@ -21,11 +22,16 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from wqclient.errors import WqError
-from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task
+from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task, TaskPage
 
 
 class AsyncStream(Protocol):
-    """Tasks pushed by the broker (gRPC StreamJobs): iterate for deliveries, settle each."""
+    """Tasks pushed by the broker (gRPC StreamJobs): iterate for deliveries, settle each.
+
+    A stream that is told when a task it delivered is cancelled while held (wqclient's gRPC
+    stream is) also has ``on_cancel(callback)`` (``callback(task_id, lease_id)`` for each) and
+    ``take_cancels()`` (those that came while no callback was set); a
+    :class:`~wqclient.Worker` uses them when they are there."""
 
     def __aiter__(self) -> AsyncStream: ...
 
@@ -56,9 +62,13 @@ class AsyncStream(Protocol):
         acks and nacks it refused since the last flush, each with its error."""
         ...
 
-    async def extend(self, delivery: Delivery, lease_ms: int | None) -> datetime:
+    async def extend(
+        self, delivery: Delivery, lease_ms: int | None, *, progress: bytes | None = None
+    ) -> datetime:
         """Extend the delivery's lease to now + ``lease_ms`` (None: the broker's default);
-        returns the new deadline. LeaseLost / NotFound as for an ack."""
+        returns the new deadline. ``progress``: JSON text to record on the task (passed only
+        when set). LeaseLost / NotFound as for an ack; Cancelled, TimeLimitReached as for
+        :meth:`Transport.extend`."""
         ...
 
     def set_prefetch(self, prefetch: int) -> None:
@@ -92,6 +102,10 @@ class Transport(Protocol):
         queue: str | None = None,
         priority: int | None = None,
         idempotency_key: str | None = None,
+        *,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        unique: bool = False,
     ) -> Awaitable[Enqueued]: ...
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]: ...
@@ -111,8 +125,12 @@ class Transport(Protocol):
         terminal: bool = False,
     ) -> Awaitable[None]: ...
 
-    async def extend(self, task_id: str, lease_id: str, lease_ms: int | None) -> datetime:
-        """Extend a lease to now + ``lease_ms``; returns the new deadline."""
+    async def extend(
+        self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None
+    ) -> datetime:
+        """Extend a lease to now + ``lease_ms``; returns the new deadline. ``progress``: JSON
+        text to record on the task (passed only when set). Raises Cancelled if the task was
+        cancelled, TimeLimitReached once its lease is at its time limit."""
         ...
 
     async def get_task(self, task_id: str) -> Task:
@@ -136,6 +154,25 @@ class Transport(Protocol):
         ...
 
     async def pause(self, queue: str) -> None: ...
+
+    async def cancel(self, task_id: str) -> str:
+        """Cancel a task: ``"cancelled"`` (it was ready or delayed), ``"cancelling"`` (handed
+        out) or ``"purged"`` (dead); NotFound for a task the broker does not have."""
+        ...
+
+    async def list_tasks(
+        self, queue: str | None, state: str | None, limit: int | None, cursor: str | None
+    ) -> TaskPage:
+        """A page of a queue's tasks in one state (None: the broker's defaults)."""
+        ...
+
+    async def empty_queue(self, queue: str) -> int:
+        """Cancel every ready and delayed task of a queue; returns how many."""
+        ...
+
+    async def delete_queue(self, queue: str) -> None:
+        """Forget a queue that holds nothing; Conflict if it holds tasks."""
+        ...
 
     async def resume(self, queue: str) -> None: ...
 

@@ -24,6 +24,20 @@ the lease is lost (another worker may have the task now), that is logged and the
 result is discarded: neither ack nor nack is sent for it. An extension that fails otherwise (the
 broker unreachable) is logged and tried again after half of what is left of the lease.
 
+A task can be stopped while its handler runs. When the broker says it was cancelled (a
+``Cancel`` on the gRPC stream, at once; over HTTP, when its next extension is refused with
+:class:`~wqclient.Cancelled`), an asyncio handler is cancelled (``CancelledError`` inside it) and a
+synchronous one sees ``task.cancelled`` become true; the task is nacked (the broker drops it,
+counted cancelled, without a retry) and logged once, as cancelled, not as a failure. A task whose
+view has ``timeout_ms`` has its handler stopped the same way at that limit, counted from when the
+worker got the task on its clock, and is nacked with ``"timed out after N ms"`` (retried, or
+buried); its lease is never extended past the limit. A synchronous handler cannot be
+interrupted: its task is nacked at once and its thread let run on (its result then discarded),
+holding its slot until it returns; a task stopped while it waits for a handler is nacked at once
+and never handled. A handler reports progress with ``await task.progress(value)`` (a synchronous
+one with ``task.report_progress(value)``, which blocks): any JSON value, recorded on the task by
+an extension of its lease.
+
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle
 (those waiting for a handler too: at most ``prefetch - concurrency`` of them), and returns. A
 broker that is down or restarting is reported once and retried with backoff. A broker that
@@ -43,13 +57,13 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Final, Protocol
 
-from wqclient.client import AsyncClient
+from wqclient.client import AsyncClient, encode_progress
 from wqclient.clock import Clock, SystemClock, Timer, call_later
 from wqclient.errors import (
+    Cancelled,
     CertificateError,
     InvalidArgument,
     LeaseLost,
@@ -57,6 +71,7 @@ from wqclient.errors import (
     Overloaded,
     PermissionDenied,
     StreamEnded,
+    TimeLimitReached,
     Unauthenticated,
     Unavailable,
     WqError,
@@ -157,7 +172,9 @@ class _Settler(Protocol):
         terminal: bool = False,
     ) -> Awaitable[None]: ...
 
-    def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]: ...
+    def extend(
+        self, delivery: Delivery, lease_ms: int | None, progress: bytes | None = None
+    ) -> Awaitable[datetime]: ...
 
     def handled(self, delivery: Delivery, seconds: float) -> None: ...
 
@@ -186,8 +203,12 @@ class _Unary:
     ) -> Awaitable[None]:
         return self._client.nack(delivery, error=error, delay_ms=delay_ms, terminal=terminal)
 
-    def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]:
-        return self._client.extend(delivery, lease_ms)
+    def extend(
+        self, delivery: Delivery, lease_ms: int | None, progress: bytes | None = None
+    ) -> Awaitable[datetime]:
+        if progress is None:
+            return self._client.extend(delivery, lease_ms)
+        return self._client.extend(delivery, lease_ms, progress=progress)
 
 
 def _kept(delivery: Delivery, keeper: asyncio.Future[None]) -> None:
@@ -267,8 +288,12 @@ class _OnStream:
     ) -> Awaitable[None]:
         return self._stream.nack(delivery, error, delay_ms, terminal, confirm=True)
 
-    def extend(self, delivery: Delivery, lease_ms: int | None) -> Awaitable[datetime]:
-        return self._stream.extend(delivery, lease_ms)
+    def extend(
+        self, delivery: Delivery, lease_ms: int | None, progress: bytes | None = None
+    ) -> Awaitable[datetime]:
+        if progress is None:
+            return self._stream.extend(delivery, lease_ms)
+        return self._stream.extend(delivery, lease_ms, progress=progress)
 
 
 class _Done:
@@ -284,14 +309,98 @@ class _Done:
 _DONE = _Done()
 
 
-@dataclass(slots=True, eq=False)
-class _Lease:
-    """One delivery's lease while its handler runs."""
+_ENDED: Final = "the task's handler has ended: progress is reported while it runs"
 
-    deadline: datetime  # the broker's latest deadline for it
+# Why a handler was stopped before it ended (_Lease.stop).
+_CANCELLED: Final = "cancelled"  # the broker said the task was cancelled
+_TIMED_OUT: Final = "timed out"  # it reached its time limit (the task's timeout_ms)
+
+
+class _Lease:
+    """One delivery's lease while its handler runs; and, attached to the task handed to the
+    handler, its :class:`~wqclient.models.TaskControl`: whether it was cancelled, and its
+    progress reports (through ``worker`` on the delivery's ``settler``).
+
+    (A plain object, its state past the first four members taken from the class until set:
+    made for every task, and most of that state is never set.)"""
+
     lost: bool = False  # the broker said it is no longer ours: discard the result
-    done: bool = False  # the handler has finished: extend no more
+    done: bool = False  # the handler has finished (or was stopped): extend no more
     extending: bool = False  # an extension is on its way
+    stop: str | None = None  # _CANCELLED or _TIMED_OUT once the handler is to stop
+    limit: float | None = None  # when its time limit is reached (the clock's monotonic time)
+    task: asyncio.Task[Any] | None = None  # the task its _process runs in
+    runner: asyncio.Task[Any] | None = None  # that task, while an asyncio handler runs in it
+    cancel_sent: bool = False  # runner.cancel() was called, and not yet taken back
+    in_thread: bool = False  # a synchronous handler is running
+    early: asyncio.Future[None] | None = None  # its nack, sent without waiting for the thread
+    holders: dict[str, _Lease] | None = None  # where it is registered by lease id (a stream's)
+    keeper: asyncio.Task[None] | None = None  # extending it, once half of it has gone by
+    timer: Timer | None = None  # stops the handler at the time limit
+
+    def __init__(
+        self,
+        deadline: datetime,
+        worker: Worker | None = None,
+        delivery: Delivery | None = None,
+        settler: _Settler | None = None,
+    ) -> None:
+        self.deadline = deadline  # the broker's latest deadline for it
+        self.worker = worker
+        self.delivery = delivery
+        self.settler = settler
+
+    @property
+    def cancelled(self) -> bool:
+        return self.stop is not None
+
+    async def progress(self, value: Any) -> None:
+        worker, delivery = self.worker, self.delivery
+        if worker is None or delivery is None:
+            raise WqError(_ENDED)
+        await worker._progress(self, delivery, encode_progress(value), in_thread=False)
+
+    def report_progress(self, value: Any) -> None:
+        worker, delivery = self.worker, self.delivery
+        if worker is None or delivery is None:
+            raise WqError(_ENDED)
+        loop = worker._loop
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            raise WqError(
+                "report_progress() blocks: call it from a synchronous handler (an asyncio "
+                "handler awaits task.progress(value))"
+            )
+        if loop is None or loop.is_closed():
+            raise WqError("the worker is not running")
+        data = encode_progress(value)
+        asyncio.run_coroutine_threadsafe(
+            worker._progress(self, delivery, data, in_thread=True), loop
+        ).result()
+
+
+class _Ended:
+    """The TaskControl of a task whose handler has ended: no more progress reports."""
+
+    __slots__ = ("cancelled",)
+
+    def __init__(self, cancelled: bool) -> None:
+        self.cancelled = cancelled
+
+    async def progress(self, value: Any) -> None:
+        raise WqError(_ENDED)
+
+    def report_progress(self, value: Any) -> None:
+        raise WqError(_ENDED)
+
+
+_OVER: Final = _Ended(False)
+# Sets a frozen Task's control slot (the slot's own descriptor: no dataclass check on the way).
+_set_control: Final = Task._control.__set__  # type: ignore[attr-defined]
+_STOPPED: Final = _Ended(True)  # (it was cancelled, or timed out: it still says so)
 
 
 class _LeaseWatch:
@@ -496,9 +605,11 @@ class Worker:
         self._clock: Clock = clock or SystemClock()
         # The clock's own timers if it has them.
         timer = getattr(self._clock, "call_later", None)
-        self._leases = _LeaseWatch(
-            self._clock, timer if timer is not None else functools.partial(call_later, self._clock)
+        self._call_later: Callable[[float, Callable[[], None]], Timer] = (
+            timer if timer is not None else functools.partial(call_later, self._clock)
         )
+        self._leases = _LeaseWatch(self._clock, self._call_later)
+        self._loop: asyncio.AbstractEventLoop | None = None  # run()'s (progress from threads)
         self._executor: ThreadPoolExecutor | None = None
         self._running = asyncio.Semaphore(concurrency)
         self._stopping = asyncio.Event()
@@ -509,6 +620,8 @@ class Worker:
         self.succeeded = 0
         self.failed = 0
         self.discarded = 0  # results thrown away because the lease was lost
+        self.cancelled = 0  # tasks cancelled while held: handlers stopped, tasks nacked
+        self.timed_out = 0  # handlers stopped at their task's time limit (counted failed too)
 
     @property
     def client(self) -> AsyncClient:
@@ -558,6 +671,7 @@ class Worker:
             claim.cancel()
 
     async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
         if not self._is_async:
             self._executor = ThreadPoolExecutor(self.concurrency, thread_name_prefix="wq-handler")
         try:
@@ -604,12 +718,16 @@ class Worker:
 
     async def _poll_loop(self) -> None:
         failures = [0]
+        me = asyncio.current_task()
         while not self._stopping.is_set():
             deliveries = await self._claimed(self._claim_one(), failures)
             if deliveries is None:
                 return
             for delivery in deliveries:
-                await self._process(delivery, _Unary(self._client))
+                settler = _Unary(self._client)
+                lease = self._lease(delivery, settler)
+                lease.task = me
+                await self._process(delivery, settler, lease)
 
     async def _claim_one(self) -> list[Delivery]:
         delivery = await self._client.claim(
@@ -654,7 +772,8 @@ class Worker:
                     # trip a free handler would wait for its next task.
                     window.answered(self._clock.monotonic() - asked)
                 for delivery in deliveries:
-                    task = create_task(self._process(delivery, settler))
+                    lease = self._lease(delivery, settler)
+                    task = lease.task = create_task(self._process(delivery, settler, lease))
                     in_flight.add(task)
                     task.add_done_callback(finished)
                 if not self._client.claims_many:
@@ -726,11 +845,19 @@ class Worker:
         in_flight: set[asyncio.Task[None]] = set()
 
         settler = _OnStream(stream, self._judge_ack, self._window, self._clock)
+        held = self._follow_cancels(stream)
 
         async def receive() -> WqError | None:
             create_task, process = asyncio.get_running_loop().create_task, self._process
             async for delivery in stream:
-                task = create_task(process(delivery, settler))
+                if held is None or delivery.task.timeout_ms is not None:
+                    lease = self._lease(delivery, settler, held)
+                else:  # (_lease's usual, inline: this runs for every task)
+                    lease = _Lease(delivery.deadline, self, delivery, settler)
+                    _set_control(delivery.task, lease)
+                    held[delivery.lease_id] = lease
+                    lease.holders = held
+                task = lease.task = create_task(process(delivery, settler, lease))
                 in_flight.add(task)
                 task.add_done_callback(in_flight.discard)
             return None
@@ -759,62 +886,270 @@ class Worker:
             receiver.cancel()
             await stream.close()
 
+    def _follow_cancels(self, stream: AsyncStream) -> dict[str, _Lease] | None:
+        """The leases of the tasks in hand, by lease id, for the cancels a stream tells of
+        (wqclient's gRPC stream does: ``on_cancel``); None for a stream that does not."""
+        on_cancel = getattr(stream, "on_cancel", None)
+        if on_cancel is None:
+            return None
+        held: dict[str, _Lease] = {}
+
+        def cancelled(task_id: str, lease_id: str) -> None:
+            lease = held.get(lease_id)
+            if lease is not None:
+                self._interrupt(lease, _CANCELLED)
+
+        on_cancel(cancelled)
+        return held
+
     # -- one task --------------------------------------------------------------------------------
 
-    async def _process(self, delivery: Delivery, settler: _Settler) -> None:
-        """Run the handler on a delivery, keeping its lease alive, then settle it."""
-        lease = _Lease(delivery.deadline)
+    def _lease(
+        self, delivery: Delivery, settler: _Settler, held: dict[str, _Lease] | None = None
+    ) -> _Lease:
+        """The lease of a delivery just received, attached to its task as the handler's
+        TaskControl; its time limit, if any, counted from now; registered in ``held`` (by lease
+        id) until its handler ends, if given."""
+        lease = _Lease(delivery.deadline, self, delivery, settler)
+        _set_control(delivery.task, lease)  # (a frozen Task: set here, and once it ends)
+        timeout_ms = delivery.task.timeout_ms
+        if timeout_ms is not None:
+            lease.limit = self._clock.monotonic() + timeout_ms / 1000
+            lease.timer = self._call_later(
+                timeout_ms / 1000, functools.partial(self._interrupt, lease, _TIMED_OUT)
+            )
+        if held is not None:
+            held[delivery.lease_id] = lease
+            lease.holders = held
+        return lease
+
+    async def _process(self, delivery: Delivery, settler: _Settler, lease: _Lease) -> None:
+        """Run the handler on a delivery, keeping its lease alive, then settle it. It is
+        stopped (:meth:`_interrupt`) if the task is cancelled or reaches its time limit."""
         span = min(self.lease_ms, MAX_LEASE_MS) / 1000  # the broker caps leases
         expires = self._clock.monotonic() + span
-        keeper: asyncio.Task[None] | None = None
 
         def keep() -> None:
             # Half the lease has gone by and the handler still runs: keep the lease from now on.
-            nonlocal keeper
-            keeper = asyncio.ensure_future(self._keep(delivery, settler, lease, expires))
+            lease.keeper = asyncio.ensure_future(self._keep(delivery, settler, lease, expires))
 
         # Watched, not a task that sleeps: most handlers end long before it would be time.
         self._leases.watch(lease, span / 2, keep)
         error: Exception | None = None
-        timed = settler.window is not None
         try:
             await self._running.acquire()
-            started = self._clock.monotonic() if timed else 0.0
+            started = self._clock.monotonic() if settler.window is not None else 0.0
             try:  # (the handler is run here, not in a coroutine of its own: this is per task)
-                if self._is_async:
+                if self._is_async and lease.stop is None:  # (_start_handler's usual, inline)
+                    lease.runner = lease.task or asyncio.current_task()
                     await self._handler(delivery.task)
                 else:
-                    loop = asyncio.get_running_loop()
-                    await loop.run_in_executor(self._executor, self._handler, delivery.task)
+                    running = self._start_handler(delivery.task, lease)
+                    if running is not None:  # (None: stopped while it waited for a handler)
+                        await running
+            except asyncio.CancelledError:
+                if not self._stopped_by_us(lease):
+                    raise
             except Exception as e:
                 error = e
             finally:
-                self._running.release()
-                if timed:
-                    settler.handled(delivery, self._clock.monotonic() - started)
+                if lease.cancel_sent or settler.window is not None:
+                    self._handler_ended(delivery, settler, lease, started)
+                else:  # (the usual: nothing to take back, no window to tell)
+                    lease.runner = None
+                    lease.in_thread = False
+                    self._running.release()
         finally:
-            lease.done = True
-            self._leases.drop(lease)
-            if keeper is not None:
-                if lease.extending:  # an extension on its way is let finish (it may lose it)
-                    await asyncio.wait((keeper,))
-                else:
-                    keeper.cancel()  # it is asleep: nothing of it is left to wait for
-                keeper.add_done_callback(functools.partial(_kept, delivery))
-        if lease.lost:
-            self.discarded += 1
-            log.warning(
-                "task %s: its lease was lost while the handler ran; the result is discarded",
-                delivery.task.id,
-                extra=_fields(delivery.task, "discarded"),
+            if lease.keeper is None and lease.timer is None:  # (_ended's usual, inline)
+                lease.done = True
+                self._leases.drop(lease)
+                if lease.holders is not None:
+                    lease.holders.pop(delivery.lease_id, None)
+            else:
+                extending = self._ended(delivery, lease)
+                if extending is not None:  # an extension on its way is let finish
+                    await asyncio.wait((extending,))
+        try:
+            if error is None and lease.stop is None and not lease.lost:  # (the usual: an ack)
+                self.succeeded += 1
+                await self._settle(delivery, lease, lambda: settler.ack(delivery))
+            else:
+                await self._conclude(delivery, lease, settler, error)
+        finally:
+            # The task lets go of its lease (which holds the task: neither waits for the garbage
+            # collector, and a task kept holds nothing of the worker's), for a control that
+            # says the handler has ended.
+            _set_control(delivery.task, _STOPPED if lease.stop else _OVER)
+
+    def _start_handler(self, task: Task, lease: _Lease) -> Awaitable[Any] | None:
+        """The handler's run on ``task`` (None if it was stopped before it could start): an
+        asyncio handler's coroutine, run in the task's own asyncio task (which a cancel
+        cancels), or a synchronous one's run in the pool."""
+        if lease.stop is not None:
+            return None
+        if self._is_async:
+            lease.runner = lease.task or asyncio.current_task()
+            return self._handler(task)  # type: ignore[no-any-return]
+        lease.in_thread = True
+        loop = asyncio.get_running_loop()
+        return loop.run_in_executor(self._executor, self._handler, task)
+
+    def _handler_ended(
+        self, delivery: Delivery, settler: _Settler, lease: _Lease, started: float
+    ) -> None:
+        """The handler has returned or raised: its slot is free."""
+        runner = lease.runner
+        lease.runner = None
+        lease.in_thread = False
+        if lease.cancel_sent and runner is not None:  # (a handler that swallowed the cancel)
+            lease.cancel_sent = False
+            runner.uncancel()
+        self._running.release()
+        if settler.window is not None:
+            settler.handled(delivery, self._clock.monotonic() - started)
+
+    def _ended(self, delivery: Delivery, lease: _Lease) -> asyncio.Task[None] | None:
+        """A handler has ended (or was stopped): its lease is watched and extended no more.
+        The keeper's extension on its way, if one is, to be waited for."""
+        lease.done = True
+        self._leases.drop(lease)
+        if lease.timer is not None:
+            lease.timer.cancel()
+        if lease.holders is not None:
+            lease.holders.pop(delivery.lease_id, None)
+        keeper = lease.keeper
+        if keeper is None:
+            return None
+        keeper.add_done_callback(functools.partial(_kept, delivery))
+        if lease.extending:
+            return keeper
+        keeper.cancel()  # it is asleep: nothing of it is left to wait for
+        return None
+
+    async def _conclude(
+        self, delivery: Delivery, lease: _Lease, settler: _Settler, error: Exception | None
+    ) -> None:
+        """Settle a task whose handler failed, or was stopped, or whose lease was lost."""
+        if lease.stop is not None:
+            if lease.early is not None:  # (nacked already, while its thread ran on)
+                await lease.early
+            else:
+                await self._settle_stopped(delivery, lease, settler)
+        elif lease.lost:
+            self._discard(delivery)
+        elif error is not None:
+            self.failed += 1
+            await self._settle_failure(delivery, lease, settler, error)
+
+    def _discard(self, delivery: Delivery) -> None:
+        self.discarded += 1
+        log.warning(
+            "task %s: its lease was lost while the handler ran; the result is discarded",
+            delivery.task.id,
+            extra=_fields(delivery.task, "discarded"),
+        )
+
+    @staticmethod
+    def _stopped_by_us(lease: _Lease) -> bool:
+        """Whether the CancelledError an asyncio handler ended with is the worker's stopping
+        it (a cancel, its time limit), and that alone: the cancel it asked for is taken back.
+        Another (the worker's own task cancelled) is let through."""
+        runner = lease.runner
+        if lease.stop is None or runner is None:
+            return False
+        if lease.cancel_sent:
+            lease.cancel_sent = False
+            return runner.uncancel() == 0
+        return runner.cancelling() == 0  # (raised by task.progress(): nobody cancelled it)
+
+    def _interrupt(self, lease: _Lease, why: str) -> None:
+        """Stop a task's handler: the broker said the task was cancelled (``_CANCELLED``), or
+        it reached its time limit (``_TIMED_OUT``). An asyncio handler is cancelled (the task
+        is nacked once it has unwound); a synchronous one sees ``task.cancelled`` (it cannot be
+        interrupted), and the task is nacked at once, the thread let run on (holding its
+        handler's slot until it returns); a task still waiting for a handler is nacked at once
+        and never handled. No extension is sent from now on. Nothing is done once the handler
+        has ended."""
+        if lease.done or lease.stop is not None:
+            return
+        lease.stop = why
+        lease.done = True  # (no more extensions)
+        self._leases.drop(lease)
+        runner = lease.runner
+        if runner is not None:
+            if runner is not asyncio.current_task():  # (else: task.progress() raises it)
+                lease.cancel_sent = True
+                runner.cancel()
+        elif lease.delivery is not None and lease.settler is not None:
+            # A thread, or a task still waiting for a handler: nacked now.
+            lease.early = asyncio.ensure_future(
+                self._settle_stopped(lease.delivery, lease, lease.settler)
             )
+
+    async def _settle_stopped(self, delivery: Delivery, lease: _Lease, settler: _Settler) -> None:
+        """Nack a task whose handler was stopped (see :meth:`_interrupt`), saying why once."""
+        task = delivery.task
+        if lease.lost:
+            self._discard(delivery)
             return
-        if error is None:
-            self.succeeded += 1
-            await self._settle(delivery, lease, lambda: settler.ack(delivery))
-            return
-        self.failed += 1
-        await self._settle_failure(delivery, lease, settler, error)
+        if lease.stop == _CANCELLED:
+            self.cancelled += 1
+            log.info(
+                "task %s was cancelled: its handler was stopped",
+                task.id,
+                extra=_fields(task, "cancelled"),
+            )
+            message = "cancelled"
+        else:
+            self.failed += 1
+            self.timed_out += 1
+            message = f"timed out after {task.timeout_ms} ms"
+            log.warning(
+                "task %s %s (attempt %d of %d): its handler was stopped",
+                task.id,
+                message,
+                task.attempts,
+                task.max_attempts,
+                extra=_fields(task, "timed_out"),
+            )
+        await self._settle(
+            delivery,
+            lease,
+            lambda: settler.nack(delivery, message),
+            quiet=lease.stop == _CANCELLED,
+        )
+
+    async def _progress(
+        self, lease: _Lease, delivery: Delivery, data: bytes, *, in_thread: bool
+    ) -> None:
+        """A handler's progress report: an extension carrying it (see Task.progress)."""
+        task = delivery.task
+        settler = lease.settler
+        assert settler is not None
+        if lease.stop is None and lease.done:
+            raise WqError(f"task {task.id}: {_ENDED}")
+        if lease.stop is None:
+            lease.extending = True
+            try:
+                lease.deadline = await settler.extend(delivery, self.lease_ms, data)
+                return
+            except Cancelled:
+                self._interrupt(lease, _CANCELLED)
+            except TimeLimitReached as e:
+                log.debug("task %s: progress not recorded: %s", task.id, e.message)
+                return  # (it is stopped at its limit, just after the broker's)
+            except _GONE as e:
+                lease.lost = True
+                self._lost(delivery, e)
+                raise
+            finally:
+                lease.extending = False
+        # Stopped: an asyncio handler is cancelled; a synchronous one is told so.
+        if not in_thread:
+            raise asyncio.CancelledError
+        if lease.stop == _CANCELLED:
+            raise Cancelled(f"task {task.id} was cancelled")
+        raise TimeLimitReached(f"task {task.id} timed out after {task.timeout_ms} ms")
 
     async def _settle_failure(
         self, delivery: Delivery, lease: _Lease, settler: _Settler, error: Exception
@@ -870,22 +1205,28 @@ class Worker:
         self, delivery: Delivery, settler: _Settler, lease: _Lease, expires: float
     ) -> None:
         """While the handler runs, extend the lease (which runs out at ``expires``) now, and then
-        each time half of it has gone by."""
+        each time half of it has gone by; never past the task's time limit. A refusal because
+        the task was cancelled stops the handler."""
+        task_id = delivery.task.id
         span = min(self.lease_ms, MAX_LEASE_MS) / 1000  # the broker caps leases
         while not lease.done:
-            lease.extending = True
             asked = self._clock.monotonic()
+            if lease.limit is not None and asked >= lease.limit:
+                return  # (no extension past the time limit: the handler is stopped there)
+            lease.extending = True
             try:
                 lease.deadline = await settler.extend(delivery, self.lease_ms)
+            except Cancelled:
+                self._interrupt(lease, _CANCELLED)
+                return
+            except TimeLimitReached as e:
+                # The broker's limit (from hand-out) comes a little before the worker's own
+                # (from when it got the task), which stops the handler: nothing to say.
+                log.debug("task %s: no extension past its time limit (%s)", task_id, e.message)
+                return
             except _GONE as e:
                 lease.lost = True
-                log.warning(
-                    "task %s: the lease could not be extended: it is lost (%s); the handler's "
-                    "result will be discarded",
-                    delivery.task.id,
-                    e.message,
-                    extra=_fields(delivery.task, "lease_lost"),
-                )
+                self._lost(delivery, e)
                 return
             except WqError as e:
                 wait = self._extend_failed(delivery, e, expires - asked, span)
@@ -894,6 +1235,15 @@ class Worker:
             finally:
                 lease.extending = False
             await self._clock.sleep(wait)
+
+    def _lost(self, delivery: Delivery, error: WqError) -> None:
+        log.warning(
+            "task %s: the lease could not be extended: it is lost (%s); the handler's "
+            "result will be discarded",
+            delivery.task.id,
+            error.message,
+            extra=_fields(delivery.task, "lease_lost"),
+        )
 
     def _extend_failed(self, delivery: Delivery, error: WqError, left: float, span: float) -> float:
         """An extension failed (not for a lost lease): say so; how long to wait to try again."""
@@ -911,15 +1261,28 @@ class Worker:
         return wait
 
     async def _settle(
-        self, delivery: Delivery, lease: _Lease, call: Callable[[], Awaitable[None]]
+        self,
+        delivery: Delivery,
+        lease: _Lease,
+        call: Callable[[], Awaitable[None]],
+        *,
+        quiet: bool = False,
     ) -> None:
-        """Ack or nack, retrying while the broker is unreachable and the lease still holds."""
+        """Ack or nack, retrying while the broker is unreachable and the lease still holds.
+        ``quiet``: a nack of a cancelled task, which the broker may have dropped already (its
+        lease ran out): that it no longer has it is no news."""
         attempt = 0
         while True:
             try:
                 await call()
                 return
-            except (StreamEnded, LeaseLost, NotFound, *_FATAL) as e:
+            except (LeaseLost, NotFound) as e:
+                if quiet:
+                    log.debug("task %s: already gone (%s)", delivery.task.id, e.message)
+                else:
+                    self._not_settled(delivery, e)
+                return
+            except (StreamEnded, *_FATAL) as e:
                 self._not_settled(delivery, e)
                 return
             except Unavailable as e:

@@ -61,3 +61,8 @@ applies to what a request carries)."""
 RETRY_AFTER_MS_KEY: Final = "retry-after-ms"
 """The gRPC trailing metadata of a RESOURCE_EXHAUSTED refusal: milliseconds to wait (HTTP says
 it with ``Retry-After``, in seconds)."""
+
+CANCELLED_KEY: Final = "wq-cancelled"
+"""The gRPC trailing metadata (value ``1``) of a FAILED_PRECONDITION refusal because the task was
+cancelled (an ExtendLease): stop working on it, do not retry it (HTTP says it with
+``"cancelled": true`` in the 409's body; a stream with ``Settled.cancelled``)."""

@@ -409,3 +409,40 @@ def test_our_histogram_renders_as_the_librarys_would(values: list[float]) -> Non
         for r in (theirs_registry, ours_registry)
     ]
     assert rendered[0] == rendered[1]
+
+
+async def test_cancelled_and_expired_are_counted_and_a_deleted_queue_counts_anew(
+    broker: Broker, http: Http, clock: FakeClock
+) -> None:
+    ids = [await http.enqueue(n, queue="c") for n in range(3)]
+    await ok(http, "DELETE", f"/jobs/{ids[0]}", 204)
+    await http.enqueue("soon gone", queue="c", expires_in_ms=1000)
+    clock.advance(2.0)
+    await broker.service.sweep()
+    samples = await scrape(http)
+    assert value(samples, "wq_tasks_cancelled_total", queue="c") == 1
+    assert value(samples, "wq_tasks_expired_total", queue="c") == 1
+    assert await ok(http, "POST", "/queues/c/empty", 200) == {"cancelled": 2}
+    samples = await scrape(http)
+    assert value(samples, "wq_tasks_cancelled_total", queue="c") == 3
+    assert value(samples, "wq_tasks_enqueued_total", queue="c") == 4
+    # Deleted, its series go; made again, it counts from nothing (not from its old peak).
+    await ok(http, "DELETE", "/queues/c", 204)
+    samples = await scrape(http)
+    assert not [key for key in samples if ("queue", "c") in key[1]]
+    await http.enqueue("again", queue="c")
+    samples = await scrape(http)
+    assert value(samples, "wq_tasks_enqueued_total", queue="c") == 1
+    assert value(samples, "wq_tasks_cancelled_total", queue="c") == 0
+    # The broker's own totals keep what it counted.
+    assert (await http.stats())["totals"]["cancelled"] == 3
+
+
+async def test_the_new_totals_have_help_texts(http: Http) -> None:
+    await http.enqueue(1)
+    async with http.session.get(http.base + "/metrics") as resp:
+        text = await resp.text()
+    helps = {f.name: f.documentation for f in text_string_to_metric_families(text)}
+    assert "cancelled" in helps["wq_tasks_cancelled"].lower()
+    assert "expir" in helps["wq_tasks_expired"].lower()
+    assert helps["wq_tasks_cancelled"] != "Tasks cancelled."  # (not the generic fallback)

@@ -40,6 +40,7 @@ from wqbroker.auth import (
     Rule,
     TokenFileError,
     Tokens,
+    describe_rule,
     grpc_rule,
     http_rule,
     parse_tokens,
@@ -339,6 +340,10 @@ class HttpCall:
     async def path(self, root: Http) -> str:
         """The concrete path, after setting the scene the call needs with ``root``."""
         if "{name}" in self.route:
+            if self.route in ("/queues/{name}", "/queues/{name}/empty"):
+                # (a queue known and empty: emptied or deleted, either answers at once)
+                assert (await root.request("POST", "/queues/known/pause"))[0] == 204
+                return self.route.replace("{name}", "known")
             return self.route.replace("{name}", "mail")
         if "{id}" not in self.route:
             concrete = {
@@ -378,6 +383,11 @@ HTTP_CALLS = [
     HttpCall("GET", "/ui/", 200),
     HttpCall("GET", "/ui/{file}", 200),
     HttpCall("GET", "/openapi.json", 200),
+    # control over tasks (docs/design/control.md)
+    HttpCall("GET", "/jobs", 200),
+    HttpCall("DELETE", "/jobs/{id}", 202),  # (a held task: cancelling)
+    HttpCall("POST", "/queues/{name}/empty", 200),
+    HttpCall("DELETE", "/queues/{name}", 204),
 ]
 
 
@@ -394,6 +404,26 @@ def test_the_extension_routes_have_the_scopes_of_their_kin() -> None:
         assert HTTP_RULES[route] == "admin", route
     for route in ("GET /jobs/{id}", "GET /queues"):
         assert HTTP_RULES[route] is Access.ANY, route
+
+
+def test_control_over_tasks_is_the_admin_s_and_listing_a_worker_s_too() -> None:
+    # docs/design/control.md: cancel, empty and delete need admin; listing consume or admin.
+    for route in ("DELETE /jobs/{id}", "POST /queues/{name}/empty", "DELETE /queues/{name}"):
+        assert HTTP_RULES[route] == "admin", route
+    assert HTTP_RULES["GET /jobs"] == ("consume", "admin")
+    for method in ("CancelTask", "EmptyQueue", "DeleteQueue"):
+        assert GRPC_RULES[f"/wq.v1.Broker/{method}"] == "admin", method
+    assert GRPC_RULES["/wq.v1.Broker/ListTasks"] == ("consume", "admin")
+    assert describe_rule(("consume", "admin")) == "the consume or admin scope"
+
+
+def test_a_route_under_several_scopes_is_opened_by_any_of_them() -> None:
+    tokens = Tokens(parse_tokens(["c consume", "a admin", "p produce,metrics"], "test"))
+    for token in ("c", "a"):
+        tokens.check(f"Bearer {token}", ("consume", "admin"), "GET /jobs")
+    with pytest.raises(PermissionDenied) as e:
+        tokens.check("Bearer p", ("consume", "admin"), "GET /jobs")
+    assert e.value.message == "GET /jobs needs a token with the consume or admin scope"
 
 
 def test_the_http_calls_cover_every_route() -> None:
@@ -436,13 +466,21 @@ async def test_every_http_route_without_and_with_the_right_token(
     if isinstance(rule, str):
         # Every scope but the one needed: 403.
         await _refused_http(bare_http, call, path, ALL_BUT[rule], 403)
-        allowed = ONLY[rule]
+        allowed = [ONLY[rule]]
+    elif isinstance(rule, tuple):
+        # Several scopes open it, any one of them: each other scope alone is refused.
+        for scope in set(SCOPES) - set(rule):
+            await _refused_http(bare_http, call, path, ONLY[scope], 403)
+        allowed = [ONLY[scope] for scope in rule]
     else:
-        allowed = ONLY["produce"]  # any token will do
+        allowed = [ONLY["produce"]]  # any token will do
     # A refused call changed nothing.
     assert (await broker.service.stats()).as_dict() == before
-    got, body = await bare_http.request(call.method, path, json=call.body, headers=bearer(allowed))
-    assert got == call.ok, body
+    for token in allowed:
+        got, body = await bare_http.request(
+            call.method, path, json=call.body, headers=bearer(token)
+        )
+        assert got == call.ok, body
 
 
 async def test_a_refused_long_poll_never_parks(broker: Broker, bare_http: Http) -> None:
@@ -594,6 +632,21 @@ async def _purge_request(stub: pb_grpc.BrokerAsyncStub) -> pb.PurgeDeadRequest:
     return pb.PurgeDeadRequest(id=await _dead_pb(stub))
 
 
+async def _cancel_request(stub: pb_grpc.BrokerAsyncStub) -> pb.CancelTaskRequest:
+    response = await stub.Enqueue(pb.EnqueueRequest(payload=b"1"), metadata=metadata(ROOT))
+    return pb.CancelTaskRequest(id=response.id)
+
+
+async def _empty_queue_request(stub: pb_grpc.BrokerAsyncStub) -> pb.EmptyQueueRequest:
+    await stub.PauseQueue(pb.PauseQueueRequest(queue="known"), metadata=metadata(ROOT))
+    return pb.EmptyQueueRequest(queue="known")
+
+
+async def _delete_queue_request(stub: pb_grpc.BrokerAsyncStub) -> pb.DeleteQueueRequest:
+    await stub.PauseQueue(pb.PauseQueueRequest(queue="known"), metadata=metadata(ROOT))
+    return pb.DeleteQueueRequest(queue="known")
+
+
 GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "Enqueue": _const(pb.EnqueueRequest(payload=b"1")),
     "EnqueueBatch": _const(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")])),
@@ -612,6 +665,10 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "RequeueAll": _const(pb.RequeueAllRequest()),
     "PurgeDead": _purge_request,
     "Produce": _nothing,
+    "CancelTask": _cancel_request,
+    "ListTasks": _const(pb.ListTasksRequest()),
+    "EmptyQueue": _empty_queue_request,
+    "DeleteQueue": _delete_queue_request,
 }
 
 
@@ -666,11 +723,18 @@ async def test_every_grpc_method_without_and_with_the_right_token(
         code, details = await _code(invoke, metadata(ALL_BUT[rule]))
         assert code == Code.PERMISSION_DENIED, details
         assert rule in details
-        allowed = ONLY[rule]
+        allowed = [ONLY[rule]]
+    elif isinstance(rule, tuple):
+        for scope in set(SCOPES) - set(rule):
+            code, details = await _code(invoke, metadata(ONLY[scope]))
+            assert code == Code.PERMISSION_DENIED, details
+            assert describe_rule(rule) in details
+        allowed = [ONLY[scope] for scope in rule]
     else:
-        allowed = ONLY["consume"]
+        allowed = [ONLY["consume"]]
     assert (await broker.service.stats()).as_dict() == before
-    assert await _code(invoke, metadata(allowed)) == (Code.OK, "")
+    for token in allowed:
+        assert await _code(invoke, metadata(token)) == (Code.OK, "")
 
 
 async def test_next_job_with_acks_needs_consume(

@@ -389,6 +389,8 @@ async def test_stats_are_the_same_from_both_brokers_after_a_known_workload(
             "buried": 2,
             "requeued": 1,
             "purged": 1,
+            "cancelled": 0,
+            "expired": 0,
         },
     }
     mail = await same_stats(pair, "?queue=mail")

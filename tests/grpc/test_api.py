@@ -103,6 +103,8 @@ def stats_dict(s: pb.StatsResponse) -> dict[str, Any]:
             "buried": t.buried,
             "requeued": t.requeued,
             "purged": t.purged,
+            "cancelled": t.cancelled,
+            "expired": t.expired,
         },
     }
 
@@ -747,6 +749,8 @@ async def test_stats_reports_every_gauge_and_total(
             "buried": 2,
             "requeued": 1,
             "purged": 0,
+            "cancelled": 0,
+            "expired": 0,
         },
     }
     assert stats_dict(s) == expected
@@ -896,6 +900,10 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "RequeueAll",
         "PurgeDead",
         "Produce",
+        "CancelTask",
+        "ListTasks",
+        "EmptyQueue",
+        "DeleteQueue",
     }
     assert methods["StreamJobs"].client_streaming
     assert methods["StreamJobs"].server_streaming
@@ -1491,4 +1499,6 @@ async def test_many_streams_and_http_long_pollers_share_2000_tasks_exactly_once(
         "buried": 0,
         "requeued": 0,
         "purged": 0,
+        "cancelled": 0,
+        "expired": 0,
     }

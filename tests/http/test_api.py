@@ -582,7 +582,8 @@ async def test_reclaimed_task_wakes_a_parked_poller(
 async def test_stats_has_exactly_the_spec_fields(http: Http) -> None:
     stats = await http.stats()
     assert set(stats) == {"ready", "handed_out", "delayed", "dead", "totals"}
-    # The spec's eight totals, and one more (an extension): dead tasks purged for good.
+    # The spec's eight totals, and three more (extensions): dead tasks purged for good, tasks
+    # cancelled and tasks expired (docs/design/control.md).
     assert set(stats["totals"]) == {
         "enqueued",
         "delivered",
@@ -593,6 +594,8 @@ async def test_stats_has_exactly_the_spec_fields(http: Http) -> None:
         "buried",
         "requeued",
         "purged",
+        "cancelled",
+        "expired",
     }
     assert all(v == 0 for k, v in stats.items() if k != "totals")
     assert all(v == 0 for v in stats["totals"].values())
@@ -610,7 +613,7 @@ async def test_healthz(http: Http) -> None:
         ("GET", "/", 404),
         ("GET", "/nope", 404),
         ("GET", "/jobs/x/y/z", 404),
-        ("GET", "/jobs", 405),
+        ("PUT", "/jobs", 405),
         ("DELETE", "/jobs", 405),
         ("POST", "/jobs/next", 405),
         ("GET", "/jobs/abc/ack", 405),

@@ -403,7 +403,7 @@ async def test_a_small_unread_body_keeps_the_connection(broker: Broker) -> None:
 # Every route and the methods that reach its handler. HEAD is allowed where it changes nothing
 # (the read-only GETs answer it as GET, without the body); never on /jobs/next, which claims.
 ROUTES = {
-    "/jobs": {"POST"},
+    "/jobs": {"POST", "GET", "HEAD"},
     "/jobs/next?wait_ms=0": {"GET"},
     "/jobs/abc/ack?lease_id=x": {"POST"},
     "/jobs/abc/nack?lease_id=x": {"POST"},
@@ -412,13 +412,17 @@ ROUTES = {
     "/dlq/abc/requeue": {"POST"},
     "/healthz": {"GET", "HEAD"},
     # the extensions
-    "/jobs/abc": {"GET", "HEAD"},
+    "/jobs/abc": {"GET", "HEAD", "DELETE"},
     "/jobs/abc/extend?lease_id=x": {"POST"},
     "/queues": {"GET", "HEAD"},
     "/queues/q/pause": {"POST"},
     "/queues/q/resume": {"POST"},
     "/dlq/requeue": {"POST"},
     "/dlq/abc": {"DELETE"},
+    # control over tasks (docs/design/control.md)
+    "/queues/q": {"DELETE"},
+    "/queues/q/empty": {"POST"},
+    "/jobs/next/batch?wait_ms=0": {"GET"},
 }
 METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE", "PROPFIND"]
 

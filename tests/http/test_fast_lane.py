@@ -232,6 +232,32 @@ def enqueue_with(*extra: str) -> Case:
     return case
 
 
+async def enqueue_controlled(b: Broker, v: Variant) -> RawResponse:
+    body = {"payload": 1, "expires_in_ms": 60_000, "timeout_ms": 500, "unique": True}
+    return await send(b, "POST", v("/jobs"), _json(body), **{"Idempotency-Key": f"u-{tag(v)}"})
+
+
+async def enqueue_bad_control(b: Broker, v: Variant) -> RawResponse:
+    return await send(b, "POST", v("/jobs"), _json({"payload": 1, "timeout_ms": 0}))
+
+
+async def enqueue_unique_without_key(b: Broker, v: Variant) -> RawResponse:
+    return await send(b, "POST", v("/jobs"), _json({"payload": 1, "unique": True}))
+
+
+async def batch_controlled(b: Broker, v: Variant) -> RawResponse:
+    tasks = [
+        {"payload": 1, "expires_in_ms": 1000, "unique": True, "idempotency_key": f"bu-{tag(v)}"},
+        {"payload": 2, "unique": True, "idempotency_key": f"bu-{tag(v)}"},
+    ]
+    return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
+
+
+async def batch_bad_control(b: Broker, v: Variant) -> RawResponse:
+    tasks = [{"payload": 1}, {"payload": 3, "timeout_ms": 31_536_000_001}]
+    return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
+
+
 async def batch_ok(b: Broker, v: Variant) -> RawResponse:
     tasks = [{"payload": i, "idempotency_key": f"{tag(v)}-{i % 2}"} for i in range(3)]
     return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
@@ -343,6 +369,11 @@ CASES: list[Case] = [
     enqueue_with("Connection: keep-alive, Close"),
     enqueue_with("X-Spaced:   padded value   \t"),
     enqueue_with("X-Empty:"),
+    enqueue_controlled,
+    enqueue_bad_control,
+    enqueue_unique_without_key,
+    batch_controlled,
+    batch_bad_control,
     batch_ok,
     batch_bad_task,
     batch_with_key_header,
@@ -363,6 +394,13 @@ CASES: list[Case] = [
     settle("extend", query="&lease_ms=60000"),
     settle("extend", query="&lease_ms=-5"),
     settle("extend", lease="nope"),
+    settle("extend", body=_json({"progress": {"done": 1.10, "of": [3]}})),
+    settle("extend", body=_json({"progress": None, "other": 1})),
+    settle("extend", body=b"  \r\n"),
+    settle("extend", body=b"{not json"),
+    settle("extend", body=b"[1]"),
+    settle("extend", body=_json({"progress": "x" * 4000})),
+    settle("extend", body=_json({"progress": 1}), lease="nope"),
     ack_unknown_task,
     ack_without_lease,
     claim_batch("&max=3", tasks=5),
@@ -420,6 +458,9 @@ async def test_the_hot_requests_never_reach_aiohttp(
     await send(broker, "POST", "/jobs/batch", _json({"tasks": [{"payload": 2}]}))
     task_id, lease_id = await claim(broker)
     await send(broker, "POST", f"/jobs/{task_id}/extend?lease_id={lease_id}")
+    progress = _json({"progress": {"step": 2}})
+    extended = await send(broker, "POST", f"/jobs/{task_id}/extend?lease_id={lease_id}", progress)
+    assert extended.status == 200, extended
     await send(broker, "POST", f"/jobs/{task_id}/nack?lease_id={lease_id}", b"{}")
     task_id, lease_id = await claim(broker)
     assert (await send(broker, "POST", f"/jobs/{task_id}/ack?lease_id={lease_id}")).status == 204
@@ -433,6 +474,10 @@ async def test_the_hot_requests_never_reach_aiohttp(
     others = [
         ("GET", "/stats"),
         ("GET", f"/jobs/{task_id}"),
+        ("DELETE", f"/jobs/{task_id}"),
+        ("GET", "/jobs?queue=default&state=ready"),
+        ("POST", "/queues/default/empty"),
+        ("DELETE", "/queues/default"),
         ("HEAD", "/jobs/next"),
         ("PUT", "/jobs"),
         ("GET", "/jobs"),
@@ -693,6 +738,24 @@ async def test_an_ack_with_a_body_still_to_come_is_answered_at_once(
         await conn.send(b"67890" + request("POST", "/jobs", _json({"payload": 1})))
         assert (await conn.response()).status == 201
     assert router_calls == [f"POST /jobs/{task_id}/ack?lease_id={lease_id}"]
+
+
+async def test_an_extend_with_its_progress_still_to_come_waits_for_it_in_the_lane(
+    broker: Broker, router_calls: list[str]
+) -> None:
+    """An extend reads its body (the progress): the lane waits for it, as for an enqueue's."""
+    await enqueue(broker)
+    task_id, lease_id = await claim(broker)
+    body = _json({"progress": {"pieces": "y" * 50}})
+    data = request("POST", f"/jobs/{task_id}/extend?lease_id={lease_id}", body)
+    async with raw_connection(address(broker)) as conn:
+        await conn.send(data[:-20])
+        await asyncio.sleep(0.05)
+        await conn.send(data[-20:])
+        assert (await conn.response()).status == 200
+    assert router_calls == []
+    found = await send(broker, "GET", f"/jobs/{task_id}")
+    assert found.json()["progress"] == {"pieces": "y" * 50}
 
 
 @LANE_ON_OFF

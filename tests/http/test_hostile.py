@@ -259,6 +259,7 @@ POST_ROUTES = [
     "extend",
     "requeue all",
     "pause",
+    "empty",
 ]
 
 
@@ -281,12 +282,17 @@ def test_random_bytes_as_bodies_on_every_post_route(backend: str, tmp_path: Path
                     "extend": f"/jobs/{task_id}/extend?lease_id={lease_id}",
                     "requeue all": "/dlq/requeue?queue=nobody",
                     "pause": "/queues/elsewhere/pause",
+                    "empty": "/queues/elsewhere/empty",
                 }[route]
                 status, _ = await post(live, path, body)
                 if route in ("ack", "pause"):  # the body is ignored
                     assert status == 204
-                elif route in ("extend", "requeue all"):
+                elif route == "requeue all":
                     assert status == 200
+                elif route == "empty":  # (the body is ignored; the queue may be unknown yet)
+                    assert status in (200, 404)
+                elif route == "extend":  # (an optional {"progress"}: anything else is a 400)
+                    assert status == 200 if not body.strip(b" \t\r\n") else status in (200, 400)
                 await live.http.ack(task_id, lease_id)  # whatever happened, let it go
                 await live.still_serves()
 
@@ -521,6 +527,7 @@ SEGMENT = st.one_of(
             "healthz",
             "extend",
             "queues",
+            "empty",
             "",
         ]
     ),
@@ -543,6 +550,8 @@ ROUTE = st.sampled_from(
         "/queues/x/resume",
         "/dlq/requeue",
         "/dlq/x",
+        "/queues/x",
+        "/queues/x/empty",
     ]
 )
 PATH = st.one_of(
@@ -550,7 +559,7 @@ PATH = st.one_of(
     st.lists(SEGMENT, min_size=1, max_size=5).map(lambda parts: "/" + "/".join(parts)),
 )
 QUERY_KEY = st.one_of(
-    st.sampled_from(["wait_ms", "lease_ms", "limit", "lease_id", "queue", "x"]),
+    st.sampled_from(["wait_ms", "lease_ms", "limit", "lease_id", "queue", "state", "cursor", "x"]),
     st.text(max_size=8),
 )
 QUERY_VALUE = st.one_of(

@@ -112,10 +112,10 @@ async def test_a_spec_enqueue_is_201_with_only_an_id_and_lands_in_default(http: 
     assert (task["queue"], task["priority"]) == ("default", 0)
 
 
-async def test_stats_keeps_the_spec_order_and_adds_purged_last(http: Http) -> None:
+async def test_stats_keeps_the_spec_order_and_adds_its_own_totals_last(http: Http) -> None:
     stats = await http.stats()
     assert list(stats) == ["ready", "handed_out", "delayed", "dead", "totals"]
-    assert list(stats["totals"]) == [*SPEC_TOTALS, "purged"]
+    assert list(stats["totals"]) == [*SPEC_TOTALS, "purged", "cancelled", "expired"]
 
 
 async def test_task_views_gain_queue_and_priority_after_the_spec_members(http: Http) -> None:
@@ -245,7 +245,7 @@ async def test_stats_of_one_queue_has_the_spec_shape_and_only_its_tasks(http: Ht
     status, a = await http.request("GET", "/stats?queue=a")
     assert status == 200
     assert list(a) == ["ready", "handed_out", "delayed", "dead", "totals"]
-    assert list(a["totals"]) == [*SPEC_TOTALS, "purged"]
+    assert list(a["totals"]) == [*SPEC_TOTALS, "purged", "cancelled", "expired"]
     assert gauges(a) == (1, 1, 0, 0)
     assert (a["totals"]["enqueued"], a["totals"]["delivered"]) == (2, 1)
     whole = await http.stats()
@@ -857,12 +857,16 @@ async def test_requeue_all_wakes_a_parked_poll(http: Http, broker: Broker) -> No
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
     [
-        ("PUT", "/jobs/abc", "GET,HEAD"),
-        ("DELETE", "/jobs/abc", "GET,HEAD"),
+        ("PUT", "/jobs/abc", "DELETE,GET,HEAD"),
+        ("POST", "/jobs/abc", "DELETE,GET,HEAD"),
         ("GET", "/jobs/abc/extend", "POST"),
         ("PUT", "/jobs/abc/extend", "POST"),
         ("POST", "/queues", "GET,HEAD"),
         ("DELETE", "/queues", "GET,HEAD"),
+        ("GET", "/queues/q", "DELETE"),
+        ("GET", "/queues/q/empty", "POST"),
+        ("DELETE", "/jobs", "GET,HEAD,POST"),
+        ("DELETE", "/jobs/next", "GET"),
         ("GET", "/queues/q/pause", "POST"),
         ("DELETE", "/queues/q/resume", "POST"),
         ("GET", "/dlq/requeue", "POST"),
@@ -883,7 +887,9 @@ async def test_wrong_methods_on_the_new_routes_get_405(
             assert method in (await resp.json())["error"]
 
 
-@pytest.mark.parametrize("path", ["/queues/q", "/queues/q/stop", "/queues//pause", "/dlq/a/b"])
+@pytest.mark.parametrize(
+    "path", ["/queues/q/empty/now", "/queues/q/stop", "/queues//pause", "/dlq/a/b"]
+)
 async def test_unknown_paths_near_the_new_routes_get_404(http: Http, path: str) -> None:
     status, body = await http.request("POST", path)
     assert status == 404

@@ -49,6 +49,8 @@ TOTALS = (
     "buried",
     "requeued",
     "purged",
+    "cancelled",
+    "expired",
 )
 
 
@@ -70,6 +72,8 @@ async def expect(
     assert stats.totals == Totals(**{name: totals.get(name, 0) for name in TOTALS}), stats
     t = stats.totals
     assert t.nacked + t.reclaimed == t.retried + t.buried, stats
+    held = sum(gauges)
+    assert held == t.enqueued - t.acked - t.purged - t.cancelled - t.expired, stats
     return stats
 
 

@@ -24,11 +24,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
-from wqbroker.errors import StoreError
+from wqbroker.errors import Cancelled, StoreError
 from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Stats, Totals
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
-from wqbroker.store.sqlite import SqliteStore
+from wqbroker.store.sqlite import SCHEMA_VERSION, SqliteStore
 from wqwire.pb import broker_pb2 as pb
 from wqwire.pb import broker_pb2_grpc as pb_grpc
 
@@ -300,7 +300,9 @@ async def test_a_file_of_schema_1_is_upgraded_keeping_everything(tmp_path: Path)
     finally:
         await store.close()
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (
+            str(SCHEMA_VERSION),
+        )
 
 
 async def test_payloads_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
@@ -417,7 +419,9 @@ async def test_a_file_of_schema_2_is_upgraded_into_the_default_queue(tmp_path: P
     finally:
         await store.close()
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (
+            str(SCHEMA_VERSION),
+        )
     store = await SqliteStore.open(path, _backoff())  # and it opens again as schema 3
     try:
         assert [r.name for r in await store.queues()] == [DEFAULT_QUEUE, "q"]
@@ -445,7 +449,9 @@ async def test_a_new_file_has_no_queue_and_an_unused_file_of_schema_2_gets_the_d
         finally:
             await store.close()
         with closing(sqlite3.connect(path)) as conn:
-            assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("3",)
+            assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == (
+                str(SCHEMA_VERSION),
+            )
 
 
 async def test_an_upgrade_that_fails_leaves_the_file_as_it_was(tmp_path: Path) -> None:
@@ -563,3 +569,60 @@ async def test_keys_past_their_window_are_forgotten_across_a_restart(tmp_path: P
     with closing(sqlite3.connect(path)) as conn:
         rows = conn.execute("SELECT queue, key, until FROM keys").fetchall()
     assert rows == [(DEFAULT_QUEUE, "k", NOW + 10)]
+
+
+async def test_a_restart_keeps_what_control_over_tasks_set(tmp_path: Path) -> None:
+    """Cancelling tasks, unique keys, expiries (of hot and of cold ready tasks), time limits,
+    progress, the cancelled and expired totals and a deleted queue all survive a restart
+    (docs/design/control.md); a file of schema 3 (before them) opens as schema 4."""
+    path = str(tmp_path / "control.db")
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    try:
+        cancelling = (await enqueue_one(store, b"1", max_attempts=3, delay=0.0, now=NOW)).id
+        held = await store.claim(lease=300, now=NOW)
+        assert held is not None
+        assert held.task.id == cancelling
+        await store.cancel(cancelling, now=NOW)
+        limited = NewTask(b"2", 3, 0.0, timeout=100.0)
+        (limited_task,) = await store.enqueue_many([limited], now=NOW)
+        worked = await store.claim(lease=30, now=NOW)
+        assert worked is not None
+        assert worked.task.id == limited_task.id
+        await store.extend(worked.task.id, worked.lease_id, lease=30, now=NOW, progress=b'"half"')
+        unique = NewTask(b"3", 3, 0.0, DEFAULT_QUEUE, 0, "only-one", 0.0, unique=True)
+        (first,) = await store.enqueue_many([unique], now=NOW)
+        expiring = [NewTask(b"4", 3, 0.0, expires_at=NOW + 50) for _ in range(4)]
+        await store.enqueue_many(expiring, now=NOW)  # (beyond two hot: cold after a restart)
+        await enqueue_one(store, b"5", max_attempts=3, delay=0.0, now=NOW, queue="gone")
+        await store.empty_queue("gone", now=NOW)
+        await store.delete_queue("gone")
+    finally:
+        await store.close()
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    try:
+        found = await store.lookup(cancelling)
+        assert found is not None
+        assert (found.state, found.task.cancelling) == ("handed_out", True)
+        with pytest.raises(Cancelled):
+            await store.extend(cancelling, held.lease_id, lease=30, now=NOW + 1)
+        found = await store.lookup(limited_task.id)
+        assert found is not None
+        assert (found.task.progress, found.task.timeout) == (b'"half"', 100.0)
+        again = await store.extend(worked.task.id, worked.lease_id, lease=300, now=NOW + 2)
+        assert again == pytest.approx(NOW + 100)  # the time limit came back too
+        (dup,) = await store.enqueue_many([unique], now=NOW + 3)
+        assert (dup.id, dup.duplicate) == (first.id, True)
+        assert [q.name for q in await store.queues()] == [DEFAULT_QUEUE]
+        swept, _ = await store.sweep(now=NOW + 60)
+        assert swept.expired == 4
+        stats = await store.stats()
+        assert (stats.totals.cancelled, stats.totals.expired) == (1, 4)
+        assert stats.ready == 1  # the unique one
+        await store.nack(cancelling, held.lease_id, "stop", now=NOW + 61)
+        stats = await store.stats()
+        assert (stats.handed_out, stats.totals.cancelled) == (1, 2)
+        store.check_invariants()
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("4",)

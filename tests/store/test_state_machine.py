@@ -3,14 +3,18 @@
 A Hypothesis state machine drives one store (built from a backend name, so it runs against every
 backend in ``BACKENDS``) through enqueue (with and without delay, into named queues, at priorities,
 with idempotency keys), claim (from lists of queues), ack, nack (on the backoff, with a delay, or
-terminal), extend, reclaim, release, requeue, requeue_all, purge, pause and resume, lookups, lease
-expiry and clock advances with a sweep, and (SQLite) restarts; it mirrors each step in a plain
-model: per queue, a ready lane per priority; the handed-out tasks with their leases, the delayed
-tasks with their due times, the dead-letter queue in burial order, the idempotency keys in their
-window, which queues are paused, and the totals of the store and of each queue. After every step it
+terminal), extend, reclaim, release, requeue, requeue_all, purge, pause and resume, cancel (of a
+task in any state, or gone: a handed-out one becomes cancelling, and its holder's nack, reclaim,
+release or lapsed lease drops it), emptying a queue, lookups, listings page by page (each state's
+order), lease expiry and clock advances with a sweep, and (SQLite) restarts; it mirrors each step
+in a plain model: per queue, a ready lane per priority; the handed-out tasks with their leases,
+the delayed tasks with their due times, the dead-letter queue in burial order, the idempotency
+keys in their window, which queues are paused, and the totals of the store and of each queue.
+After every step it
 checks that each task is in exactly one collection, that the store's gauges, totals (global and per
 queue), queue rows and dead-letter queue match the model, that ``nacked + reclaimed == retried +
-buried`` and that ``ready + handed_out + delayed + dead == enqueued - acked - purged``.
+buried`` and that ``ready + handed_out + delayed + dead == enqueued - acked - purged - cancelled -
+expired``.
 
 The backoff's random draw is pinned (u = 0.5, so a retry waits 3/4 of the nominal delay) so that
 the model knows exactly when each retry becomes due; the jitter itself is covered elsewhere.
@@ -39,8 +43,20 @@ from hypothesis.stateful import (
 )
 
 from tests.helpers import BACKENDS, SQLITE_HOT, examples, invariant_holds, make_store
-from wqbroker.errors import LeaseLost, NotFound
-from wqbroker.models import DEFAULT_QUEUE, Delivery, Enqueued, NackItem, NewTask, Stats, Totals
+from wqbroker.errors import Cancelled, LeaseLost, NotFound
+from wqbroker.models import (
+    CANCELLED,
+    CANCELLING,
+    DEFAULT_QUEUE,
+    PURGED,
+    Delivery,
+    Enqueued,
+    Failure,
+    NackItem,
+    NewTask,
+    Stats,
+    Totals,
+)
 from wqbroker.retry import Backoff
 from wqbroker.store import Store, enqueue_one
 from wqbroker.store.memory import MemoryStore
@@ -78,6 +94,7 @@ class ModelTask:
     claim_seq: int = 0  # when handed out (or extended): tie-break for equal deadlines
     due: float = 0.0  # when delayed
     delay_seq: int = 0  # when delayed: tie-break for equal due times
+    cancelling: bool = False  # when handed out: a cancel came
 
 
 @dataclass
@@ -129,6 +146,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.tasks: dict[str, ModelTask] = {}  # every task not yet acked or purged
         self.acked: set[str] = set()
         self.purged: set[str] = set()
+        self.cancelled: set[str] = set()
         self.keys: dict[tuple[str, str], tuple[str, float]] = {}  # -> (task id, until)
         self.old_leases: list[tuple[str, str]] = []  # (task id, lease id) no longer current
         self.totals = Totals()
@@ -217,6 +235,14 @@ class StoreMachine(RuleBasedStateMachine):
         self.count(task, "buried")
         return True, None
 
+    def drop_cancelled(self, task: ModelTask) -> None:
+        """A cancelling task let go of by its holder: gone, counted cancelled."""
+        del self.handed[task.id]
+        del self.tasks[task.id]
+        self.cancelled.add(task.id)
+        self.old_leases.append((task.id, task.lease_id or ""))
+        self.count(task, "cancelled")
+
     def next_due(self) -> float | None:
         times = [t.deadline for t in self.handed.values()]
         times += [t.due for t in self.delayed.values()]
@@ -229,6 +255,9 @@ class StoreMachine(RuleBasedStateMachine):
         )
         expected_reclaims = sorted((t.id, t.lease_id or "") for t in expired)
         for task in expired:
+            if task.cancelling:
+                self.drop_cancelled(task)
+                continue
             self.count(task, "reclaimed")
             self.fail(task, "lease expired")
         promoted = self.promote_due()
@@ -395,6 +424,10 @@ class StoreMachine(RuleBasedStateMachine):
                 task.id, task.lease_id or "", error, now=self.now, delay=delay, terminal=terminal
             )
         )
+        if task.cancelling:
+            assert failure == Failure(task.id, False, None, cancelled=True)
+            self.drop_cancelled(task)
+            return
         self.count(task, "nacked")
         buried, retry_at = self.fail(task, error, delay, terminal)
         assert (failure.task_id, failure.buried, failure.retry_at) == (task.id, buried, retry_at)
@@ -436,6 +469,10 @@ class StoreMachine(RuleBasedStateMachine):
             self.count(task, "acked")
         for item, result in zip(nacks, nacked, strict=True):
             task = self.handed[item.task_id]
+            if task.cancelling:
+                assert result == Failure(task.id, False, None, cancelled=True)
+                self.drop_cancelled(task)
+                continue
             self.count(task, "nacked")
             buried, retry_at = self.fail(task, item.error, item.delay, item.terminal)
             assert not isinstance(result, Exception)
@@ -445,6 +482,10 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data(), lease=LEASES)
     def extend(self, data: st.DataObject, lease: float) -> None:
         task = self.pick_handed(data)
+        if task.cancelling:
+            with pytest.raises(Cancelled):
+                self.run(self.store.extend(task.id, task.lease_id or "", lease=lease, now=self.now))
+            return
         deadline = self.run(
             self.store.extend(task.id, task.lease_id or "", lease=lease, now=self.now)
         )
@@ -457,6 +498,10 @@ class StoreMachine(RuleBasedStateMachine):
     def reclaim(self, data: st.DataObject) -> None:
         task = self.pick_handed(data)
         failure = self.run(self.store.reclaim(task.id, task.lease_id or "", "gone", now=self.now))
+        if task.cancelling:
+            assert failure == Failure(task.id, False, None, cancelled=True)
+            self.drop_cancelled(task)
+            return
         self.count(task, "reclaimed")
         buried, retry_at = self.fail(task, "gone")
         assert (failure.task_id, failure.buried, failure.retry_at) == (task.id, buried, retry_at)
@@ -466,6 +511,9 @@ class StoreMachine(RuleBasedStateMachine):
     def release(self, data: st.DataObject) -> None:
         task = self.pick_handed(data)
         assert self.run(self.store.release(task.id, task.lease_id or "")) is True
+        if task.cancelling:
+            self.drop_cancelled(task)
+            return
         del self.handed[task.id]
         self.old_leases.append((task.id, task.lease_id or ""))
         task.lease_id = None
@@ -544,6 +592,90 @@ class StoreMachine(RuleBasedStateMachine):
         with pytest.raises(NotFound):
             self.run(self.store.purge(task_id))
 
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        """Cancel any task, or one gone, or none."""
+        known = {*self.tasks, *self.acked, *self.purged, *self.cancelled}
+        task_id = data.draw(st.sampled_from([*sorted(known), "0123456789abcdef"]), label="cancel")
+        task = self.tasks.get(task_id)
+        if task is None:
+            with pytest.raises(NotFound):
+                self.run(self.store.cancel(task_id, now=self.now))
+            return
+        result = self.run(self.store.cancel(task_id, now=self.now))
+        assert (result.task_id, result.queue) == (task_id, task.queue)
+        if task_id in self.handed:
+            task.cancelling = True
+            assert (result.state, result.lease_id) == (CANCELLING, task.lease_id)
+            return
+        if task_id in self.dead:
+            assert result.state == PURGED
+            self.dead.remove(task_id)
+            del self.tasks[task_id]
+            self.purged.add(task_id)
+            self.count(task, "purged")
+            return
+        assert (result.state, result.lease_id) == (CANCELLED, None)
+        if task_id in self.delayed:
+            del self.delayed[task_id]
+        else:
+            self.queues[task.queue].lanes[task.priority].remove(task_id)
+        del self.tasks[task_id]
+        self.cancelled.add(task_id)
+        self.count(task, "cancelled")
+
+    @rule(queue=st.sampled_from([DEFAULT_QUEUE, "a", "b", "never"]))
+    def empty_queue(self, queue: str) -> None:
+        if queue not in self.queues:
+            with pytest.raises(NotFound):
+                self.run(self.store.empty_queue(queue, now=self.now))
+            return
+        gone = [i for lane in self.queues[queue].lanes.values() for i in lane]
+        gone += [i for i, t in self.delayed.items() if t.queue == queue]
+        assert self.run(self.store.empty_queue(queue, now=self.now)) == len(gone)
+        for lane in self.queues[queue].lanes.values():
+            lane.clear()
+        for task_id in gone:
+            self.delayed.pop(task_id, None)
+            task = self.tasks.pop(task_id)
+            self.cancelled.add(task_id)
+            self.count(task, "cancelled")
+
+    @rule(size=st.sampled_from([1, 2, 5, 1000]))
+    def listings_match_the_model(self, size: int) -> None:
+        """Every queue's tasks in each state, page after page of ``size``, in the order of
+        that state."""
+        for name, q in self.queues.items():
+            ready = [i for p in sorted(q.lanes, reverse=True) for i in q.lanes[p]]
+            delayed = sorted(
+                (t for t in self.delayed.values() if t.queue == name),
+                key=lambda t: (t.due, t.delay_seq),
+            )
+            handed = sorted(
+                (t for t in self.handed.values() if t.queue == name),
+                key=lambda t: (t.deadline, t.claim_seq),
+            )
+            dead = [i for i in self.dead if self.tasks[i].queue == name]
+            expected = {
+                "ready": ready,
+                "delayed": [t.id for t in delayed],
+                "handed_out": [t.id for t in handed],
+                "dead": dead,
+            }
+            for state, ids in expected.items():
+                assert self.listed(name, state, size) == ids, (name, state)
+
+    def listed(self, queue: str, state: str, size: int) -> list[str]:
+        out: list[str] = []
+        after = None
+        while True:
+            page = self.run(self.store.list_tasks(queue, state, limit=size, after=after))
+            out += [t.task.id for t in page.tasks]
+            assert all(t.state == state for t in page.tasks)
+            if page.after is None:
+                return out
+            after = page.after
+
     @rule(queue=st.sampled_from([DEFAULT_QUEUE, "a", "b"]), paused=st.booleans())
     def pause_or_resume(self, queue: str, paused: bool) -> None:
         self.run(self.store.set_paused(queue, paused))
@@ -581,6 +713,7 @@ class StoreMachine(RuleBasedStateMachine):
             task.last_error,
         )
         assert view.available_at == task.available_at
+        assert view.cancelling == (task_id in self.handed and task.cancelling)
 
     @precondition(lambda self: self.handed)
     @rule(data=st.data(), op=st.sampled_from(["ack", "nack", "reclaim", "release", "extend"]))
@@ -654,7 +787,7 @@ class StoreMachine(RuleBasedStateMachine):
         assert stats.totals == totals
         assert invariant_holds(stats), stats.totals
         t = stats.totals
-        assert sum(gauges) == t.enqueued - t.acked - t.purged, stats
+        assert sum(gauges) == t.enqueued - t.acked - t.purged - t.cancelled - t.expired, stats
 
     @invariant()
     def gauges_and_totals_match_the_model(self) -> None:

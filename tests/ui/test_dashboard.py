@@ -518,6 +518,154 @@ async def test_look_a_task_up_by_id(broker: Broker, http: Http, browser: Browser
         console.check()
 
 
+async def test_a_queue_s_tasks_by_state_a_page_at_a_time(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    scene = await set_scene(broker, http)
+    first = (await http.request("GET", "/jobs?queue=default&limit=50"))[1]
+    second = (
+        await http.request("GET", f"/jobs?queue=default&limit=50&cursor={first['next_cursor']}")
+    )[1]
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "queues")
+        # A queue's figures lead to its tasks in that state.
+        await page.locator(
+            '#queues-table tr[data-queue="default"] td[data-field="ready"] a'
+        ).click()
+        await expect(page).to_have_url(re.compile(r"#/tasks\?queue=default&state=ready$"))
+        rows = page.locator("#tasks-table tbody tr")
+        await expect(rows).to_have_count(50)
+        await expect(rows.first).to_have_attribute("data-id", first["tasks"][0]["id"])
+        await expect(rows.last).to_have_attribute("data-id", first["tasks"][-1]["id"])
+        ready = page.locator('#tasks-states a[data-state="ready"]')
+        await expect(ready).to_have_attribute("aria-current", "page")
+        await expect(ready.locator(".count")).to_have_text("997")
+        await expect(page.locator("#tasks-page")).to_have_text("Page 1")
+        await expect(page.locator("#tasks-prev")).to_be_disabled()
+        await screenshot(page, "tasks-laptop.png")
+
+        # The next page, by the cursor, and back.
+        await page.locator("#tasks-next").click()
+        await expect(page.locator("#tasks-page")).to_have_text("Page 2")
+        await expect(rows.first).to_have_attribute("data-id", second["tasks"][0]["id"])
+        await expect(rows).to_have_count(50)
+        await page.locator("#tasks-prev").click()
+        await expect(page.locator("#tasks-page")).to_have_text("Page 1")
+        await expect(rows.first).to_have_attribute("data-id", first["tasks"][0]["id"])
+
+        # The other states: the three held, the two delayed, the dead of mail.
+        await page.locator('#tasks-states a[data-state="handed_out"]').click()
+        await expect(rows).to_have_count(3)
+        shown_ids = {await rows.nth(i).get_attribute("data-id") for i in range(3)}
+        assert shown_ids == set(scene.held)
+        await expect(page.locator("#tasks-when")).to_have_text("Ready since")
+        await page.locator('#tasks-states a[data-state="delayed"]').click()
+        await expect(rows).to_have_count(2)
+        await expect(page.locator("#tasks-when")).to_have_text("Due")
+        await page.locator("#tasks-queue").select_option("mail")
+        await expect(page).to_have_url(re.compile(r"#/tasks\?queue=mail&state=delayed$"))
+        await expect(page.locator("#tasks-none")).to_contain_text("No delayed tasks in mail")
+        await page.locator('#tasks-states a[data-state="dead"]').click()
+        await expect(rows).to_have_count(4)
+        dead = page.locator(f'#tasks-table tr[data-id="{scene.dead[0]}"]')
+        await expect(dead).to_contain_text("smtp: 550 mailbox unavailable")
+        await expect(dead.locator("button.cancel")).to_have_text("Purge")
+        console.check()
+
+
+async def test_cancel_empty_and_delete_through_the_page(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    await set_scene(broker, http)
+    reports = [t["id"] for t in (await http.request("GET", "/jobs?queue=reports"))[1]["tasks"]]
+    assert len(reports) == 5
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "tasks?queue=reports&state=ready")
+        rows = page.locator("#tasks-table tbody tr")
+        await expect(rows).to_have_count(5)
+        row = page.locator(f'#tasks-table tr[data-id="{reports[0]}"]')
+
+        # Cancel, but think better of it: nothing happens.
+        await row.locator("button.cancel").click()
+        dialog = page.locator("#confirm-dialog")
+        await expect(dialog).to_be_visible()
+        await expect(dialog).to_contain_text(reports[0])
+        await expect(dialog).to_contain_text("never runs")
+        await screenshot(page, "tasks-confirm.png")
+        await page.locator("#confirm-cancel").click()
+        await expect(dialog).to_be_hidden()
+        assert (await http.request("GET", f"/jobs/{reports[0]}"))[1]["state"] == "ready"
+        # Cancel for real: gone, counted.
+        await row.locator("button.cancel").click()
+        await expect(page.locator("#confirm-ok")).to_have_text("Cancel task")
+        await page.locator("#confirm-ok").click()
+        await expect(row).to_have_count(0)
+        await expect(rows).to_have_count(4)
+        await expect(page.locator("#toasts")).to_contain_text(f"Cancelled task {reports[0]}")
+        assert (await http.request("GET", f"/jobs/{reports[0]}"))[0] == 404
+        assert (await http.stats())["totals"]["cancelled"] == 1
+
+        # Empty the queue: the four left.
+        await page.locator("#tasks-empty-queue").click()
+        await expect(dialog).to_contain_text("All 4 ready and delayed tasks of queue reports")
+        await page.locator("#confirm-ok").click()
+        await expect(page.locator("#toasts")).to_contain_text("Emptied reports: 4 tasks cancelled")
+        await expect(page.locator("#tasks-none")).to_be_visible()
+        assert (await http.stats())["totals"]["cancelled"] == 5
+
+        # It holds nothing now: it can be deleted.
+        delete = page.locator("#tasks-delete-queue")
+        await expect(delete).to_be_visible()
+        await delete.click()
+        await expect(dialog).to_contain_text("holds nothing")
+        await page.locator("#confirm-ok").click()
+        await expect(page).to_have_url(re.compile(r"#/queues$"))
+        await expect(page.locator("#toasts")).to_contain_text("Deleted queue reports")
+        await expect(page.locator('#queues-table tr[data-queue="reports"]')).to_have_count(0)
+        assert "reports" not in [q["name"] for q in (await http.request("GET", "/queues"))[1]]
+        console.check()
+
+
+async def test_a_running_task_shows_its_progress_and_can_be_cancelled(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    task_id = await http.enqueue({"big": "job"}, queue="work", timeout_ms=600_000)
+    status, delivery = await http.request("GET", "/jobs/next?queue=work&wait_ms=0&lease_ms=300000")
+    assert status == 200
+    extend = f"/jobs/{task_id}/extend?lease_id={delivery['lease_id']}"
+    progress = {"done": 40, "of": 100, "step": "resizing"}
+    assert (await http.request("POST", extend, json={"progress": progress}))[0] == 200
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, f"task/{task_id}")
+        card = page.locator("#task-card")
+        await expect(card).to_have_attribute("data-state", "handed_out")
+        await expect(page.locator("#task-progress")).to_have_text(json.dumps(progress, indent=2))
+        await expect(page.locator("#task-timeout")).to_have_text("10 min 0 s")
+        await screenshot(page, "task-progress.png")
+        # The progress moves on: the page follows.
+        progress["done"] = 80
+        assert (await http.request("POST", extend, json={"progress": progress}))[0] == 200
+        await expect(page.locator("#task-progress")).to_contain_text('"done": 80')
+
+        # Cancelled from its page: its worker's next extend is refused, saying so.
+        await card.locator("button.cancel").click()
+        await expect(page.locator("#confirm-dialog")).to_contain_text("A worker holds")
+        await page.locator("#confirm-ok").click()
+        await expect(page.locator("#toasts")).to_contain_text(f"Cancelling task {task_id}")
+        await expect(page.locator("#task-cancelling")).to_have_text("Cancelling")
+        await expect(card.locator("button.cancel")).to_have_count(0)
+        status, body = await http.request("POST", extend)
+        assert (status, body["cancelled"]) == (409, True)
+
+        # In the queue's list of handed-out tasks too.
+        await goto(page, broker, "tasks?queue=work&state=handed_out")
+        row = page.locator(f'#tasks-table tr[data-id="{task_id}"]')
+        await expect(row).to_contain_text("Cancelling")
+        await expect(row).to_contain_text('progress {"done":80,"of":100,"step":"resizing"}')
+        await expect(page.locator("#tasks-detail")).to_have_text("Progress")
+        console.check()
+
+
 def authorizations(page: Page) -> list[str | None]:
     """The Authorization header of every API call the page makes from now on (None: none)."""
     seen: list[str | None] = []
@@ -624,13 +772,15 @@ async def test_errors_from_the_api_are_shown(broker: Broker, browser: Browser) -
 async def test_the_page_fits_a_phone(broker: Broker, http: Http, browser: Browser) -> None:
     await set_scene(broker, http)
     async with open_page(browser, PHONE) as (page, console):
-        for view in ("overview", "queues", "dlq"):
+        for view in ("overview", "queues", "tasks", "dlq"):
             await goto(page, broker, view)
             await expect(page.locator(f"#view-{view}")).to_be_visible()
             if view == "overview":
                 await expect(page.locator("#gauge-dead .gauge-value")).to_have_text("4")
             elif view == "queues":
                 await expect(page.locator("#queues-table tbody tr")).to_have_count(3)
+            elif view == "tasks":
+                await expect(page.locator("#tasks-table tbody tr")).to_have_count(50)
             else:
                 await expect(page.locator("#dlq-table tbody tr")).to_have_count(4)
             # Nothing wider than the screen: no sideways scrolling.

@@ -20,6 +20,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from wqbroker.dispatch import Stream
 from wqbroker.errors import (
+    Cancelled,
+    Conflict,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -33,9 +35,9 @@ from wqbroker.errors import (
 )
 from wqbroker.grpc import reflection
 from wqbroker.grpc.decoding import guarded, handler_table
-from wqbroker.models import Delivery, Enqueued, QueueStats, Task
+from wqbroker.models import Delivery, Enqueued, QueueStats, Task, TaskState
 from wqbroker.service import Service, Submission
-from wqwire.defaults import MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
+from wqwire.defaults import CANCELLED_KEY, MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
 from wqwire.pb import broker_pb2 as pb
 from wqwire.pb import broker_pb2_grpc as pb_grpc
 
@@ -46,7 +48,8 @@ CODES: Final[dict[type[WqError], grpc.StatusCode]] = {
     WqError: grpc.StatusCode.INVALID_ARGUMENT,
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
-    LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,
+    LeaseLost: grpc.StatusCode.FAILED_PRECONDITION,  # Cancelled and TimeLimitReached are ones
+    Conflict: grpc.StatusCode.FAILED_PRECONDITION,
     PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     Unavailable: grpc.StatusCode.UNAVAILABLE,  # StoreError is one
     Unauthenticated: grpc.StatusCode.UNAUTHENTICATED,
@@ -85,6 +88,9 @@ def code_for(error: WqError) -> grpc.StatusCode:
 #: Trailing metadata on RESOURCE_EXHAUSTED when the broker is at a limit (not a size limit): how
 #: long to wait before trying again.
 RETRY_AFTER_KEY: Final = RETRY_AFTER_MS_KEY
+#: Trailing metadata (value ``1``) on the FAILED_PRECONDITION of a call refused because its task
+#: was cancelled (an ExtendLease): the worker stops, and does not retry it.
+CANCELLED_METADATA: Final = ((CANCELLED_KEY, "1"),)
 
 
 class _Errors:
@@ -114,6 +120,8 @@ async def abort(context: Context, error: WqError) -> NoReturn:
     metadata: tuple[tuple[str, str], ...] = ()
     if error.retry_after is not None:
         metadata = ((RETRY_AFTER_KEY, str(round(error.retry_after * 1000))),)
+    elif isinstance(error, Cancelled):
+        metadata = CANCELLED_METADATA
     await context.abort(code_for(error), details(error.message), trailing_metadata=metadata)
 
 
@@ -190,6 +198,25 @@ def _fill_task(out: pb.Task, task: Task) -> None:
         out.last_error = utf8(task.last_error)
     out.queue = task.queue
     out.priority = task.priority
+    if (
+        task.expires_at is not None
+        or task.timeout is not None
+        or task.progress is not None
+        or task.cancelling
+    ):
+        _fill_controls(out, task)
+
+
+def _fill_controls(out: pb.Task, task: Task) -> None:
+    """The fields of docs/design/control.md, each only when set (unset: as before)."""
+    if task.expires_at is not None:
+        _set_time(out.expires_at, task.expires_at)
+    if task.timeout is not None:
+        out.timeout_ms = round(task.timeout * 1000)
+    if task.progress is not None:
+        out.progress = task.progress
+    if task.cancelling:
+        out.cancelling = True
 
 
 def _fill_delivery(out: pb.Delivery, delivery: Delivery) -> None:
@@ -201,6 +228,12 @@ def _fill_delivery(out: pb.Delivery, delivery: Delivery) -> None:
 def task_pb(task: Task) -> pb.Task:
     out = pb.Task()
     _fill_task(out, task)
+    return out
+
+
+def task_in_state_pb(found: TaskState) -> pb.TaskInState:
+    out = pb.TaskInState(state=found.state)
+    _fill_task(out.task, found.task)
     return out
 
 
@@ -243,6 +276,8 @@ def _fill_settled(out: pb.Settled, outcome: _Outcome) -> None:
     if outcome.error is not None:
         out.code = code_for(outcome.error).value[0]
         out.message = details(outcome.error.message)
+        if isinstance(outcome.error, Cancelled):
+            out.cancelled = True
     if outcome.deadline is not None:
         _set_time(out.deadline, outcome.deadline)
 
@@ -311,6 +346,9 @@ def _submission(item: pb.EnqueueRequest) -> Submission:
         item.queue or None,
         item.priority if has("priority") else None,
         item.idempotency_key or None,
+        item.expires_in_ms if has("expires_in_ms") else None,
+        item.timeout_ms if has("timeout_ms") else None,
+        item.unique or None,
     )
 
 
@@ -323,7 +361,9 @@ async def _extend(service: Service, extends: Sequence[pb.ExtendLeaseRequest]) ->
     outcomes = []
     for e in extends:
         try:
-            deadline = await service.extend(e.id, e.lease_id, _optional(e, "lease_ms"))
+            deadline = await service.extend(
+                e.id, e.lease_id, _optional(e, "lease_ms"), progress=e.progress or None
+            )
         except WqError as error:
             outcomes.append(_Outcome(e.id, e.lease_id, error, extend=True))
         else:
@@ -363,6 +403,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 queue=item.queue,
                 priority=item.priority,
                 key=item.key,
+                expires_in_ms=item.expires_in_ms,
+                timeout_ms=item.timeout_ms,
+                unique=item.unique,
             )
             return pb.EnqueueResponse(id=result.id, duplicate=result.duplicate)
 
@@ -524,7 +567,10 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     ) -> pb.ExtendLeaseResponse:
         async with _Errors(context):
             deadline = await self._service.extend(
-                request.id, request.lease_id, _optional(request, "lease_ms")
+                request.id,
+                request.lease_id,
+                _optional(request, "lease_ms"),
+                progress=request.progress or None,
             )
             return pb.ExtendLeaseResponse(deadline=timestamp(deadline))
 
@@ -588,6 +634,41 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             await self._service.purge(request.id)
             return pb.PurgeDeadResponse()
 
+    async def CancelTask(
+        self, request: pb.CancelTaskRequest, context: Context
+    ) -> pb.CancelTaskResponse:
+        async with _Errors(context):
+            result = await self._service.cancel(request.id)
+            return pb.CancelTaskResponse(state=result.state)
+
+    async def ListTasks(
+        self, request: pb.ListTasksRequest, context: Context
+    ) -> pb.ListTasksResponse:
+        async with _Errors(context):
+            tasks, next_cursor = await self._service.list_tasks(
+                _text(request.queue),
+                _text(request.state),
+                _optional(request, "limit"),
+                _text(request.cursor),
+            )
+            return pb.ListTasksResponse(
+                tasks=[task_in_state_pb(t) for t in tasks], next_cursor=next_cursor or ""
+            )
+
+    async def EmptyQueue(
+        self, request: pb.EmptyQueueRequest, context: Context
+    ) -> pb.EmptyQueueResponse:
+        async with _Errors(context):
+            cancelled = await self._service.empty_queue(request.queue)  # required, as PauseQueue
+            return pb.EmptyQueueResponse(cancelled=cancelled)
+
+    async def DeleteQueue(
+        self, request: pb.DeleteQueueRequest, context: Context
+    ) -> pb.DeleteQueueResponse:
+        async with _Errors(context):
+            await self._service.delete_queue(request.queue)
+            return pb.DeleteQueueResponse()
+
     async def StreamJobs(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamJobsRequest], context: Context
     ) -> None:
@@ -608,8 +689,9 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
 class _StreamCall:
     """One StreamJobs call once its stream is open: a reader settles what the worker sends; the
-    writer pushes deliveries and outcomes until the worker half-closes, a drained stream has no
-    unsettled task left, or the broker stops."""
+    writer pushes deliveries, outcomes and cancels (``Stream.take_cancels``: the tasks it holds
+    that were cancelled, here or on another broker; ``Stream.poke`` wakes it for them) until the
+    worker half-closes, a drained stream has no unsettled task left, or the broker stops."""
 
     def __init__(self, service: Service, stream: Stream, context: Context) -> None:
         self._service = service
@@ -649,16 +731,12 @@ class _StreamCall:
             # promises that outcomes come no later than the deliveries made after them.
             holding = self._applying
             deliveries = [] if holding else stream.take_ready()
-            if deliveries or self._settled or self._drain_unanswered:
-                # Take the outcomes now: the reader may add more while we write.
-                outcomes, self._settled = self._settled, []
-                self._taken.set()
-                responses = stream_responses(deliveries, outcomes)
-                if self._drain_unanswered:
-                    # After the last delivery: the stream is draining, none can follow.
-                    self._drain_unanswered, self._drained = False, True
-                    responses[-1].drained.CopyFrom(pb.Drained(unsettled=stream.unsettled))
-                for response in responses:
+            # Taken after the deliveries (taking one that was cancelled while it waited here
+            # adds its cancel), and sent after them: a cancel never comes before the delivery
+            # it is about (that one is in these responses, or was written before).
+            cancels = stream.take_cancels()
+            if deliveries or self._settled or self._drain_unanswered or cancels:
+                for response in self._responses(deliveries, cancels):
                     if not await _written(self._context, response):
                         return  # the worker is gone: what it held is reclaimed as the call ends
                 continue
@@ -673,6 +751,25 @@ class _StreamCall:
                 await self._applied.wait()
             else:
                 await stream.wait()
+
+    def _responses(
+        self, deliveries: list[Delivery], cancels: list[tuple[str, str]]
+    ) -> list[pb.StreamJobsResponse]:
+        """What to write now: the outcomes waiting (taken: the reader may add more while they
+        are written), the deliveries, the cancels, and the answer to a drain."""
+        outcomes, self._settled = self._settled, []
+        self._taken.set()
+        responses = stream_responses(deliveries, outcomes)
+        last = responses[-1]
+        if cancels:
+            add = last.cancels.add
+            for task_id, lease_id in cancels:
+                add(id=task_id, lease_id=lease_id)
+        if self._drain_unanswered:
+            # After the last delivery: the stream is draining, none can follow.
+            self._drain_unanswered, self._drained = False, True
+            last.drained.CopyFrom(pb.Drained(unsettled=self._stream.unsettled))
+        return responses
 
     async def _reader_ended(self, reader: asyncio.Task[None]) -> None:
         error = reader.exception()
@@ -777,6 +874,8 @@ def _bound(deliveries: Sequence[Delivery], outcomes: Sequence[_Outcome]) -> int:
         t = d.task
         texts = len(t.id) + len(d.lease_id) + len(t.queue) + len(t.last_error or "")
         total += len(t.payload) + 6 * texts + _DELIVERY_FRAME
+        if t.progress is not None:  # (a hand-out has none: progress is a holder's)
+            total += len(t.progress)
     for o in outcomes:
         total += 6 * (len(o.id) + len(o.lease_id)) + _OUTCOME_FRAME
         if o.error is not None:

@@ -23,7 +23,7 @@ from wqbroker.clock import SystemClock
 from wqbroker.errors import WqError
 from wqbroker.http import dashboard, openapi
 from wqbroker.http.auth import token_check
-from wqbroker.http.core import HEADERS, ROUTES, STATUS, Route, error_parts
+from wqbroker.http.core import HEADERS, ROUTES, STATUS, Route, error_parts, render_error
 from wqbroker.http.lane import LANE, Lane
 from wqbroker.http.metrics import ROUTE as METRICS_ROUTE
 from wqbroker.http.metrics import count_http
@@ -113,7 +113,7 @@ def _handler(route: Route) -> Handler:
 def error_answer(error: WqError) -> web.Response:
     """The JSON answer for an error of the tree, with the headers its status calls for."""
     status, headers = error_parts(error)
-    response = error_response(status, error.message)
+    response = json_response(render_error(error), status)
     for name, value in headers:
         response.headers[name] = value
     return response

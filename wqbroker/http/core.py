@@ -21,6 +21,8 @@ from typing import Final, Protocol
 
 from wqbroker import codec
 from wqbroker.errors import (
+    Cancelled,
+    Conflict,
     InvalidArgument,
     LeaseLost,
     NotFound,
@@ -32,7 +34,7 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
-from wqbroker.models import Delivery, QueueStats, Stats, Task, TaskState
+from wqbroker.models import CANCELLING, Delivery, QueueStats, Stats, Task, TaskState
 from wqbroker.service import Service, Submission
 from wqwire import defaults
 
@@ -41,7 +43,8 @@ STATUS: Final[dict[type[WqError], int]] = {
     WqError: 400,
     InvalidArgument: 400,
     NotFound: 404,
-    LeaseLost: 409,
+    LeaseLost: 409,  # Cancelled and TimeLimitReached are ones
+    Conflict: 409,
     PayloadTooLarge: 413,
     Unavailable: 503,  # StoreError is one
     Unauthenticated: 401,
@@ -50,6 +53,7 @@ STATUS: Final[dict[type[WqError], int]] = {
 }
 
 _ENQUEUE_RAW: Final = frozenset({"payload"})
+_EXTEND_RAW: Final = frozenset({"progress"})
 
 IDEMPOTENCY_KEY: Final = defaults.IDEMPOTENCY_KEY_HEADER
 
@@ -71,10 +75,32 @@ def render_task(task: Task) -> bytes:
             (
                 f',"attempts":{task.attempts},"max_attempts":{task.max_attempts},'
                 f'"created_at":"{ts(task.created_at)}","available_at":"{ts(task.available_at)}",'
-                f'"last_error":{error},"queue":"{task.queue}","priority":{task.priority}}}'
+                f'"last_error":{error},"queue":"{task.queue}","priority":{task.priority}'
             ).encode(),
+            _controls(task)
+            if task.expires_at is not None
+            or task.timeout is not None
+            or task.progress is not None
+            or task.cancelling
+            else b"}",
         )
     )
+
+
+def _controls(task: Task) -> bytes:
+    """The members of docs/design/control.md a task view shows, each only when set (a client
+    that sends none of them sees the view it always saw), and the view's closing brace."""
+    parts = []
+    if task.expires_at is not None:
+        parts.append(f',"expires_at":"{codec.rfc3339(task.expires_at)}"'.encode())
+    if task.timeout is not None:
+        parts.append(f',"timeout_ms":{round(task.timeout * 1000)}'.encode())  # (as given)
+    if task.progress is not None:
+        parts.append(b',"progress":' + task.progress)
+    if task.cancelling:
+        parts.append(b',"cancelling":true')
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 def render_task_state(found: TaskState) -> bytes:
@@ -114,6 +140,26 @@ def render_deliveries(deliveries: Sequence[Delivery]) -> bytes:
 
 def render_stats(stats: Stats) -> bytes:
     return codec.dumps(stats.as_dict())
+
+
+def render_page(tasks: Sequence[TaskState], next_cursor: str | None) -> bytes:
+    """A listing's page: ``{"tasks": [views with "state"], "next_cursor": "..." | null}``."""
+    cursor = "null" if next_cursor is None else codec.dumps(next_cursor).decode("ascii")
+    return b"".join(
+        (
+            b'{"tasks":[',
+            b",".join(render_task_state(t) for t in tasks),
+            f'],"next_cursor":{cursor}}}'.encode(),
+        )
+    )
+
+
+def render_error(error: WqError) -> bytes:
+    """The body of an error answer: ``{"error": "..."}``; a refusal because the task was
+    cancelled says so, ``"cancelled": true`` (the worker stops, and does not retry it)."""
+    if isinstance(error, Cancelled):
+        return codec.dumps({"error": error.message, "cancelled": True})
+    return codec.dumps({"error": error.message})
 
 
 # -- request values -----------------------------------------------------------------------------
@@ -158,11 +204,12 @@ def idempotency_key(values: Sequence[str]) -> str | None:
     return values[0] if values else None
 
 
-def _optional_object(body: bytes) -> dict[str, object]:
-    """A body that may be empty (nothing but whitespace) or a JSON object."""
+def _optional_object(body: bytes, raw: frozenset[str] = frozenset()) -> dict[str, object]:
+    """A body that may be empty (nothing but whitespace) or a JSON object (the members in
+    ``raw`` kept as their text, see codec.parse_object)."""
     if not body.strip(b" \t\r\n"):
         return {}
-    return codec.parse_object(body)
+    return codec.parse_object(body, raw)
 
 
 # -- the routes ---------------------------------------------------------------------------------
@@ -232,6 +279,9 @@ async def enqueue(service: Service, request: Request) -> Answer:
         queue=fields.get("queue"),
         priority=fields.get("priority"),
         key=key,
+        expires_in_ms=fields.get("expires_in_ms"),
+        timeout_ms=fields.get("timeout_ms"),
+        unique=fields.get("unique"),
     )
     if enqueued.duplicate:
         return 200, f'{{"id":"{enqueued.id}","duplicate":true}}'.encode()
@@ -259,6 +309,9 @@ async def enqueue_batch(service: Service, request: Request) -> Answer:
                 fields.get("queue"),
                 fields.get("priority"),
                 fields.get("idempotency_key"),
+                fields.get("expires_in_ms"),
+                fields.get("timeout_ms"),
+                fields.get("unique"),
             )
             for fields in items
         ],
@@ -373,14 +426,45 @@ async def nack(service: Service, request: Request) -> Answer:
 
 
 async def extend(service: Service, request: Request) -> Answer:
+    """POST /jobs/{id}/extend: the new deadline. An optional body ``{"progress": <any JSON>}``
+    records how far the work has come (kept as sent; null: none)."""
     task_id = request.match("id")
     lease_id = _lease_id(request)
-    deadline = await service.extend(task_id, lease_id, _query_int(request, "lease_ms"))
+    body = await request.body()  # (mostly none: then nothing more to do)
+    progress: bytes | None = None
+    if body:
+        value = _optional_object(body, _EXTEND_RAW).get("progress")
+        # (JsonText; null for an optional member is its default, as everywhere)
+        if isinstance(value, bytes) and value != b"null":
+            progress = value
+    deadline = await service.extend(
+        task_id, lease_id, _query_int(request, "lease_ms"), progress=progress
+    )
     return 200, f'{{"deadline":"{codec.rfc3339(deadline)}"}}'.encode()
 
 
 async def lookup_task(service: Service, request: Request) -> Answer:
     return 200, render_task_state(await service.lookup(request.match("id")))
+
+
+async def cancel(service: Service, request: Request) -> Answer:
+    """DELETE /jobs/{id}: 204 when the task is gone (it was ready or delayed: cancelled; dead:
+    purged); 202 ``{"state": "cancelling"}`` when a worker holds it (it will not be retried)."""
+    result = await service.cancel(request.match("id"))
+    if result.state == CANCELLING:
+        return 202, b'{"state":"cancelling"}'
+    return NO_CONTENT
+
+
+async def list_tasks(service: Service, request: Request) -> Answer:
+    """GET /jobs?queue=&state=&limit=&cursor=: a page of a queue's tasks in one state."""
+    tasks, next_cursor = await service.list_tasks(
+        _query(request, "queue"),
+        _query(request, "state"),
+        _query_int(request, "limit"),
+        _query(request, "cursor"),
+    )
+    return 200, render_page(tasks, next_cursor)
 
 
 async def stats(service: Service, request: Request) -> Answer:
@@ -399,6 +483,18 @@ async def pause(service: Service, request: Request) -> Answer:
 
 async def resume(service: Service, request: Request) -> Answer:
     await service.resume(request.match("name"))
+    return NO_CONTENT
+
+
+async def empty_queue(service: Service, request: Request) -> Answer:
+    """POST /queues/{name}/empty: every ready and delayed task cancelled; how many."""
+    count = await service.empty_queue(request.match("name"))
+    return 200, f'{{"cancelled":{count}}}'.encode()
+
+
+async def delete_queue(service: Service, request: Request) -> Answer:
+    """DELETE /queues/{name}: a queue that holds nothing forgotten (409 if it holds tasks)."""
+    await service.delete_queue(request.match("name"))
     return NO_CONTENT
 
 
@@ -483,14 +579,18 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/jobs/next", claim, hot=True),
     Route("GET", CLAIM_BATCH_ROUTE, claim_batch, hot=True),
     Route("POST", SETTLE_ROUTE, settle, reads_body=True, hot=True),
+    Route("GET", "/jobs", list_tasks, head=True),
     Route("GET", "/jobs/{id}", lookup_task, head=True, patterns=_JOB_ID),
+    Route("DELETE", "/jobs/{id}", cancel, patterns=_JOB_ID),
     Route("POST", "/jobs/{id}/ack", ack, hot=True),
     Route("POST", "/jobs/{id}/nack", nack, reads_body=True, hot=True),
-    Route("POST", "/jobs/{id}/extend", extend, hot=True),
+    Route("POST", "/jobs/{id}/extend", extend, reads_body=True, hot=True),
     Route("GET", "/stats", stats, head=True),
     Route("GET", "/queues", queues, head=True),
+    Route("DELETE", "/queues/{name}", delete_queue),
     Route("POST", "/queues/{name}/pause", pause),
     Route("POST", "/queues/{name}/resume", resume),
+    Route("POST", "/queues/{name}/empty", empty_queue),
     Route("GET", "/dlq", dlq, head=True),
     Route("POST", "/dlq/requeue", requeue_all),
     Route("POST", "/dlq/{id}/requeue", requeue),
@@ -506,7 +606,8 @@ operator's: /metrics, /openapi.json, /ui)."""
 
 
 def error_parts(error: WqError) -> tuple[int, tuple[tuple[str, str], ...]]:
-    """The status for an error of the tree, and the headers that status calls for."""
+    """The status for an error of the tree, and the headers that status calls for (its body:
+    :func:`render_error`)."""
     if error.retry_after is not None:
         return lookup(STATUS, error), (("Retry-After", str(max(1, math.ceil(error.retry_after)))),)
     if isinstance(error, Unauthenticated):

@@ -36,9 +36,10 @@ lane and one without).
 
 A lane request's body is read whole before its handler runs (aiohttp's handlers read theirs
 first thing); one that does not come within the body time-out gets 408 and the connection is
-closed, as aiohttp's way does. A route that reads no body (ack, extend, a claim) with a body still
-to come is passed to aiohttp, which answers at once and skips it. Time-outs (head, body, idle)
-are kept by one timer per connection (``lane.Deadline``, as aiohttp's side keeps its own).
+closed, as aiohttp's way does. A route that reads no body (ack, a claim) with a body still to come
+is passed to aiohttp, which answers at once and skips it (extend reads one: its optional
+progress). Time-outs (head, body, idle) are kept by one timer per connection (``lane.Deadline``,
+as aiohttp's side keeps its own).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ from aiohttp.tcp_helpers import tcp_keepalive
 
 from wqbroker.errors import WqError
 from wqbroker.http.auth import check_route
-from wqbroker.http.core import HEADERS, ROUTES, Route, error_parts
+from wqbroker.http.core import HEADERS, ROUTES, Route, error_parts, render_error
 from wqbroker.http.lane import Deadline, Lane, SlowPath
 from wqbroker.http.transport import (
     RequestTimeout,
@@ -680,9 +681,9 @@ class FastProtocol(asyncio.Protocol):
             except ConnectionError:
                 raise
             except Exception as e:
-                status, message, headers = self._failed(request, e)
+                status, body, headers = self._failed(request, e)
                 close = close or status == 408
-                await self._write(answer_bytes(status, error_body(message), close, headers))
+                await self._write(answer_bytes(status, body, close, headers))
         finally:
             if counted:
                 lane.metrics.count_answer(request.route.method, request.route.path, status)
@@ -691,16 +692,16 @@ class FastProtocol(asyncio.Protocol):
 
     def _failed(
         self, request: _Request, error: Exception
-    ) -> tuple[int, str, tuple[tuple[str, str], ...]]:
-        """The answer to an error: its status, message and the headers it calls for."""
+    ) -> tuple[int, bytes, tuple[tuple[str, str], ...]]:
+        """The answer to an error: its status, body and the headers it calls for."""
         if isinstance(error, WqError):
             status, headers = error_parts(error)
-            return status, error.message, headers
+            return status, render_error(error), headers
         if isinstance(error, RequestTimeout):
-            return 408, error.message, ()
+            return 408, error_body(error.message), ()
         route = request.route
         log.error("unexpected error in %s %s", route.method, route.path, exc_info=error)
-        return 500, "internal error", ()
+        return 500, error_body("internal error"), ()
 
     async def _write(self, data: bytes) -> None:
         transport = self._transport

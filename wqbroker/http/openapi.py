@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import fields
 from typing import Any, Final
 
 from aiohttp import web
 
 from wqbroker import limits
-from wqbroker.auth import SCOPES, Access, http_rule
+from wqbroker.auth import SCOPES, Access, http_rule, scopes_of
 from wqbroker.http.metrics import ROUTE as METRICS
+from wqbroker.models import LIST_STATES, Totals
 
 Json = dict[str, Any]
 
@@ -98,6 +100,30 @@ _TASK_PROPERTIES: Final[Json] = {
     "queue": _schema("QueueName"),
     "priority": _schema("Priority"),
 }
+# The members of docs/design/control.md: each only when set (a client that sends none of it
+# sees none of them).
+_TASK_CONTROLS: Final[Json] = {
+    "expires_at": {
+        **_ref("schemas", "Timestamp"),
+        "description": "Only when enqueued with `expires_in_ms`: the task is never handed out "
+        "at or after this time (it is dropped, counted `expired`).",
+    },
+    "timeout_ms": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": limits.MAX_TIMEOUT_MS,
+        "description": "Only when enqueued with `timeout_ms`: the most one attempt may run.",
+    },
+    "progress": {
+        "description": "Only while it is handed out and its holder reported progress (POST "
+        "/jobs/{id}/extend): that JSON value, exactly as sent."
+    },
+    "cancelling": {
+        "const": True,
+        "description": "Only when true: it is handed out and was cancelled (DELETE /jobs/{id}); "
+        "it will not be retried.",
+    },
+}
 
 _GAUGES: Final[Json] = {
     "ready": _count("Tasks waiting to be claimed."),
@@ -106,17 +132,7 @@ _GAUGES: Final[Json] = {
     "dead": _count("Tasks in the dead-letter queue."),
 }
 
-_TOTALS: Final[tuple[str, ...]] = (
-    "enqueued",
-    "delivered",
-    "acked",
-    "nacked",
-    "reclaimed",
-    "retried",
-    "buried",
-    "requeued",
-    "purged",
-)
+_TOTALS: Final[tuple[str, ...]] = tuple(f.name for f in fields(Totals))
 
 # What JSON Schema cannot say: its integers include 3.0, which the broker refuses (as Go's
 # encoding/json does): an integer is written as one.
@@ -127,7 +143,15 @@ _MEMBERS: Final = (
 
 _SCHEMAS: Final[Json] = {
     "Error": _object(
-        {"error": {"type": "string", "description": "What was wrong, naming the field."}},
+        {
+            "error": {"type": "string", "description": "What was wrong, naming the field."},
+            "cancelled": {
+                "const": True,
+                "description": "Only on the 409 of a call refused because its task was "
+                "cancelled (an extend): stop working on it, and do not retry it.",
+            },
+        },
+        required=["error"],
         description="The body of every error answer (4xx and 5xx).",
         examples=[{"error": "max_attempts must be an integer, got a string"}],
     ),
@@ -150,14 +174,38 @@ _SCHEMAS: Final[Json] = {
         "maximum": limits.MAX_PRIORITY,
         "description": "Higher is served first (within a queue); 0 by default.",
     },
-    "Task": _object(_TASK_PROPERTIES, description="A task as clients see it."),
+    "Task": _object(
+        {**_TASK_PROPERTIES, **_TASK_CONTROLS},
+        required=list(_TASK_PROPERTIES),
+        description="A task as clients see it.",
+    ),
     "TaskState": _object(
         {
             **_TASK_PROPERTIES,
             "state": {"type": "string", "enum": ["ready", "handed_out", "delayed", "dead"]},
+            **_TASK_CONTROLS,
         },
+        required=[*_TASK_PROPERTIES, "state"],
         description="A task and the collection it is in (never its lease id).",
     ),
+    "TaskPage": _object(
+        {
+            "tasks": {"type": "array", "items": _schema("TaskState")},
+            "next_cursor": {
+                "type": ["string", "null"],
+                "description": "Where the next page starts (pass it as `cursor`); null when "
+                "this page reached the end.",
+            },
+        },
+        description="A page of a queue's tasks in one state, in that state's order.",
+    ),
+    "Cancelling": _object(
+        {"state": {"const": "cancelling"}},
+        description="The task is handed out: it will not be retried. Its holder is told (a "
+        "gRPC stream at once; others at their next extend, a 409); its ack still counts, its "
+        "nack or its lease running out drops it.",
+    ),
+    "Emptied": _object({"cancelled": _count("How many ready and delayed tasks were cancelled.")}),
     "Delivery": _object(
         {
             "task": _schema("Task"),
@@ -226,8 +274,42 @@ _SCHEMAS: Final[Json] = {
                 "default": "default",
             },
             "priority": {"anyOf": [_schema("Priority"), {"type": "null"}], "default": 0},
+            "expires_in_ms": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "maximum": limits.MAX_EXPIRES_IN_MS,
+                "description": "Drop the task (counted `expired`) if it is not handed out within "
+                "this long of its enqueue, nor any retry after that. Default: never.",
+            },
+            "timeout_ms": {
+                "type": ["integer", "null"],
+                "minimum": 1,
+                "maximum": limits.MAX_TIMEOUT_MS,
+                "description": "The most one attempt may run: a lease is never extended past "
+                "hand-out + `timeout_ms` (409), so the task is retried (or buried) once it runs "
+                "out. Default: as long as it is extended.",
+            },
+            "unique": {
+                "type": ["boolean", "null"],
+                "default": False,
+                "description": "true, with an idempotency key: the key holds while the task is "
+                "ready, delayed or handed out (not for the window); once it is acked, dead, "
+                "cancelled or expired, the key makes a new task. Without a key: 400.",
+            },
         },
         "examples": [{"payload": {"line": "hello"}, "max_attempts": 3, "delay_ms": 0}],
+    },
+    "ExtendRequest": {
+        "type": "object",
+        "description": _MEMBERS,
+        "properties": {
+            "progress": {
+                "description": "How far the work has come: any JSON value, at most "
+                f"{limits.MAX_PROGRESS_BYTES} bytes of text, kept as sent and shown in the "
+                "task's `progress` while it is handed out (null: none).",
+            }
+        },
+        "examples": [{"progress": {"done": 40, "of": 100}}],
     },
     "NackRequest": {
         "type": "object",
@@ -268,6 +350,12 @@ _SCHEMAS["BatchTask"] = {
             "pattern": "^[^\\x00-\\x1f\\x7f]*$",
             "description": "As the Idempotency-Key header of POST /jobs.",
         },
+    },
+    # (unique needs the key: a member here, the header for POST /jobs)
+    "if": {"properties": {"unique": {"const": True}}, "required": ["unique"]},
+    "then": {
+        "required": ["idempotency_key"],
+        "properties": {"idempotency_key": {"type": "string"}},
     },
     "examples": [{"payload": {"line": "hello"}, "priority": 5, "idempotency_key": "order-17"}],
 }
@@ -488,8 +576,9 @@ _ONE_QUEUE: Final = _query("queue", _schema("QueueName"), "Only this queue (defa
 
 _SCOPE_TEXT: Final = {
     "produce": "enqueue",
-    "consume": "claim, ack, nack and extend",
-    "admin": "the dead-letter queue and pausing queues",
+    "consume": "claim, ack, nack and extend; list a queue's tasks",
+    "admin": "the dead-letter queue; pausing, emptying and deleting queues; cancelling tasks; "
+    "listing a queue's tasks",
     "metrics": "scrape `GET /metrics` (unless the broker runs with `-metrics-public`)",
 }
 
@@ -499,7 +588,9 @@ def _security(method: str, path: str, public: Collection[str]) -> list[Json]:
     rule = Access.OPEN if route in public else http_rule(method.upper(), path)
     if rule is Access.OPEN:
         return []
-    return [{"bearer": [] if rule is Access.ANY else [rule]}]
+    if rule is Access.ANY:
+        return [{"bearer": []}]
+    return [{"bearer": [scope]} for scope in scopes_of(rule)]  # (alternatives: any one will do)
 
 
 def _operation(
@@ -595,6 +686,53 @@ def _paths(public: Collection[str]) -> Json:
             ),
             "413": _response("PayloadTooLarge"),
             "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "get",
+        "/jobs",
+        summary="listTasks",
+        tag="tasks",
+        description=(
+            "A page of a queue's tasks in one state, each with its state (never its lease id): "
+            "ready in the order they would be claimed (priority high to low, then oldest "
+            "first), delayed by due time, handed out by lease deadline, dead by burial. Pass "
+            "`next_cursor` back as `cursor` for the next page: a task that stays in its state "
+            "is never repeated nor skipped (a handed-out task whose lease is extended moves to "
+            "its new deadline). `HEAD` too."
+        ),
+        parameters=[
+            _query("queue", _schema("QueueName"), "The queue (default: `default`)."),
+            _query(
+                "state",
+                {"type": "string", "enum": list(LIST_STATES), "default": LIST_STATES[0]},
+                "The state listed.",
+            ),
+            _query(
+                "limit",
+                {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": limits.MAX_LIST_LIMIT,
+                    "default": limits.DEFAULT_LIST_LIMIT,
+                },
+                "At most this many tasks.",
+            ),
+            _query(
+                "cursor",
+                {"type": "string", "pattern": "^[A-Za-z0-9_-]*$"},
+                "Where the previous page ended: its `next_cursor`, as it came (for the same "
+                "state; empty: from the start).",
+            ),
+        ],
+        answers={
+            "200": _json(_schema("TaskPage"), "The page."),
+            "400": _json(
+                _ERROR,
+                "A bad parameter, named: not a queue name, an unknown state, a limit out of "
+                "range, a cursor this broker did not give or gave for another state (or "
+                "malformed HTTP).",
+            ),
         },
     )
     add(
@@ -707,6 +845,25 @@ def _paths(public: Collection[str]) -> Json:
             "404": _json(_ERROR, "No such task: unknown, acked or purged (or no such path)."),
         },
     )
+    add(
+        "delete",
+        "/jobs/{id}",
+        summary="cancel",
+        tag="tasks",
+        description=(
+            "Cancel a task. A ready or delayed one is gone at once (counted `cancelled`): 204. "
+            "A handed-out one becomes cancelling: 202; it will not be retried, its holder is "
+            'told (on a gRPC stream at once, else at its next extend: 409 with `"cancelled": '
+            "true`); its ack still counts, its nack or its lease running out drops it (counted "
+            "`cancelled`). A dead one is purged, as `DELETE /dlq/{id}`: 204."
+        ),
+        parameters=[_path("id", "The task's id (`next`, `batch`, `settle` are none).")],
+        answers={
+            "204": _empty("Gone: cancelled (it was ready or delayed) or purged (it was dead)."),
+            "202": _json(_schema("Cancelling"), "A worker holds it: cancelling."),
+            "404": _json(_ERROR, "No such task: unknown, acked or gone (or no such path)."),
+        },
+    )
     settle = [_TASK_ID, _LEASE_ID]
     not_held = _json(_ERROR, "Nobody holds the task: unknown, settled, delayed, dead, expired.")
     other_lease = _json(_ERROR, "The task is held under a different lease.")
@@ -742,12 +899,23 @@ def _paths(public: Collection[str]) -> Json:
         "/jobs/{id}/extend",
         summary="extend",
         tag="tasks",
-        description="Extend a lease: the new deadline is now + `lease_ms`. No body.",
+        description=(
+            "Extend a lease: the new deadline is now + `lease_ms`, never past the task's time "
+            "limit (hand-out + `timeout_ms`: cut to it). An optional body records the work's "
+            "`progress`, shown by `GET /jobs/{id}` while the task is handed out."
+        ),
         parameters=[*settle, _LEASE_MS],
+        body={"required": False, "content": {JSON: {"schema": _schema("ExtendRequest")}}},
         answers={
             "200": _json(_schema("Deadline"), "The new deadline."),
             "404": not_held,
-            "409": other_lease,
+            "409": _json(
+                _ERROR,
+                "Not extended: the task is held under a different lease; or it was cancelled "
+                '(with `"cancelled": true`: stop, do not retry it); or its lease is at its time '
+                "limit already (it runs out, and the task is retried or buried).",
+            ),
+            "413": _response("PayloadTooLarge"),
         },
     )
     add(
@@ -786,6 +954,42 @@ def _paths(public: Collection[str]) -> Json:
                 "429": _response("TooManyRequests"),
             },
         )
+    add(
+        "post",
+        "/queues/{name}/empty",
+        summary="emptyQueue",
+        tag="queues",
+        description=(
+            "Cancel every ready and delayed task of the queue (counted `cancelled`); handed-out "
+            "ones run their course. A body, if any, is ignored."
+        ),
+        parameters=[_path("name", "The queue's name.", _schema("QueueName"))],
+        answers={
+            "200": _json(_schema("Emptied"), "How many tasks were cancelled."),
+            "400": _json(_ERROR, "Not a queue name (or malformed HTTP)."),
+            "404": _json(_ERROR, "No queue of that name was ever seen."),
+        },
+    )
+    add(
+        "delete",
+        "/queues/{name}",
+        summary="deleteQueue",
+        tag="queues",
+        description=(
+            "Forget a queue that holds nothing (its four gauges 0): it leaves `GET /queues`, "
+            "its paused flag and its totals are forgotten (the broker's totals keep what it "
+            "counted). A task enqueued to it later makes it again, new."
+        ),
+        parameters=[_path("name", "The queue's name.", _schema("QueueName"))],
+        answers={
+            "204": _empty("Deleted."),
+            "400": _json(_ERROR, "Not a queue name (or malformed HTTP)."),
+            "404": _json(_ERROR, "No queue of that name was ever seen."),
+            "409": _json(
+                _ERROR, "The queue holds tasks: the message names how many in each state."
+            ),
+        },
+    )
     add(
         "get",
         "/dlq",
@@ -988,7 +1192,7 @@ def build(*, metrics_public: bool = False) -> Json:
         },
         "tags": [
             {"name": "tasks", "description": "Enqueue, claim, settle, look up."},
-            {"name": "queues", "description": "Named queues and pausing them."},
+            {"name": "queues", "description": "Named queues: pausing, emptying, deleting them."},
             {"name": "dead letters", "description": "Tasks that ran out of attempts."},
             {"name": "broker", "description": "Counters, health, metrics and this document."},
             {"name": "dashboard", "description": "The web dashboard's static files."},

@@ -48,6 +48,26 @@ Rules every backend follows (the contract test suite checks them against each on
   (``requeued`` +1); :class:`NotFound` if the task is not dead. ``requeue_all`` does it to every
   dead task (of a queue). ``purge`` drops a dead task for good (``purged`` +1).
 - ``set_paused`` pauses or resumes a queue: a paused queue takes tasks but hands none out.
+
+Control over tasks (docs/design/control.md says it in full; the contract suite checks it):
+
+- ``cancel``: a ready or delayed task is gone (``cancelled`` +1); a handed-out one becomes
+  cancelling (answered with its lease id); a dead one is purged. A cancelling task's ack counts as
+  usual; its nack or reclaim (and its lease running out in a sweep) drops it, counted
+  ``cancelled`` only (``Failure.cancelled``); its ``extend`` raises :class:`Cancelled`.
+- ``expires_at``: a task is never handed out at or after it. A claim that meets one, and the sweep
+  (at a cost in what is due), drop it, counted ``expired``. Dead tasks never expire.
+- ``timeout``: a claim records when the task was handed out, and its deadline is at most that
+  plus the timeout; ``extend`` cuts the deadline to that limit, and raises
+  :class:`TimeLimitReached` when it cannot move it at all.
+- ``unique`` keys hold while their task is ready, delayed or handed out (a duplicate is answered
+  with that task's id), not in the window; a requeued dead task no longer holds its key.
+- ``extend`` with ``progress`` records it on the task (shown while it is handed out).
+- ``list_tasks``: a page of a queue's tasks in one state, in that state's order, after a key the
+  store gave (``TaskPage.after``), in O(limit + log n).
+- ``empty_queue`` cancels every ready and delayed task of a queue; ``delete_queue`` forgets a
+  queue that holds nothing.
+- The four gauges always add up to ``enqueued - acked - purged - cancelled - expired``.
 """
 
 from __future__ import annotations
@@ -58,6 +78,7 @@ from typing import Protocol, runtime_checkable
 from wqbroker.errors import WqError
 from wqbroker.models import (
     DEFAULT_QUEUE,
+    CancelResult,
     Delivery,
     Enqueued,
     Failure,
@@ -68,10 +89,11 @@ from wqbroker.models import (
     Stats,
     SweepResult,
     Task,
+    TaskPage,
     TaskState,
 )
 
-__all__ = ["Hints", "Operations", "ReadyListener", "Store", "enqueue_one"]
+__all__ = ["CancelListener", "Hints", "Operations", "ReadyListener", "Store", "enqueue_one"]
 
 
 class Operations(Protocol):
@@ -143,8 +165,42 @@ class Operations(Protocol):
         terminal: bool = False,
     ) -> Failure: ...
 
-    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
-        """A new deadline, ``now + lease``, for a task held under ``lease_id``; returns it."""
+    async def extend(
+        self,
+        task_id: str,
+        lease_id: str,
+        *,
+        lease: float,
+        now: float,
+        progress: bytes | None = None,
+    ) -> float:
+        """A new deadline, ``now + lease`` (cut to its time limit), for a task held under
+        ``lease_id``; returns it. ``progress`` (JSON text): recorded on the task. Cancelled if
+        the task is cancelling, TimeLimitReached if the deadline is at the limit already."""
+        ...
+
+    async def cancel(self, task_id: str, *, now: float) -> CancelResult:
+        """Cancel a task: a ready or delayed one is gone (CANCELLED); a handed-out one becomes
+        cancelling (CANCELLING, with its lease id; again if it already was); a dead one is
+        purged (PURGED). NotFound if there is no such task."""
+        ...
+
+    async def list_tasks(
+        self, queue: str, state: str, *, limit: int, after: tuple[float, ...] | None = None
+    ) -> TaskPage:
+        """Up to ``limit`` tasks of ``queue`` in ``state`` (one of LIST_STATES), in that state's
+        order, after the task whose key is ``after`` (a page's ``after`` this store gave; None:
+        from the start). The page's ``after`` is None when no task follows it."""
+        ...
+
+    async def empty_queue(self, queue: str, *, now: float) -> int:
+        """Drop every ready and delayed task of ``queue``, counted cancelled: how many.
+        NotFound if the queue is unknown."""
+        ...
+
+    async def delete_queue(self, queue: str) -> None:
+        """Forget a queue that holds nothing (its four gauges 0): its paused flag and totals.
+        NotFound if it is unknown; Conflict, naming its counts, if it holds tasks."""
         ...
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
@@ -222,8 +278,9 @@ class Hints(Protocol):
         ...
 
     def key_hint(self, queue: str, key: str, now: float) -> bool | None:
-        """Whether an idempotency key is in its window in that queue (an enqueue with it would be
-        a duplicate), if the store can tell without any I/O (else None)."""
+        """Whether an enqueue with this idempotency key would be a duplicate in that queue (the
+        key is in its window, or a unique key held by an active task), if the store can tell
+        without any I/O (else None)."""
         ...
 
     def ready_hint(self) -> int | None:
@@ -245,6 +302,17 @@ class ReadyListener(Protocol):
     def on_ready(self, callback: Callable[[Iterable[str] | None], None]) -> None:
         """Have ``callback(queues)`` called when tasks become ready in ``queues`` (None: in any
         queue) by no call of this broker's (only a shared store ever calls it)."""
+        ...
+
+
+@runtime_checkable
+class CancelListener(Protocol):
+    """A store that learns of cancels made on other brokers (a shared store), so that a stream
+    of this broker's holding the task is told at once."""
+
+    def on_cancel(self, callback: Callable[[Iterable[str]], None]) -> None:
+        """Have ``callback(lease_ids)`` called with the leases of tasks another broker made
+        cancelling."""
         ...
 
 

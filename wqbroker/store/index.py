@@ -49,19 +49,34 @@ memory store has none.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import random
 import re
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final, Protocol
 
-from wqbroker.errors import LeaseLost, NotFound, WqError, quoted
+from sortedcontainers import SortedKeyList
+
+from wqbroker.errors import (
+    Cancelled,
+    Conflict,
+    LeaseLost,
+    NotFound,
+    TimeLimitReached,
+    WqError,
+    quoted,
+)
 from wqbroker.models import (
+    CANCELLED,
+    CANCELLING,
     DEFAULT_QUEUE,
+    PURGED,
+    CancelResult,
     Enqueued,
     Failure,
+    ListKey,
     NackItem,
     NewTask,
     QueueReport,
@@ -76,12 +91,18 @@ READY: Final = 0
 HANDED_OUT: Final = 1
 DELAYED: Final = 2
 DEAD: Final = 3
+GONE: Final = 4  # cancelled or expired: in no collection (a hole where it stood, until passed)
 STATE_NAMES: Final = ("ready", "handed_out", "delayed", "dead")
+_STATE_OF: Final = {name: n for n, name in enumerate(STATE_NAMES)}
 
 PRIORITIES: Final = 10
 # Rebuild the lease heap once it holds this many stale entries and they outnumber live ones.
 _COMPACT_MIN: Final = 4096
+# Cut a line's passed head (or its holes) once there are this many and they are half of it.
+_COMPACT_LINE: Final = 1024
 _MASK: Final = 2**64 - 1
+# Added to a seq (which is negative for a task put back at the head) in a cold line's entries.
+_SEQ_OFFSET: Final = 2**62
 _HEX_ID: Final = re.compile("[0-9a-f]{16}").fullmatch
 
 
@@ -105,9 +126,27 @@ def parse_id(task_id: str) -> int | None:
     return int(task_id, 16)
 
 
+class Control:
+    """The part of a task that control over it sets (docs/design/control.md), made only for a
+    task that uses some of it: most tasks never do, and their records carry None instead."""
+
+    __slots__ = ("expires_at", "timeout", "handed_at", "progress", "cancelling", "ukey")
+
+    def __init__(self) -> None:
+        self.expires_at: float | None = None  # never handed out at or after it
+        self.timeout: float | None = None  # seconds one attempt may run
+        self.handed_at = 0.0  # when it was handed out last (with a timeout)
+        self.progress: bytes | None = None  # JSON text its holder reported (while handed out)
+        self.cancelling = False  # handed out, and cancelled: it will not be retried
+        self.ukey: str | None = None  # the unique key it holds while active
+
+
 class Record:
     """One task. ``payload``, ``created_at`` and ``last_error`` are for views: a store that reads
-    views back from a file may drop them (the index itself never reads them)."""
+    views back from a file may drop them (the index itself never reads them). What control over
+    tasks sets is in ``ctl`` (None until something of it is set, and from then on, so a durable
+    store writes it all: a value cleared is cleared in storage too); the properties below read
+    and set it."""
 
     __slots__ = (
         "id",
@@ -122,6 +161,7 @@ class Record:
         "state",
         "seq",
         "lane",
+        "ctl",
     )
 
     def __init__(
@@ -138,6 +178,11 @@ class Record:
         lease_id: str | None = None,
         deadline: float = 0.0,
         lane: Lane | None = None,
+        expires_at: float | None = None,
+        timeout: float | None = None,
+        handed_at: float = 0.0,
+        progress: bytes | None = None,
+        cancelling: bool = False,
     ) -> None:
         self.id = task_id
         self.payload = payload
@@ -151,6 +196,75 @@ class Record:
         self.state = state
         self.seq = seq
         self.lane: Lane = lane if lane is not None else _NOWHERE
+        self.ctl: Control | None = None
+        if expires_at is not None or timeout is not None or progress is not None or cancelling:
+            ctl = self.ctl = Control()
+            ctl.expires_at, ctl.timeout, ctl.handed_at = expires_at, timeout, handed_at
+            ctl.progress, ctl.cancelling = progress, cancelling
+
+    def control(self) -> Control:
+        """Its control part, made if it has none yet."""
+        ctl = self.ctl
+        if ctl is None:
+            ctl = self.ctl = Control()
+        return ctl
+
+    @property
+    def controlled(self) -> bool:
+        return self.ctl is not None
+
+    @property
+    def expires_at(self) -> float | None:
+        return None if self.ctl is None else self.ctl.expires_at
+
+    @expires_at.setter
+    def expires_at(self, value: float | None) -> None:
+        if value is not None or self.ctl is not None:
+            self.control().expires_at = value
+
+    @property
+    def timeout(self) -> float | None:
+        return None if self.ctl is None else self.ctl.timeout
+
+    @timeout.setter
+    def timeout(self, value: float | None) -> None:
+        if value is not None or self.ctl is not None:
+            self.control().timeout = value
+
+    @property
+    def handed_at(self) -> float:
+        return 0.0 if self.ctl is None else self.ctl.handed_at
+
+    @handed_at.setter
+    def handed_at(self, value: float) -> None:
+        self.control().handed_at = value
+
+    @property
+    def progress(self) -> bytes | None:
+        return None if self.ctl is None else self.ctl.progress
+
+    @progress.setter
+    def progress(self, value: bytes | None) -> None:
+        if value is not None or self.ctl is not None:
+            self.control().progress = value
+
+    @property
+    def cancelling(self) -> bool:
+        return self.ctl is not None and self.ctl.cancelling
+
+    @cancelling.setter
+    def cancelling(self, value: bool) -> None:
+        if value or self.ctl is not None:
+            self.control().cancelling = value
+
+    @property
+    def ukey(self) -> str | None:
+        return None if self.ctl is None else self.ctl.ukey
+
+    @ukey.setter
+    def ukey(self, value: str | None) -> None:
+        if value is not None or self.ctl is not None:
+            self.control().ukey = value
 
     @property
     def queue(self) -> Queue:
@@ -165,7 +279,7 @@ class Record:
         return "%016x" % self.id  # noqa: UP031
 
     def view(self) -> Task:
-        return Task(
+        task = Task(
             "%016x" % self.id,  # noqa: UP031
             self.payload,
             self.attempts,
@@ -176,6 +290,172 @@ class Record:
             self.lane.queue.name,
             self.lane.priority,
         )
+        ctl = self.ctl
+        if ctl is not None:
+            task.expires_at = ctl.expires_at
+            task.timeout = ctl.timeout
+            task.progress = ctl.progress  # (set only while handed out)
+            task.cancelling = ctl.cancelling
+        return task
+
+
+class HotLine:
+    """A lane's ready records in line, oldest first: a list read from a head index. Entries
+    are in the order of their ``seq``, so any place in the line is found by bisection; a record
+    taken from the middle (cancelled, expired) stays as a hole (its state no longer READY) that
+    the head skips and a compaction drops. Appending, taking the head and putting one back at
+    it are O(1) (putting back when nothing was taken yet: O(n), but that is rare)."""
+
+    __slots__ = ("items", "head", "size", "holes")
+
+    def __init__(self) -> None:
+        self.items: list[Record] = []
+        self.head = 0
+        self.size = 0  # records in line (holes not counted)
+        self.holes = 0  # holes at or after the head
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bool__(self) -> bool:
+        return self.size > 0
+
+    def append(self, record: Record) -> None:
+        self.items.append(record)
+        self.size += 1
+
+    def appendleft(self, record: Record) -> None:
+        if self.head:
+            self.head -= 1
+            self.items[self.head] = record
+        else:
+            self.items.insert(0, record)
+        self.size += 1
+
+    def first(self) -> Record | None:
+        """The record at the head of the line (holes before it are passed), or None."""
+        items = self.items
+        head = self.head
+        end = len(items)
+        while head < end and items[head].state != READY:
+            head += 1
+            self.holes -= 1
+        self.head = head
+        return items[head] if head < end else None
+
+    def popleft(self) -> Record:
+        record = self.first()
+        assert record is not None, "popleft from an empty line"
+        self.head += 1
+        self.size -= 1
+        if self.head >= _COMPACT_LINE and self.head * 2 > len(self.items):
+            del self.items[: self.head]
+            self.head = 0
+        return record
+
+    def dropped(self) -> None:
+        """A record of the line left it where it stood (its state is no longer READY)."""
+        self.size -= 1
+        self.holes += 1
+        if self.holes >= _COMPACT_LINE and self.holes * 2 > len(self.items) - self.head:
+            self.items = [r for r in self.items[self.head :] if r.state == READY]
+            self.head = 0
+            self.holes = 0
+
+    def index_after(self, seq: int) -> int:
+        """Where the first entry whose ``seq`` is above ``seq`` stands (holes included)."""
+        return bisect.bisect_right(self.items, seq, lo=self.head, key=_seq_of)
+
+    def live_from(self, at: int) -> Iterator[Record]:
+        """The records in line from index ``at`` on."""
+        items = self.items
+        for i in range(max(at, self.head), len(items)):
+            record = items[i]
+            if record.state == READY:
+                yield record
+
+    def __iter__(self) -> Iterator[Record]:
+        return self.live_from(self.head)
+
+
+def _seq_of(record: Record) -> int:
+    return record.seq
+
+
+class ColdLine:
+    """A lane's cold ready tasks (not in memory: a store reads them back), behind its hot ones:
+    each entry is ``(seq + _SEQ_OFFSET) << 64 | id``, in the order of ``seq``, read from a head
+    index; one taken from the middle is put in ``dropped`` (by id) and passed over."""
+
+    __slots__ = ("items", "head", "dropped")
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+        self.head = 0
+        self.dropped: set[int] = set()  # ids of entries no longer in line
+
+    def __len__(self) -> int:
+        return len(self.items) - self.head - len(self.dropped)
+
+    def __bool__(self) -> bool:
+        return len(self) > 0
+
+    def append(self, task_id: int, seq: int) -> None:
+        self.items.append((seq + _SEQ_OFFSET) << 64 | task_id)
+
+    def _pass_dropped(self) -> None:
+        items, dropped = self.items, self.dropped
+        while dropped and self.head < len(items) and (items[self.head] & _MASK) in dropped:
+            dropped.discard(items[self.head] & _MASK)
+            self.head += 1
+
+    def first(self) -> int | None:
+        """The id at the head of the line, or None."""
+        self._pass_dropped()
+        return self.items[self.head] & _MASK if self.head < len(self.items) else None
+
+    def popleft(self) -> int:
+        task_id = self.first()
+        assert task_id is not None, "popleft from an empty line"
+        self.head += 1
+        if self.head >= _COMPACT_LINE and self.head * 2 > len(self.items):
+            del self.items[: self.head]
+            self.head = 0
+        return task_id
+
+    def head_ids(self, n: int) -> list[int]:
+        """The first ``n`` ids in line."""
+        return list(itertools.islice(iter(self), n))
+
+    def index_after(self, seq: int) -> int:
+        return bisect.bisect_right(self.items, (seq + _SEQ_OFFSET) << 64 | _MASK, lo=self.head)
+
+    def find(self, task_id: int, seq: int) -> bool:
+        """Whether the entry ``(seq, task_id)`` is in line."""
+        value = (seq + _SEQ_OFFSET) << 64 | task_id
+        at = bisect.bisect_left(self.items, value, lo=self.head)
+        return at < len(self.items) and self.items[at] == value and task_id not in self.dropped
+
+    def drop(self, task_id: int) -> None:
+        self.dropped.add(task_id)
+
+    def live_from(self, at: int) -> Iterator[tuple[int, int]]:
+        """``(seq, id)`` of the entries in line from index ``at`` on."""
+        items, dropped = self.items, self.dropped
+        for i in range(max(at, self.head), len(items)):
+            value = items[i]
+            task_id = value & _MASK
+            if task_id not in dropped:
+                yield (value >> 64) - _SEQ_OFFSET, task_id
+
+    def __iter__(self) -> Iterator[int]:
+        return (task_id for _, task_id in self.live_from(self.head))
+
+    def clear(self) -> list[int]:
+        """Every id in line; the line is left empty."""
+        ids = list(self)
+        self.items, self.head, self.dropped = [], 0, set()
+        return ids
 
 
 class Lane:
@@ -187,17 +467,67 @@ class Lane:
     def __init__(self, queue: Queue, priority: int) -> None:
         self.queue = queue
         self.priority = priority
-        self.hot: deque[Record] = deque()
-        self.cold: deque[int] | None = None  # ids of ready tasks behind ``hot``, not in memory
+        self.hot = HotLine()
+        self.cold: ColdLine | None = None  # ready tasks behind ``hot``, not in memory
 
     def __len__(self) -> int:
         return len(self.hot) + (len(self.cold) if self.cold else 0)
 
 
+class DeadLog:
+    """A queue's dead tasks in the order of burial, as ``(seq, record)``: a burial appends, a
+    requeue or purge leaves a hole (the record's state or seq moved on), so any place is found
+    by bisection on ``seq``."""
+
+    __slots__ = ("items", "holes")
+
+    def __init__(self) -> None:
+        self.items: list[tuple[int, Record]] = []
+        self.holes = 0
+
+    def append(self, record: Record) -> None:
+        self.items.append((record.seq, record))
+
+    def left(self) -> None:
+        """One of its records was requeued or purged."""
+        self.holes += 1
+        if self.holes >= _COMPACT_LINE and self.holes * 2 > len(self.items):
+            self.items = [e for e in self.items if _is_dead(e)]
+            self.holes = 0
+
+    def live_after(self, seq: int | None) -> Iterator[Record]:
+        items = self.items
+        at = 0 if seq is None else bisect.bisect_right(items, seq, key=_first)
+        for i in range(at, len(items)):
+            entry = items[i]
+            if _is_dead(entry):
+                yield entry[1]
+
+
+def _is_dead(entry: tuple[int, Record]) -> bool:
+    return entry[1].state == DEAD and entry[1].seq == entry[0]
+
+
+def _first(entry: tuple[int, Record]) -> int:
+    return entry[0]
+
+
 class Queue:
     """A named queue: its lanes, its gauges, its dead tasks, its totals, whether it is paused."""
 
-    __slots__ = ("name", "lanes", "mask", "paused", "delayed", "held", "dead", "totals")
+    __slots__ = (
+        "name",
+        "lanes",
+        "mask",
+        "paused",
+        "delayed",
+        "held",
+        "dead",
+        "totals",
+        "out",
+        "waiting",
+        "graves",
+    )
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -208,6 +538,10 @@ class Queue:
         self.held = 0
         self.dead: dict[int, Record] = {}  # in the order of burial
         self.totals = Totals()
+        self.out: dict[int, Record] = {}  # its handed-out tasks
+        # Its delayed tasks by due time, for listings: (available_at, seq, record).
+        self.waiting: SortedKeyList[Record, tuple[float, int]] = SortedKeyList(key=_due)
+        self.graves = DeadLog()  # its dead tasks, for listings
 
     def lane(self, priority: int) -> Lane:
         lane = self.lanes[priority]
@@ -227,6 +561,10 @@ class Queue:
         return QueueStats(
             self.name, self.ready, self.held, self.delayed, len(self.dead), self.paused
         )
+
+
+def _due(record: Record) -> tuple[float, int]:
+    return record.available_at, record.seq
 
 
 # Only a record's default lane, before it is placed.
@@ -264,6 +602,10 @@ class Journal(Protocol):
         """An idempotency key expired."""
         ...
 
+    def queue_deleted(self, queue: Queue) -> None:
+        """The queue (which held nothing) was forgotten."""
+        ...
+
 
 class Index:
     """Tasks in four collections (ready, handed out, delayed, dead), by queue, and the totals."""
@@ -289,14 +631,25 @@ class Index:
         self._ready = 0  # ready tasks, hot and cold
         self._hot = 0  # ready tasks held as records
         self._held = 0
+        # Delayed tasks by due time, with lazy deletion (a cancelled or expired task's entry is
+        # passed over: its state or seq moved on); how many are delayed.
         self._delayed: list[tuple[float, int, Record]] = []
+        self._delayed_n = 0
         self._leases: list[tuple[float, int, str, Record]] = []
         self._stale_leases = 0
         self._keys: dict[tuple[str, str], tuple[int, float]] = {}
         self._key_expiry: list[tuple[float, str, str]] = []
+        # Unique keys held by active tasks: (queue, key) -> task id, and back.
+        self._ukeys: dict[tuple[str, str], int] = {}
+        self._ukey_of: dict[int, tuple[str, str]] = {}
+        # Expiries of ready and delayed tasks: (expires_at, id, seq, lane), lazily: an entry
+        # whose task moved on is passed over (the seq finds a cold task in its lane).
+        self._expiries: list[tuple[float, int, int, Lane]] = []
         self._seq = 0  # the last number given from the increasing sequence
         self._head = 0  # the last number given from the decreasing one
         self.totals = Totals()
+        # The totals of the queues deleted (the broker's totals keep what they counted).
+        self._deleted_totals = Totals()
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -307,7 +660,7 @@ class Index:
     @property
     def held_count(self) -> int:
         """Tasks ready, delayed or handed out."""
-        return self._ready + len(self._delayed) + self._held
+        return self._ready + self._delayed_n + self._held
 
     @property
     def hot_count(self) -> int:
@@ -321,7 +674,7 @@ class Index:
         return Stats(
             ready=self._ready,
             handed_out=self._held,
-            delayed=len(self._delayed),
+            delayed=self._delayed_n,
             dead=len(self._dead),
             totals=self.totals.copy(),
         )
@@ -350,12 +703,15 @@ class Index:
             for lane in q.lanes if q.mask else ():
                 if lane is None:
                     continue
-                if lane.hot:
-                    at = lane.hot[0].available_at
+                first = lane.hot.first()
+                if first is not None:
+                    at = first.available_at
                     if report.oldest_ready is None or at < report.oldest_ready:
                         report.oldest_ready = at
                 elif lane.cold:
-                    cold.append((report, lane.cold[0]))
+                    head = lane.cold.first()
+                    if head is not None:
+                        cold.append((report, head))
             reports.append(report)
         return reports, cold
 
@@ -390,21 +746,31 @@ class Index:
         return record
 
     def key_owner(self, queue: str, key: str, now: float) -> str | None:
-        """The id of the task enqueued with this key within its window, if any."""
+        """The id of the task enqueued with this key within its window, or of the active task
+        holding it as a unique key, if any."""
+        if self._ukeys:
+            owner = self._ukeys.get((queue, key))
+            if owner is not None:
+                return hex_id(owner)
         found = self._keys.get((queue, key))
         if found is None or found[1] <= now:
             return None
         return hex_id(found[0])
 
     def next_due(self) -> float | None:
-        """When the next delayed task or lease is due, if any."""
-        due = self._delayed[0][0] if self._delayed else None
+        """When the next delayed task, lease or expiry is due, if any."""
+        delayed = self._delayed
+        while delayed and not _live_delayed(delayed[0]):
+            heapq.heappop(delayed)
+        due = delayed[0][0] if delayed else None
         leases = self._leases
         while leases and not _live_lease(leases[0]):
             heapq.heappop(leases)
             self._stale_leases -= 1
         if leases and (due is None or leases[0][0] < due):
             due = leases[0][0]
+        if self._expiries and (due is None or self._expiries[0][0] < due):
+            due = self._expiries[0][0]
         return due
 
     def cold_lane(self, queues: Sequence[str], now: float) -> Lane | None:
@@ -418,6 +784,57 @@ class Index:
         lane = q.lanes[q.mask.bit_length() - 1]
         assert lane is not None
         return lane if not lane.hot and lane.cold else None
+
+    def page(
+        self, queue: str, state: str, limit: int, after: ListKey | None
+    ) -> tuple[list[Record | tuple[int, Lane]], ListKey | None]:
+        """Up to ``limit`` tasks of ``queue`` in ``state`` (a name of STATE_NAMES) in that
+        state's order, after the one whose key is ``after``: their records, or ``(id, lane)``
+        for cold ready tasks (a store reads them back); and the key of the last one if more
+        follow (else None). Keys: ready (priority, seq), delayed (available_at, seq), handed out
+        (deadline, seq), dead (seq,). O(limit + log n), but for handed-out tasks, O(h) in those
+        of the queue (bounded by what its workers hold)."""
+        q = self._queues.get(queue)
+        if q is None:
+            return [], None
+        want = limit + 1
+        found: list[tuple[ListKey, Record | tuple[int, Lane]]] = []
+        which = _STATE_OF[state]
+        if which == READY:
+            self._page_ready(q, want, after, found)
+        else:
+            found.extend(itertools.islice(_paged(q, which, want, after), want))
+        if len(found) > limit:
+            return [entry for _, entry in found[:limit]], found[limit - 1][0]
+        return [entry for _, entry in found], None
+
+    def _page_ready(
+        self,
+        q: Queue,
+        want: int,
+        after: ListKey | None,
+        found: list[tuple[ListKey, Record | tuple[int, Lane]]],
+    ) -> None:
+        top = PRIORITIES - 1 if after is None else int(after[0])
+        for priority in range(min(top, PRIORITIES - 1), -1, -1):
+            lane = q.lanes[priority]
+            if lane is None:
+                continue
+            seq = int(after[1]) if after is not None and priority == top else None
+            hot = lane.hot
+            at = hot.head if seq is None else hot.index_after(seq)
+            for record in hot.live_from(at):
+                found.append(((priority, record.seq), record))
+                if len(found) >= want:
+                    return
+            cold = lane.cold
+            if cold is None:
+                continue
+            at = cold.head if seq is None else cold.index_after(seq)
+            for entry_seq, task_id in cold.live_from(at):
+                found.append(((priority, entry_seq), (task_id, lane)))
+                if len(found) >= want:
+                    return
 
     # -- changes -----------------------------------------------------------------------------
 
@@ -441,6 +858,9 @@ class Index:
             now + new.delay if new.delay > 0 else now,
             lane=q.lanes[new.priority] or q.lane(new.priority),
         )
+        if new.expires_at is not None or new.timeout is not None or new.unique:
+            ctl = record.control()
+            ctl.expires_at, ctl.timeout = new.expires_at, new.timeout
         if new.delay > 0:
             self._delay(record)
         else:
@@ -450,12 +870,16 @@ class Index:
         if self._journal is not None:
             self._journal.created(record)
         if new.key is not None:
-            self._remember(new.queue, new.key, record.id, new.key_until)
+            if new.unique:
+                self._hold_key(new.queue, new.key, record)
+            else:
+                self._remember(new.queue, new.key, record.id, new.key_until)
         return record
 
     def enqueue_many(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
-        """Enqueue tasks in order; one whose idempotency key is in its window is answered as a
-        duplicate of the first task's id, and creates nothing."""
+        """Enqueue tasks in order; one whose idempotency key is in its window (or, unique, held
+        by an active task) is answered as a duplicate of the first task's id, and creates
+        nothing."""
         out: list[Enqueued] = []
         for new in items:
             if new.key is not None:
@@ -476,42 +900,68 @@ class Index:
                 new.queue,
                 new.priority,
             )
+            if new.expires_at is not None or new.timeout is not None:
+                task.expires_at, task.timeout = new.expires_at, new.timeout
             out.append(Enqueued(task_id, False, task))
         return out
 
     def claim(self, queues: Sequence[str], lease: float, now: float) -> Record | None:
         """Hand out the next ready task of the first of ``queues`` (by name) that has one:
-        its highest priority, oldest first (promoting due delayed tasks first). None if nothing
-        is ready, or if that task is cold (a store with cold tasks warms them first)."""
+        its highest priority, oldest first (promoting due delayed tasks first; a task met at or
+        after its expiry is dropped, counted expired). None if nothing is ready, or if that
+        task is cold (a store with cold tasks warms them first)."""
         if self._delayed and self._delayed[0][0] <= now:
             self._promote(now)
         known = self._queues
-        for name in queues:  # (_pick, inlined: this runs for every task)
-            q = known.get(name)
-            if q is not None and q.mask and not q.paused:
+        while True:
+            for name in queues:  # (_pick, inlined: this runs for every task)
+                q = known.get(name)
+                if q is not None and q.mask and not q.paused:
+                    break
+            else:
+                return None
+            priority = q.mask.bit_length() - 1
+            lane = q.lanes[priority]
+            assert lane is not None
+            hot = lane.hot
+            if not hot.size:
+                return None
+            # (hot.popleft(), inline: this runs for every task)
+            items = hot.items
+            head = hot.head
+            found = items[head]
+            if found.state != READY:  # (a hole: passed)
+                found = hot.first()
+                assert found is not None
+                head = hot.head
+            record = found
+            hot.head = head + 1
+            hot.size -= 1
+            if head >= _COMPACT_LINE and head * 2 > len(items):
+                del items[: head + 1]
+                hot.head = 0
+            if not hot.size and (lane.cold is None or not lane.cold):
+                q.mask &= ~(1 << priority)
+            self._ready -= 1
+            self._hot -= 1
+            ctl = record.ctl
+            if ctl is None or ctl.expires_at is None or now < ctl.expires_at:
                 break
-        else:
-            return None
-        priority = q.mask.bit_length() - 1
-        lane = q.lanes[priority]
-        assert lane is not None
-        if not lane.hot:
-            return None
-        record = lane.hot.popleft()
-        if not lane.hot and not lane.cold:
-            q.mask &= ~(1 << priority)
+            self._expired(record)
         q.held += 1
-        self._ready -= 1
-        self._hot -= 1
         self._held += 1
         record.state = HANDED_OUT
         record.attempts += 1
         lease_id = "%016x" % self._rng.getrandbits(64)  # noqa: UP031
         record.lease_id = lease_id
+        if ctl is not None and ctl.timeout is not None:
+            ctl.handed_at = now
+            lease = min(lease, ctl.timeout)
         record.deadline = deadline = now + lease
         self._seq = seq = self._seq + 1
         record.seq = seq
         heapq.heappush(self._leases, (deadline, seq, lease_id, record))
+        q.out[record.id] = record
         self.totals.delivered += 1
         q.totals.delivered += 1
         if self._journal is not None:
@@ -523,7 +973,7 @@ class Index:
         that order): they become hot. Nothing changes for a journal."""
         cold = lane.cold
         for record in records:
-            if not cold or cold[0] != record.id:
+            if not cold or cold.first() != record.id:
                 raise ValueError(f"task {record.task_id} is not the lane's next cold task")
             cold.popleft()
             record.state = READY
@@ -535,6 +985,8 @@ class Index:
         record = self.held(task_id, lease_id)
         self._drop_lease(record)
         del self._live[record.id]
+        if self._ukey_of:
+            self._free_key(record.id)
         self.totals.acked += 1
         record.lane.queue.totals.acked += 1
         if self._journal is not None:
@@ -551,23 +1003,51 @@ class Index:
         terminal: bool = False,
     ) -> Failure:
         record = self.held(task_id, lease_id)
+        if record.ctl is not None and record.ctl.cancelling:
+            return self._drop_cancelled(record)
         self.totals.nacked += 1
         record.lane.queue.totals.nacked += 1
         return self._fail(record, error, now, delay=delay, terminal=terminal)
 
     def reclaim(self, task_id: str, lease_id: str, error: str, now: float) -> Failure:
         record = self.held(task_id, lease_id)
+        if record.cancelling:
+            return self._drop_cancelled(record)
         self.totals.reclaimed += 1
         record.lane.queue.totals.reclaimed += 1
         return self._fail(record, error, now)
 
-    def extend(self, task_id: str, lease_id: str, lease: float, now: float) -> float:
-        """A new deadline, ``now + lease``, for a task held under ``lease_id``."""
+    def extend(
+        self,
+        task_id: str,
+        lease_id: str,
+        lease: float,
+        now: float,
+        progress: bytes | None = None,
+    ) -> float:
+        """A new deadline, ``now + lease`` (cut to the task's time limit), for a task held
+        under ``lease_id``; ``progress`` recorded. Cancelled if it is cancelling,
+        TimeLimitReached if its deadline is at its limit already."""
         record = self.held(task_id, lease_id)
-        record.deadline = deadline = now + lease
+        if record.cancelling:
+            raise Cancelled(f"task {quoted(task_id)} was cancelled: its lease is not extended")
+        if record.timeout is not None:
+            limit = record.handed_at + record.timeout
+            if record.deadline >= limit:
+                ms = round(record.timeout * 1000)
+                raise TimeLimitReached(
+                    f"task {quoted(task_id)} has reached its time limit of {ms} ms "
+                    "(timeout_ms): its lease is not extended"
+                )
+            deadline = min(now + lease, limit)  # (the limit itself: compared equal next time)
+        else:
+            deadline = now + lease
+        record.deadline = deadline
         record.seq = seq = self._next_seq()
         self._stale_leases += 1  # the entry for the old deadline
         heapq.heappush(self._leases, (deadline, seq, lease_id, record))
+        if progress is not None:
+            record.control().progress = progress
         self._moved(record)
         return deadline
 
@@ -594,11 +1074,15 @@ class Index:
         return acked, nacked
 
     def release(self, task_id: str, lease_id: str) -> bool:
-        """Undo a hand-out nobody saw: back to the head of its lane. False if not current."""
+        """Undo a hand-out nobody saw: back to the head of its lane (a cancelling one is gone,
+        counted cancelled). False if not current."""
         n = parse_id(task_id)
         record = self._live.get(n) if n is not None else None
         if record is None or record.state != HANDED_OUT or record.lease_id != lease_id:
             return False
+        if record.cancelling:
+            self._drop_cancelled(record)
+            return True
         self._drop_lease(record)
         record.state = READY
         record.attempts -= 1
@@ -606,9 +1090,8 @@ class Index:
         lane = record.lane
         q = lane.queue
         q.totals.delivered -= 1
-        if self._journal is not None:
-            self._head -= 1
-            record.seq = self._head
+        self._head -= 1
+        record.seq = self._head
         lane.hot.appendleft(record)
         q.mask |= 1 << lane.priority
         self._ready += 1
@@ -617,8 +1100,10 @@ class Index:
         return True
 
     def sweep(self, now: float) -> SweepResult:
-        """Reclaim every lease due by ``now``, then promote every delayed task due by then."""
+        """Reclaim every lease due by ``now`` (a cancelling task's: it is gone), promote every
+        delayed task due by then, drop every ready or delayed task expired by then."""
         result = SweepResult()
+        expired = self.totals.expired
         leases = self._leases
         while leases and leases[0][0] <= now:
             entry = heapq.heappop(leases)
@@ -626,11 +1111,17 @@ class Index:
                 self._stale_leases -= 1
                 continue
             record = entry[3]
+            result.reclaimed.append((record.task_id, entry[2]))
+            if record.cancelling:
+                self._drop_cancelled(record, lease_in_heap=False)
+                continue
             self.totals.reclaimed += 1
             record.lane.queue.totals.reclaimed += 1
-            result.reclaimed.append((record.task_id, entry[2]))
             self._fail(record, "lease expired", now, lease_in_heap=False)
         result.promoted = self._promote(now, result.ready_queues)
+        if self._expiries and self._expiries[0][0] <= now:
+            self._expire_due(now)
+        result.expired = self.totals.expired - expired  # (promoted past its expiry, too)
         self._forget_keys(now)
         return result
 
@@ -656,9 +1147,12 @@ class Index:
         record = self._dead.pop(n, None) if n is not None else None
         if record is None:
             raise NotFound(f"task {quoted(task_id)} is not in the dead-letter queue")
-        del record.lane.queue.dead[record.id]
+        q = record.lane.queue
+        del q.dead[record.id]
+        record.state = GONE
+        q.graves.left()
         self.totals.purged += 1
-        record.lane.queue.totals.purged += 1
+        q.totals.purged += 1
         if self._journal is not None:
             self._journal.deleted(record)
 
@@ -672,6 +1166,92 @@ class Index:
             self._journal.queue_changed(q)
         return True
 
+    # -- control over tasks (docs/design/control.md) ------------------------------------------
+
+    def cancel(self, task_id: str) -> CancelResult | None:
+        """Cancel a task in memory: a ready (hot) or delayed one is gone, a handed-out one
+        cancelling, a dead one purged. None if the task is not in memory (unknown, or a cold
+        ready one: see :meth:`cancel_cold`)."""
+        n = parse_id(task_id)
+        record = self._live.get(n) if n is not None else None
+        if record is None:
+            dead = self._dead.get(n) if n is not None else None
+            if dead is None:
+                return None
+            self.purge(task_id)
+            return CancelResult(task_id, PURGED, dead.lane.queue.name)
+        q = record.lane.queue
+        if record.state == HANDED_OUT:
+            if not record.cancelling:
+                record.control().cancelling = True
+                self._moved(record)
+            return CancelResult(task_id, CANCELLING, q.name, record.lease_id)
+        if record.state == READY:
+            self._unready(record)
+        else:
+            self._undelay(record)
+        self._gone(record, cancelled=True)
+        return CancelResult(task_id, CANCELLED, q.name)
+
+    def cancel_cold(self, lane: Lane, task_id: int, seq: int) -> bool:
+        """Cancel a cold ready task (its lane and ``seq`` read from storage): False if it is not
+        in line there."""
+        cold = lane.cold
+        if cold is None or not cold.find(task_id, seq):
+            return False
+        self._drop_cold(lane, task_id)
+        self._gone_cold(lane, task_id, cancelled=True)
+        return True
+
+    def empty(self, name: str) -> int | None:
+        """Cancel every ready and delayed task of a queue: how many (None: unknown queue)."""
+        q = self._queues.get(name)
+        if q is None:
+            return None
+        n = 0
+        for lane in q.lanes:
+            if lane is None:
+                continue
+            while lane.hot:
+                record = lane.hot.popleft()
+                self._ready -= 1
+                self._hot -= 1
+                self._gone(record, cancelled=True)
+                n += 1
+            if lane.cold:
+                for task_id in lane.cold.clear():
+                    self._ready -= 1
+                    self._gone_cold(lane, task_id, cancelled=True)
+                    n += 1
+        q.mask = 0
+        for record in list(q.waiting):
+            self._undelay(record)
+            self._gone(record, cancelled=True)
+            n += 1
+        return n
+
+    def delete_queue(self, name: str) -> None:
+        """Forget a queue that holds nothing. NotFound if unknown, Conflict if it holds tasks."""
+        q = self._queues.get(name)
+        if q is None:
+            raise NotFound(f"queue {quoted(name)} does not exist")
+        ready, dead = q.ready, len(q.dead)
+        if ready or q.held or q.delayed or dead:
+            raise Conflict(
+                f"queue {quoted(name)} holds {ready} ready, {q.held} handed-out, {q.delayed} "
+                f"delayed and {dead} dead tasks: empty it (POST /queues/{{name}}/empty), let "
+                "its handed-out tasks finish and purge its dead ones first"
+            )
+        del self._queues[name]
+        for field in Totals.__slots__:
+            setattr(
+                self._deleted_totals,
+                field,
+                getattr(self._deleted_totals, field) + getattr(q.totals, field),
+            )
+        if self._journal is not None:
+            self._journal.queue_deleted(q)
+
     # -- restoring (a durable store rebuilding its index at start) ---------------------------
 
     def restore_queue(self, name: str, paused: bool, totals: Totals) -> None:
@@ -679,16 +1259,21 @@ class Index:
         q.paused = paused
         q.totals = totals
 
-    def restore_ready(self, rows: Iterable[tuple[int, str, int]]) -> None:
-        """The ready tasks as (id, queue, priority), in order: they come back cold."""
-        for task_id, name, priority in rows:
+    def restore_ready(self, rows: Iterable[tuple[int, str, int, int, float | None]]) -> None:
+        """The ready tasks as (id, queue, priority, seq, expires_at), in order: they come back
+        cold."""
+        for task_id, name, priority, seq, expires_at in rows:
             q = self._restored_queue(name)
             lane = q.lane(priority)
             if lane.cold is None:
-                lane.cold = deque()
-            lane.cold.append(task_id)
+                lane.cold = ColdLine()
+            lane.cold.append(task_id, seq)
             q.mask |= 1 << priority
             self._ready += 1
+            self._seq = max(self._seq, seq)
+            self._head = min(self._head, seq)
+            if expires_at is not None:
+                self._expiries.append((expires_at, task_id, seq, lane))
 
     def restore(self, records: Iterable[tuple[Record, str, int]]) -> None:
         """Put back handed-out, delayed and dead records (with their queue's name and their
@@ -704,19 +1289,25 @@ class Index:
                 dead.append(record)
             elif record.state == DELAYED:
                 self._delayed.append((record.available_at, record.seq, record))
+                self._delayed_n += 1
                 self._live[record.id] = record
                 q.delayed += 1
+                q.waiting.add(record)
+                if record.expires_at is not None:
+                    self._expiries.append((record.expires_at, record.id, record.seq, record.lane))
             elif record.state == HANDED_OUT and record.lease_id is not None:
                 self._leases.append((record.deadline, record.seq, record.lease_id, record))
                 self._live[record.id] = record
                 self._held += 1
                 q.held += 1
+                q.out[record.id] = record
             else:
                 raise ValueError(f"task {record.task_id} has an unknown state {record.state}")
         dead.sort(key=lambda r: r.seq)
         for record in dead:
             self._dead[record.id] = record
             record.lane.queue.dead[record.id] = record
+            record.lane.queue.graves.append(record)
 
     def _restored_queue(self, name: str) -> Queue:
         q = self._queues.get(name)
@@ -728,6 +1319,11 @@ class Index:
         self._keys[(queue, key)] = (task_id, until)
         self._key_expiry.append((until, queue, key))
 
+    def restore_unique_key(self, queue: str, key: str, task_id: int) -> None:
+        """A unique key held by an active task, as stored."""
+        self._ukeys[(queue, key)] = task_id
+        self._ukey_of[task_id] = (queue, key)
+
     def restored(self, totals: Totals, *, first_seq: int, last_seq: int, id_key: int) -> None:
         """Everything is back: ``totals`` as stored; the lowest and highest ``seq`` stored (new
         numbers go on from there); the store's id key. Ids go on from the number issued (every
@@ -735,11 +1331,19 @@ class Index:
         heapq.heapify(self._delayed)
         heapq.heapify(self._leases)
         heapq.heapify(self._key_expiry)
+        heapq.heapify(self._expiries)
         self.totals = totals
         self._id_key = id_key
         self._issued = totals.enqueued
         self._seq = max(self._seq, last_seq)
         self._head = min(self._head, first_seq)
+        # Queues gone since (deleted) left their counts in the broker's totals only.
+        kept = Totals()
+        for q in self._queues.values():
+            for field in Totals.__slots__:
+                setattr(kept, field, getattr(kept, field) + getattr(q.totals, field))
+        for field in Totals.__slots__:
+            setattr(self._deleted_totals, field, getattr(totals, field) - getattr(kept, field))
 
     # -- helpers -----------------------------------------------------------------------------
 
@@ -768,32 +1372,50 @@ class Index:
         """Put a task at the tail of its lane (cold if the lane has cold tasks or hot ones are
         at their limit)."""
         record.state = READY
-        if self._journal is not None:  # (only a journal needs ready tasks numbered)
-            record.seq = self._next_seq()
+        self._seq = seq = self._seq + 1
+        record.seq = seq
         lane = record.lane
         lane.queue.mask |= 1 << lane.priority
         self._ready += 1
-        if lane.cold or (self._hot_max is not None and self._hot >= self._hot_max):
+        cold = lane.cold
+        if (cold is not None and cold) or (
+            self._hot_max is not None and self._hot >= self._hot_max
+        ):
             if lane.cold is None:
-                lane.cold = deque()
-            lane.cold.append(record.id)  # the store reads it back when its turn comes
+                lane.cold = ColdLine()
+            lane.cold.append(record.id, seq)  # the store reads it back when its turn comes
             self._live.pop(record.id, None)
         else:
-            lane.hot.append(record)
+            hot = lane.hot
+            hot.items.append(record)  # (hot.append(), inline)
+            hot.size += 1
             self._live[record.id] = record
             self._hot += 1
+        ctl = record.ctl
+        if ctl is not None and ctl.expires_at is not None:
+            self._watch_expiry(record)  # (a cold one is found in its line by this seq)
 
     def _delay(self, record: Record) -> None:
         record.state = DELAYED
         record.seq = seq = self._next_seq()
         heapq.heappush(self._delayed, (record.available_at, seq, record))
+        self._delayed_n += 1
         self._live[record.id] = record
-        record.lane.queue.delayed += 1
+        q = record.lane.queue
+        q.delayed += 1
+        q.waiting.add(record)
+        ctl = record.ctl
+        if ctl is not None and ctl.expires_at is not None:
+            self._watch_expiry(record)
 
     def _drop_lease(self, record: Record, *, in_heap: bool = True) -> None:
         """The task's lease ends. Its heap entry (unless already popped) is now stale."""
         record.lease_id = None
-        record.lane.queue.held -= 1
+        if record.ctl is not None:
+            record.ctl.progress = None
+        q = record.lane.queue
+        q.held -= 1
+        del q.out[record.id]
         self._held -= 1
         if not in_heap:
             return
@@ -835,24 +1457,38 @@ class Index:
             self._journal.errored(record)
         return failure
 
+    def _drop_cancelled(self, record: Record, *, lease_in_heap: bool = True) -> Failure:
+        """A cancelling task's holder let go of it (nack, reclaim, its lease ran out): gone,
+        counted cancelled."""
+        self._drop_lease(record, in_heap=lease_in_heap)
+        self._gone(record, cancelled=True)
+        return Failure(record.task_id, False, None, cancelled=True)
+
     def _bury(self, record: Record) -> None:
         record.state = DEAD
-        if self._journal is not None:
-            record.seq = self._next_seq()
+        record.seq = self._next_seq()
         del self._live[record.id]
         self._dead[record.id] = record
-        record.lane.queue.dead[record.id] = record
+        q = record.lane.queue
+        q.dead[record.id] = record
+        q.graves.append(record)
+        if self._ukey_of:
+            self._free_key(record.id)
 
     def _revive(self, record: Record, now: float) -> None:
-        """A dead task back to the tail of ready, for a fresh set of attempts."""
+        """A dead task back to the tail of ready, for a fresh set of attempts (no error, no
+        expiry)."""
         del self._dead[record.id]
-        del record.lane.queue.dead[record.id]
+        q = record.lane.queue
+        del q.dead[record.id]
+        q.graves.left()
         record.attempts = 0
         record.last_error = None
+        record.expires_at = None
         record.available_at = now
         self._append(record)
         self.totals.requeued += 1
-        record.lane.queue.totals.requeued += 1
+        q.totals.requeued += 1
         if self._journal is not None:
             self._journal.errored(record)
 
@@ -860,14 +1496,121 @@ class Index:
         delayed = self._delayed
         promoted = 0
         while delayed and delayed[0][0] <= now:
-            record = heapq.heappop(delayed)[2]
-            record.lane.queue.delayed -= 1
+            entry = heapq.heappop(delayed)
+            if not _live_delayed(entry):
+                continue
+            record = entry[2]
+            self._undelay(record)
+            if record.expires_at is not None and now >= record.expires_at:
+                self._gone(record, cancelled=False)
+                continue
             self._append(record)
             self._moved(record)
             if queues is not None:
                 queues.add(record.lane.queue.name)
             promoted += 1
         return promoted
+
+    def _unready(self, record: Record) -> None:
+        """A ready (hot) task leaves its lane where it stands."""
+        lane = record.lane
+        record.state = GONE
+        lane.hot.dropped()
+        self._ready -= 1
+        self._hot -= 1
+        if not lane.hot and not lane.cold:
+            lane.queue.mask &= ~(1 << lane.priority)
+
+    def _undelay(self, record: Record) -> None:
+        """A delayed task leaves the delayed collection (its heap entry goes stale)."""
+        q = record.lane.queue
+        q.waiting.remove(record)
+        q.delayed -= 1
+        self._delayed_n -= 1
+        record.state = GONE
+
+    def _drop_cold(self, lane: Lane, task_id: int) -> None:
+        cold = lane.cold
+        assert cold is not None
+        cold.drop(task_id)
+        self._ready -= 1
+        if not lane.hot and not cold:
+            lane.queue.mask &= ~(1 << lane.priority)
+
+    def _gone(self, record: Record, *, cancelled: bool) -> None:
+        """A task out of every collection, counted cancelled (else expired)."""
+        record.state = GONE
+        self._live.pop(record.id, None)
+        if self._ukey_of:
+            self._free_key(record.id)
+        self._count_gone(record.lane.queue, cancelled)
+        if self._journal is not None:
+            self._journal.deleted(record)
+
+    def _gone_cold(self, lane: Lane, task_id: int, *, cancelled: bool) -> None:
+        """A cold ready task (out of its line already) gone, counted cancelled (else
+        expired)."""
+        if self._ukey_of:
+            self._free_key(task_id)
+        self._count_gone(lane.queue, cancelled)
+        if self._journal is not None:
+            self._journal.deleted(Record(task_id, b"", 0, 0.0, 0.0, state=GONE, lane=lane))
+
+    def _count_gone(self, q: Queue, cancelled: bool) -> None:
+        if cancelled:
+            self.totals.cancelled += 1
+            q.totals.cancelled += 1
+        else:
+            self.totals.expired += 1
+            q.totals.expired += 1
+
+    def _expired(self, record: Record) -> None:
+        """A ready record met at its expiry (taken from its lane already)."""
+        self._gone(record, cancelled=False)
+
+    def _watch_expiry(self, record: Record) -> None:
+        assert record.expires_at is not None
+        heapq.heappush(self._expiries, (record.expires_at, record.id, record.seq, record.lane))
+
+    def _expire_due(self, now: float) -> int:
+        """Drop every ready or delayed task whose expiry is due by ``now``: how many."""
+        expiries = self._expiries
+        n = 0
+        while expiries and expiries[0][0] <= now:
+            at, task_id, seq, lane = heapq.heappop(expiries)
+            record = self._live.get(task_id)
+            if record is not None:
+                if record.expires_at != at:
+                    continue
+                if record.state == READY:
+                    self._unready(record)
+                elif record.state == DELAYED:
+                    self._undelay(record)
+                else:
+                    continue  # handed out: it runs its course
+                self._gone(record, cancelled=False)
+                n += 1
+            elif lane.cold is not None and lane.cold.find(task_id, seq):
+                self._drop_cold(lane, task_id)
+                self._gone_cold(lane, task_id, cancelled=False)
+                n += 1
+        return n
+
+    def _hold_key(self, queue: str, key: str, record: Record) -> None:
+        """A new task holds a unique key while it is active (a durable store keeps it on the
+        task: ``record.ukey``)."""
+        self._ukeys[(queue, key)] = record.id
+        self._ukey_of[record.id] = (queue, key)
+        record.ukey = key
+
+    def _free_key(self, task_id: int) -> None:
+        """A task that held a unique key is no longer active: the key is free."""
+        held = self._ukey_of.pop(task_id, None)
+        if held is not None and self._ukeys.get(held) == task_id:
+            del self._ukeys[held]
+        record = self._live.get(task_id) or self._dead.get(task_id)
+        if record is not None:
+            record.ukey = None
 
     def _remember(self, queue: str, key: str, task_id: int, until: float) -> None:
         self._keys[(queue, key)] = (task_id, until)
@@ -902,43 +1645,87 @@ class Index:
                 n = len(lane) if lane is not None else 0
                 assert bool(q.mask & (1 << p)) == (n > 0), f"queue {q.name}: mask out of step"
                 if lane is not None:
-                    hot.extend(lane.hot)
-                    cold.extend(lane.cold or ())
-                    assert all(r.queue is q and r.priority == p for r in lane.hot)
-                    if self._journal is not None:
-                        seqs = [r.seq for r in lane.hot]
-                        assert seqs == sorted(seqs), "a lane is out of order"
+                    in_line = list(lane.hot)
+                    assert len(in_line) == len(lane.hot), f"queue {q.name}: a line's size is off"
+                    hot.extend(in_line)
+                    cold_ids = list(lane.cold or ())
+                    assert len(cold_ids) == (len(lane.cold) if lane.cold else 0)
+                    cold.extend(cold_ids)
+                    assert all(r.queue is q and r.priority == p for r in in_line)
+                    seqs = [r.seq for r in in_line]
+                    if lane.cold:
+                        seqs += [seq for seq, _ in lane.cold.live_from(lane.cold.head)]
+                    assert seqs == sorted(seqs), "a lane is out of order"
                 ready += n
             assert ready == q.ready, f"queue {q.name}: ready count out of step"
             assert all(r.queue is q and r.state == DEAD for r in q.dead.values())
+            assert [r.id for r in q.graves.live_after(None)] == list(q.dead), "graves off"
+            assert all(r.state == HANDED_OUT and r.queue is q for r in q.out.values())
+            assert len(q.out) == q.held, f"queue {q.name}: handed-out count out of step"
+            assert len(q.waiting) == q.delayed, f"queue {q.name}: delayed count out of step"
+            assert all(r.state == DELAYED and r.queue is q for r in q.waiting)
         held = [r for r in self._live.values() if r.state == HANDED_OUT]
-        delayed_ids = [e[2].id for e in self._delayed]
+        delayed = [e[2] for e in self._delayed if _live_delayed(e)]
+        delayed_ids = [r.id for r in delayed]
         everything = [r.id for r in hot] + cold + delayed_ids + [r.id for r in held]
         everything += list(self._dead)
         assert len(set(everything)) == len(everything), "a task is in two places"
         assert len(hot) == self._hot
         assert len(hot) + len(cold) == self._ready
         assert len(held) == self._held
+        assert len(delayed) == self._delayed_n, "the delayed count is off"
         assert all(r.state == READY for r in hot)
-        assert all(e[2].state == DELAYED for e in self._delayed)
         assert len(self._live) == len(hot) + len(delayed_ids) + len(held), "live dict off"
         assert sum(len(q.dead) for q in self._queues.values()) == len(self._dead)
         assert sum(q.held for q in self._queues.values()) == self._held
-        assert sum(q.delayed for q in self._queues.values()) == len(self._delayed)
+        assert sum(q.delayed for q in self._queues.values()) == self._delayed_n
         if self._hot_max is None:
             assert not cold, "cold tasks in an index that never goes cold"
-        if self._journal is not None:
-            burials = [r.seq for r in self._dead.values()]
-            assert burials == sorted(burials), "the dead-letter queue is out of order"
+        burials = [r.seq for r in self._dead.values()]
+        assert burials == sorted(burials), "the dead-letter queue is out of order"
         live = [(e[2], e[0]) for e in self._leases if _live_lease(e)]
         assert sorted(live) == sorted((r.lease_id, r.deadline) for r in held), "lease heap off"
         assert len(self._leases) - len(live) == self._stale_leases
+        active = set(everything) - set(self._dead)
+        for (queue, key), owner in self._ukeys.items():
+            assert owner in active, f"unique key {key!r} of {queue!r} held by a task gone"
+            assert self._ukey_of.get(owner) == (queue, key), "unique keys out of step"
         t = self.totals
         assert t.nacked + t.reclaimed == t.retried + t.buried
-        assert len(everything) == t.enqueued - t.acked - t.purged, "tasks and totals disagree"
+        gone = t.acked + t.purged + t.cancelled + t.expired
+        assert len(everything) == t.enqueued - gone, "tasks and totals disagree"
         for field in t.__slots__:
             total = sum(getattr(q.totals, field) for q in self._queues.values())
+            total += getattr(self._deleted_totals, field)
             assert total == getattr(t, field), f"queue totals of {field} do not add up"
+
+
+def _paged(
+    q: Queue, which: int, want: int, after: ListKey | None
+) -> Iterator[tuple[ListKey, Record]]:
+    """A queue's delayed, handed-out or dead tasks after ``after``, in order, with their keys."""
+    if which == DELAYED:
+        start = None if after is None else (float(after[0]), int(after[1]))
+        for record in q.waiting.irange_key(start, inclusive=(False, True)):
+            yield (record.available_at, record.seq), record
+    elif which == HANDED_OUT:
+        mark = None if after is None else (float(after[0]), int(after[1]))
+        out = (r for r in q.out.values() if mark is None or (r.deadline, r.seq) > mark)
+        for record in heapq.nsmallest(want, out, key=_deadline_of):
+            yield (record.deadline, record.seq), record
+    else:
+        for record in q.graves.live_after(None if after is None else int(after[0])):
+            yield (record.seq,), record
+
+
+def _live_delayed(entry: tuple[float, int, Record]) -> bool:
+    """A delayed heap entry that still stands (its task is delayed, with that seq)."""
+    record = entry[2]
+    return record.state == DELAYED and record.seq == entry[1]
+
+
+def _deadline_of(record: Record) -> tuple[float, int]:
+    return record.deadline, record.seq
 
 
 def _live_lease(entry: tuple[float, int, str, Record]) -> bool:

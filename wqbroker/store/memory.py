@@ -10,12 +10,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from wqbroker.errors import WqError
+from wqbroker.errors import NotFound, WqError, quoted
 from wqbroker.models import (
     DEFAULT_QUEUE,
+    CancelResult,
     Delivery,
     Enqueued,
     Failure,
+    ListKey,
     NackItem,
     NewTask,
     QueueReport,
@@ -23,6 +25,7 @@ from wqbroker.models import (
     Stats,
     SweepResult,
     Task,
+    TaskPage,
     TaskState,
 )
 from wqbroker.retry import Backoff
@@ -93,10 +96,46 @@ class MemoryStore:
         self.transactions += 1
         return failure
 
-    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
-        deadline = self._index.extend(task_id, lease_id, lease, now)
+    async def extend(
+        self,
+        task_id: str,
+        lease_id: str,
+        *,
+        lease: float,
+        now: float,
+        progress: bytes | None = None,
+    ) -> float:
+        deadline = self._index.extend(task_id, lease_id, lease, now, progress)
         self.transactions += 1
         return deadline
+
+    async def cancel(self, task_id: str, *, now: float) -> CancelResult:
+        result = self._index.cancel(task_id)
+        if result is None:
+            raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
+        self.transactions += 1
+        return result
+
+    async def list_tasks(
+        self, queue: str, state: str, *, limit: int, after: ListKey | None = None
+    ) -> TaskPage:
+        entries, last = self._index.page(queue, state, limit, after)
+        tasks = []
+        for entry in entries:
+            assert isinstance(entry, Record)  # (nothing is ever cold here)
+            tasks.append(TaskState(entry.view(), state))
+        return TaskPage(tasks, last)
+
+    async def empty_queue(self, queue: str, *, now: float) -> int:
+        n = self._index.empty(queue)
+        if n is None:
+            raise NotFound(f"queue {quoted(queue)} does not exist")
+        self.transactions += n > 0
+        return n
+
+    async def delete_queue(self, queue: str) -> None:
+        self._index.delete_queue(queue)
+        self.transactions += 1
 
     async def settle_many(
         self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
@@ -133,7 +172,7 @@ class MemoryStore:
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
         result = self._index.sweep(now)
-        if result.reclaimed or result.promoted:
+        if result.reclaimed or result.promoted or result.expired:
             self.transactions += 1
         return result, self._index.next_due()
 

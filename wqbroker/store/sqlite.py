@@ -51,12 +51,15 @@ from contextlib import asynccontextmanager
 from dataclasses import astuple, replace
 from typing import Any, Final, TypeVar
 
-from wqbroker.errors import StoreError, WqError
+from wqbroker.errors import NotFound, StoreError, WqError, quoted
 from wqbroker.models import (
+    CANCELLED,
     DEFAULT_QUEUE,
+    CancelResult,
     Delivery,
     Enqueued,
     Failure,
+    ListKey,
     NackItem,
     NewTask,
     QueueReport,
@@ -64,12 +67,15 @@ from wqbroker.models import (
     Stats,
     SweepResult,
     Task,
+    TaskPage,
     TaskState,
     Totals,
 )
 from wqbroker.retry import Backoff
 from wqbroker.store.index import (
     DEAD,
+    HANDED_OUT,
+    READY,
     STATE_NAMES,
     Index,
     Lane,
@@ -93,41 +99,54 @@ SCHEMA_VERSION: Final = MIGRATIONS.latest
 
 _INSERT = (
     "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
-    "queue, priority) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "queue, priority, expires_at, timeout, ukey) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_BODY = "INSERT INTO bodies (id, payload, created_at) VALUES (?, ?, ?)"
 _UPDATE = (
     "UPDATE tasks SET attempts = ?, available_at = ?, state = ?, lease_id = ?, deadline = ?, "
     "ord = ? WHERE id = ?"
 )
+# The same, for a task whose control columns are set (docs/design/control.md) or were.
+_UPDATE_CONTROL = (
+    "UPDATE tasks SET attempts = ?, available_at = ?, state = ?, lease_id = ?, deadline = ?, "
+    "ord = ?, expires_at = ?, timeout = ?, handed_at = ?, progress = ?, cancelling = ?, ukey = ? "
+    "WHERE id = ?"
+)
 _SET_ERROR = "UPDATE tasks SET last_error = ? WHERE id = ?"
 _DELETE = "DELETE FROM tasks WHERE id = ?"
 _DELETE_BODY = "DELETE FROM bodies WHERE id = ?"
 _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
-    "retried = ?, buried = ?, requeued = ?, purged = ? WHERE id = 1"
+    "retried = ?, buried = ?, requeued = ?, purged = ?, cancelled = ?, expired = ? WHERE id = 1"
 )
-_QUEUE = "INSERT OR REPLACE INTO queues VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+_QUEUE = (
+    "INSERT OR REPLACE INTO queues (name, paused, enqueued, delivered, acked, nacked, reclaimed, "
+    "retried, buried, requeued, purged, cancelled, expired) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_DROP_QUEUE = "DELETE FROM queues WHERE name = ?"
 _KEY = "INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?)"
 _UNKEY = "DELETE FROM keys WHERE queue = ? AND key = ?"
 # The index, streamed at start: ready tasks as (key, queue, priority), in order; the others as
 # records, with the error of a live task (a dead task's error stays in the file).
-_LOAD_READY = "SELECT id, queue, priority FROM tasks WHERE state = 0 ORDER BY ord"
+_LOAD_READY = "SELECT id, queue, priority, ord, expires_at FROM tasks WHERE state = 0 ORDER BY ord"
+_CONTROL_COLUMNS = "expires_at, timeout, handed_at, progress, cancelling, ukey"
 _LOAD_OTHERS = (
     "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
-    "CASE WHEN state = 3 THEN NULL ELSE last_error END, priority, queue FROM tasks "
-    "WHERE state != 0"
+    "CASE WHEN state = 3 THEN NULL ELSE last_error END, priority, queue, "
+    f"{_CONTROL_COLUMNS} FROM tasks WHERE state != 0"
 )
 _LOAD_QUEUES = (
     "SELECT name, paused, enqueued, delivered, acked, nacked, reclaimed, retried, buried, "
-    "requeued, purged FROM queues"
+    "requeued, purged, cancelled, expired FROM queues"
 )
+_LOAD_UNIQUE = "SELECT queue, ukey, id FROM tasks WHERE ukey IS NOT NULL AND state IN (0, 1, 2)"
 _LOAD_KEYS = "SELECT queue, key, task_id, until FROM keys"
 # Cold ready tasks read back, with their payloads.
 _WARM = (
     "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, "
-    "ord, last_error, priority, queue, payload, created_at FROM tasks JOIN bodies USING (id) "
-    "WHERE id IN ({})"
+    f"ord, last_error, priority, queue, {_CONTROL_COLUMNS}, payload, created_at "
+    "FROM tasks JOIN bodies USING (id) WHERE id IN ({})"
 )
 _READ = (
     "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
@@ -136,8 +155,8 @@ _READ = (
 # One task, any state (a lookup of a task the index holds only as a cold id).
 _LOOKUP = (
     "SELECT t.attempts, t.max_attempts, t.available_at, t.state, t.last_error, t.queue, "
-    "t.priority, b.payload, b.created_at FROM tasks t JOIN bodies b ON t.id = b.id "
-    "WHERE t.id = ?"
+    "t.priority, b.payload, b.created_at, t.expires_at, t.timeout, t.progress, t.cancelling, "
+    "t.ord FROM tasks t JOIN bodies b ON t.id = b.id WHERE t.id = ?"
 )
 _OFFSET: Final = 2**63
 # Before sealing a batch, let the event loop run this many times so that operations already
@@ -170,6 +189,7 @@ def _record(row: Sequence[Any]) -> tuple[Record, str, int]:
     """A task's record, its queue's name and its priority, from a row as _LOAD_OTHERS (or
     _WARM) reads it."""
     key, attempts, max_attempts, available_at, state, lease_id, deadline, seq, error = row[:9]
+    expires_at, timeout, handed_at, progress, cancelling, ukey = row[11:17]
     record = Record(
         key + _OFFSET,
         _NO_PAYLOAD,
@@ -182,7 +202,13 @@ def _record(row: Sequence[Any]) -> tuple[Record, str, int]:
         error,
         lease_id,
         deadline or _NO_TIME,
+        expires_at=expires_at,
+        timeout=timeout,
+        handed_at=handed_at or _NO_TIME,
+        progress=None if progress is None else bytes(progress),
+        cancelling=bool(cancelling),
     )
+    record.ukey = ukey
     return record, row[10], row[9]
 
 
@@ -267,7 +293,18 @@ class _Batch:
     """Changes made since the last seal, rows to read back once they are committed, and the
     future the commit resolves (with the rows read)."""
 
-    __slots__ = ("new", "moved", "errors", "deleted", "queues", "keys", "unkeys", "reads", "future")
+    __slots__ = (
+        "new",
+        "moved",
+        "errors",
+        "deleted",
+        "queues",
+        "dropped_queues",
+        "keys",
+        "unkeys",
+        "reads",
+        "future",
+    )
 
     def __init__(self, future: asyncio.Future[dict[int, Row]]) -> None:
         self.new: dict[int, tuple[Record, bytes, float]] = {}  # with payload and created_at
@@ -275,6 +312,7 @@ class _Batch:
         self.errors: dict[int, str | None] = {}  # last_error to write
         self.deleted: set[int] = set()  # in the file: delete
         self.queues: set[Queue] = set()  # whose row (paused, totals) to write
+        self.dropped_queues: set[Queue] = set()  # whose row to delete (before those written)
         self.keys: dict[tuple[str, str], tuple[int, float]] = {}  # idempotency keys to write
         self.unkeys: set[tuple[str, str]] = set()  # and to delete
         self.reads: set[int] = set()  # keys to read back after the commit
@@ -361,6 +399,11 @@ class _Journal:
         batch.keys.pop((queue, key), None)
         batch.unkeys.add((queue, key))
 
+    def queue_deleted(self, queue: Queue) -> None:
+        batch = self.open()
+        batch.queues.discard(queue)
+        batch.dropped_queues.add(queue)
+
 
 class _Rows:
     """What one batch writes, taken on the event loop at the seal."""
@@ -369,6 +412,8 @@ class _Rows:
         "inserts",
         "bodies",
         "updates",
+        "controls",
+        "dropped_queues",
         "errors",
         "deletes",
         "totals",
@@ -391,6 +436,9 @@ class _Rows:
                 r.seq,
                 r.queue.name,
                 r.priority,
+                r.expires_at,
+                r.timeout,
+                r.ukey,
             )
             for r, _, _ in batch.new.values()
         ]
@@ -408,10 +456,31 @@ class _Rows:
                 _key(r.id),
             )
             for r in batch.moved.values()
+            if not r.controlled
+        ]
+        self.controls = [
+            (
+                r.attempts,
+                r.available_at,
+                r.state,
+                r.lease_id,
+                r.deadline if r.lease_id is not None else None,
+                r.seq,
+                r.expires_at,
+                r.timeout,
+                r.handed_at if r.timeout is not None else None,
+                r.progress,
+                int(r.cancelling),
+                r.ukey,
+                _key(r.id),
+            )
+            for r in batch.moved.values()
+            if r.controlled
         ]
         self.errors = [(error, _key(task_id)) for task_id, error in batch.errors.items()]
         self.deletes = [(_key(task_id),) for task_id in batch.deleted]
         self.totals = astuple(totals)
+        self.dropped_queues = [(q.name,) for q in batch.dropped_queues]
         self.queues = [(q.name, int(q.paused), *astuple(q.totals)) for q in batch.queues]
         self.keys = [(q, k, _key(n), until) for (q, k), (n, until) in batch.keys.items()]
         self.unkeys = list(batch.unkeys)
@@ -421,6 +490,22 @@ class _Rows:
             record = batch.moved.get(task_id) or batch.new.get(task_id, (None,))[0]
             if record is not None and record.state == DEAD:
                 record.last_error = None
+
+    def statements(self) -> list[tuple[str, Sequence[Sequence[Any]]]]:
+        """What the transaction runs, in order, with the rows of each (the totals' own)."""
+        return [
+            (_DELETE, self.deletes),
+            (_DELETE_BODY, self.deletes),
+            (_INSERT, self.inserts),
+            (_INSERT_BODY, self.bodies),
+            (_UPDATE, self.updates),
+            (_UPDATE_CONTROL, self.controls),
+            (_SET_ERROR, self.errors),
+            (_DROP_QUEUE, self.dropped_queues),
+            (_QUEUE, self.queues),
+            (_UNKEY, self.unkeys),
+            (_KEY, self.keys),
+        ]
 
 
 class SqliteStore:
@@ -542,14 +627,17 @@ class SqliteStore:
         for name, paused, *counts in conn.execute(_LOAD_QUEUES):
             index.restore_queue(name, bool(paused), Totals(*counts))
         index.restore_ready(
-            (key + _OFFSET, queue, priority) for key, queue, priority in conn.execute(_LOAD_READY)
+            (key + _OFFSET, queue, priority, seq, expires_at)
+            for key, queue, priority, seq, expires_at in conn.execute(_LOAD_READY)
         )
         index.restore(_record(row) for row in conn.execute(_LOAD_OTHERS))
         for queue, key, task_key, until in conn.execute(_LOAD_KEYS):
             index.restore_key(queue, key, task_key + _OFFSET, until)
+        for queue, key, task_key in conn.execute(_LOAD_UNIQUE):
+            index.restore_unique_key(queue, key, task_key + _OFFSET)
         totals = conn.execute(
             "SELECT enqueued, delivered, acked, nacked, reclaimed, retried, buried, requeued, "
-            "purged FROM totals WHERE id = 1"
+            "purged, cancelled, expired FROM totals WHERE id = 1"
         ).fetchone()
         first, last = conn.execute("SELECT min(ord), max(ord) FROM tasks").fetchone()
         (id_key,) = conn.execute("SELECT value FROM meta WHERE key = 'id_key'").fetchone()
@@ -622,7 +710,7 @@ class SqliteStore:
     async def _warm(self, lane: Lane, n: int) -> None:
         """Read the next ``n`` cold ready tasks of ``lane`` back from the file; make them hot."""
         async with self._warming:  # one at a time: each takes the head of a lane's cold ones
-            ids = list(itertools.islice(lane.cold or (), n))
+            ids = lane.cold.head_ids(n) if lane.cold else []
             if not ids:
                 return
             if self._unwritten(ids):
@@ -630,15 +718,15 @@ class SqliteStore:
             loop = asyncio.get_running_loop()
             rows = await loop.run_in_executor(self._writer, self._read_cold, ids)
             self._check()
-            if not lane.cold or lane.cold[0] != ids[0]:
-                return  # the lane changed while the rows were read (say, it was purged)
+            if not lane.cold or lane.cold.first() != ids[0]:
+                return  # the lane changed while the rows were read (say, it was emptied)
             records = []
             for n_id in itertools.takewhile(lambda i: i in rows, ids):
                 row = rows[n_id]
                 record, queue, priority = _record(row)
                 record.lane = self._index.queue(queue).lane(priority)
                 records.append(record)
-                self._journal.cache.put(n_id, row[11], row[12])
+                self._journal.cache.put(n_id, row[17], row[18])
             if not records:
                 self._fail_stop(f"ready task {hex_id(ids[0])} is missing from {self.path}")
                 self._check()
@@ -664,8 +752,8 @@ class SqliteStore:
             marks = ",".join("?" * len(chunk))
             for row in conn.execute(_WARM.format(marks), chunk):
                 row = list(row)
-                payload = row[11]
-                row[11] = payload.encode() if isinstance(payload, str) else bytes(payload)
+                payload = row[17]
+                row[17] = payload.encode() if isinstance(payload, str) else bytes(payload)
                 out[row[0] + _OFFSET] = tuple(row)
         return out
 
@@ -688,6 +776,9 @@ class SqliteStore:
             lane.queue.name,
             lane.priority,
         )
+        if record.controlled:
+            task.expires_at, task.timeout = record.expires_at, record.timeout
+            task.progress, task.cancelling = record.progress, record.cancelling
         return Delivery(task, record.lease_id, record.deadline)
 
     @staticmethod
@@ -716,8 +807,88 @@ class SqliteStore:
             lambda: self._index.nack(task_id, lease_id, error, now, delay=delay, terminal=terminal)
         )
 
-    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
-        return await self._change(lambda: self._index.extend(task_id, lease_id, lease, now))
+    async def extend(
+        self,
+        task_id: str,
+        lease_id: str,
+        *,
+        lease: float,
+        now: float,
+        progress: bytes | None = None,
+    ) -> float:
+        return await self._change(
+            lambda: self._index.extend(task_id, lease_id, lease, now, progress)
+        )
+
+    async def cancel(self, task_id: str, *, now: float) -> CancelResult:
+        self._check()
+        result = self._index.cancel(task_id)
+        if result is None:
+            result = await self._cancel_cold(task_id)
+        await self._durable()
+        return result
+
+    async def _cancel_cold(self, task_id: str) -> CancelResult:
+        """A task not in memory: a cold ready one (its place read from the file) is cancelled;
+        else there is no such task."""
+        n = parse_id(task_id)
+        missing = NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
+        if n is None:
+            raise missing
+        await self._durable()  # the file as the index has it
+        row = await self._in_writer(self._read_one, _key(n))
+        self._check()
+        if row is None or row[3] != READY:
+            raise missing
+        queue, priority, seq = row[5], row[6], row[13]
+        lane = self._index.queue(queue).lane(priority)
+        if not self._index.cancel_cold(lane, n, seq):
+            # It moved while the row was read (claimed, say): try again as it stands now.
+            result = self._index.cancel(task_id)
+            if result is None:
+                raise missing
+            return result
+        return CancelResult(task_id, CANCELLED, queue)
+
+    async def list_tasks(
+        self, queue: str, state: str, *, limit: int, after: ListKey | None = None
+    ) -> TaskPage:
+        self._check()
+        await self._durable()  # never show what is not yet committed
+        entries, last = self._index.page(queue, state, limit, after)
+        records = [e for e in entries if isinstance(e, Record)]
+        cold = [e[0] for e in entries if not isinstance(e, Record)]
+        rows = await self._in_writer(self._read, [_key(r.id) for r in records]) if records else {}
+        cold_rows = await self._in_writer(self._read_cold, cold) if cold else {}
+        self._check()
+        tasks: list[TaskState] = []
+        for entry in entries:
+            if isinstance(entry, Record):
+                row = rows.get(_key(entry.id))
+                if row is None:
+                    continue  # gone while the rows were read
+                payload, created_at, error = row
+                view = replace(entry.view(), payload=payload, created_at=created_at)
+                if entry.state == DEAD:
+                    view.last_error = error
+            else:
+                full = cold_rows.get(entry[0])
+                if full is None:
+                    continue
+                record, _, _ = _record(full)
+                record.lane = entry[1]
+                view = replace(record.view(), payload=full[17], created_at=full[18])
+            tasks.append(TaskState(view, state))
+        return TaskPage(tasks, last)
+
+    async def empty_queue(self, queue: str, *, now: float) -> int:
+        n = await self._change(lambda: self._index.empty(queue))
+        if n is None:
+            raise NotFound(f"queue {quoted(queue)} does not exist")
+        return n
+
+    async def delete_queue(self, queue: str) -> None:
+        await self._change(lambda: self._index.delete_queue(queue))
 
     async def settle_many(
         self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
@@ -792,14 +963,24 @@ class SqliteStore:
         row = await loop.run_in_executor(self._writer, self._read_one, _key(n))
         if row is None:
             return None
-        attempts, max_attempts, available_at, state, error, queue, priority, payload, created = row
+        attempts, max_attempts, available_at, state, error, queue, priority, payload, created = row[
+            :9
+        ]
+        expires_at, timeout, progress, cancelling = row[9:13]
         record = self._index.find(task_id)
         if record is not None:  # the index is ahead of a row read while it changed
             attempts, available_at, state = record.attempts, record.available_at, record.state
             error = record.last_error if state != DEAD else error
+            expires_at, timeout = record.expires_at, record.timeout
+            progress, cancelling = record.progress, record.cancelling
         task = Task(
             task_id, payload, attempts, max_attempts, created, available_at, error, queue, priority
         )
+        if expires_at is not None or timeout is not None or progress is not None or cancelling:
+            task.expires_at, task.timeout = expires_at, timeout
+            if state == HANDED_OUT:
+                task.progress = None if progress is None else bytes(progress)
+                task.cancelling = bool(cancelling)
         return TaskState(task, STATE_NAMES[state])
 
     def _read_one(self, key: int) -> tuple[Any, ...] | None:
@@ -932,22 +1113,9 @@ class SqliteStore:
         assert conn is not None
         conn.execute("BEGIN")
         try:
-            if rows.deletes:
-                conn.executemany(_DELETE, rows.deletes)
-                conn.executemany(_DELETE_BODY, rows.deletes)
-            if rows.inserts:
-                conn.executemany(_INSERT, rows.inserts)
-                conn.executemany(_INSERT_BODY, rows.bodies)
-            if rows.updates:
-                conn.executemany(_UPDATE, rows.updates)
-            if rows.errors:
-                conn.executemany(_SET_ERROR, rows.errors)
-            if rows.queues:
-                conn.executemany(_QUEUE, rows.queues)
-            if rows.unkeys:
-                conn.executemany(_UNKEY, rows.unkeys)
-            if rows.keys:
-                conn.executemany(_KEY, rows.keys)
+            for statement, values in rows.statements():
+                if values:
+                    conn.executemany(statement, values)
             conn.execute(_TOTALS, rows.totals)
             conn.execute("COMMIT")
         except BaseException:

@@ -1,7 +1,9 @@
 """``wq`` (``python -m wqclient.cli.admin``): the admin command, for people at a terminal.
 
-``wq stats``, ``wq queues``, ``wq dlq [list|requeue|purge]``, ``wq task ID``, ``wq enqueue JSON``,
-``wq pause QUEUE``, ``wq resume QUEUE`` and ``wq watch`` (a live view of the gauges and rates).
+``wq stats``, ``wq queues``, ``wq dlq [list|requeue|purge]``, ``wq task ID``, ``wq tasks QUEUE``
+(a queue's tasks in one state, a page at a time), ``wq cancel ID``, ``wq enqueue JSON``, ``wq pause
+QUEUE``, ``wq resume QUEUE``, ``wq queue empty|delete NAME`` and ``wq watch`` (a live view of the
+gauges and rates).
 Each prints a table for people (the ``rich`` library: colours only when standard output is a
 terminal) or, with ``-json``, one JSON document with the HTTP API's member names (``wq watch
 -json``: one document a line, a line per refresh).
@@ -43,7 +45,7 @@ from wqclient.errors import (
     WqError,
 )
 from wqclient.limits import DEFAULT_URL
-from wqclient.models import QueueInfo, Stats, Task, Totals
+from wqclient.models import CANCELLED, CANCELLING, LIST_STATES, QueueInfo, Stats, Task, Totals
 from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 
 PROG: Final = "wq"
@@ -51,7 +53,7 @@ PROG: Final = "wq"
 # -- exit codes ---------------------------------------------------------------------------------
 
 EXIT_OK: Final = 0
-EXIT_FAILED: Final = 1  # the broker refused the call for another reason (a lease conflict ...)
+EXIT_FAILED: Final = 1  # the broker refused the call for another reason (a queue not empty ...)
 EXIT_USAGE: Final = 2  # a bad command line: flags, a payload that is not JSON, a bad queue name
 EXIT_NOT_FOUND: Final = 3  # no such task (or not in the dead-letter queue)
 EXIT_UNAVAILABLE: Final = 4  # the broker cannot be reached, is shutting down, or is at a limit
@@ -60,10 +62,11 @@ EXIT_INTERRUPTED: Final = 130  # Ctrl-C (except in `wq watch`, which it ends nor
 
 EXIT_CODES: Final = {
     EXIT_OK: "success",
-    EXIT_FAILED: "the broker refused the call (for a reason not below)",
+    EXIT_FAILED: "the broker refused the call (for a reason not below: a queue to delete that "
+    "still\n       holds tasks ...)",
     EXIT_USAGE: "usage: a bad flag or argument, a payload that is not JSON, a value the "
     "broker\n       rejects (a bad queue name ...)",
-    EXIT_NOT_FOUND: "not found: no such task, or not in the dead-letter queue",
+    EXIT_NOT_FOUND: "not found: no such task (or not in the dead-letter queue), no such queue",
     EXIT_UNAVAILABLE: "the broker cannot be reached (its TLS certificate failing verification "
     "included), is shutting down, or is at a limit (429)",
     EXIT_REFUSED: "the broker refused the token (none, unknown, or without the scope needed)",
@@ -112,6 +115,15 @@ def task_json(task: Task) -> dict[str, Any]:
     }
     if task.state is not None:
         view["state"] = task.state
+    # The members of task control (docs/design/control.md), only when set, as the API's.
+    if task.expires_at is not None:
+        view["expires_at"] = rfc3339(task.expires_at)
+    if task.timeout_ms is not None:
+        view["timeout_ms"] = task.timeout_ms
+    if task.progress_json is not None:
+        view["progress"] = json.loads(task.progress_json)
+    if task.cancelling:
+        view["cancelling"] = True
     return view
 
 
@@ -259,9 +271,71 @@ def task_table(task: Task) -> Table:
     table.add_row(
         "last error", Text(task.last_error or "-", style="red" if task.last_error else "")
     )
+    if task.cancelling:
+        table.add_row("cancelling", Text("yes: it will not be retried", style="bold yellow"))
+    if task.expires_at is not None:
+        table.add_row("expires at", rfc3339(task.expires_at))
+    if task.timeout_ms is not None:
+        table.add_row("time limit", f"{_n(task.timeout_ms)} ms")
+    if task.progress_json is not None:
+        table.add_row("progress", _json_text(task.progress_json))
     payload = json.dumps(json.loads(task.payload_json), indent=2, ensure_ascii=False)
     table.add_row("payload", payload)
     return table
+
+
+def _json_text(data: bytes, width: int = 80) -> str:
+    return _short(json.dumps(json.loads(data), ensure_ascii=False), width)
+
+
+def tasks_table(tasks: Sequence[Task], queue: str, state: str, more: str | None) -> Table:
+    """A page of a queue's tasks in one state (``more``: the cursor of the next page)."""
+    title = f"{_label(state)} tasks of queue {queue}: {len(tasks)}"
+    if more is not None:
+        title += f" (more: --cursor {more})"
+    table = _table(title)
+    table.add_column("id", no_wrap=True)
+    table.add_column("prio", justify="right", no_wrap=True)
+    table.add_column("attempts", justify="right", no_wrap=True)
+    table.add_column("available at", no_wrap=True)
+    notes = state in ("handed_out", "dead") or any(t.expires_at or t.timeout_ms for t in tasks)
+    if notes:
+        table.add_column("notes", overflow="fold", ratio=3, min_width=12)
+    table.add_column("payload", overflow="fold", ratio=2, min_width=10)
+    for t in tasks:
+        cells: list[RenderableType] = [
+            t.id,
+            str(t.priority),
+            f"{t.attempts}/{t.max_attempts}",
+            rfc3339(t.available_at),
+        ]
+        if notes:
+            cells.append(_notes(t))
+        cells.append(_json_text(t.payload_json))
+        table.add_row(*cells)
+    return table
+
+
+def _notes(task: Task) -> Text:
+    """What a listing says of a task beside its numbers: cancelling, progress, its limits, its
+    last error."""
+    text = Text()
+    parts: list[tuple[str, str]] = []
+    if task.cancelling:
+        parts.append(("cancelling", "bold yellow"))
+    if task.progress_json is not None:
+        parts.append((f"progress {_json_text(task.progress_json, 40)}", "cyan"))
+    if task.timeout_ms is not None:
+        parts.append((f"limit {_n(task.timeout_ms)} ms", ""))
+    if task.expires_at is not None:
+        parts.append((f"expires {rfc3339(task.expires_at)}", ""))
+    if task.last_error:
+        parts.append((_short(task.last_error, 120), "red"))
+    for i, (words, style) in enumerate(parts):
+        if i:
+            text.append("; ")
+        text.append(words, style=style)
+    return text if parts else Text("-", style="dim")
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -335,6 +409,60 @@ async def cmd_task(client: AsyncClient, args: argparse.Namespace, out: Output) -
         out.json(task_json(task))
     else:
         out.show(task_table(task))
+    return EXIT_OK
+
+
+async def cmd_tasks(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    queue, state = args.queue_name, args.state
+    if args.all:
+        tasks = [
+            t async for t in client.iter_tasks(queue, state, limit=args.limit, cursor=args.cursor)
+        ]
+        more = None
+    else:
+        page = await client.list_tasks(queue, state, limit=args.limit, cursor=args.cursor)
+        tasks, more = page.tasks, page.next_cursor
+    if out.as_json:
+        out.json({"tasks": [task_json(t) for t in tasks], "next_cursor": more})
+    elif not tasks:
+        out.show(f"no {_label(state)} tasks in queue {queue}")
+    else:
+        out.show(tasks_table(tasks, queue, state, more))
+    return EXIT_OK
+
+
+async def cmd_cancel(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    state = await client.cancel(args.id)
+    if out.as_json:
+        out.json({"id": args.id, "state": state})
+    elif state == CANCELLED:
+        out.show(f"cancelled {args.id}")
+    elif state == CANCELLING:
+        out.show(
+            f"{args.id} is cancelling: it is handed out, its worker is told to stop, and it "
+            "will not be retried"
+        )
+    else:
+        out.show(f"purged {args.id} (it was in the dead-letter queue)")
+    return EXIT_OK
+
+
+async def cmd_queue_empty(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    count = await client.empty_queue(args.queue_name)
+    if out.as_json:
+        out.json({"queue": args.queue_name, "cancelled": count})
+    else:
+        what = f"{count} ready or delayed task{'' if count == 1 else 's'} cancelled"
+        out.show(f"emptied queue {args.queue_name}: {what}")
+    return EXIT_OK
+
+
+async def cmd_queue_delete(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    await client.delete_queue(args.queue_name)
+    if out.as_json:
+        out.json({"queue": args.queue_name, "deleted": True})
+    else:
+        out.show(f"deleted queue {args.queue_name}")
     return EXIT_OK
 
 
@@ -688,6 +816,34 @@ def _queue_name_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("queue_name", metavar="QUEUE", help="the queue's name")
 
 
+def _tasks_flags(p: argparse.ArgumentParser) -> None:
+    _queue_name_flags(p)
+    p.add_argument(
+        "-state",
+        "--state",
+        choices=LIST_STATES,
+        default="ready",
+        help="the tasks in this state: ready (in the order they would be claimed), delayed (by "
+        "due time), handed_out (by lease deadline) or dead (by burial); default ready",
+    )
+    p.add_argument(
+        "-limit",
+        "--limit",
+        type=positive_int,
+        default=100,
+        metavar="N",
+        help="tasks per page, 1 to 1000 (default 100)",
+    )
+    p.add_argument(
+        "-cursor",
+        "--cursor",
+        default=None,
+        metavar="C",
+        help="start where the page before ended (the cursor it printed)",
+    )
+    _switch(p, "all", "every page, one after the other (-limit tasks per request)")
+
+
 def _watch_flags(p: argparse.ArgumentParser) -> None:
     _queue_flag(p, "one queue's gauges and rates (default: the whole broker)")
     p.add_argument(
@@ -731,6 +887,18 @@ COMMANDS: Final = {
         Command(
             "task", "Look a task up: its state, attempts, last error, payload.", cmd_task, _id_flags
         ),
+        Command(
+            "tasks",
+            "A queue's tasks in one state (-state), a page at a time (-cursor, or -all).",
+            cmd_tasks,
+            _tasks_flags,
+        ),
+        Command(
+            "cancel",
+            "Cancel a task: dropped if waiting, stopped if running (no retry), purged if dead.",
+            cmd_cancel,
+            _id_flags,
+        ),
         Command("enqueue", "Enqueue a task; prints its id.", cmd_enqueue, _enqueue_flags),
         Command(
             "pause",
@@ -739,6 +907,18 @@ COMMANDS: Final = {
             _queue_name_flags,
         ),
         Command("resume", "Hand a paused queue's tasks out again.", cmd_resume, _queue_name_flags),
+        Command(
+            "queue empty",
+            "Cancel every ready and delayed task of a queue (running ones run their course).",
+            cmd_queue_empty,
+            _queue_name_flags,
+        ),
+        Command(
+            "queue delete",
+            "Forget a queue that holds no task (refused, exit 1, while it holds any).",
+            cmd_queue_delete,
+            _queue_name_flags,
+        ),
         Command(
             "watch",
             "A live view of the gauges and rates, refreshed every -interval, until Ctrl-C.",
@@ -749,6 +929,9 @@ COMMANDS: Final = {
 }
 
 _DLQ_ACTIONS: Final = ("list", "requeue", "purge")
+_QUEUE_ACTIONS: Final = ("empty", "delete")
+# The commands of two words: the first word, and the second's default (None: one is needed).
+_TWO_WORDS: Final = {"dlq": ("list", _DLQ_ACTIONS), "queue": (None, _QUEUE_ACTIONS)}
 
 
 def top_parser() -> FlagParser:
@@ -799,8 +982,8 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
                 i += 1
         elif not words:
             words.append(arg)
-        elif words == ["dlq"]:
-            words.append(arg)  # its action: list, requeue or purge
+        elif len(words) == 1 and words[0] in _TWO_WORDS:
+            words.append(arg)  # its action: dlq list, requeue or purge; queue empty or delete
         else:
             rest.append(arg)
         i += 1
@@ -828,11 +1011,14 @@ def resolve(words: list[str]) -> Command:
     """The command the words name; raises _Usage for a word that names none."""
     if not words:
         raise _Usage(f"no command given: one of {', '.join(_command_words())} ({PROG} -h for help)")
-    if words[0] == "dlq":
-        action = words[1] if len(words) > 1 else "list"
-        if action not in _DLQ_ACTIONS:
-            raise _Usage(f"unknown dlq action {action!r}: one of {', '.join(_DLQ_ACTIONS)}")
-        return COMMANDS[f"dlq {action}"]
+    if words[0] in _TWO_WORDS:
+        default, actions = _TWO_WORDS[words[0]]
+        action = words[1] if len(words) > 1 else default
+        if action is None:
+            raise _Usage(f"{words[0]} needs an action: one of {', '.join(actions)}")
+        if action not in actions:
+            raise _Usage(f"unknown {words[0]} action {action!r}: one of {', '.join(actions)}")
+        return COMMANDS[f"{words[0]} {action}"]
     command = COMMANDS.get(words[0])
     if command is None:
         raise _Usage(f"unknown command {words[0]!r}: one of {', '.join(_command_words())}")

@@ -102,6 +102,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="the tasks' priority, 0 to 9, higher served first (default 0)",
     )
     p.add_argument(
+        "-expires-in-ms",
+        "--expires-in-ms",
+        type=positive_int,
+        default=None,
+        metavar="MS",
+        help="drop each task (counted expired) if it is not handed out within this long of its "
+        "enqueue (default: never)",
+    )
+    p.add_argument(
+        "-timeout-ms",
+        "--timeout-ms",
+        type=positive_int,
+        default=None,
+        metavar="MS",
+        help="the most one attempt of a task may run: no lease is extended past it, and a "
+        "Worker stops its handler there (default: no limit)",
+    )
+    p.add_argument(
         "-idempotency-key",
         "--idempotency-key",
         default="",
@@ -229,6 +247,8 @@ class _Run:
                     queue=None if args.queue == DEFAULT_QUEUE else args.queue,
                     priority=args.priority or None,
                     idempotency_key=key_for(args.idempotency_key, i, args.n),
+                    expires_in_ms=args.expires_in_ms,
+                    timeout_ms=args.timeout_ms,
                 )
                 return getattr(enqueued, "duplicate", False) is True
             except Overloaded as e:

@@ -185,7 +185,12 @@ async def _main(args: argparse.Namespace) -> int:
     finally:
         await client.close()
         handler.close()
-    log.info("stopped: %d succeeded, %d failed", worker.succeeded, worker.failed)
+    log.info(
+        "stopped: %d succeeded, %d failed, %d cancelled",
+        worker.succeeded,
+        worker.failed,
+        worker.cancelled,
+    )
     return 0
 
 

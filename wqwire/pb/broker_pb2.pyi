@@ -66,6 +66,10 @@ class Task(_message.Message):
     LAST_ERROR_FIELD_NUMBER: _builtins.int
     QUEUE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
+    CANCELLING_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     payload: _builtins.bytes
     """The JSON payload, exactly as enqueued."""
@@ -78,11 +82,23 @@ class Task(_message.Message):
     """The queue it belongs to ("default" unless enqueued to another)."""
     priority: _builtins.int
     """0 to 9; higher is served first."""
+    timeout_ms: _builtins.int
+    """The most one attempt may run (EnqueueRequest.timeout_ms); unset: no limit."""
+    progress: _builtins.bytes
+    """The last progress its holder reported (ExtendLeaseRequest.progress), while it is handed out:
+    JSON text; empty: none.
+    """
+    cancelling: _builtins.bool
+    """True if it is handed out and was cancelled (CancelTask): it will not be retried."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def available_at(self) -> _timestamp_pb2.Timestamp:
         """When the task (last) became available to be claimed."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp:
+        """Never handed out at or after this time (EnqueueRequest.expires_in_ms); unset: no expiry."""
 
     def __init__(
         self,
@@ -96,14 +112,23 @@ class Task(_message.Message):
         last_error: _builtins.str | None = ...,
         queue: _builtins.str = ...,
         priority: _builtins.int = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        timeout_ms: _builtins.int | None = ...,
+        progress: _builtins.bytes = ...,
+        cancelling: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "available_at", b"available_at", "created_at", b"created_at", "last_error", b"last_error"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "created_at", b"created_at", "expires_at", b"expires_at", "last_error", b"last_error", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "attempts", b"attempts", "available_at", b"available_at", "created_at", b"created_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_timeout_ms", b"_timeout_ms", "attempts", b"attempts", "available_at", b"available_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_error: _TypeAlias = _typing.Literal["last_error"]  # noqa: Y015
     _WhichOneofArgType__last_error: _TypeAlias = _typing.Literal["_last_error", b"_last_error"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_error) -> _WhichOneofReturnType__last_error | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
 
@@ -149,6 +174,9 @@ class EnqueueRequest(_message.Message):
     QUEUE_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    UNIQUE_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     """Required: one JSON value (any type, including null), as UTF-8 bytes."""
     max_attempts: _builtins.int
@@ -163,6 +191,20 @@ class EnqueueRequest(_message.Message):
     """1 to 256 characters, no control characters (HTTP: the Idempotency-Key header). Empty: none.
     A second enqueue with the same key and queue within the dedup window creates nothing.
     """
+    expires_in_ms: _builtins.int
+    """Drop the task, counted in totals.expired, if it is not handed out within this long of its
+    enqueue (nor any retry after that). 1 to 31536000000 (a year). Unset: never.
+    """
+    timeout_ms: _builtins.int
+    """The most one attempt may run: a lease is never extended past hand-out + timeout_ms
+    (FAILED_PRECONDITION), so the task is retried (or buried) once it runs out. 1 to
+    31536000000. Unset: as long as it is extended.
+    """
+    unique: _builtins.bool
+    """With idempotency_key: the key holds while the task is ready, delayed or handed out (not for
+    the dedup window): a duplicate gets the first task's id while it lives; once it is acked,
+    dead, cancelled or expired, the key makes a new task. INVALID_ARGUMENT without a key.
+    """
     def __init__(
         self,
         *,
@@ -172,23 +214,34 @@ class EnqueueRequest(_message.Message):
         queue: _builtins.str = ...,
         priority: _builtins.int | None = ...,
         idempotency_key: _builtins.str = ...,
+        expires_in_ms: _builtins.int | None = ...,
+        timeout_ms: _builtins.int | None = ...,
+        unique: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "delay_ms", b"delay_ms", "max_attempts", b"max_attempts", "priority", b"priority"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "_timeout_ms", b"_timeout_ms", "delay_ms", b"delay_ms", "expires_in_ms", b"expires_in_ms", "max_attempts", b"max_attempts", "priority", b"priority", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "delay_ms", b"delay_ms", "idempotency_key", b"idempotency_key", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "_timeout_ms", b"_timeout_ms", "delay_ms", b"delay_ms", "expires_in_ms", b"expires_in_ms", "idempotency_key", b"idempotency_key", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue", "timeout_ms", b"timeout_ms", "unique", b"unique"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__delay_ms: _TypeAlias = _typing.Literal["delay_ms"]  # noqa: Y015
     _WhichOneofArgType__delay_ms: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms"]  # noqa: Y015
+    _WhichOneofReturnType__expires_in_ms: _TypeAlias = _typing.Literal["expires_in_ms"]  # noqa: Y015
+    _WhichOneofArgType__expires_in_ms: _TypeAlias = _typing.Literal["_expires_in_ms", b"_expires_in_ms"]  # noqa: Y015
     _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
     _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__delay_ms) -> _WhichOneofReturnType__delay_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expires_in_ms) -> _WhichOneofReturnType__expires_in_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
 
 Global___EnqueueRequest: _TypeAlias = EnqueueRequest  # noqa: Y015
 
@@ -526,6 +579,8 @@ class Totals(_message.Message):
     BURIED_FIELD_NUMBER: _builtins.int
     REQUEUED_FIELD_NUMBER: _builtins.int
     PURGED_FIELD_NUMBER: _builtins.int
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    EXPIRED_FIELD_NUMBER: _builtins.int
     enqueued: _builtins.int
     delivered: _builtins.int
     acked: _builtins.int
@@ -536,6 +591,12 @@ class Totals(_message.Message):
     requeued: _builtins.int
     purged: _builtins.int
     """Dead tasks dropped for good (PurgeDead)."""
+    cancelled: _builtins.int
+    """Tasks cancelled (CancelTask, EmptyQueue): ready or delayed ones at once, cancelling ones once
+    nacked or their lease ran out.
+    """
+    expired: _builtins.int
+    """Tasks dropped at their expiry, never handed out after it."""
     def __init__(
         self,
         *,
@@ -548,10 +609,12 @@ class Totals(_message.Message):
         buried: _builtins.int = ...,
         requeued: _builtins.int = ...,
         purged: _builtins.int = ...,
+        cancelled: _builtins.int = ...,
+        expired: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "buried", b"buried", "delivered", b"delivered", "enqueued", b"enqueued", "nacked", b"nacked", "purged", b"purged", "reclaimed", b"reclaimed", "requeued", b"requeued", "retried", b"retried"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked", b"acked", "buried", b"buried", "cancelled", b"cancelled", "delivered", b"delivered", "enqueued", b"enqueued", "expired", b"expired", "nacked", b"nacked", "purged", b"purged", "reclaimed", b"reclaimed", "requeued", b"requeued", "retried", b"retried"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,8 +623,8 @@ Global___Totals: _TypeAlias = Totals  # noqa: Y015
 @_typing.final
 class StatsResponse(_message.Message):
     """Gauges (tasks in each collection now) and lifetime totals.
-    nacked + reclaimed == retried + buried always holds; dead == buried - requeued - purged for
-    a broker that started empty.
+    nacked + reclaimed == retried + buried always holds; so does ready + handed_out + delayed + dead
+    == enqueued - acked - purged - cancelled - expired.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -757,11 +820,18 @@ class ExtendLeaseRequest(_message.Message):
     ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     LEASE_MS_FIELD_NUMBER: _builtins.int
+    PROGRESS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     lease_id: _builtins.str
     lease_ms: _builtins.int
     """The lease now runs out this long from now. Default 30000 when unset; values above 300000
-    are clamped to 300000; must be at least 1 (as NextJobRequest.lease_ms).
+    are clamped to 300000; must be at least 1 (as NextJobRequest.lease_ms). Never past the
+    task's time limit (Task.timeout_ms from hand-out): cut to it, and FAILED_PRECONDITION once
+    the lease is at it.
+    """
+    progress: _builtins.bytes
+    """How far the work has come: one JSON value as UTF-8 text, at most 4096 bytes, shown in the
+    task's progress while it is handed out. Empty: none.
     """
     def __init__(
         self,
@@ -769,10 +839,11 @@ class ExtendLeaseRequest(_message.Message):
         id: _builtins.str = ...,
         lease_id: _builtins.str = ...,
         lease_ms: _builtins.int | None = ...,
+        progress: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "lease_ms", b"lease_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "id", b"id", "lease_id", b"lease_id", "lease_ms", b"lease_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms", "id", b"id", "lease_id", b"lease_id", "lease_ms", b"lease_ms", "progress", b"progress"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__lease_ms: _TypeAlias = _typing.Literal["lease_ms"]  # noqa: Y015
     _WhichOneofArgType__lease_ms: _TypeAlias = _typing.Literal["_lease_ms", b"_lease_ms"]  # noqa: Y015
@@ -844,6 +915,205 @@ class GetTaskResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTaskResponse: _TypeAlias = GetTaskResponse  # noqa: Y015
+
+@_typing.final
+class CancelTaskRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTaskRequest: _TypeAlias = CancelTaskRequest  # noqa: Y015
+
+@_typing.final
+class CancelTaskResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"cancelled" (it was ready or delayed: gone), "cancelling" (handed out: gone once its holder
+    nacks or lets its lease run out; an ack still counts) or "purged" (it was dead).
+    """
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CancelTaskResponse: _TypeAlias = CancelTaskResponse  # noqa: Y015
+
+@_typing.final
+class ListTasksRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Empty: "default"."""
+    state: _builtins.str
+    """"ready", "delayed", "handed_out" or "dead". Empty: "ready"."""
+    limit: _builtins.int
+    """1 to 1000. Default 100 when unset."""
+    cursor: _builtins.str
+    """Where the previous page ended (ListTasksResponse.next_cursor); empty: from the start."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+        state: _builtins.str = ...,
+        limit: _builtins.int | None = ...,
+        cursor: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "limit", b"limit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_limit", b"_limit", "cursor", b"cursor", "limit", b"limit", "queue", b"queue", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__limit: _TypeAlias = _typing.Literal["limit"]  # noqa: Y015
+    _WhichOneofArgType__limit: _TypeAlias = _typing.Literal["_limit", b"_limit"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__limit) -> _WhichOneofReturnType__limit | None: ...
+
+Global___ListTasksRequest: _TypeAlias = ListTasksRequest  # noqa: Y015
+
+@_typing.final
+class TaskInState(_message.Message):
+    """A task in a listing: the task and its state."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    def __init__(
+        self,
+        *,
+        task: Global___Task | None = ...,
+        state: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskInState: _TypeAlias = TaskInState  # noqa: Y015
+
+@_typing.final
+class ListTasksResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    NEXT_CURSOR_FIELD_NUMBER: _builtins.int
+    next_cursor: _builtins.str
+    """Where the next page starts; empty when this page reached the end."""
+    @_builtins.property
+    def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskInState]: ...
+    def __init__(
+        self,
+        *,
+        tasks: _abc.Iterable[Global___TaskInState] | None = ...,
+        next_cursor: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_cursor", b"next_cursor", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListTasksResponse: _TypeAlias = ListTasksResponse  # noqa: Y015
+
+@_typing.final
+class EmptyQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Required."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmptyQueueRequest: _TypeAlias = EmptyQueueRequest  # noqa: Y015
+
+@_typing.final
+class EmptyQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CANCELLED_FIELD_NUMBER: _builtins.int
+    cancelled: _builtins.int
+    """How many ready and delayed tasks were cancelled."""
+    def __init__(
+        self,
+        *,
+        cancelled: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmptyQueueResponse: _TypeAlias = EmptyQueueResponse  # noqa: Y015
+
+@_typing.final
+class DeleteQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Required."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteQueueRequest: _TypeAlias = DeleteQueueRequest  # noqa: Y015
+
+@_typing.final
+class DeleteQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteQueueResponse: _TypeAlias = DeleteQueueResponse  # noqa: Y015
 
 @_typing.final
 class ListQueuesRequest(_message.Message):
@@ -1109,6 +1379,7 @@ class Settled(_message.Message):
     NACK_FIELD_NUMBER: _builtins.int
     EXTEND_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    CANCELLED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     lease_id: _builtins.str
     code: _builtins.int
@@ -1121,6 +1392,8 @@ class Settled(_message.Message):
     """True for a nack, false for an ack or an extend."""
     extend: _builtins.bool
     """True for an extend."""
+    cancelled: _builtins.bool
+    """True when an extend was refused because the task was cancelled (code 9)."""
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """An extend's new deadline (set when code is 0)."""
@@ -1135,14 +1408,41 @@ class Settled(_message.Message):
         nack: _builtins.bool = ...,
         extend: _builtins.bool = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
+        cancelled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "deadline", b"deadline", "extend", b"extend", "id", b"id", "lease_id", b"lease_id", "message", b"message", "nack", b"nack"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancelled", b"cancelled", "code", b"code", "deadline", b"deadline", "extend", b"extend", "id", b"id", "lease_id", b"lease_id", "message", b"message", "nack", b"nack"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Settled: _TypeAlias = Settled  # noqa: Y015
+
+@_typing.final
+class Cancel(_message.Message):
+    """A task this stream holds was cancelled (CancelTask, on any broker): stop working on it. An ack
+    of it still counts; a nack (or letting its lease run out) drops it without a retry.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    lease_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Cancel: _TypeAlias = Cancel  # noqa: Y015
 
 @_typing.final
 class Drained(_message.Message):
@@ -1179,6 +1479,7 @@ class StreamJobsResponse(_message.Message):
     DELIVERIES_FIELD_NUMBER: _builtins.int
     SETTLED_FIELD_NUMBER: _builtins.int
     DRAINED_FIELD_NUMBER: _builtins.int
+    CANCELS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def deliveries(self) -> _containers.RepeatedCompositeFieldContainer[Global___Delivery]:
         """Tasks pushed to the worker, oldest first. Possibly several per response."""
@@ -1192,7 +1493,15 @@ class StreamJobsResponse(_message.Message):
     @_builtins.property
     def drained(self) -> Global___Drained:
         """The answer to the stream's drain, after its last delivery (in this response or an earlier
-        one) and after the outcomes in this response; only `settled` outcomes follow it.
+        one) and after the outcomes in this response; only `settled` outcomes (and `cancels`) follow
+        it.
+        """
+
+    @_builtins.property
+    def cancels(self) -> _containers.RepeatedCompositeFieldContainer[Global___Cancel]:
+        """Tasks this stream holds that were cancelled since the last response (each once). A cancel
+        never comes before the delivery it is about: it is in the same response (handle the
+        response's deliveries first) or a later one.
         """
 
     def __init__(
@@ -1201,10 +1510,11 @@ class StreamJobsResponse(_message.Message):
         deliveries: _abc.Iterable[Global___Delivery] | None = ...,
         settled: _abc.Iterable[Global___Settled] | None = ...,
         drained: Global___Drained | None = ...,
+        cancels: _abc.Iterable[Global___Cancel] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["drained", b"drained"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deliveries", b"deliveries", "drained", b"drained", "settled", b"settled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancels", b"cancels", "deliveries", b"deliveries", "drained", b"drained", "settled", b"settled"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

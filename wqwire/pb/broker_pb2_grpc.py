@@ -114,6 +114,26 @@ class BrokerStub:
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
                 response_deserializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
                 _registered_method=True)
+        self.CancelTask = channel.unary_unary(
+                '/wq.v1.Broker/CancelTask',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.CancelTaskRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.CancelTaskResponse.FromString,
+                _registered_method=True)
+        self.ListTasks = channel.unary_unary(
+                '/wq.v1.Broker/ListTasks',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ListTasksRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ListTasksResponse.FromString,
+                _registered_method=True)
+        self.EmptyQueue = channel.unary_unary(
+                '/wq.v1.Broker/EmptyQueue',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.EmptyQueueRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.EmptyQueueResponse.FromString,
+                _registered_method=True)
+        self.DeleteQueue = channel.unary_unary(
+                '/wq.v1.Broker/DeleteQueue',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueResponse.FromString,
+                _registered_method=True)
         self.StreamJobs = channel.stream_stream(
                 '/wq.v1.Broker/StreamJobs',
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
@@ -270,6 +290,46 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelTask(self, request, context):
+        """Cancel a task (HTTP: DELETE /jobs/{id}). A ready or delayed task is gone at once (state
+        "cancelled", counted in totals.cancelled); a handed-out one becomes cancelling (state
+        "cancelling"): it is not retried, its holder is told (a StreamJobs holder on any broker at
+        once, by StreamJobsResponse.cancels; others at their next ExtendLease, FAILED_PRECONDITION
+        with trailing metadata wq-cancelled: 1); its ack counts as usual, its nack or its lease
+        running out drops it (counted cancelled). A dead task is purged (state "purged", as
+        PurgeDead). NOT_FOUND for an unknown task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListTasks(self, request, context):
+        """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
+        in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
+        by burial. A task that stays in its state is never repeated nor skipped while paging. Never
+        shows lease ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EmptyQueue(self, request, context):
+        """Cancel every ready and delayed task of a queue (HTTP: POST /queues/{name}/empty); handed-out
+        ones run their course. NOT_FOUND for a queue never seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteQueue(self, request, context):
+        """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
+        paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
+        tasks; NOT_FOUND for a queue never seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def StreamJobs(self, request_iterator, context):
         """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
         as they are ready, with no polling, never more than `prefetch` unfinished at once.
@@ -377,6 +437,26 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.PurgeDead,
                     request_deserializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadRequest.FromString,
                     response_serializer=wqwire_dot_pb_dot_broker__pb2.PurgeDeadResponse.SerializeToString,
+            ),
+            'CancelTask': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelTask,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.CancelTaskRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.CancelTaskResponse.SerializeToString,
+            ),
+            'ListTasks': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListTasks,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ListTasksRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ListTasksResponse.SerializeToString,
+            ),
+            'EmptyQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.EmptyQueue,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.EmptyQueueRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.EmptyQueueResponse.SerializeToString,
+            ),
+            'DeleteQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteQueue,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueResponse.SerializeToString,
             ),
             'StreamJobs': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamJobs,
@@ -816,6 +896,114 @@ class Broker:
             '/wq.v1.Broker/PurgeDead',
             wqwire_dot_pb_dot_broker__pb2.PurgeDeadRequest.SerializeToString,
             wqwire_dot_pb_dot_broker__pb2.PurgeDeadResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelTask(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/CancelTask',
+            wqwire_dot_pb_dot_broker__pb2.CancelTaskRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.CancelTaskResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListTasks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/ListTasks',
+            wqwire_dot_pb_dot_broker__pb2.ListTasksRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ListTasksResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EmptyQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/EmptyQueue',
+            wqwire_dot_pb_dot_broker__pb2.EmptyQueueRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.EmptyQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/DeleteQueue',
+            wqwire_dot_pb_dot_broker__pb2.DeleteQueueRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.DeleteQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -139,6 +139,30 @@ class BrokerStub:
     """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
     the task is not in the dead-letter queue.
     """
+    CancelTask: _grpc.UnaryUnaryMultiCallable[_broker_pb2.CancelTaskRequest, _broker_pb2.CancelTaskResponse]
+    """Cancel a task (HTTP: DELETE /jobs/{id}). A ready or delayed task is gone at once (state
+    "cancelled", counted in totals.cancelled); a handed-out one becomes cancelling (state
+    "cancelling"): it is not retried, its holder is told (a StreamJobs holder on any broker at
+    once, by StreamJobsResponse.cancels; others at their next ExtendLease, FAILED_PRECONDITION
+    with trailing metadata wq-cancelled: 1); its ack counts as usual, its nack or its lease
+    running out drops it (counted cancelled). A dead task is purged (state "purged", as
+    PurgeDead). NOT_FOUND for an unknown task.
+    """
+    ListTasks: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListTasksRequest, _broker_pb2.ListTasksResponse]
+    """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
+    in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
+    by burial. A task that stays in its state is never repeated nor skipped while paging. Never
+    shows lease ids.
+    """
+    EmptyQueue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.EmptyQueueRequest, _broker_pb2.EmptyQueueResponse]
+    """Cancel every ready and delayed task of a queue (HTTP: POST /queues/{name}/empty); handed-out
+    ones run their course. NOT_FOUND for a queue never seen.
+    """
+    DeleteQueue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DeleteQueueRequest, _broker_pb2.DeleteQueueResponse]
+    """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
+    paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
+    tasks; NOT_FOUND for a queue never seen.
+    """
     StreamJobs: _grpc.StreamStreamMultiCallable[_broker_pb2.StreamJobsRequest, _broker_pb2.StreamJobsResponse]
     """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
     as they are ready, with no polling, never more than `prefetch` unfinished at once.
@@ -239,6 +263,30 @@ class BrokerAsyncStub(BrokerStub):
     PurgeDead: _aio.UnaryUnaryMultiCallable[_broker_pb2.PurgeDeadRequest, _broker_pb2.PurgeDeadResponse]  # type: ignore[assignment]
     """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
     the task is not in the dead-letter queue.
+    """
+    CancelTask: _aio.UnaryUnaryMultiCallable[_broker_pb2.CancelTaskRequest, _broker_pb2.CancelTaskResponse]  # type: ignore[assignment]
+    """Cancel a task (HTTP: DELETE /jobs/{id}). A ready or delayed task is gone at once (state
+    "cancelled", counted in totals.cancelled); a handed-out one becomes cancelling (state
+    "cancelling"): it is not retried, its holder is told (a StreamJobs holder on any broker at
+    once, by StreamJobsResponse.cancels; others at their next ExtendLease, FAILED_PRECONDITION
+    with trailing metadata wq-cancelled: 1); its ack counts as usual, its nack or its lease
+    running out drops it (counted cancelled). A dead task is purged (state "purged", as
+    PurgeDead). NOT_FOUND for an unknown task.
+    """
+    ListTasks: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListTasksRequest, _broker_pb2.ListTasksResponse]  # type: ignore[assignment]
+    """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
+    in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
+    by burial. A task that stays in its state is never repeated nor skipped while paging. Never
+    shows lease ids.
+    """
+    EmptyQueue: _aio.UnaryUnaryMultiCallable[_broker_pb2.EmptyQueueRequest, _broker_pb2.EmptyQueueResponse]  # type: ignore[assignment]
+    """Cancel every ready and delayed task of a queue (HTTP: POST /queues/{name}/empty); handed-out
+    ones run their course. NOT_FOUND for a queue never seen.
+    """
+    DeleteQueue: _aio.UnaryUnaryMultiCallable[_broker_pb2.DeleteQueueRequest, _broker_pb2.DeleteQueueResponse]  # type: ignore[assignment]
+    """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
+    paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
+    tasks; NOT_FOUND for a queue never seen.
     """
     StreamJobs: _aio.StreamStreamMultiCallable[_broker_pb2.StreamJobsRequest, _broker_pb2.StreamJobsResponse]  # type: ignore[assignment]
     """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
@@ -433,6 +481,54 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_broker_pb2.PurgeDeadResponse, _abc.Awaitable[_broker_pb2.PurgeDeadResponse]]:
         """Drop a dead task for good (HTTP: DELETE /dlq/{id}); counted in totals.purged. NOT_FOUND if
         the task is not in the dead-letter queue.
+        """
+
+    @_abc_1.abstractmethod
+    def CancelTask(
+        self,
+        request: _broker_pb2.CancelTaskRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.CancelTaskResponse, _abc.Awaitable[_broker_pb2.CancelTaskResponse]]:
+        """Cancel a task (HTTP: DELETE /jobs/{id}). A ready or delayed task is gone at once (state
+        "cancelled", counted in totals.cancelled); a handed-out one becomes cancelling (state
+        "cancelling"): it is not retried, its holder is told (a StreamJobs holder on any broker at
+        once, by StreamJobsResponse.cancels; others at their next ExtendLease, FAILED_PRECONDITION
+        with trailing metadata wq-cancelled: 1); its ack counts as usual, its nack or its lease
+        running out drops it (counted cancelled). A dead task is purged (state "purged", as
+        PurgeDead). NOT_FOUND for an unknown task.
+        """
+
+    @_abc_1.abstractmethod
+    def ListTasks(
+        self,
+        request: _broker_pb2.ListTasksRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ListTasksResponse, _abc.Awaitable[_broker_pb2.ListTasksResponse]]:
+        """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
+        in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
+        by burial. A task that stays in its state is never repeated nor skipped while paging. Never
+        shows lease ids.
+        """
+
+    @_abc_1.abstractmethod
+    def EmptyQueue(
+        self,
+        request: _broker_pb2.EmptyQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.EmptyQueueResponse, _abc.Awaitable[_broker_pb2.EmptyQueueResponse]]:
+        """Cancel every ready and delayed task of a queue (HTTP: POST /queues/{name}/empty); handed-out
+        ones run their course. NOT_FOUND for a queue never seen.
+        """
+
+    @_abc_1.abstractmethod
+    def DeleteQueue(
+        self,
+        request: _broker_pb2.DeleteQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.DeleteQueueResponse, _abc.Awaitable[_broker_pb2.DeleteQueueResponse]]:
+        """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
+        paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
+        tasks; NOT_FOUND for a queue never seen.
         """
 
     @_abc_1.abstractmethod

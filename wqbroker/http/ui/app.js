@@ -2,7 +2,8 @@
  * wq dashboard. Plain JavaScript, no build step: served by the broker at /ui with the page and
  * uPlot (vendor/). Everything it shows comes from the broker's JSON API, read from the browser:
  * GET /stats (polled; the page keeps the last minutes of samples for the charts and the rates),
- * GET /queues, GET /dlq, GET /jobs/{id}, and the admin calls (pause, resume, requeue, purge).
+ * GET /queues, GET /dlq, GET /jobs/{id}, GET /jobs (a queue's tasks in one state, a page at a
+ * time, by cursor), and the admin calls (pause, resume, requeue, purge, cancel, empty, delete).
  *
  * Tokens: a call answered 401 opens the token form (once, however many calls are waiting);
  * the token is kept in sessionStorage and sent as "Authorization: Bearer ..." with every call.
@@ -19,6 +20,7 @@
   // The rates shown in figures: over the last five polls, between 2 and 10 seconds.
   const RATE_WINDOW_S = Math.min(10, Math.max(2, (5 * POLL_MS) / 1000));
   const DLQ_LIMIT = 500;
+  const TASKS_LIMIT = 50; // a page of a queue's tasks
   const TOKEN_KEY = "wq.token";
 
   const STATES = ["ready", "handed_out", "delayed", "dead"];
@@ -36,6 +38,8 @@
     buried: "Buried",
     requeued: "Requeued",
     purged: "Purged",
+    cancelled: "Cancelled",
+    expired: "Expired",
     failed: "Failed",
   };
   const TOTAL_HINTS = {
@@ -48,6 +52,8 @@
     buried: "put in the dead-letter queue",
     requeued: "taken back out of it",
     purged: "dropped from it",
+    cancelled: "cancelled before they ran",
+    expired: "not handed out in time",
   };
   const COLORS = {
     ready: "#15803d",
@@ -58,7 +64,9 @@
     acked: "#15803d",
     failed: "#b91c1c",
   };
-  const VIEWS = {overview: "Overview", queues: "Queues", dlq: "Dead letters", task: "Task"};
+  const VIEWS = {overview: "Overview", queues: "Queues", tasks: "Tasks", dlq: "Dead letters", task: "Task"};
+  // What the tasks view shows in its "when" column, by state.
+  const WHEN = {ready: "Ready since", delayed: "Due", handed_out: "Ready since", dead: "Buried"};
 
   // -- formatting ------------------------------------------------------------------------------
 
@@ -170,6 +178,7 @@
   }
 
   async function api(method, path) {
+    // (2xx answers: their JSON body, or null for none; a 202 and a 204 are told apart by it)
     for (;;) {
       const token = getToken();
       const headers = {Accept: "application/json"};
@@ -263,8 +272,8 @@
     }
     const call = err.method ? `${err.method} ${err.path}: ` : "";
     if (err.status === 403) {
-      // (the broker's message names the route and the scope)
-      const scope = /with the (\S+) scope/.exec(err.message);
+      // (the broker's message names the route and the scope, or the scopes any of which will do)
+      const scope = /with the (.+?) scope/.exec(err.message);
       return {
         title: scope
           ? `Not allowed: ${doing} needs a token with the “${scope[1]}” scope`
@@ -324,6 +333,11 @@
     dlq: null,
     dlqKey: "",
     dlqQueue: "",
+    tasks: null, // the page shown: {tasks, next_cursor}
+    tasksKey: "",
+    tasksQueue: "default",
+    tasksState: "ready",
+    tasksCursors: [""], // the cursor of each page up to the one shown (paging back)
     task: null, // {id, found: task | null, key}
     charts: null,
   };
@@ -406,6 +420,7 @@
   async function refreshView() {
     try {
       if (state.view === "queues") await loadQueues();
+      else if (state.view === "tasks") await loadTasks();
       else if (state.view === "dlq") await loadDlq();
       else if (state.view === "task" && state.task && state.task.found) await loadTask(state.task.id);
       clearError("view");
@@ -581,7 +596,11 @@
           bar.append(part);
         }
         const age = oldestReady(row);
-        const cell = (key) => h("td", {class: "num", "data-label": label(key), dataset: {field: key, value: row[key]}}, formatInt(row[key]));
+        const cell = (key) => {
+          const td = h("td", {class: "num", "data-label": label(key), dataset: {field: key, value: row[key]}}, formatInt(row[key]));
+          if (row[key] > 0) td.replaceChildren(h("a", {href: tasksHash(row.name, key)}, formatInt(row[key])));
+          return td;
+        };
         const dead = cell("dead");
         if (row.dead > 0) {
           dead.replaceChildren(h("a", {href: `#/dlq?queue=${encodeURIComponent(row.name)}`}, formatInt(row.dead)));
@@ -589,7 +608,7 @@
         return h(
           "tr",
           {dataset: {queue: row.name}},
-          h("td", {"data-label": "Queue"}, h("span", {class: "queue-name"}, row.name)),
+          h("td", {"data-label": "Queue"}, h("a", {class: "queue-name", href: tasksHash(row.name, "ready")}, row.name)),
           cell("ready"),
           cell("handed_out"),
           cell("delayed"),
@@ -639,6 +658,187 @@
     await refreshNow();
   }
 
+  // -- a queue's tasks -------------------------------------------------------------------------
+
+  function tasksHash(queue, taskState) {
+    const query = new URLSearchParams({queue, state: taskState});
+    return `#/tasks?${query}`;
+  }
+
+  function queueRow(name) {
+    return (state.queues || []).find((q) => q.name === name) || null;
+  }
+
+  async function loadTasks() {
+    const cursor = state.tasksCursors[state.tasksCursors.length - 1];
+    const query = new URLSearchParams({queue: state.tasksQueue, state: state.tasksState, limit: String(TASKS_LIMIT)});
+    if (cursor) query.set("cursor", cursor);
+    const [page, queues] = await Promise.all([api("GET", `/jobs?${query}`), api("GET", "/queues")]);
+    state.queues = queues;
+    fillQueueFilter();
+    state.tasks = page;
+    const key = JSON.stringify([state.tasksQueue, state.tasksState, state.tasksCursors, page, queueRow(state.tasksQueue)]);
+    if (key !== state.tasksKey) {
+      state.tasksKey = key;
+      renderTasks();
+    }
+  }
+
+  function renderStates() {
+    const row = queueRow(state.tasksQueue);
+    $("#tasks-states").replaceChildren(
+      ...STATES.map((k) =>
+        h(
+          "a",
+          {
+            class: "segment",
+            href: tasksHash(state.tasksQueue, k),
+            "aria-current": k === state.tasksState ? "page" : null,
+            dataset: {state: k},
+          },
+          label(k),
+          h("span", {class: "count"}, row ? formatInt(row[k]) : "0"),
+        ),
+      ),
+    );
+  }
+
+  function detail(task) {
+    const parts = [];
+    if (task.cancelling) parts.push(h("span", {class: "badge badge-cancelling"}, "Cancelling"));
+    if (task.progress !== undefined) {
+      const text = JSON.stringify(task.progress);
+      parts.push(h("div", {class: "detail-text progress", title: text}, `progress ${text}`));
+    } else if (task.last_error != null && task.state !== "ready") {
+      parts.push(h("div", {class: "detail-text error", title: task.last_error}, task.last_error));
+    }
+    if (task.expires_at && task.state !== "handed_out" && task.state !== "dead") {
+      parts.push(h("div", {class: "hint"}, `expires ${relative(new Date(task.expires_at))}`));
+    }
+    return parts.length ? parts : "–";
+  }
+
+  function renderTasks() {
+    const page = state.tasks || {tasks: [], next_cursor: null};
+    const tasks = page.tasks;
+    const row = queueRow(state.tasksQueue);
+    const number = state.tasksCursors.length;
+    renderStates();
+    $("#tasks-when").textContent = WHEN[state.tasksState];
+    $("#tasks-detail").textContent = state.tasksState === "handed_out" ? "Progress" : "Details";
+    const total = row ? row[state.tasksState] : 0;
+    const what = `${label(state.tasksState).toLowerCase()} ${total === 1 ? "task" : "tasks"} in ${state.tasksQueue}`;
+    $("#tasks-summary").textContent = tasks.length
+      ? `${formatInt(total)} ${what}; page ${formatInt(number)}: ${formatInt(tasks.length)} of them.`
+      : "";
+    $("#tasks-none").hidden = tasks.length > 0;
+    $("#tasks-none").textContent = number > 1 ? "No more tasks on this page." : `No ${label(state.tasksState).toLowerCase()} tasks in ${state.tasksQueue}.`;
+    $("#tasks-page").textContent = `Page ${formatInt(number)}`;
+    $("#tasks-first").disabled = number === 1;
+    $("#tasks-prev").disabled = number === 1;
+    $("#tasks-next").disabled = !page.next_cursor;
+    const empty = row && row.ready + row.handed_out + row.delayed + row.dead === 0;
+    $("#tasks-delete-queue").hidden = !empty;
+    $("#tasks-empty-queue").disabled = !row || row.ready + row.delayed === 0;
+    $("#tasks-table tbody").replaceChildren(
+      ...tasks.map((task) => {
+        const created = new Date(task.created_at);
+        const since = new Date(task.available_at);
+        const dead = task.state === "dead";
+        return h(
+          "tr",
+          {dataset: {id: task.id, state: task.state}},
+          h("td", {"data-label": "Task"}, h("a", {class: "mono", href: `#/task/${encodeURIComponent(task.id)}`}, task.id)),
+          h("td", {class: "num", "data-label": "Priority"}, String(task.priority)),
+          h("td", {class: "num", "data-label": "Attempts"}, `${formatInt(task.attempts)} / ${formatInt(task.max_attempts)}`),
+          h("td", {"data-label": "Created", title: dateFmt.format(created)}, relative(created)),
+          h("td", {"data-label": WHEN[task.state], title: dateFmt.format(since)}, dead ? "–" : relative(since)),
+          h("td", {"data-label": state.tasksState === "handed_out" ? "Progress" : "Details"}, detail(task)),
+          h(
+            "td",
+            {class: "actions"},
+            task.cancelling
+              ? null
+              : h(
+                  "button",
+                  {type: "button", class: "btn btn-small btn-danger cancel", onclick: () => cancelOne(task)},
+                  dead ? "Purge" : "Cancel",
+                ),
+          ),
+        );
+      }),
+    );
+  }
+
+  function pageTo(cursors) {
+    state.tasksCursors = cursors;
+    state.tasksKey = "";
+    refreshView();
+  }
+
+  async function cancelOne(task) {
+    const where = `Task ${task.id} (queue ${task.queue})`;
+    const [title, message, verb] =
+      task.state === "dead"
+        ? ["Purge this task?", `${where} is dropped for good, with its payload. This cannot be undone.`, "Purge"]
+        : task.state === "handed_out"
+          ? [
+              "Cancel this running task?",
+              `A worker holds ${where.charAt(0).toLowerCase()}${where.slice(1)}: it is told to stop, and the task will not be retried (an ack it sends still counts).`,
+              "Cancel task",
+            ]
+          : ["Cancel this task?", `${where} is dropped now, with its payload, and never runs. This cannot be undone.`, "Cancel task"];
+    const ok = await confirmAction(title, message, verb, true);
+    if (!ok) return;
+    await act(
+      `${task.state === "dead" ? "Purging" : "Cancelling"} task ${task.id}`,
+      () => api("DELETE", `/jobs/${encodeURIComponent(task.id)}`),
+      (body) =>
+        body && body.state === "cancelling"
+          ? `Cancelling task ${task.id}: its worker is told, and it will not be retried`
+          : `${task.state === "dead" ? "Purged" : "Cancelled"} task ${task.id}`,
+    );
+  }
+
+  async function emptyQueue() {
+    const name = state.tasksQueue;
+    const row = queueRow(name);
+    const count = row ? row.ready + row.delayed : 0;
+    const ok = await confirmAction(
+      "Empty this queue?",
+      `All ${formatInt(count)} ready and delayed ${count === 1 ? "task" : "tasks"} of queue ${name} are cancelled, with their payloads. Tasks handed out run their course. This cannot be undone.`,
+      "Empty queue",
+      true,
+    );
+    if (!ok) return;
+    await act(
+      `Emptying queue ${name}`,
+      () => api("POST", `/queues/${encodeURIComponent(name)}/empty`),
+      (body) => `Emptied ${name}: ${formatInt(body && body.cancelled)} ${body && body.cancelled === 1 ? "task" : "tasks"} cancelled`,
+    );
+  }
+
+  async function deleteQueue() {
+    const name = state.tasksQueue;
+    const ok = await confirmAction(
+      "Delete this queue?",
+      `Queue ${name} holds nothing: it is forgotten, with its paused state and its totals. A task sent to it later makes it again.`,
+      "Delete queue",
+      true,
+    );
+    if (!ok) return;
+    let deleted = false;
+    await act(
+      `Deleting queue ${name}`,
+      async () => {
+        await api("DELETE", `/queues/${encodeURIComponent(name)}`);
+        deleted = true;
+      },
+      () => `Deleted queue ${name}`,
+    );
+    if (deleted) location.hash = "#/queues";
+  }
+
   // -- dead letters ----------------------------------------------------------------------------
 
   function fillQueueFilter() {
@@ -650,6 +850,18 @@
       select.replaceChildren(h("option", {value: ""}, "All queues"), ...names.map((n) => h("option", {value: n}, n)));
     }
     select.value = state.dlqQueue;
+    fillTasksQueue();
+  }
+
+  function fillTasksQueue() {
+    const select = $("#tasks-queue");
+    const names = (state.queues || []).map((q) => q.name);
+    if (!names.includes(state.tasksQueue)) names.push(state.tasksQueue);
+    const have = Array.from(select.options).map((o) => o.value);
+    if (have.join("\n") !== names.join("\n")) {
+      select.replaceChildren(...names.map((n) => h("option", {value: n}, n)));
+    }
+    select.value = state.tasksQueue;
   }
 
   function deadCount() {
@@ -738,6 +950,7 @@
       showError("action", e, doing);
     }
     state.dlqKey = "";
+    state.tasksKey = "";
     await refreshNow();
   }
 
@@ -836,32 +1049,51 @@
       payload = String(task.payload);
     }
     const dead = task.state === "dead";
+    let progress = null;
+    if (task.progress !== undefined) {
+      try {
+        progress = JSON.stringify(task.progress, null, 2);
+      } catch (e) {
+        progress = String(task.progress);
+      }
+    }
     result.replaceChildren(
       h(
         "article",
-        {class: "card", id: "task-card", dataset: {id: task.id, state: task.state}},
+        {class: "card", id: "task-card", dataset: {id: task.id, state: task.state, cancelling: String(!!task.cancelling)}},
         h(
           "div",
           {class: "task-head"},
           h("h2", {}, task.id),
           h("span", {class: `badge badge-${task.state}`, id: "task-state"}, label(task.state)),
-          dead &&
-            h(
-              "div",
-              {class: "actions"},
-              h("button", {type: "button", class: "btn btn-small requeue", onclick: () => requeueOne(task)}, "Requeue"),
-              h("button", {type: "button", class: "btn btn-small btn-danger purge", onclick: () => purgeOne(task)}, "Purge"),
-            ),
+          task.cancelling && h("span", {class: "badge badge-cancelling", id: "task-cancelling"}, "Cancelling"),
+          dead
+            ? h(
+                "div",
+                {class: "actions"},
+                h("button", {type: "button", class: "btn btn-small requeue", onclick: () => requeueOne(task)}, "Requeue"),
+                h("button", {type: "button", class: "btn btn-small btn-danger purge", onclick: () => purgeOne(task)}, "Purge"),
+              )
+            : !task.cancelling &&
+                h(
+                  "div",
+                  {class: "actions"},
+                  h("button", {type: "button", class: "btn btn-small btn-danger cancel", onclick: () => cancelOne(task)}, "Cancel"),
+                ),
         ),
         h(
           "dl",
           {class: "facts"},
-          fact("Queue", h("a", {href: `#/dlq?queue=${encodeURIComponent(task.queue)}`, class: "queue-name"}, task.queue)),
+          fact("Queue", h("a", {href: tasksHash(task.queue, task.state), class: "queue-name"}, task.queue)),
           fact("Priority", String(task.priority)),
           fact("Attempts", h("span", {id: "task-attempts"}, `${formatInt(task.attempts)} of ${formatInt(task.max_attempts)}`)),
           fact("Created", ...when(task.created_at)),
           fact(task.state === "delayed" ? "Next attempt" : "Available since", ...when(task.available_at)),
+          task.expires_at && fact("Expires", ...when(task.expires_at)),
+          task.timeout_ms !== undefined && fact("Time limit", h("span", {id: "task-timeout"}, formatDuration(task.timeout_ms / 1000))),
         ),
+        progress !== null && h("div", {class: "section-label"}, "Progress"),
+        progress !== null && h("pre", {class: "block", id: "task-progress"}, progress),
         h("div", {class: "section-label"}, "Last error"),
         task.last_error == null
           ? h("p", {class: "hint", id: "task-error"}, "None: no attempt has failed.")
@@ -916,6 +1148,14 @@
       renderStats();
     } else if (view === "queues") {
       await refreshView();
+    } else if (view === "tasks") {
+      const queue = params.get("queue") || "default";
+      const taskState = STATES.includes(params.get("state")) ? params.get("state") : "ready";
+      if (changed || queue !== state.tasksQueue || taskState !== state.tasksState) state.tasksCursors = [""];
+      state.tasksQueue = queue;
+      state.tasksState = taskState;
+      state.tasksKey = "";
+      await refreshView();
     } else if (view === "dlq") {
       state.dlqQueue = params.get("queue") || "";
       state.dlqKey = "";
@@ -945,6 +1185,21 @@
       refreshView();
     });
     $("#dlq-requeue-all").addEventListener("click", requeueAll);
+    $("#tasks-queue").addEventListener("change", (event) => {
+      location.hash = tasksHash(event.target.value, state.tasksState);
+    });
+    $("#tasks-refresh").addEventListener("click", () => {
+      state.tasksKey = "";
+      refreshView();
+    });
+    $("#tasks-first").addEventListener("click", () => pageTo([""]));
+    $("#tasks-prev").addEventListener("click", () => pageTo(state.tasksCursors.slice(0, -1)));
+    $("#tasks-next").addEventListener("click", () => {
+      const next = state.tasks && state.tasks.next_cursor;
+      if (next) pageTo([...state.tasksCursors, next]);
+    });
+    $("#tasks-empty-queue").addEventListener("click", emptyQueue);
+    $("#tasks-delete-queue").addEventListener("click", deleteQueue);
     $("#dlq-queue").addEventListener("change", (event) => {
       const queue = event.target.value;
       location.hash = queue ? `#/dlq?queue=${encodeURIComponent(queue)}` : "#/dlq";

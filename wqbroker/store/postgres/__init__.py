@@ -30,13 +30,22 @@ Tables (in the schema ``wq``; ``migrations/001_tables.sql`` describes their colu
   call takes one number from the sequence ``wq.ord`` and numbers the rows it changes
   ``number * 2**20 + i``, so order within a call is exact; a release takes the negated number, and
   so goes to the head of its lane. Acked tasks are deleted. Partial indexes by state keep dead
-  tasks and leases out of the claim path.
+  tasks and leases out of the claim path, and page a queue's listing in each state's order from a
+  key (``migrations/003_control.sql``). The columns of control over tasks (docs/design/control.md:
+  expiry, time limit and hand-out time, progress, cancelling, unique key) are NULL or false for a
+  task that uses none of it; the tasks that expire are in an index of their own (the sweep's cost
+  is what is due), and a partial unique index on ``(queue, ukey)`` over ready, delayed and
+  handed-out tasks makes "unique while active" the database's to enforce, whichever broker
+  enqueues.
 - ``counters``: totals and gauges as deltas, one row per (connection slot, queue), changed in the
   same transaction as the tasks. The slot is the backend's pid: two live connections never share
   one, so concurrent transactions never wait on a counter row (no single hot row). ``stats`` sums
   them in one statement: one snapshot, so gauges and totals agree and ``nacked + reclaimed ==
   retried + buried`` in every answer. Totals count since the database was created. Rows of
-  connections that are gone are folded into slot 0 every few seconds (``wq.fold``).
+  connections that are gone are folded into slot 0 every few seconds (``wq.fold``). A queue
+  deleted leaves its totals in the row of no queue (``''``), so the broker's totals keep them; an
+  enqueue holds a shared advisory lock on its queue until it commits, which ``wq.delete_queue``
+  takes exclusively, so a queue is never forgotten while a task is being put in it.
 - ``queues`` (every queue known, and whether it is paused), ``keys`` (idempotency keys in their
   window), ``meta`` (schema version, the key that scatters task ids).
 
@@ -52,7 +61,10 @@ broker every time in the broker's own clock (and adds it to the key windows it s
 Between brokers (listener.py): whatever makes tasks ready here is announced after its commit with
 a NOTIFY; a connection of its own LISTENs for the others' announcements and tells the service
 (:meth:`PostgresStore.on_ready`: this store is a :class:`~wqbroker.store.ReadyListener`), which
-pumps the consumers waiting for those queues; the service also polls now and then.
+pumps the consumers waiting for those queues; the service also polls now and then. A cancel that
+makes a handed-out task cancelling sends its lease id on the same channel in its own transaction,
+and the others tell their dispatchers (:meth:`PostgresStore.on_cancel`: a
+:class:`~wqbroker.store.CancelListener`), which tell the stream holding it, if it is theirs.
 
 The database away (pool.py): calls fail with StoreError (503 / UNAVAILABLE) at once until the
 database answers again; then every queue is re-checked.

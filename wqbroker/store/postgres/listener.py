@@ -15,6 +15,23 @@ noticed within a few seconds with or without traffic, and tells the pool (pool.p
 database is away (a ping unanswered, the connection not to be made) or back. It is made again
 when lost (at once, then with backoff), and then every queue is re-checked (announcements may have
 been missed). When it starts listening, a broker says hello, so that the others announce to it.
+
+Cancels (docs/design/control.md) go on the same channel: a cancel that makes a handed-out task
+cancelling NOTIFYs its lease id in its own transaction (so the other brokers hear it exactly when
+it is committed: :meth:`Listener.cancel_head`), and a broker that hears one tells the store's
+cancel callback (:meth:`Listener.on_cancel`), whose dispatcher tells the stream holding that lease,
+if it is one of its own. What is heard is parsed defensively: anyone with access to the database
+may NOTIFY on the channel, and a payload that is not one of these messages at worst has consumers
+look again (read as queue names); in a cancel message, only lease ids (16 hex digits) are taken.
+Nothing heard is ever a failure.
+
+The messages, one per NOTIFY, each the sender's random id (so that a broker ignores its own),
+a newline, then the body, whose lines are:
+
+- queue names: tasks are ready in these queues (``*``: in any);
+- ``+``: the sender listens now (announce to it);
+- ``~``, then lease ids: the tasks held under these leases are cancelling (a batch, of one or
+  more: a cancel sends its one). ``~`` and ``+`` are never queue names.
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Final
@@ -56,12 +74,16 @@ CHANNEL: Final = "wq_ready"
 LISTENER_NAME: Final = "wq listener"
 # What a broker announces when it starts listening (so that the others announce to it).
 _HELLO: Final = "+"
+# The first line of the body of a message of cancelled leases (one a line after it).
+_CANCELS: Final = "~"
+_LEASE_ID: Final = re.compile(r"[0-9a-f]{16}")
 # An enqueue carries its own announcement (NOTIFY in its transaction) at most this often.
 _INLINE_GAP: Final = 0.005
 # NOTIFY payloads stop at 8000 bytes: a longer list of queues is sent as "any queue".
 _MOST: Final = 7000
 
 ReadyCallback = Callable[[Iterable[str] | None], None]
+CancelCallback = Callable[[Iterable[str]], None]
 
 
 class Listener:
@@ -73,6 +95,7 @@ class Listener:
         self._pool = pool
         self.closed = False
         self._ready_elsewhere: ReadyCallback | None = None
+        self._cancelled_elsewhere: CancelCallback | None = None
         self._to_announce: set[str] = set()
         self._announcer: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -108,6 +131,9 @@ class Listener:
     def on_ready(self, callback: ReadyCallback) -> None:
         self._ready_elsewhere = callback
 
+    def on_cancel(self, callback: CancelCallback) -> None:
+        self._cancelled_elsewhere = callback
+
     def tell(self, queues: Iterable[str] | None) -> None:
         """Tell the store's callback that tasks became ready in ``queues`` (None: any queue)."""
         if self._ready_elsewhere is not None and not self.closed:
@@ -138,6 +164,13 @@ class Listener:
             return None
         self._inline_after = started + _INLINE_GAP
         return self._payload(queues)
+
+    def cancel_head(self) -> str | None:
+        """The start of the message a cancel sends in its own transaction (its lease id follows),
+        or None when no other broker listens."""
+        if not self._others_listen():
+            return None
+        return f"{self._me}\n{_CANCELS}\n"
 
     def counted(self, listeners: int, started: float) -> None:
         """A sweep that began at ``started`` (monotonic) counted this many brokers listening
@@ -173,7 +206,14 @@ class Listener:
     # -- hearing -------------------------------------------------------------------------------
 
     def _heard(self, _conn: object, _pid: int, _channel: str, payload: object) -> None:
-        sender, _, body = str(payload).partition("\n")
+        # (Called by asyncpg for each notification: whatever it holds, nothing may escape.)
+        try:
+            self._hear(str(payload))
+        except Exception:
+            log.exception("a notification on %s could not be handled (ignored)", CHANNEL)
+
+    def _hear(self, payload: str) -> None:
+        sender, _, body = payload.partition("\n")
         if sender == self._me:
             return
         if body == _HELLO:
@@ -181,6 +221,12 @@ class Listener:
             # before this is out of date).
             self._listeners = None
             self._hello_at = time.monotonic()
+            return
+        kind, _, rest = body.partition("\n")
+        if kind == _CANCELS:
+            leases = [x for x in rest.split("\n") if _LEASE_ID.fullmatch(x)]
+            if leases and self._cancelled_elsewhere is not None and not self.closed:
+                self._cancelled_elsewhere(leases)
             return
         self.tell(None if body == "*" else body.split("\n"))
 

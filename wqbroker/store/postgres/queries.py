@@ -27,6 +27,9 @@ class Queries:
     settle: str
     settle_claim: str
     extend: str
+    cancel: str
+    empty: str
+    delete_queue: str
     release: str
     expired: str
     sweep: str
@@ -40,6 +43,10 @@ class Queries:
     report: str
     lookup: str
     dead: str
+    list_ready: str
+    list_delayed: str
+    list_handed_out: str
+    list_dead: str
     held: str
     queue_names: str
     db_now: str

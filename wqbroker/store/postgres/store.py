@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable, Coroutine, Iterable, Sequence
@@ -22,9 +23,27 @@ from typing import Any, Final
 import asyncpg
 
 from wqbroker.clock import Clock
-from wqbroker.errors import LeaseLost, NotFound, StoreError, WqError, quoted
+from wqbroker.errors import (
+    Cancelled,
+    Conflict,
+    InvalidArgument,
+    LeaseLost,
+    NotFound,
+    StoreError,
+    TimeLimitReached,
+    WqError,
+    quoted,
+)
 from wqbroker.models import (
+    CANCELLED,
+    CANCELLING,
+    DEAD,
     DEFAULT_QUEUE,
+    DELAYED,
+    HANDED_OUT,
+    PURGED,
+    READY,
+    CancelResult,
     Delivery,
     Enqueued,
     Failure,
@@ -35,6 +54,7 @@ from wqbroker.models import (
     Stats,
     SweepResult,
     Task,
+    TaskPage,
     TaskState,
     Totals,
 )
@@ -94,6 +114,7 @@ def _task(row: Any, skew: float) -> Task:
     error = row[6]
     if error is not None:
         error = bytes(error).decode("utf-8", "surrogatepass")
+    expires = row[9]
     return Task(
         _hex(row[0]),
         row[1],
@@ -104,7 +125,79 @@ def _task(row: Any, skew: float) -> Task:
         error,
         row[7],
         row[8],
+        None if expires is None else expires - skew,
+        row[10],
+        row[11],
+        row[12],
     )
+
+
+def _handed(row: Any, skew: float) -> Task:
+    """A view from a claim's row (wq.claim's columns after o_rn: the first nine of lookup's,
+    then the expiry and the time limit)."""
+    error = row[6]
+    if error is not None:
+        error = bytes(error).decode("utf-8", "surrogatepass")
+    expires = row[9]
+    return Task(
+        _hex(row[0]),
+        row[1],
+        row[2],
+        row[3],
+        row[4] - skew,
+        row[5] - skew,
+        error,
+        row[7],
+        row[8],
+        None if expires is None else expires - skew,
+        row[10],
+    )
+
+
+# Listing: each state's statement (sql/queries.sql), and its first page's key (before any task).
+_LISTS: Final = {
+    READY: Q.list_ready,
+    DELAYED: Q.list_delayed,
+    HANDED_OUT: Q.list_handed_out,
+    DEAD: Q.list_dead,
+}
+_BIGINT: Final = 2**63 - 1
+
+
+def _whole(x: float, low: int, high: int) -> int:
+    """A number of a listing key as the integer column it stands for (a key this store gave is
+    one already; any other is only kept in range, never an error of the database's)."""
+    if isinstance(x, int):
+        return min(max(x, low), high)
+    return min(max(math.floor(x), low), high)
+
+
+def _list_args(state: str, after: tuple[float, ...] | None) -> tuple[Any, ...]:
+    """The key parameters of a listing statement: the first page's, or those after ``after``."""
+    if state == DEAD:
+        if after is None:
+            return (-_BIGINT - 1,)
+        if len(after) != 1:
+            raise _bad_cursor()
+        return (_whole(after[0], -_BIGINT - 1, _BIGINT),)
+    if after is None:
+        if state == READY:
+            return (PRIORITIES, 0)  # (above every priority: the second range, all of them)
+        return (-math.inf, 0)
+    if len(after) != 2:
+        raise _bad_cursor()
+    ord_ = _whole(after[1], -_BIGINT - 1, _BIGINT)
+    if state == READY:
+        return (_whole(after[0], -1, PRIORITIES), ord_)
+    return (float(after[0]), ord_)
+
+
+def _bad_cursor() -> InvalidArgument:
+    return InvalidArgument("cursor is not one this broker gave (pass next_cursor as it came)")
+
+
+def _first(row: Any) -> Any:
+    return row[0]
 
 
 def _encode(error: str | None) -> bytes | None:
@@ -115,7 +208,9 @@ class PostgresStore:
     """Open with :meth:`open` (it creates or checks the schema); close with :meth:`close`."""
 
     never_suspends = False  # every call waits for the database
-    shared = True  # other brokers change the same tasks (a ReadyListener: see on_ready)
+    # Other brokers change the same tasks (a ReadyListener, see on_ready; and a CancelListener,
+    # see on_cancel).
+    shared = True
 
     def __init__(
         self,
@@ -223,6 +318,11 @@ class PostgresStore:
         announcements may have been missed."""
         self._wake.on_ready(callback)
 
+    def on_cancel(self, callback: Callable[[Iterable[str]], None]) -> None:
+        """Call ``callback(lease_ids)`` when another broker made the tasks held under these
+        leases cancelling (its cancel's commit announced them)."""
+        self._wake.on_cancel(callback)
+
     def _tell_all(self) -> None:
         self._wake.tell(None)
 
@@ -250,6 +350,19 @@ class PostgresStore:
         # Now and then (an idle broker: every time) the announcement of these tasks goes with
         # their commit, and the other brokers hear of them a round trip sooner.
         notify = self._wake.inline(items)
+        skew = self.skew
+        # The options of docs/design/control.md: sent only when a task of the batch has one.
+        expires: list[float | None] | None = None
+        timeouts: list[float | None] | None = None
+        uniques: list[bool] | None = None
+        keyed = False
+        if any(
+            t.key is not None or t.expires_at is not None or t.timeout is not None for t in items
+        ):
+            expires = [None if t.expires_at is None else t.expires_at + skew for t in items]
+            timeouts = [t.timeout for t in items]
+            uniques = [t.unique for t in items]
+            keyed = any(t.key is not None for t in items)
         rows = await self._fetch(
             Q.enqueue,
             self._now(now),
@@ -260,12 +373,16 @@ class PostgresStore:
             [t.max_attempts for t in items],
             [t.delay for t in items],
             [t.key for t in items],
-            [t.key_until + self.skew for t in items],
+            [t.key_until + skew for t in items],
             notify,
+            expires,
+            timeouts,
+            uniques,
         )
         out: list[Enqueued] = []
-        skew = self.skew
         ready: set[str] = set()
+        if keyed:
+            rows.sort(key=_first)  # (done in the order of their keys: wq.enqueue)
         for i, key, duplicate, at, available in rows:
             task_id = _hex(key)
             if duplicate:
@@ -274,7 +391,7 @@ class PostgresStore:
             t = items[i - 1]
             self._queue_names.add(t.queue)
             self._held += 1
-            if t.key is not None:
+            if t.key is not None and not t.unique:
                 self._keys[(t.queue, t.key)] = t.key_until
             if t.delay <= 0:
                 ready.add(t.queue)
@@ -288,6 +405,8 @@ class PostgresStore:
                 None,
                 t.queue,
                 t.priority,
+                t.expires_at,
+                t.timeout,
             )
             out.append(Enqueued(task_id, False, task))
         if any(not e.duplicate for e in out):
@@ -385,7 +504,7 @@ class PostgresStore:
                 promoted.append(row[8])
             else:
                 i = row[0] - 1
-                got[i] = Delivery(_task(row[1:10], skew), lease_ids[i], row[10] - skew)
+                got[i] = Delivery(_handed(row[1:12], skew), lease_ids[i], row[12] - skew)
         if got or promoted:
             self.transactions += 1
         if promoted:  # for the others, and for this broker's consumers of other queues
@@ -517,6 +636,8 @@ class PostgresStore:
             if kind == 0:
                 task_id = acks[ack_at[i - 1]][0]
                 acked[ack_at[i - 1]] = _outcome_error(outcome, task_id)
+            elif outcome == 3:  # (it was cancelling: gone)
+                nacked[nack_at[i - 1]] = Failure(sent[i - 1].task_id, False, None, True)
             else:
                 task_id = sent[i - 1].task_id
                 error = _outcome_error(outcome, task_id)
@@ -525,10 +646,10 @@ class PostgresStore:
                 nacked[nack_at[i - 1]] = (
                     error if error is not None else Failure(task_id, retry_at is None, retry_at)
                 )
-            if outcome == 0:
+            if outcome == 0 or outcome == 3:
                 changed = True
                 if kind == 0 or retry_at is None:
-                    self._held -= 1  # acked or buried
+                    self._held -= 1  # acked, buried or cancelled
         if changed:
             self.transactions += 1
         return acked, nacked
@@ -594,17 +715,95 @@ class PostgresStore:
         assert rng is not None
         return rng.random()
 
-    async def extend(self, task_id: str, lease_id: str, *, lease: float, now: float) -> float:
+    async def extend(
+        self,
+        task_id: str,
+        lease_id: str,
+        *,
+        lease: float,
+        now: float,
+        progress: bytes | None = None,
+    ) -> float:
         n = parse_id(task_id)
         if n is None:
             raise _not_held(task_id)
-        row = await self._fetchrow(Q.extend, self._now(now), _key(n), lease_id, lease)
+        row = await self._fetchrow(Q.extend, self._now(now), _key(n), lease_id, lease, progress)
         assert row is not None
-        error = _outcome_error(row[0], task_id)
+        outcome, deadline, timeout = row
+        if outcome == 3:
+            raise Cancelled(f"task {quoted(task_id)} was cancelled: its lease is not extended")
+        if outcome == 4:
+            ms = round(timeout * 1000)
+            raise TimeLimitReached(
+                f"task {quoted(task_id)} has reached its time limit of {ms} ms (timeout_ms): its "
+                "lease is not extended"
+            )
+        error = _outcome_error(outcome, task_id)
         if error is not None:
             raise error
         self.transactions += 1
-        return float(row[1]) - self.skew
+        return float(deadline) - self.skew
+
+    # -- control over tasks (docs/design/control.md) ------------------------------------------
+
+    async def cancel(self, task_id: str, *, now: float) -> CancelResult:
+        """One call of wq.cancel: a handed-out task's lease is announced to the other brokers in
+        its own transaction (they hear it once it is committed)."""
+        n = parse_id(task_id)
+        row = None
+        if n is not None:
+            row = await self._fetchrow(Q.cancel, _key(n), self._wake.cancel_head())
+        if row is None or row[0] == 0:
+            raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
+        outcome, queue, lease_id = row
+        if outcome == 2:
+            return CancelResult(task_id, CANCELLING, queue, lease_id)
+        self.transactions += 1
+        if outcome == 1:
+            self._held -= 1
+            return CancelResult(task_id, CANCELLED, queue)
+        return CancelResult(task_id, PURGED, queue)
+
+    async def list_tasks(
+        self, queue: str, state: str, *, limit: int, after: tuple[float, ...] | None = None
+    ) -> TaskPage:
+        """One statement: a scan of the state's partial index from ``after`` on, for one more
+        task than ``limit`` (whether another page follows)."""
+        sql = _LISTS.get(state)
+        if sql is None:
+            raise InvalidArgument(f"state {quoted(state)} is not one a listing takes")
+        rows = await self._fetch(sql, queue, limit + 1, *_list_args(state, after))
+        skew = self.skew
+        tasks = [TaskState(_task(row, skew), state) for row in rows[:limit]]
+        if len(rows) <= limit:
+            return TaskPage(tasks, None)
+        last = rows[limit - 1]
+        key: tuple[float, ...] = (last[14],) if state == DEAD else (last[13], last[14])
+        return TaskPage(tasks, key)
+
+    async def empty_queue(self, queue: str, *, now: float) -> int:
+        count = await self._fetchval(Q.empty, queue)
+        if count is None:
+            raise NotFound(f"queue {quoted(queue)} does not exist")
+        if count:
+            self.transactions += 1
+            self._held -= count
+        return int(count)
+
+    async def delete_queue(self, queue: str) -> None:
+        row = await self._fetchrow(Q.delete_queue, queue)
+        assert row is not None
+        found, ready, handed_out, delayed, dead = row
+        if not found:
+            raise NotFound(f"queue {quoted(queue)} does not exist")
+        if ready or handed_out or delayed or dead:
+            raise Conflict(
+                f"queue {quoted(queue)} holds {ready} ready, {handed_out} handed-out, {delayed} "
+                f"delayed and {dead} dead tasks: empty it (POST /queues/{{name}}/empty), let "
+                "its handed-out tasks finish and purge its dead ones first"
+            )
+        self.transactions += 1
+        self._queue_names.discard(queue)
 
     async def release(self, task_id: str, lease_id: str) -> bool:
         n = parse_id(task_id)
@@ -639,7 +838,7 @@ class PostgresStore:
         if self.db_clock and took < _SKEW_RTT:
             self.skew = db_now - (now + (started - entered) + took / 2)
         self._keys = {k: until for k, until in self._keys.items() if until > now}
-        if result.reclaimed or result.promoted:
+        if result.reclaimed or result.promoted or result.expired:
             self.transactions += 1
         if result.ready_queues:
             self._wake.announce(result.ready_queues)
@@ -662,6 +861,8 @@ class PostgresStore:
             elif kind == 1:
                 result.promoted += n
                 result.ready_queues.add(queue)
+            elif kind == 8:
+                result.expired += n
             elif kind == 2:
                 due = at
             elif kind == 5:
@@ -784,7 +985,7 @@ class PostgresStore:
         row = await self._fetchrow(Q.lookup, _key(n))
         if row is None:
             return None
-        return TaskState(_task(row, self.skew), STATE_NAMES[row[9]])
+        return TaskState(_task(row, self.skew), STATE_NAMES[row[13]])
 
     async def dead_letters(
         self, *, limit: int | None = None, queue: str | None = None
@@ -838,10 +1039,15 @@ class PostgresStore:
         self._keys.clear()
 
     async def check_invariants(self) -> None:
-        """Assert the gauges kept in the counters agree with the tasks, queue by queue."""
+        """Assert the gauges kept in the counters agree with the tasks, queue by queue, and with
+        the totals: ``ready + handed_out + delayed + dead == enqueued - acked - purged -
+        cancelled - expired`` and ``nacked + reclaimed == retried + buried``."""
         for row in await self._fetch(Q.check):
             kept, counted = tuple(row[1:5]), tuple(row[5:9])
             assert kept == counted, f"queue {row[0]}: gauges {kept} but tasks {counted}"
+            held, failed, followed = row[9:12]
+            assert sum(kept) == held, f"queue {row[0]}: gauges {kept} but the totals say {held}"
+            assert failed == followed, f"queue {row[0]}: nacked + reclaimed {failed}, {followed}"
 
     # -- talking to the database -------------------------------------------------------------
 

@@ -8,7 +8,7 @@
 -- == the operations: one round trip each (sql/functions.sql) ==
 
 -- name: enqueue
-SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
 
 -- name: id_blocks
 -- $1 blocks of 1024 numbers for task ids.
@@ -37,14 +37,14 @@ SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
 -- migration needed.)
 SELECT 0 AS part, s.o_kind, s.o_i, s.o_outcome, s.o_retry_at, NULL::bigint, NULL::bigint,
     NULL::bytea, NULL::int, NULL::int, NULL::float8, NULL::float8, NULL::bytea, NULL::text,
-    NULL::smallint, NULL::float8
+    NULL::smallint, NULL::float8, NULL::float8, NULL::float8
 FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) s
 UNION ALL
 SELECT 1, NULL, NULL, NULL, NULL, c.*
 FROM wq.claim($1, $13, $14, $15) c
 
 -- name: extend
-SELECT * FROM wq.extend($1, $2, $3, $4)
+SELECT * FROM wq.extend($1, $2, $3, $4, $5)
 
 -- name: release
 SELECT wq.release($1, $2)
@@ -69,6 +69,16 @@ SELECT * FROM wq.requeue($1, $2, $3)
 -- name: purge
 SELECT wq.purge($1)
 
+-- name: cancel
+-- Task $1; $2: the head of the announcement of its lease, if it is handed out (NULL: none).
+SELECT * FROM wq.cancel($1, $2)
+
+-- name: empty
+SELECT wq.empty($1)
+
+-- name: delete_queue
+SELECT * FROM wq.delete_queue($1)
+
 -- name: pause
 INSERT INTO wq.queues AS q (name, paused) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE
 SET paused = excluded.paused WHERE q.paused <> excluded.paused
@@ -82,7 +92,8 @@ SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
        coalesce(sum(acked), 0)::bigint, coalesce(sum(nacked), 0)::bigint,
        coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
        coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
-       coalesce(sum(purged), 0)::bigint
+       coalesce(sum(purged), 0)::bigint, coalesce(sum(cancelled), 0)::bigint,
+       coalesce(sum(expired), 0)::bigint
 FROM wq.counters
 
 -- name: queue_stats
@@ -92,7 +103,8 @@ SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
        coalesce(sum(acked), 0)::bigint, coalesce(sum(nacked), 0)::bigint,
        coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
        coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
-       coalesce(sum(purged), 0)::bigint
+       coalesce(sum(purged), 0)::bigint, coalesce(sum(cancelled), 0)::bigint,
+       coalesce(sum(expired), 0)::bigint
 FROM wq.counters WHERE queue = $1
 
 -- name: queues
@@ -111,7 +123,8 @@ SELECT q.name, q.paused,
        coalesce(sum(acked), 0)::bigint, coalesce(sum(nacked), 0)::bigint,
        coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
        coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
-       coalesce(sum(purged), 0)::bigint,
+       coalesce(sum(purged), 0)::bigint, coalesce(sum(cancelled), 0)::bigint,
+       coalesce(sum(expired), 0)::bigint,
        CASE WHEN coalesce(sum(c.ready), 0) > 0 THEN (
            SELECT min(h.available_at) FROM generate_series(0, $1 - 1) AS p (n),
            LATERAL (SELECT t.available_at FROM wq.tasks t
@@ -121,15 +134,57 @@ SELECT q.name, q.paused,
 FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
 
 -- name: lookup
--- A task as store.py's _task reads it, then its state.
+-- A task as store.py's _task reads it (its progress only while handed out), then its state.
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
-       state
+       expires_at, timeout, CASE WHEN state = 1 THEN progress END, cancelling, state
 FROM wq.tasks WHERE id = $1
 
 -- name: dead
 -- Dead tasks (of queue $1, or of all) in burial order, at most $2 (NULL: all).
-SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, NULL::bytea, false
 FROM wq.tasks WHERE state = 3 AND ($1::text IS NULL OR queue = $1) ORDER BY ord LIMIT $2
+
+-- == listings: a page of queue $1's tasks in one state, in its order, after the key given ==
+-- The columns of lookup (but the state), then the key (two numbers; dead: the second only); at most $2 rows (the store asks
+-- for one more than the page, to tell whether another follows). Each is one or two scans of a
+-- partial index from the key on, stopped at the limit: O(limit + log n).
+
+-- name: list_ready
+-- In claim order: priority high to low, then ord. After (priority $3, ord $4): the rest of that
+-- priority, then the lower ones (two index ranges; a first page gives $3 above every priority).
+SELECT * FROM (
+    (SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue,
+            priority, expires_at, timeout, NULL::bytea, false, priority AS k1, ord AS k2
+     FROM wq.tasks WHERE state = 0 AND queue = $1 AND priority = $3 AND ord > $4
+     ORDER BY ord LIMIT $2)
+    UNION ALL
+    (SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue,
+            priority, expires_at, timeout, NULL::bytea, false, priority, ord
+     FROM wq.tasks WHERE state = 0 AND queue = $1 AND priority < $3
+     ORDER BY priority DESC, ord LIMIT $2)
+) page ORDER BY k1 DESC, k2 LIMIT $2
+
+-- name: list_delayed
+-- By due time, then ord: after (available_at $3, ord $4).
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, NULL::bytea, false, available_at, ord
+FROM wq.tasks WHERE state = 2 AND queue = $1 AND (available_at, ord) > ($3, $4)
+ORDER BY available_at, ord LIMIT $2
+
+-- name: list_handed_out
+-- By lease deadline, then ord: after (deadline $3, ord $4).
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, progress, cancelling, deadline, ord
+FROM wq.tasks WHERE state = 1 AND queue = $1 AND (deadline, ord) > ($3, $4)
+ORDER BY deadline, ord LIMIT $2
+
+-- name: list_dead
+-- By burial: after ord $3.
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, NULL::bytea, false, NULL::float8, ord
+FROM wq.tasks WHERE state = 3 AND queue = $1 AND ord > $3
+ORDER BY ord LIMIT $2
 
 -- name: held
 SELECT coalesce(sum(ready + handed_out + delayed), 0)::bigint FROM wq.counters
@@ -213,11 +268,18 @@ DELETE FROM wq.tasks; DELETE FROM wq.counters; DELETE FROM wq.queues; DELETE FRO
 ALTER SEQUENCE wq.ord RESTART; ALTER SEQUENCE wq.id_blocks RESTART
 
 -- name: check
--- Gauges that disagree with the tasks: one row per queue (queue, the four kept, the four counted).
+-- Gauges against the tasks: one row per queue (queue, the four kept, the four counted, then what
+-- the totals say is held, enqueued - acked - purged - cancelled - expired, and the two sides of
+-- nacked + reclaimed == retried + buried).
 SELECT c.queue, c.ready, c.handed_out, c.delayed, c.dead,
-       coalesce(t.ready, 0), coalesce(t.handed_out, 0), coalesce(t.delayed, 0), coalesce(t.dead, 0)
+       coalesce(t.ready, 0), coalesce(t.handed_out, 0), coalesce(t.delayed, 0), coalesce(t.dead, 0),
+       c.enqueued - c.acked - c.purged - c.cancelled - c.expired, c.nacked + c.reclaimed,
+       c.retried + c.buried
 FROM (SELECT queue, sum(ready) ready, sum(handed_out) handed_out, sum(delayed) delayed,
-             sum(dead) dead FROM wq.counters GROUP BY queue) c
+             sum(dead) dead, sum(enqueued) enqueued, sum(acked) acked, sum(purged) purged,
+             sum(cancelled) cancelled, sum(expired) expired, sum(nacked) nacked,
+             sum(reclaimed) reclaimed, sum(retried) retried, sum(buried) buried
+      FROM wq.counters GROUP BY queue) c
 FULL JOIN (SELECT queue, count(*) FILTER (WHERE state = 0) ready,
                   count(*) FILTER (WHERE state = 1) handed_out,
                   count(*) FILTER (WHERE state = 2) delayed,
