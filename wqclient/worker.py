@@ -923,7 +923,9 @@ class Worker:
             lease.holders = held
         return lease
 
-    async def _process(self, delivery: Delivery, settler: _Settler, lease: _Lease) -> None:
+    async def _process(  # noqa: C901 (the usual path inlined: this runs for every task)
+        self, delivery: Delivery, settler: _Settler, lease: _Lease
+    ) -> None:
         """Run the handler on a delivery, keeping its lease alive, then settle it. It is
         stopped (:meth:`_interrupt`) if the task is cancelled or reaches its time limit."""
         span = min(self.lease_ms, MAX_LEASE_MS) / 1000  # the broker caps leases

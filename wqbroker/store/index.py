@@ -905,7 +905,9 @@ class Index:
             out.append(Enqueued(task_id, False, task))
         return out
 
-    def claim(self, queues: Sequence[str], lease: float, now: float) -> Record | None:
+    def claim(  # noqa: C901 (inlined: this runs for every task)
+        self, queues: Sequence[str], lease: float, now: float
+    ) -> Record | None:
         """Hand out the next ready task of the first of ``queues`` (by name) that has one:
         its highest priority, oldest first (promoting due delayed tasks first; a task met at or
         after its expiry is dropped, counted expired). None if nothing is ready, or if that
@@ -931,9 +933,9 @@ class Index:
             head = hot.head
             found = items[head]
             if found.state != READY:  # (a hole: passed)
-                found = hot.first()
-                assert found is not None
-                head = hot.head
+                first = hot.first()
+                assert first is not None
+                found, head = first, hot.head
             record = found
             hot.head = head + 1
             hot.size -= 1
