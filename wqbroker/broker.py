@@ -157,6 +157,7 @@ class Broker:
             max_queues=config.max_queues,
             max_waiters=config.max_waiters,
             dedup_window=config.dedup_window,
+            result_ttl=config.result_ttl,
             events=self.metrics,
         )
         self.metrics.watch(self._service)

@@ -27,7 +27,9 @@ from wqbroker.limits import (
     DEFAULT_MAX_TASKS,
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL,
+    DEFAULT_RESULT_TTL_MS,
     DEFAULT_SWEEP_INTERVAL,
+    MAX_RESULT_TTL_MS,
 )
 from wqbroker.retry import DEFAULT_BASE, DEFAULT_CAP
 from wqbroker.store.postgres.pool import DEADLINE as DB_DEADLINE
@@ -98,6 +100,15 @@ def setting(
     """A field of :class:`Config` and its flag (typed ``Any``, as ``dataclasses.field`` is)."""
     spec = _Flag(help, flag, parse, choices, metavar, millis)
     return field(default=default, metadata={_FLAG: spec})
+
+
+def _result_ttl_ms(text: str) -> int:
+    value = non_negative_int(text)
+    if value > MAX_RESULT_TTL_MS:
+        raise argparse.ArgumentTypeError(
+            f"must be at most {MAX_RESULT_TTL_MS} (a year), got {value}"
+        )
+    return value
 
 
 def _ms(help: str, default_seconds: float, *, flag: str | None = None, **kw: Any) -> Any:
@@ -206,7 +217,8 @@ class Config:
     )
     max_tasks: int = setting(
         DEFAULT_MAX_TASKS,
-        "tasks held (ready, delayed, handed out) before enqueues get 429; 0: no limit",
+        "tasks held (ready, delayed, handed out, waiting, and results kept) before enqueues get "
+        "429; 0: no limit",
         parse=non_negative_int,
         metavar="N",
     )
@@ -229,6 +241,14 @@ class Config:
         DEFAULT_DEDUP_WINDOW_MS / 1000,
         flag="dedup-window-ms",
         parse=non_negative_int,
+    )
+    # docs/design/results.md: how long a result (an ack's) is kept, unless the task says.
+    result_ttl: float = _ms(
+        "how long a task acked with a result keeps it (GET /jobs/{id}/result), unless the task "
+        "gives result_ttl_ms; 0: keep none",
+        DEFAULT_RESULT_TTL_MS / 1000,
+        flag="result-ttl-ms",
+        parse=_result_ttl_ms,
     )
     token_file: str | None = setting(
         None,

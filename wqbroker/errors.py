@@ -31,6 +31,21 @@ class InvalidArgument(WqError):
     """The request is malformed: a wrong type, a value out of range, a missing field."""
 
 
+class UnknownParent(InvalidArgument):
+    """A task names in its ``after`` a parent that is not a live task (unknown, acked without a
+    result, pruned, cancelled or expired): ``item`` is its index in the enqueue call,
+    ``position`` the parent's index in its ``after``. The service names the field."""
+
+    def __init__(self, item: int, position: int, task_id: str) -> None:
+        super().__init__(
+            f"task {quoted(task_id)} does not exist (or was acked without a result, cancelled "
+            "or expired): a task can only wait for a live one"
+        )
+        self.item = item
+        self.position = position
+        self.task_id = task_id
+
+
 class NotFound(WqError):
     """No such task, or nobody holds it (for ack/nack), or it is not dead (for requeue)."""
 

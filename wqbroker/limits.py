@@ -45,6 +45,12 @@ MAX_EXPIRES_IN_MS: Final = MAX_DELAY_MS  # a year
 MAX_TIMEOUT_MS: Final = MAX_DELAY_MS
 MAX_PROGRESS_BYTES: Final = 4096
 DEFAULT_LIST_LIMIT: Final = 100
+# docs/design/results.md
+DEFAULT_RESULT_TTL_MS: Final = 3_600_000  # an hour, as arq's keep_result
+MAX_RESULT_TTL_MS: Final = MAX_DELAY_MS  # a year
+MAX_PARENTS: Final = 10_000  # parents a task may wait for (its ``after``)
+DEFAULT_RESULT_WAIT_MS: Final = 0  # GET /jobs/{id}/result answers at once unless asked to wait
+MAX_CHILDREN_SHOWN: Final = 100  # children ids in a task's view
 MAX_LIST_LIMIT: Final = 1000
 
 # Queues, priorities, idempotency keys.
@@ -335,6 +341,72 @@ def progress_value(data: bytes | None) -> bytes | None:
     if not data:
         raise InvalidArgument("progress must be one JSON value, got nothing")
     return codec.validate_json(data, "progress")
+
+
+def result_ttl_seconds(value: object | None, default: float) -> float:
+    """``result_ttl_ms``: 0 (keep nothing) to a year; ``default`` (seconds) when absent."""
+    if value is None:
+        return default
+    n = integer("result_ttl_ms", value)
+    if not 0 <= n <= MAX_RESULT_TTL_MS:
+        raise InvalidArgument(
+            f"result_ttl_ms must be from 0 to {MAX_RESULT_TTL_MS} (a year), got {n}"
+        )
+    return n / 1000.0
+
+
+def result_value(data: bytes | None, max_bytes: int) -> bytes | None:
+    """An ack's result: one JSON value (any, null too), within ``max_bytes``; None when absent
+    (no result). Kept as received."""
+    if data is None:
+        return None
+    return payload_value(data, max_bytes, "result")
+
+
+def result_wait_seconds(value: object | None) -> float:
+    """``wait_ms`` of a result wait: default 0 (answer at once), above 30 s clamped to 30 s."""
+    return _capped_ms("wait_ms", value, DEFAULT_RESULT_WAIT_MS, 0, MAX_WAIT_MS)
+
+
+def after_value(value: object | None, index: int | None) -> tuple[str | int, ...]:
+    """A task's ``after``: a list of 1 to MAX_PARENTS task ids, none twice; in a batch
+    (``index``: the item's own index) an item may also name an earlier item by its index
+    (``0 <= i < index``). Empty when absent."""
+    if value is None:
+        return ()
+    if not isinstance(value, (list, tuple)):
+        raise InvalidArgument(f"after must be a list of task ids, got {describe(value)}")
+    if not value:
+        raise InvalidArgument("after must name at least one task (leave it out for none)")
+    if len(value) > MAX_PARENTS:
+        raise InvalidArgument(f"after names at most {MAX_PARENTS} tasks, got {len(value)}")
+    out: list[str | int] = []
+    seen: set[str | int] = set()
+    for j, parent in enumerate(value):
+        ref = _parent_ref(f"after[{j}]", parent, index)
+        if ref in seen:
+            raise InvalidArgument(f"after[{j}] names {_quote(str(ref))} a second time")
+        seen.add(ref)
+        out.append(ref)
+    return tuple(out)
+
+
+def _parent_ref(name: str, parent: object, index: int | None) -> str | int:
+    """One entry of an ``after``: a task id, or the index of an earlier item of the batch."""
+    if isinstance(parent, int) and not isinstance(parent, bool):
+        if index is None:
+            raise InvalidArgument(
+                f"{name} must be a task id (an index names an earlier item of a batch)"
+            )
+        if not 0 <= parent < index:
+            earlier = f"0 to {index - 1}" if index else "the first item has none"
+            raise InvalidArgument(
+                f"{name} must name an earlier item of the batch ({earlier}), got {parent}"
+            )
+        return parent
+    if isinstance(parent, str):
+        return id_value(name, parent)
+    raise InvalidArgument(f"{name} must be a task id, got {describe(parent)}")
 
 
 def list_limit_value(value: object | None) -> int:

@@ -19,8 +19,12 @@ READY: Final = "ready"
 HANDED_OUT: Final = "handed_out"
 DELAYED: Final = "delayed"
 DEAD: Final = "dead"
+# docs/design/results.md: enqueued with ``after`` and some parent not yet succeeded; acked with a
+# result that is kept.
+WAITING: Final = "waiting"
+SUCCEEDED: Final = "succeeded"
 #: The states a listing can be asked for, in the order the API names them.
-LIST_STATES: Final = (READY, DELAYED, HANDED_OUT, DEAD)
+LIST_STATES: Final = (READY, DELAYED, HANDED_OUT, DEAD, WAITING, SUCCEEDED)
 
 
 @dataclass(slots=True)
@@ -41,6 +45,12 @@ class Task:
     timeout: float | None = None  # seconds one attempt may run
     progress: bytes | None = None  # JSON text, while handed out
     cancelling: bool = False  # handed out, and a cancel came
+    # The extensions of docs/design/results.md; the defaults mean "not set".
+    result: bytes | None = None  # JSON text, once succeeded
+    finished_at: float | None = None  # epoch seconds, once succeeded
+    result_ttl: float | None = None  # seconds, as given at enqueue (None: the broker's default)
+    after: tuple[str, ...] | None = None  # its parents' ids, in order (None: no parents)
+    waiting_for: int = 0  # parents not yet succeeded, while waiting
 
 
 @dataclass(slots=True)
@@ -54,7 +64,8 @@ class Enqueued:
 
 @dataclass(slots=True)
 class TaskState:
-    """A task and the collection it is in (``ready``, ``handed_out``, ``delayed``, ``dead``)."""
+    """A task and the collection it is in (``ready``, ``handed_out``, ``delayed``, ``dead``),
+    or ``waiting`` or ``succeeded`` (docs/design/results.md)."""
 
     task: Task
     state: str
@@ -75,6 +86,21 @@ class NewTask:
     expires_at: float | None = None  # epoch seconds (see Task)
     timeout: float | None = None  # seconds (see Task)
     unique: bool = False  # ``key`` holds while the task is ready, delayed or handed out
+    # docs/design/results.md. ``after``: parents, each a task id or (an int) the index of an
+    # earlier item of the same enqueue_many call; empty: none. ``result_ttl``: seconds a result
+    # is kept after an ack with one (0: none is kept). ``result_ttl_given``: it was given (not
+    # the broker's default), so the view shows it.
+    after: tuple[str | int, ...] = ()
+    result_ttl: float = 3600.0
+    result_ttl_given: bool = False
+
+
+@dataclass(slots=True)
+class ParentResult:
+    """A parent of a delivered task, and its result if one is held (JSON text; None: none)."""
+
+    id: str
+    result: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +110,8 @@ class Delivery:
     task: Task
     lease_id: str
     deadline: float  # epoch seconds
+    # Its parents (docs/design/results.md), in the order of its ``after``; None: it has none.
+    parents: list[ParentResult] | None = None
 
 
 @dataclass(slots=True)
@@ -116,10 +144,17 @@ class Stats:
     delayed: int = 0
     dead: int = 0
     totals: Totals = field(default_factory=Totals)
+    # docs/design/results.md: tasks waiting for parents (in the invariant's gauges), results held
+    # (not: those tasks were acked).
+    waiting: int = 0
+    succeeded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        """The gauges and a ``totals`` mapping, named and ordered as the spec's ``/stats``."""
-        return asdict(self)
+        """The gauges and a ``totals`` mapping, named and ordered as the spec's ``/stats`` (the
+        gauges it does not name after its four, ``totals`` last)."""
+        out = asdict(self)
+        out["totals"] = out.pop("totals")
+        return out
 
 
 @dataclass(slots=True)
@@ -132,6 +167,8 @@ class QueueStats:
     delayed: int
     dead: int
     paused: bool
+    waiting: int = 0  # docs/design/results.md
+    succeeded: int = 0
 
 
 @dataclass(slots=True)
@@ -205,4 +242,35 @@ class SweepResult:
     reclaimed: list[tuple[str, str]] = field(default_factory=list)
     promoted: int = 0  # delayed tasks moved to ready
     ready_queues: set[str] = field(default_factory=set)  # queues where tasks became ready
-    expired: int = 0  # ready or delayed tasks dropped at their expiry
+    expired: int = 0  # ready, delayed or waiting tasks dropped at their expiry
+    pruned: int = 0  # results dropped at the end of their time (docs/design/results.md)
+
+
+# How a task ended, for a result wait (Outcome.state; on_finished's states, but ``acked``).
+CANCELLED_STATE: Final = "cancelled"
+EXPIRED_STATE: Final = "expired"
+ACKED: Final = "acked"  # on_finished only: acked without a result kept (forgotten)
+
+
+@dataclass(slots=True)
+class Outcome:
+    """How a task ended, as a result wait answers: ``state`` is ``succeeded`` (``result`` None:
+    acked without one kept), ``dead`` (``last_error``, ``attempts``), ``cancelled`` or
+    ``expired``."""
+
+    task_id: str
+    state: str
+    result: bytes | None = None
+    finished_at: float | None = None
+    last_error: str | None = None
+    attempts: int = 0
+
+
+@dataclass(slots=True)
+class Released:
+    """What became ready or delayed as a side effect (waiting children released by the ack of
+    their last pending parent): the queues where tasks became ready, and the earliest due time
+    of those that became delayed (None: none did)."""
+
+    queues: set[str] = field(default_factory=set)
+    earliest: float | None = None

@@ -10,7 +10,9 @@ and every store call that changes something is timed for it, here or in the disp
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import json
 import logging
 import math
@@ -27,13 +29,17 @@ from wqbroker.errors import (
     Overloaded,
     PayloadTooLarge,
     Unavailable,
+    UnknownParent,
     WqError,
     quoted,
 )
 from wqbroker.events import Events, timed, timed_if
 from wqbroker.followthrough import Background, follow_through
 from wqbroker.models import (
+    ACKED,
+    DEAD,
     DEFAULT_QUEUE,
+    SUCCEEDED,
     CancelResult,
     Delivery,
     Enqueued,
@@ -41,6 +47,7 @@ from wqbroker.models import (
     ListKey,
     NackItem,
     NewTask,
+    Outcome,
     QueueReport,
     QueueStats,
     Stats,
@@ -55,7 +62,9 @@ log = logging.getLogger("wqbroker.service")
 
 T = TypeVar("T")
 
-AckItem = tuple[object, object]  # (task id, lease id), as the client sent them
+# (task id, lease id), as the client sent them; or (task id, lease id, result): the result's JSON
+# text (None: no result), docs/design/results.md.
+AckItem = tuple[object, object] | tuple[object, object, bytes | None]
 # (task id, lease id, error), or with (delay_ms, terminal) too, as the client sent them
 NackRequest = tuple[object, object, object | None] | tuple[object, ...]
 
@@ -73,6 +82,19 @@ class Submission:
     expires_in_ms: object | None = None
     timeout_ms: object | None = None
     unique: object | None = None  # the key holds while the task is active
+    after: object | None = None  # its parents (docs/design/results.md)
+    result_ttl_ms: object | None = None  # how long its result is kept
+
+
+class _Awaited:
+    """The waiters of one task's end (docs/design/results.md): one future they all share, and
+    how many wait on it."""
+
+    __slots__ = ("future", "count")
+
+    def __init__(self, future: asyncio.Future[Outcome]) -> None:
+        self.future = future
+        self.count = 0
 
 
 class Service:
@@ -88,6 +110,7 @@ class Service:
         max_waiters: int = limits.DEFAULT_MAX_WAITERS,
         dedup_window: float = limits.DEFAULT_DEDUP_WINDOW_MS / 1000,
         max_queues: int = limits.DEFAULT_MAX_QUEUES,
+        result_ttl: float = limits.DEFAULT_RESULT_TTL_MS / 1000,
         events: Events | None = None,
     ) -> None:
         """``events``: the listener (several: a :class:`~wqbroker.events.Fanout`)."""
@@ -98,6 +121,11 @@ class Service:
         self.max_payload = max_payload
         self.max_tasks = max_tasks  # 0: no limit
         self.max_queues = max_queues  # 0: no limit
+        self.result_ttl = result_ttl  # seconds a result is kept, unless a task says
+        self.max_waiters = max_waiters
+        # Result waiters (docs/design/results.md), by task id.
+        self._awaited: dict[str, _Awaited] = {}
+        self._result_waiters = 0
         self._sweeper = Sweeper(clock, sweep_interval, self.sweep)
         self._background = Background()
         self._dispatch = Dispatcher(
@@ -113,6 +141,7 @@ class Service:
             store.on_ready(self._ready_elsewhere)
         if isinstance(store, CancelListener):
             store.on_cancel(self._cancelled_elsewhere)
+        store.on_finished(self._finished)
         # Feed waiting consumers after an enqueue or an ack in the background rather than before
         # answering (a shared store: each hand-out is a round trip to the database).
         self._later = store.shared
@@ -162,6 +191,9 @@ class Service:
         self._closing = True
         for callback in self._on_close:
             callback()
+        for awaited in self._awaited.values():  # (result waiters: still pending)
+            if not awaited.future.done():
+                awaited.future.cancel()
         await self._dispatch.close()
         await self._sweeper.stop()
         await self._background.wait()
@@ -187,12 +219,15 @@ class Service:
         expires_in_ms: object | None = None,
         timeout_ms: object | None = None,
         unique: object | None = None,
+        after: object | None = None,
+        result_ttl_ms: object | None = None,
     ) -> Enqueued:
         """Accept a task. ``payload`` is JSON text (checked here: present, within the size
         limit, valid JSON). With an idempotency ``key`` seen in the same queue within the
         window (``unique``: held by a task still ready, delayed or handed out), nothing is
         created and the first task's id comes back as a duplicate. ``expires_in_ms``,
-        ``timeout_ms``: see docs/design/control.md."""
+        ``timeout_ms``: see docs/design/control.md; ``after``, ``result_ttl_ms``:
+        docs/design/results.md."""
         new = self._checked(
             Submission(
                 payload,
@@ -204,11 +239,16 @@ class Service:
                 expires_in_ms,
                 timeout_ms,
                 unique,
+                after,
+                result_ttl_ms,
             )
         )
         self._room_for((new,))
         now = self._clock.now()
-        done = await timed(self._events, "enqueue", self._store.enqueue_many((new,), now=now))
+        try:
+            done = await timed(self._events, "enqueue", self._store.enqueue_many((new,), now=now))
+        except UnknownParent as e:
+            raise InvalidArgument(f"after[{e.position}]: {e.message}") from None
         await self._placed(done, (new,))
         return done[0]
 
@@ -220,10 +260,21 @@ class Service:
         ``{what}[i].field problem`` and nothing is enqueued. Duplicates (by idempotency key)
         are answered per item."""
         limits.batch_size(what, len(items))
-        checked = [_named(self._checked, item, f"{what}[{i}]") for i, item in enumerate(items)]
+        checked = [
+            _named(
+                # (an ``after`` may name earlier items by index: it is told its own)
+                self._checked if item.after is None else functools.partial(self._checked, index=i),
+                item,
+                f"{what}[{i}]",
+            )
+            for i, item in enumerate(items)
+        ]
         self._room_for(checked)
         now = self._clock.now()
-        done = await timed(self._events, "enqueue", self._store.enqueue_many(checked, now=now))
+        try:
+            done = await timed(self._events, "enqueue", self._store.enqueue_many(checked, now=now))
+        except UnknownParent as e:
+            raise InvalidArgument(f"{what}[{e.item}].after[{e.position}]: {e.message}") from None
         await self._placed(done, checked)
         return done
 
@@ -237,6 +288,8 @@ class Service:
         for enqueued, item in zip(done, items, strict=True):
             task = enqueued.task
             if task is None:
+                continue
+            if task.waiting_for:  # (waiting for its parents: nothing to feed)
                 continue
             if item.delay > 0:
                 if earliest is None or task.available_at < earliest:
@@ -292,7 +345,9 @@ class Service:
                 retry_after=limits.RETRY_AFTER,
             )
 
-    def _checked(self, item: Submission) -> NewTask:
+    def _checked(self, item: Submission, index: int | None = None) -> NewTask:
+        """A submission checked. ``index``: its place in a batch (an ``after`` may name an
+        earlier item by its index), None for a lone enqueue."""
         # (Options left to their defaults skip their checks: this runs for every task.)
         key = None if item.key is None else limits.key_value(item.key)
         new = NewTask(
@@ -305,7 +360,13 @@ class Service:
             0 if item.priority is None else limits.priority_value(item.priority),
             key,
             self._clock.now() + self.dedup_window if key is not None else 0.0,
+            result_ttl=self.result_ttl,
         )
+        if item.after is not None or item.result_ttl_ms is not None:
+            new.after = limits.after_value(item.after, index)
+            if item.result_ttl_ms is not None:
+                new.result_ttl = limits.result_ttl_seconds(item.result_ttl_ms, self.result_ttl)
+                new.result_ttl_given = True
         if (
             item.expires_in_ms is not None
             or item.timeout_ms is not None
@@ -406,11 +467,31 @@ class Service:
     # -- settling ----------------------------------------------------------------------------
 
     @follow_through
-    async def ack(self, task_id: object, lease_id: object) -> None:
+    async def ack(self, task_id: object, lease_id: object, result: bytes | None = None) -> None:
+        """Ack a task; with ``result`` (JSON text, checked here), it is kept, succeeded
+        (docs/design/results.md)."""
         tid, lid = _ack_item((task_id, lease_id))
-        await timed(self._events, "settle", self._store.ack(tid, lid, now=self._clock.now()))
+        kept = None if result is None else limits.result_value(result, self.max_payload)
+        await timed(
+            self._events, "settle", self._store.ack(tid, lid, now=self._clock.now(), result=kept)
+        )
         self._events.settled((lid,), ())
         await self._dispatch.finished((lid,), later=self._later)
+        await self._released()
+
+    async def _released(self) -> None:
+        """Children released by the acks just made (docs/design/results.md): feed consumers
+        of their queues, wake the sweeper for the delayed."""
+        released = self._store.take_released()
+        if released is None:
+            return
+        if released.earliest is not None:
+            self._sweeper.wake_by(released.earliest)
+        if released.queues:
+            if not self._later:
+                await self._dispatch.pump(released.queues)
+            elif self._dispatch.wants(released.queues):
+                self._background.spawn(self._dispatch.pump(released.queues))
 
     @follow_through
     async def nack(
@@ -451,13 +532,20 @@ class Service:
         is malformed (not one that is refused: an unknown task, another lease) refuses them
         all, as ``acks[i].field problem``, and nothing is settled."""
         limits.batch_size("acks and nacks", len(acks) + len(nacks))
+        results: dict[str, bytes] | None = None
+        parse_ack: Callable[[Any], tuple[str, str]] = _ack_item
+        if any(len(a) > 2 and a[2] is not None for a in acks):
+            # (Acks with results, docs/design/results.md: an ack whose result is refused is
+            # refused, as one whose id is.)
+            results = {}
+            parse_ack = functools.partial(self._ack_with_result, results)
         if strict:
-            ack_items = [_named(_ack_item, a, f"acks[{i}]") for i, a in enumerate(acks)]
+            ack_items = [_named(parse_ack, a, f"acks[{i}]") for i, a in enumerate(acks)]
             nack_items = [_named(_nack_item, n, f"nacks[{i}]") for i, n in enumerate(nacks)]
             ack_errors: list[WqError | None] = [None] * len(acks)
             nack_errors: list[WqError | None] = [None] * len(nacks)
         else:
-            ack_items, ack_errors = _parse_each(acks, _ack_item)
+            ack_items, ack_errors = _parse_each(acks, parse_ack)
             nack_items, nack_errors = _parse_each(nacks, _nack_item)
         # A stream's acks and the claim of their successors, in one transaction (a store that
         # waits for a commit, or the database, saves one per batch); see Dispatcher.refill_for.
@@ -471,7 +559,9 @@ class Service:
             acked, nacked = await timed(
                 self._events,
                 "settle",
-                self._store.settle_many(ack_items, nack_items, now=self._clock.now()),
+                self._store.settle_many(
+                    ack_items, nack_items, now=self._clock.now(), results=results
+                ),
             )
         else:
             acked, nacked, claimed = await timed(
@@ -484,6 +574,7 @@ class Service:
                     [refill.lease] * min(len(lease_ids), refill.room + len(lease_ids)),
                     now=self._clock.now(),
                     queues=refill.queues,
+                    results=results,
                 ),
             )
         done = [lid for (_, lid), error in zip(ack_items, acked, strict=True) if error is None]
@@ -499,8 +590,18 @@ class Service:
             await self._dispatch.finished(ended, later=self._later)
         else:
             await self._dispatch.refilled(refill, ended, claimed, later=self._later)
+        await self._released()
         nack_outcomes = [r if isinstance(r, WqError) else None for r in nacked]
         return _fill(ack_errors, acked), _fill(nack_errors, nack_outcomes)
+
+    def _ack_with_result(self, results: dict[str, bytes], item: AckItem) -> tuple[str, str]:
+        """An ack checked, its result (if any) checked into ``results`` by task id."""
+        tid, lid = _ack_item((item[0], item[1]))
+        if len(item) > 2 and item[2] is not None:
+            kept = limits.result_value(item[2], self.max_payload)
+            assert kept is not None
+            results[tid] = kept
+        return tid, lid
 
     @follow_through
     async def extend(
@@ -581,6 +682,85 @@ class Service:
         if found is None:
             raise NotFound(f"task {quoted(tid)} does not exist (or was acked)")
         return found
+
+    async def children(self, task_id: object) -> tuple[list[str], int]:
+        """The first few live children of a task (docs/design/results.md) and how many."""
+        tid = limits.id_value("id", task_id)
+        return await self._store.children(tid, limit=limits.MAX_CHILDREN_SHOWN)
+
+    # -- results (docs/design/results.md) ---------------------------------------------------
+
+    async def wait_result(self, task_id: object, wait_ms: object | None = None) -> Outcome | None:
+        """How a task ended: at once if it has (succeeded with its result kept, or dead), else
+        once it does within ``wait_ms`` (default 0, cap 30 s); None if it is still pending then.
+        NotFound for an unknown task, or one gone (its result pruned)."""
+        tid = limits.id_value("id", task_id)
+        wait = limits.result_wait_seconds(wait_ms)
+        if wait > 0 and not self._awaited.get(tid):
+            self._room_for_waiter()
+        found = await self._store.watch(tid)
+        done = _outcome(found)
+        if done is not None or wait <= 0:
+            return done
+        if self._closing:
+            return None
+        awaited = self._awaited.get(tid)
+        if awaited is None:
+            future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+            awaited = self._awaited[tid] = _Awaited(future)
+        awaited.count += 1
+        self._result_waiters += 1
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        timer = self._clock.call_at(self._clock.now() + wait, lambda: _wake(mine))
+        awaited.future.add_done_callback(lambda _: _wake(mine))
+        try:
+            await mine
+        finally:
+            timer.cancel()
+            self._result_waiters -= 1
+            awaited.count -= 1
+            if not awaited.count and self._awaited.get(tid) is awaited:
+                del self._awaited[tid]
+        if awaited.future.done() and not awaited.future.cancelled():
+            return awaited.future.result()
+        return None
+
+    def _room_for_waiter(self) -> None:
+        if self.max_waiters and self._dispatch.waiting + self._result_waiters >= self.max_waiters:
+            raise Overloaded(
+                f"the broker holds at most {self.max_waiters} waiting consumers and result "
+                "waiters: retry later",
+                retry_after=limits.RETRY_AFTER,
+            )
+
+    def _finished(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """Watched tasks ended (on this broker or another): answer their waiters, looking a
+        succeeded or dead one up once for all of them."""
+        if not self._awaited:
+            return
+        now = self._clock.now()
+        for tid, state in pairs:
+            awaited = self._awaited.get(tid)
+            if awaited is None or awaited.future.done():
+                continue
+            if state == SUCCEEDED or state == DEAD:
+                self._background.spawn(self._answer(tid, state, awaited))
+            else:
+                outcome_state = SUCCEEDED if state == ACKED else state
+                awaited.future.set_result(Outcome(tid, outcome_state, finished_at=now))
+
+    async def _answer(self, tid: str, state: str, awaited: _Awaited) -> None:
+        """Answer the waiters of a task that succeeded or died, from one look at it."""
+        try:
+            found = await self._store.lookup(tid)
+        except WqError:
+            found = None
+        outcome = _outcome(found) if found is not None else None
+        if outcome is None and state == SUCCEEDED:  # (pruned meanwhile: it did succeed)
+            outcome = Outcome(tid, state, finished_at=self._clock.now())
+        # (A dead one requeued meanwhile runs again: its waiters wait on, to the end of theirs.)
+        if outcome is not None and not awaited.future.done():
+            awaited.future.set_result(outcome)
 
     async def stats(self, queue: object | None = None) -> Stats:
         """The whole broker's gauges and totals, or one queue's."""
@@ -670,11 +850,26 @@ class Service:
 def _swept_something(swept: tuple[SweepResult, float | None]) -> bool:
     """Whether a sweep changed the store (most find nothing due: no commit to time)."""
     result, _ = swept
-    return bool(result.reclaimed or result.promoted or result.expired)
+    return bool(result.reclaimed or result.promoted or result.expired or result.pruned)
+
+
+def _outcome(found: TaskState) -> Outcome | None:
+    """How a task ended, if it has (succeeded with its result kept, or dead); None if pending."""
+    task = found.task
+    if found.state == SUCCEEDED:
+        return Outcome(task.id, SUCCEEDED, task.result, task.finished_at, attempts=task.attempts)
+    if found.state == DEAD:
+        return Outcome(task.id, DEAD, last_error=task.last_error, attempts=task.attempts)
+    return None
+
+
+def _wake(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _ack_item(item: AckItem) -> tuple[str, str]:
-    task_id, lease_id = item
+    task_id, lease_id = item[0], item[1]
     return limits.id_value("id", task_id), limits.id_value("lease_id", lease_id)
 
 

@@ -68,11 +68,29 @@ Control over tasks (docs/design/control.md says it in full; the contract suite c
 - ``empty_queue`` cancels every ready and delayed task of a queue; ``delete_queue`` forgets a
   queue that holds nothing.
 - The four gauges always add up to ``enqueued - acked - purged - cancelled - expired``.
+
+Results and workflows (docs/design/results.md says it in full; the contract suite checks it):
+
+- an ack with a result (``ack(result=)``, ``settle_many(results=)``) of a task whose
+  ``result_ttl`` is above 0 keeps it, ``succeeded``, with ``result`` and ``finished_at``, until
+  ``finished_at + result_ttl`` and no child that names it in its ``after`` is left; ``sweep``
+  prunes those that are due (``SweepResult.pruned``). It counts ``acked`` as any ack.
+- ``NewTask.after``: a task with a parent not yet succeeded is ``waiting``; the ack of its last
+  pending parent (with or without a result) makes it ready (or delayed by its ``delay``), in the
+  same transaction; ``take_released`` then names the queues (and the earliest due time). A
+  parent that ends dead, cancelled or expired buries its waiting children, transitively; a
+  cancelled waiting task cancels its waiting children, transitively. An unknown parent raises
+  :class:`~wqbroker.errors.UnknownParent` and nothing of the call is enqueued.
+- a delivery of a task with parents carries them (``Delivery.parents``), with the results held.
+- ``watch`` marks a pending task watched; ``on_finished``'s callback hears of every watched task
+  that ends (on any broker of a shared store).
+- ``ready + handed_out + delayed + dead + waiting == enqueued - acked - purged - cancelled -
+  expired``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from wqbroker.errors import WqError
@@ -86,6 +104,7 @@ from wqbroker.models import (
     NewTask,
     QueueReport,
     QueueStats,
+    Released,
     Stats,
     SweepResult,
     Task,
@@ -93,7 +112,19 @@ from wqbroker.models import (
     TaskState,
 )
 
-__all__ = ["CancelListener", "Hints", "Operations", "ReadyListener", "Store", "enqueue_one"]
+__all__ = [
+    "CancelListener",
+    "FinishedCallback",
+    "Hints",
+    "Operations",
+    "ReadyListener",
+    "Store",
+    "enqueue_one",
+]
+
+#: ``on_finished``'s callback: ``(task_id, state)`` pairs of watched tasks that ended, ``state``
+#: one of ``succeeded``, ``acked``, ``dead``, ``cancelled``, ``expired``.
+FinishedCallback = Callable[[Sequence[tuple[str, str]]], None]
 
 
 class Operations(Protocol):
@@ -130,13 +161,25 @@ class Operations(Protocol):
         the i-th for ``leases[i]`` seconds (fewer if fewer are ready). One transaction."""
         ...
 
-    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None: ...
+    async def ack(
+        self, task_id: str, lease_id: str, *, now: float, result: bytes | None = None
+    ) -> None:
+        """Ack: the task is forgotten, or (``result``, JSON text, and a result TTL above 0)
+        kept as succeeded. Its waiting children whose last pending parent it was are released
+        (``take_released``)."""
+        ...
 
     async def settle_many(
-        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        *,
+        now: float,
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         """Acks (task_id, lease_id), then nacks, in one transaction: each outcome is None / a
-        Failure for success, or the error that ack or nack would raise."""
+        Failure for success, or the error that ack or nack would raise. ``results``: the
+        result of an ack, by task id (as ``ack``'s)."""
         ...
 
     async def settle_claim(
@@ -147,6 +190,7 @@ class Operations(Protocol):
         *,
         now: float,
         queues: Sequence[str] = (DEFAULT_QUEUE,),
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
         """``settle_many`` and ``claim_many`` in one transaction: the outcomes of the acks and
         nacks, and up to ``len(leases)`` tasks handed out (whatever the outcomes: a caller that
@@ -194,13 +238,38 @@ class Operations(Protocol):
         ...
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
-        """Drop every ready and delayed task of ``queue``, counted cancelled: how many.
-        NotFound if the queue is unknown."""
+        """Drop every ready, delayed and waiting task of ``queue``, counted cancelled (each as a
+        cancel would: their waiting children buried or cancelled): how many. NotFound if the
+        queue is unknown."""
         ...
 
     async def delete_queue(self, queue: str) -> None:
-        """Forget a queue that holds nothing (its four gauges 0): its paused flag and totals.
-        NotFound if it is unknown; Conflict, naming its counts, if it holds tasks."""
+        """Forget a queue that holds nothing (its four gauges and ``waiting`` 0): its paused
+        flag and totals, and the results it holds. NotFound if it is unknown; Conflict, naming
+        its counts, if it holds tasks."""
+        ...
+
+    async def watch(self, task_id: str) -> TaskState:
+        """The task and its state (NotFound if there is none); a pending one (ready, delayed,
+        handed out, waiting) is marked watched, so that its end is told to ``on_finished``'s
+        callback (on whichever broker of a shared store ends it). One call."""
+        ...
+
+    def on_finished(self, callback: FinishedCallback) -> None:
+        """Have ``callback(pairs)`` called with ``(task_id, state)`` for every watched task that
+        ends (see :data:`FinishedCallback`), once the change is durable; a shared store also
+        calls it for watched tasks other brokers end."""
+        ...
+
+    def take_released(self) -> Released | None:
+        """What became ready or delayed as a side effect of the calls since the last
+        ``take_released`` (children released by their last parent's ack): the queues, and the
+        earliest due time of those delayed; None if nothing was. No I/O."""
+        ...
+
+    async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
+        """The first ``limit`` live children of a task (tasks naming it in their ``after``,
+        oldest first) and how many there are (0 and [] for a task with none or unknown)."""
         ...
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
@@ -264,8 +333,9 @@ class Hints(Protocol):
     """What a store can tell without any I/O: each answers None when the store cannot tell."""
 
     def held_hint(self) -> int | None:
-        """How many tasks are held (ready, delayed and handed out; not dead), if the store knows
-        without any I/O (else None). Used to enforce the broker's task limit."""
+        """How many tasks are held (ready, delayed, handed out, waiting, and results held; not
+        dead), if the store knows without any I/O (else None). Used to enforce the broker's task
+        limit."""
         ...
 
     def queue_hint(self, queue: str) -> bool | None:

@@ -70,6 +70,11 @@ class Task(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     PROGRESS_FIELD_NUMBER: _builtins.int
     CANCELLING_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
+    RESULT_TTL_MS_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     payload: _builtins.bytes
     """The JSON payload, exactly as enqueued."""
@@ -90,6 +95,16 @@ class Task(_message.Message):
     """
     cancelling: _builtins.bool
     """True if it is handed out and was cancelled (CancelTask): it will not be retried."""
+    result: _builtins.bytes
+    """docs/design/results.md. Its result once succeeded (acked with one and kept): JSON text
+    (present: "null" is a result too); unset otherwise.
+    """
+    result_ttl_ms: _builtins.int
+    """How long its result is kept after it succeeds (EnqueueRequest.result_ttl_ms), when given;
+    unset: the broker's default (-result-ttl-ms).
+    """
+    waiting_for: _builtins.int
+    """How many of them have not yet succeeded, while it is waiting; 0 otherwise."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -99,6 +114,14 @@ class Task(_message.Message):
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp:
         """Never handed out at or after this time (EnqueueRequest.expires_in_ms); unset: no expiry."""
+
+    @_builtins.property
+    def finished_at(self) -> _timestamp_pb2.Timestamp:
+        """When it succeeded (set with result)."""
+
+    @_builtins.property
+    def after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The tasks it waits for (or waited for), in the order given (EnqueueRequest.after)."""
 
     def __init__(
         self,
@@ -116,21 +139,61 @@ class Task(_message.Message):
         timeout_ms: _builtins.int | None = ...,
         progress: _builtins.bytes = ...,
         cancelling: _builtins.bool = ...,
+        result: _builtins.bytes | None = ...,
+        finished_at: _timestamp_pb2.Timestamp | None = ...,
+        result_ttl_ms: _builtins.int | None = ...,
+        after: _abc.Iterable[_builtins.str] | None = ...,
+        waiting_for: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "created_at", b"created_at", "expires_at", b"expires_at", "last_error", b"last_error", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "last_error", b"last_error", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_timeout_ms", b"_timeout_ms", "attempts", b"attempts", "available_at", b"available_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "after", b"after", "attempts", b"attempts", "available_at", b"available_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "waiting_for", b"waiting_for"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_error: _TypeAlias = _typing.Literal["last_error"]  # noqa: Y015
     _WhichOneofArgType__last_error: _TypeAlias = _typing.Literal["_last_error", b"_last_error"]  # noqa: Y015
+    _WhichOneofReturnType__result: _TypeAlias = _typing.Literal["result"]  # noqa: Y015
+    _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
+    _WhichOneofReturnType__result_ttl_ms: _TypeAlias = _typing.Literal["result_ttl_ms"]  # noqa: Y015
+    _WhichOneofArgType__result_ttl_ms: _TypeAlias = _typing.Literal["_result_ttl_ms", b"_result_ttl_ms"]  # noqa: Y015
     _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
     _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__last_error) -> _WhichOneofReturnType__last_error | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result_ttl_ms) -> _WhichOneofReturnType__result_ttl_ms | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
 
 Global___Task: _TypeAlias = Task  # noqa: Y015
+
+@_typing.final
+class ParentResult(_message.Message):
+    """A parent of a delivered task (Delivery.parents)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    result: _builtins.bytes
+    """Its result, JSON text, if one is held; unset if it succeeded without one kept."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        result: _builtins.bytes | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_result", b"_result", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_result", b"_result", "id", b"id", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__result: _TypeAlias = _typing.Literal["result"]  # noqa: Y015
+    _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
+
+Global___ParentResult: _TypeAlias = ParentResult  # noqa: Y015
 
 @_typing.final
 class Delivery(_message.Message):
@@ -141,6 +204,7 @@ class Delivery(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
     DEADLINE_FIELD_NUMBER: _builtins.int
+    PARENTS_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.str
     """Present it to Ack or Nack. A fresh random id for every hand-out."""
     @_builtins.property
@@ -149,20 +213,55 @@ class Delivery(_message.Message):
     def deadline(self) -> _timestamp_pb2.Timestamp:
         """The lease runs out at this time; the task is then reclaimed."""
 
+    @_builtins.property
+    def parents(self) -> _containers.RepeatedCompositeFieldContainer[Global___ParentResult]:
+        """The task's parents (EnqueueRequest.after), in that order, with the results held; empty for a
+        task without parents.
+        """
+
     def __init__(
         self,
         *,
         task: Global___Task | None = ...,
         lease_id: _builtins.str = ...,
         deadline: _timestamp_pb2.Timestamp | None = ...,
+        parents: _abc.Iterable[Global___ParentResult] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "lease_id", b"lease_id", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "lease_id", b"lease_id", "parents", b"parents", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Delivery: _TypeAlias = Delivery  # noqa: Y015
+
+@_typing.final
+class TaskRef(_message.Message):
+    """A task an EnqueueRequest waits for: a task id, or (in an EnqueueBatch / Produce batch) the
+    index of an earlier item of the same batch.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    index: _builtins.int
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        index: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "ref", b"ref"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "index", b"index", "ref", b"ref"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_ref: _TypeAlias = _typing.Literal["id", "index"]  # noqa: Y015
+    _WhichOneofArgType_ref: _TypeAlias = _typing.Literal["ref", b"ref"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_ref) -> _WhichOneofReturnType_ref | None: ...
+
+Global___TaskRef: _TypeAlias = TaskRef  # noqa: Y015
 
 @_typing.final
 class EnqueueRequest(_message.Message):
@@ -177,6 +276,8 @@ class EnqueueRequest(_message.Message):
     EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
     TIMEOUT_MS_FIELD_NUMBER: _builtins.int
     UNIQUE_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    RESULT_TTL_MS_FIELD_NUMBER: _builtins.int
     payload: _builtins.bytes
     """Required: one JSON value (any type, including null), as UTF-8 bytes."""
     max_attempts: _builtins.int
@@ -205,6 +306,19 @@ class EnqueueRequest(_message.Message):
     the dedup window): a duplicate gets the first task's id while it lives; once it is acked,
     dead, cancelled or expired, the key makes a new task. INVALID_ARGUMENT without a key.
     """
+    result_ttl_ms: _builtins.int
+    """How long a result is kept once the task is acked with one: 0 (keep none) to 31536000000.
+    Unset: the broker's -result-ttl-ms (default 3600000).
+    """
+    @_builtins.property
+    def after(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskRef]:
+        """docs/design/results.md. Wait, in state "waiting", until every one of these tasks has
+        succeeded (1 to 10000, none twice); then become ready (or delayed by delay_ms from then).
+        A parent that is unknown, or gone, is INVALID_ARGUMENT naming it (nothing of a batch is
+        enqueued); one that is dead buries this task at once. An index names an earlier item of
+        the same batch.
+        """
+
     def __init__(
         self,
         *,
@@ -217,10 +331,12 @@ class EnqueueRequest(_message.Message):
         expires_in_ms: _builtins.int | None = ...,
         timeout_ms: _builtins.int | None = ...,
         unique: _builtins.bool = ...,
+        after: _abc.Iterable[Global___TaskRef] | None = ...,
+        result_ttl_ms: _builtins.int | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "_timeout_ms", b"_timeout_ms", "delay_ms", b"delay_ms", "expires_in_ms", b"expires_in_ms", "max_attempts", b"max_attempts", "priority", b"priority", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "delay_ms", b"delay_ms", "expires_in_ms", b"expires_in_ms", "max_attempts", b"max_attempts", "priority", b"priority", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "_timeout_ms", b"_timeout_ms", "delay_ms", b"delay_ms", "expires_in_ms", b"expires_in_ms", "idempotency_key", b"idempotency_key", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue", "timeout_ms", b"timeout_ms", "unique", b"unique"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_priority", b"_priority", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "after", b"after", "delay_ms", b"delay_ms", "expires_in_ms", b"expires_in_ms", "idempotency_key", b"idempotency_key", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "queue", b"queue", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "unique", b"unique"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__delay_ms: _TypeAlias = _typing.Literal["delay_ms"]  # noqa: Y015
     _WhichOneofArgType__delay_ms: _TypeAlias = _typing.Literal["_delay_ms", b"_delay_ms"]  # noqa: Y015
@@ -230,6 +346,8 @@ class EnqueueRequest(_message.Message):
     _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
     _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
     _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__result_ttl_ms: _TypeAlias = _typing.Literal["result_ttl_ms"]  # noqa: Y015
+    _WhichOneofArgType__result_ttl_ms: _TypeAlias = _typing.Literal["_result_ttl_ms", b"_result_ttl_ms"]  # noqa: Y015
     _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
     _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
     @_typing.overload
@@ -240,6 +358,8 @@ class EnqueueRequest(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result_ttl_ms) -> _WhichOneofReturnType__result_ttl_ms | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
 
@@ -455,19 +575,28 @@ class AckRequest(_message.Message):
 
     ID_FIELD_NUMBER: _builtins.int
     LEASE_ID_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     lease_id: _builtins.str
+    result: _builtins.bytes
+    """docs/design/results.md: the task's result, one JSON value as UTF-8 text (within the body
+    limit): the task is kept, succeeded, for its result TTL. Unset: no result (the task is
+    forgotten, as always).
+    """
     def __init__(
         self,
         *,
         id: _builtins.str = ...,
         lease_id: _builtins.str = ...,
+        result: _builtins.bytes | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_result", b"_result", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_result", b"_result", "id", b"id", "lease_id", b"lease_id", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__result: _TypeAlias = _typing.Literal["result"]  # noqa: Y015
+    _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
 
 Global___AckRequest: _TypeAlias = AckRequest  # noqa: Y015
 
@@ -634,10 +763,16 @@ class StatsResponse(_message.Message):
     DELAYED_FIELD_NUMBER: _builtins.int
     DEAD_FIELD_NUMBER: _builtins.int
     TOTALS_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_FIELD_NUMBER: _builtins.int
     ready: _builtins.int
     handed_out: _builtins.int
     delayed: _builtins.int
     dead: _builtins.int
+    waiting: _builtins.int
+    """Tasks waiting for parents (in the invariant beside the four gauges above)."""
+    succeeded: _builtins.int
+    """Results held (succeeded tasks; they were counted acked)."""
     @_builtins.property
     def totals(self) -> Global___Totals: ...
     def __init__(
@@ -648,10 +783,12 @@ class StatsResponse(_message.Message):
         delayed: _builtins.int = ...,
         dead: _builtins.int = ...,
         totals: Global___Totals | None = ...,
+        waiting: _builtins.int = ...,
+        succeeded: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["totals", b"totals"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "ready", b"ready", "totals", b"totals"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "ready", b"ready", "succeeded", b"succeeded", "totals", b"totals", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -898,23 +1035,108 @@ class GetTaskResponse(_message.Message):
 
     TASK_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
+    CHILDREN_FIELD_NUMBER: _builtins.int
+    CHILDREN_COUNT_FIELD_NUMBER: _builtins.int
     state: _builtins.str
-    """"ready", "handed_out", "delayed" or "dead"."""
+    """"ready", "handed_out", "delayed" or "dead"; or "waiting" or "succeeded"."""
+    children_count: _builtins.int
+    """How many there are in all."""
     @_builtins.property
     def task(self) -> Global___Task: ...
+    @_builtins.property
+    def children(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The first 100 tasks that wait for (or waited for) this one and are not gone, oldest first."""
+
     def __init__(
         self,
         *,
         task: Global___Task | None = ...,
         state: _builtins.str = ...,
+        children: _abc.Iterable[_builtins.str] | None = ...,
+        children_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["children", b"children", "children_count", b"children_count", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetTaskResponse: _TypeAlias = GetTaskResponse  # noqa: Y015
+
+@_typing.final
+class WaitResultRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    WAIT_MS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    wait_ms: _builtins.int
+    """How long to wait for the task's end. Default 0 (answer at once); values above 30000 are
+    clamped to 30000; negative is INVALID_ARGUMENT.
+    """
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        wait_ms: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_wait_ms", b"_wait_ms", "wait_ms", b"wait_ms"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_wait_ms", b"_wait_ms", "id", b"id", "wait_ms", b"wait_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__wait_ms: _TypeAlias = _typing.Literal["wait_ms"]  # noqa: Y015
+    _WhichOneofArgType__wait_ms: _TypeAlias = _typing.Literal["_wait_ms", b"_wait_ms"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__wait_ms) -> _WhichOneofReturnType__wait_ms | None: ...
+
+Global___WaitResultRequest: _TypeAlias = WaitResultRequest  # noqa: Y015
+
+@_typing.final
+class WaitResultResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    RESULT_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    FINISHED_AT_FIELD_NUMBER: _builtins.int
+    ATTEMPTS_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    state: _builtins.str
+    """"succeeded", "dead", "cancelled" or "expired"; empty: still pending when the wait ended."""
+    result: _builtins.bytes
+    """Succeeded with a result kept: the result (JSON text). Unset for a task acked without one."""
+    last_error: _builtins.str
+    """Dead: its last error."""
+    attempts: _builtins.int
+    """Dead: its attempts."""
+    id: _builtins.str
+    @_builtins.property
+    def finished_at(self) -> _timestamp_pb2.Timestamp:
+        """Succeeded: when."""
+
+    def __init__(
+        self,
+        *,
+        state: _builtins.str = ...,
+        result: _builtins.bytes | None = ...,
+        last_error: _builtins.str | None = ...,
+        finished_at: _timestamp_pb2.Timestamp | None = ...,
+        attempts: _builtins.int = ...,
+        id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "finished_at", b"finished_at", "last_error", b"last_error", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "attempts", b"attempts", "finished_at", b"finished_at", "id", b"id", "last_error", b"last_error", "result", b"result", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__last_error: _TypeAlias = _typing.Literal["last_error"]  # noqa: Y015
+    _WhichOneofArgType__last_error: _TypeAlias = _typing.Literal["_last_error", b"_last_error"]  # noqa: Y015
+    _WhichOneofReturnType__result: _TypeAlias = _typing.Literal["result"]  # noqa: Y015
+    _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__last_error) -> _WhichOneofReturnType__last_error | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
+
+Global___WaitResultResponse: _TypeAlias = WaitResultResponse  # noqa: Y015
 
 @_typing.final
 class CancelTaskRequest(_message.Message):
@@ -968,7 +1190,7 @@ class ListTasksRequest(_message.Message):
     queue: _builtins.str
     """Empty: "default"."""
     state: _builtins.str
-    """"ready", "delayed", "handed_out" or "dead". Empty: "ready"."""
+    """"ready", "delayed", "handed_out", "dead", "waiting" or "succeeded". Empty: "ready"."""
     limit: _builtins.int
     """1 to 1000. Default 100 when unset."""
     cursor: _builtins.str
@@ -1143,12 +1365,16 @@ class QueueInfo(_message.Message):
     DEAD_FIELD_NUMBER: _builtins.int
     PAUSED_FIELD_NUMBER: _builtins.int
     OLDEST_READY_AT_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    SUCCEEDED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ready: _builtins.int
     handed_out: _builtins.int
     delayed: _builtins.int
     dead: _builtins.int
     paused: _builtins.bool
+    waiting: _builtins.int
+    succeeded: _builtins.int
     @_builtins.property
     def oldest_ready_at(self) -> _timestamp_pb2.Timestamp:
         """When the oldest ready task (the earliest among the heads of the queue's priority lanes)
@@ -1165,10 +1391,12 @@ class QueueInfo(_message.Message):
         dead: _builtins.int = ...,
         paused: _builtins.bool = ...,
         oldest_ready_at: _timestamp_pb2.Timestamp | None = ...,
+        waiting: _builtins.int = ...,
+        succeeded: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["oldest_ready_at", b"oldest_ready_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "name", b"name", "oldest_ready_at", b"oldest_ready_at", "paused", b"paused", "ready", b"ready"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "name", b"name", "oldest_ready_at", b"oldest_ready_at", "paused", b"paused", "ready", b"ready", "succeeded", b"succeeded", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -134,6 +134,11 @@ class BrokerStub:
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueRequest.SerializeToString,
                 response_deserializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueResponse.FromString,
                 _registered_method=True)
+        self.WaitResult = channel.unary_unary(
+                '/wq.v1.Broker/WaitResult',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.WaitResultRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.WaitResultResponse.FromString,
+                _registered_method=True)
         self.StreamJobs = channel.stream_stream(
                 '/wq.v1.Broker/StreamJobs',
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
@@ -306,8 +311,8 @@ class BrokerServicer:
     def ListTasks(self, request, context):
         """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
         in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
-        by burial. A task that stays in its state is never repeated nor skipped while paging. Never
-        shows lease ids.
+        by burial, waiting by enqueue, succeeded by finish. A task that stays in its state is never
+        repeated nor skipped while paging. Never shows lease ids.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -325,6 +330,18 @@ class BrokerServicer:
         """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
         paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
         tasks; NOT_FOUND for a queue never seen.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitResult(self, request, context):
+        """Wait for a task's end (HTTP: GET /jobs/{id}/result?wait_ms=): its result once it has
+        succeeded, its last error once dead, or how it ended (cancelled, expired, or succeeded with
+        no result kept) if it ended while the call waited. An empty state: still pending when the
+        wait ended (HTTP 204). NOT_FOUND for an unknown task, one gone (acked without a result,
+        cancelled, expired, purged) before the call, or one whose result was pruned.
+        docs/design/results.md.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -457,6 +474,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.DeleteQueue,
                     request_deserializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueRequest.FromString,
                     response_serializer=wqwire_dot_pb_dot_broker__pb2.DeleteQueueResponse.SerializeToString,
+            ),
+            'WaitResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitResult,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.WaitResultRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.WaitResultResponse.SerializeToString,
             ),
             'StreamJobs': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamJobs,
@@ -1004,6 +1026,33 @@ class Broker:
             '/wq.v1.Broker/DeleteQueue',
             wqwire_dot_pb_dot_broker__pb2.DeleteQueueRequest.SerializeToString,
             wqwire_dot_pb_dot_broker__pb2.DeleteQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/WaitResult',
+            wqwire_dot_pb_dot_broker__pb2.WaitResultRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.WaitResultResponse.FromString,
             options,
             channel_credentials,
             insecure,

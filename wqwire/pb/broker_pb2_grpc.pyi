@@ -151,8 +151,8 @@ class BrokerStub:
     ListTasks: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListTasksRequest, _broker_pb2.ListTasksResponse]
     """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
     in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
-    by burial. A task that stays in its state is never repeated nor skipped while paging. Never
-    shows lease ids.
+    by burial, waiting by enqueue, succeeded by finish. A task that stays in its state is never
+    repeated nor skipped while paging. Never shows lease ids.
     """
     EmptyQueue: _grpc.UnaryUnaryMultiCallable[_broker_pb2.EmptyQueueRequest, _broker_pb2.EmptyQueueResponse]
     """Cancel every ready and delayed task of a queue (HTTP: POST /queues/{name}/empty); handed-out
@@ -162,6 +162,14 @@ class BrokerStub:
     """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
     paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
     tasks; NOT_FOUND for a queue never seen.
+    """
+    WaitResult: _grpc.UnaryUnaryMultiCallable[_broker_pb2.WaitResultRequest, _broker_pb2.WaitResultResponse]
+    """Wait for a task's end (HTTP: GET /jobs/{id}/result?wait_ms=): its result once it has
+    succeeded, its last error once dead, or how it ended (cancelled, expired, or succeeded with
+    no result kept) if it ended while the call waited. An empty state: still pending when the
+    wait ended (HTTP 204). NOT_FOUND for an unknown task, one gone (acked without a result,
+    cancelled, expired, purged) before the call, or one whose result was pruned.
+    docs/design/results.md.
     """
     StreamJobs: _grpc.StreamStreamMultiCallable[_broker_pb2.StreamJobsRequest, _broker_pb2.StreamJobsResponse]
     """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
@@ -276,8 +284,8 @@ class BrokerAsyncStub(BrokerStub):
     ListTasks: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListTasksRequest, _broker_pb2.ListTasksResponse]  # type: ignore[assignment]
     """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
     in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
-    by burial. A task that stays in its state is never repeated nor skipped while paging. Never
-    shows lease ids.
+    by burial, waiting by enqueue, succeeded by finish. A task that stays in its state is never
+    repeated nor skipped while paging. Never shows lease ids.
     """
     EmptyQueue: _aio.UnaryUnaryMultiCallable[_broker_pb2.EmptyQueueRequest, _broker_pb2.EmptyQueueResponse]  # type: ignore[assignment]
     """Cancel every ready and delayed task of a queue (HTTP: POST /queues/{name}/empty); handed-out
@@ -287,6 +295,14 @@ class BrokerAsyncStub(BrokerStub):
     """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
     paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
     tasks; NOT_FOUND for a queue never seen.
+    """
+    WaitResult: _aio.UnaryUnaryMultiCallable[_broker_pb2.WaitResultRequest, _broker_pb2.WaitResultResponse]  # type: ignore[assignment]
+    """Wait for a task's end (HTTP: GET /jobs/{id}/result?wait_ms=): its result once it has
+    succeeded, its last error once dead, or how it ended (cancelled, expired, or succeeded with
+    no result kept) if it ended while the call waited. An empty state: still pending when the
+    wait ended (HTTP 204). NOT_FOUND for an unknown task, one gone (acked without a result,
+    cancelled, expired, purged) before the call, or one whose result was pruned.
+    docs/design/results.md.
     """
     StreamJobs: _aio.StreamStreamMultiCallable[_broker_pb2.StreamJobsRequest, _broker_pb2.StreamJobsResponse]  # type: ignore[assignment]
     """The streaming NextJob: tasks of the queues in `open.queues` are pushed to the worker as soon
@@ -506,8 +522,8 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_broker_pb2.ListTasksResponse, _abc.Awaitable[_broker_pb2.ListTasksResponse]]:
         """A page of a queue's tasks in one state (HTTP: GET /jobs?queue=&state=&limit=&cursor=): ready
         in the order they would be claimed, delayed by due time, handed out by lease deadline, dead
-        by burial. A task that stays in its state is never repeated nor skipped while paging. Never
-        shows lease ids.
+        by burial, waiting by enqueue, succeeded by finish. A task that stays in its state is never
+        repeated nor skipped while paging. Never shows lease ids.
         """
 
     @_abc_1.abstractmethod
@@ -529,6 +545,20 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         """Forget a queue that holds nothing (HTTP: DELETE /queues/{name}): it leaves ListQueues, its
         paused flag and totals are forgotten. FAILED_PRECONDITION naming its counts if it holds
         tasks; NOT_FOUND for a queue never seen.
+        """
+
+    @_abc_1.abstractmethod
+    def WaitResult(
+        self,
+        request: _broker_pb2.WaitResultRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.WaitResultResponse, _abc.Awaitable[_broker_pb2.WaitResultResponse]]:
+        """Wait for a task's end (HTTP: GET /jobs/{id}/result?wait_ms=): its result once it has
+        succeeded, its last error once dead, or how it ended (cancelled, expired, or succeeded with
+        no result kept) if it ended while the call waited. An empty state: still pending when the
+        wait ended (HTTP 204). NOT_FOUND for an unknown task, one gone (acked without a result,
+        cancelled, expired, purged) before the call, or one whose result was pruned.
+        docs/design/results.md.
         """
 
     @_abc_1.abstractmethod
