@@ -815,6 +815,60 @@ def listing(q: bool) -> None:
     RESULTS["listing"] = found
 
 
+# -- workflows: fan-in and fan-out ---------------------------------------------------------------
+
+
+def workflows(q: bool) -> None:
+    """A fan-in of 10,000 parents into one child, and a fan-out of one parent into 10,000
+    children (docs/design/results.md), on each store, each run on a fresh broker: how soon the
+    child is handed out after the last parent's ack, how long the ack that releases 10,000
+    children takes, and when they are all handed out."""
+    print("Workflows: a fan-in and a fan-out of 10,000 (ms)", flush=True)
+    n = 2_000 if q else 10_000
+    runs = 1 if q else 3
+    why = pg.unreachable()
+    found: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp, pg.scratch() as make:
+        stores: list[tuple[str, Callable[[str], tuple[str, ...]]]] = [
+            ("memory", lambda _: ()),
+            ("sqlite", lambda tag: ("-store", f"sqlite:{tmp}/{tag}.db")),
+        ]
+        if why is None:
+            stores.append(("postgres", lambda tag: ("-store", make(tag))))
+        for run in range(runs):
+            for label, store in stores:
+                for shape in ("fan-in", "fan-out"):
+                    with broker(*store(f"wf_{shape.replace('-', '')}_{run}")) as b:
+                        r = run_json("bench.workflows", shape, b.grpc, str(n), timeout=600)
+                    found.setdefault(f"{label} {shape}", []).append(r)
+    RESULTS["workflows"] = found
+    if why is not None:
+        add("workflows", "PostgreSQL", f"unreachable ({why}): skipped")
+    for key, rs in found.items():
+        label, shape = key.split()
+        if shape == "fan-in":
+            release = statistics.median(r["release_ms"] for r in rs)
+            once = all(r["deliveries"] == 1 and r["parents_on_delivery"] == n for r in rs)
+            add(
+                "workflows",
+                f"{label}: {n:,} parents into one child: the child handed out after the last "
+                "parent's ack (median)",
+                f"{release:.1f} ms ({'once, with every parent' if once else 'NOT ONCE'})",
+                "<= 50 ms, once",
+                release <= 50 and once,
+            )
+        else:
+            ack = statistics.median(r["ack_ms"] for r in rs)
+            last = statistics.median(r["last_ms"] for r in rs)
+            first = statistics.median(r["first_ms"] for r in rs)
+            add(
+                "workflows",
+                f"{label}: one parent into {n:,} children: its ack / first / last child handed "
+                "out (medians)",
+                f"{ack:.1f} / {first:.1f} / {last:.1f} ms",
+            )
+
+
 # -- a slow link to the database -------------------------------------------------------------------
 
 LINK_DELAY_MS: Final = 20  # each way
@@ -1192,6 +1246,7 @@ SECTIONS = {
     "drain": drain,
     "slowlink": slow_link,
     "listing": listing,
+    "workflows": workflows,
 }
 
 
