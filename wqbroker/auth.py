@@ -107,10 +107,16 @@ SCOPES: Final[Mapping[str, Routes]] = {
 
 # Routes open to any valid token, whatever its scopes. A task's lookup is here: a producer
 # follows the task it enqueued, a worker the one it holds (the DLQ listing, every dead task at
-# once, stays the admin's).
+# once, stays the admin's); and so is the wait for its result (docs/design/results.md): a
+# producer waits for what it enqueued.
 ANY_TOKEN: Final = Routes(
-    http=("GET /stats", "GET /queues", "GET /jobs/{id}"),
-    grpc=(_BROKER + "Stats", _BROKER + "GetTask", _BROKER + "ListQueues"),
+    http=("GET /stats", "GET /queues", "GET /jobs/{id}", "GET /jobs/{id}/result"),
+    grpc=(
+        _BROKER + "Stats",
+        _BROKER + "GetTask",
+        _BROKER + "ListQueues",
+        _BROKER + "WaitResult",
+    ),
 )
 
 # Routes open without a token: liveness and readiness probes must work without credentials, and

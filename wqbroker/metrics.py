@@ -76,6 +76,9 @@ _GAUGES: Final = {
     "handed_out": "Tasks out with a worker under a lease.",
     "delayed": "Tasks waiting for their delay or retry backoff.",
     "dead": "Tasks in the dead-letter queue.",
+    # docs/design/results.md
+    "waiting": "Tasks waiting for their parents (enqueued with after) to succeed.",
+    "succeeded": "Results held: tasks acked with a result, kept for their result TTL.",
 }
 
 # Seconds: the wait of a task and the time a handler holds it (milliseconds to an hour).

@@ -35,7 +35,16 @@ from wqbroker.errors import (
 )
 from wqbroker.grpc import reflection
 from wqbroker.grpc.decoding import guarded, handler_table
-from wqbroker.models import Delivery, Enqueued, QueueStats, Task, TaskState
+from wqbroker.models import (
+    DEAD,
+    SUCCEEDED,
+    Delivery,
+    Enqueued,
+    Outcome,
+    QueueStats,
+    Task,
+    TaskState,
+)
 from wqbroker.service import Service, Submission
 from wqwire.defaults import CANCELLED_KEY, MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
 from wqwire.pb import broker_pb2 as pb
@@ -203,12 +212,17 @@ def _fill_task(out: pb.Task, task: Task) -> None:
         or task.timeout is not None
         or task.progress is not None
         or task.cancelling
+        or task.result is not None
+        or task.finished_at is not None
+        or task.result_ttl is not None
+        or task.after is not None
     ):
-        _fill_controls(out, task)
+        _fill_extensions(out, task)
 
 
-def _fill_controls(out: pb.Task, task: Task) -> None:
-    """The fields of docs/design/control.md, each only when set (unset: as before)."""
+def _fill_extensions(out: pb.Task, task: Task) -> None:
+    """The fields of docs/design/control.md and docs/design/results.md, each only when set
+    (unset: as before)."""
     if task.expires_at is not None:
         _set_time(out.expires_at, task.expires_at)
     if task.timeout is not None:
@@ -217,12 +231,28 @@ def _fill_controls(out: pb.Task, task: Task) -> None:
         out.progress = task.progress
     if task.cancelling:
         out.cancelling = True
+    if task.result is not None:
+        out.result = task.result
+    if task.finished_at is not None:
+        _set_time(out.finished_at, task.finished_at)
+    if task.result_ttl is not None:
+        out.result_ttl_ms = round(task.result_ttl * 1000)
+    if task.after is not None:
+        out.after.extend(task.after)
+        out.waiting_for = task.waiting_for
 
 
 def _fill_delivery(out: pb.Delivery, delivery: Delivery) -> None:
     _fill_task(out.task, delivery.task)
     out.lease_id = delivery.lease_id
     _set_time(out.deadline, delivery.deadline)
+    if delivery.parents is not None:
+        add = out.parents.add
+        for parent in delivery.parents:
+            if parent.result is None:
+                add(id=parent.id)
+            else:
+                add(id=parent.id, result=parent.result)
 
 
 def task_pb(task: Task) -> pb.Task:
@@ -252,7 +282,29 @@ def queue_pb(queue: QueueStats, oldest_ready: float | None = None) -> pb.QueueIn
         dead=queue.dead,
         paused=queue.paused,
         oldest_ready_at=None if oldest_ready is None else timestamp(oldest_ready),
+        waiting=queue.waiting,
+        succeeded=queue.succeeded,
     )
+
+
+def outcome_pb(task_id: str, outcome: Outcome | None) -> pb.WaitResultResponse:
+    """A result wait's answer (docs/design/results.md): an empty state for a task still pending;
+    a succeeded one's result (unset: acked without one) and when; a dead one's last error and
+    attempts."""
+    out = pb.WaitResultResponse(id=task_id)
+    if outcome is None:
+        return out
+    out.state = outcome.state
+    if outcome.state == SUCCEEDED:
+        if outcome.result is not None:
+            out.result = outcome.result
+        if outcome.finished_at is not None:
+            _set_time(out.finished_at, outcome.finished_at)
+    elif outcome.state == DEAD:
+        if outcome.last_error is not None:
+            out.last_error = utf8(outcome.last_error)
+        out.attempts = outcome.attempts
+    return out
 
 
 class _Outcome(NamedTuple):
@@ -349,7 +401,27 @@ def _submission(item: pb.EnqueueRequest) -> Submission:
         item.expires_in_ms if has("expires_in_ms") else None,
         item.timeout_ms if has("timeout_ms") else None,
         item.unique or None,
+        [_parent_ref(ref) for ref in item.after] if item.after else None,
+        item.result_ttl_ms if has("result_ttl_ms") else None,
     )
+
+
+def _parent_ref(ref: pb.TaskRef) -> str | int | None:
+    """An ``after`` entry as the service takes it: a task id, an index of an earlier item of the
+    batch, or None (neither set: the service refuses it, naming it)."""
+    which = ref.WhichOneof("ref")
+    if which == "id":
+        return ref.id
+    if which == "index":
+        return ref.index
+    return None
+
+
+def _ack(a: pb.AckRequest) -> tuple[str, str] | tuple[str, str, bytes]:
+    """An ack as the service takes it: with its result (JSON text) if it has one."""
+    if a.HasField("result"):
+        return a.id, a.lease_id, a.result
+    return a.id, a.lease_id
 
 
 def _nack_item(n: pb.NackRequest) -> tuple[str, str, str | None, int | None, bool | None]:
@@ -375,11 +447,10 @@ async def _settle(
     service: Service, acks: Sequence[pb.AckRequest], nacks: Sequence[pb.NackRequest] = ()
 ) -> list[_Outcome]:
     """Settle acks, then nacks, at once; their outcomes, in that order."""
-    pairs = [(a.id, a.lease_id) for a in acks]  # (each field read once: this is per task)
-    ack_errors, nack_errors = await service.settle_many(pairs, [_nack_item(n) for n in nacks])
+    items = [_ack(a) for a in acks]  # (each field read once: this is per task)
+    ack_errors, nack_errors = await service.settle_many(items, [_nack_item(n) for n in nacks])
     return [
-        _Outcome(task_id, lease_id, error)
-        for (task_id, lease_id), error in zip(pairs, ack_errors, strict=True)
+        _Outcome(item[0], item[1], error) for item, error in zip(items, ack_errors, strict=True)
     ] + [
         _Outcome(n.id, n.lease_id, error, nack=True)
         for n, error in zip(nacks, nack_errors, strict=True)
@@ -406,6 +477,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 expires_in_ms=item.expires_in_ms,
                 timeout_ms=item.timeout_ms,
                 unique=item.unique,
+                after=item.after,
+                result_ttl_ms=item.result_ttl_ms,
             )
             return pb.EnqueueResponse(id=result.id, duplicate=result.duplicate)
 
@@ -528,7 +601,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             outcomes, delivery = await self._service.next_job(
                 _optional(request, "wait_ms"),
                 _optional(request, "lease_ms"),
-                [(a.id, a.lease_id) for a in acks],
+                [_ack(a) for a in acks],
                 hand_over,
                 queues=_queues(request.queues),
             )
@@ -548,7 +621,8 @@ class BrokerServicer(pb_grpc.BrokerServicer):
 
     async def Ack(self, request: pb.AckRequest, context: Context) -> pb.AckResponse:
         async with _Errors(context):
-            await self._service.ack(request.id, request.lease_id)
+            result = request.result if request.HasField("result") else None
+            await self._service.ack(request.id, request.lease_id, result)
             return pb.AckResponse()
 
     async def Nack(self, request: pb.NackRequest, context: Context) -> pb.NackResponse:
@@ -577,7 +651,20 @@ class BrokerServicer(pb_grpc.BrokerServicer):
     async def GetTask(self, request: pb.GetTaskRequest, context: Context) -> pb.GetTaskResponse:
         async with _Errors(context):
             found = await self._service.lookup(request.id)
-            return pb.GetTaskResponse(task=task_pb(found.task), state=found.state)
+            children, count = await self._service.children(request.id)
+            return pb.GetTaskResponse(
+                task=task_pb(found.task),
+                state=found.state,
+                children=children,
+                children_count=count,
+            )
+
+    async def WaitResult(
+        self, request: pb.WaitResultRequest, context: Context
+    ) -> pb.WaitResultResponse:
+        async with _Errors(context):
+            outcome = await self._service.wait_result(request.id, _optional(request, "wait_ms"))
+            return outcome_pb(request.id, outcome)
 
     async def Stats(self, request: pb.StatsRequest, context: Context) -> pb.StatsResponse:
         async with _Errors(context):
@@ -876,11 +963,27 @@ def _bound(deliveries: Sequence[Delivery], outcomes: Sequence[_Outcome]) -> int:
         total += len(t.payload) + 6 * texts + _DELIVERY_FRAME
         if t.progress is not None:  # (a hand-out has none: progress is a holder's)
             total += len(t.progress)
+        if d.parents is not None:  # (docs/design/results.md: the parents, their results)
+            total += _parents_bound(d)
     for o in outcomes:
         total += 6 * (len(o.id) + len(o.lease_id)) + _OUTCOME_FRAME
         if o.error is not None:
             total += MAX_DETAILS_BYTES
     return total
+
+
+def _parents_bound(delivery: Delivery) -> int:
+    """At least what a delivery's task's ``after`` and its ``parents`` add to its encoding."""
+    assert delivery.parents is not None
+    total = 0
+    for parent in delivery.parents:
+        total += 2 * (6 * len(parent.id) + _PARENT_FRAME)  # (in after, and in parents)
+        if parent.result is not None:
+            total += len(parent.result)
+    return total
+
+
+_PARENT_FRAME: Final = 16  # a parent's tags and lengths, with room to spare
 
 
 def _entry_size(message: Message) -> int:

@@ -34,7 +34,18 @@ from wqbroker.errors import (
     WqError,
     lookup,
 )
-from wqbroker.models import CANCELLING, Delivery, QueueStats, Stats, Task, TaskState
+from wqbroker.models import (
+    CANCELLING,
+    DEAD,
+    SUCCEEDED,
+    Delivery,
+    Outcome,
+    ParentResult,
+    QueueStats,
+    Stats,
+    Task,
+    TaskState,
+)
 from wqbroker.service import Service, Submission
 from wqwire import defaults
 
@@ -54,6 +65,8 @@ STATUS: Final[dict[type[WqError], int]] = {
 
 _ENQUEUE_RAW: Final = frozenset({"payload"})
 _EXTEND_RAW: Final = frozenset({"progress"})
+# An ack's result (docs/design/results.md): kept as its text, as payloads are.
+_ACK_RAW: Final = frozenset({"result"})
 
 IDEMPOTENCY_KEY: Final = defaults.IDEMPOTENCY_KEY_HEADER
 
@@ -77,19 +90,24 @@ def render_task(task: Task) -> bytes:
                 f'"created_at":"{ts(task.created_at)}","available_at":"{ts(task.available_at)}",'
                 f'"last_error":{error},"queue":"{task.queue}","priority":{task.priority}'
             ).encode(),
-            _controls(task)
+            _extensions(task)
             if task.expires_at is not None
             or task.timeout is not None
             or task.progress is not None
             or task.cancelling
+            or task.result is not None
+            or task.finished_at is not None
+            or task.result_ttl is not None
+            or task.after is not None
             else b"}",
         )
     )
 
 
-def _controls(task: Task) -> bytes:
-    """The members of docs/design/control.md a task view shows, each only when set (a client
-    that sends none of them sees the view it always saw), and the view's closing brace."""
+def _extensions(task: Task) -> bytes:
+    """The members of docs/design/control.md and docs/design/results.md a task view shows, each
+    only when set (a client that sends none of them sees the view it always saw), and the
+    view's closing brace."""
     parts = []
     if task.expires_at is not None:
         parts.append(f',"expires_at":"{codec.rfc3339(task.expires_at)}"'.encode())
@@ -99,6 +117,16 @@ def _controls(task: Task) -> bytes:
         parts.append(b',"progress":' + task.progress)
     if task.cancelling:
         parts.append(b',"cancelling":true')
+    if task.result is not None:
+        parts.append(b',"result":' + task.result)  # (JSON text, as received)
+    if task.finished_at is not None:
+        parts.append(f',"finished_at":"{codec.rfc3339(task.finished_at)}"'.encode())
+    if task.result_ttl is not None:
+        parts.append(f',"result_ttl_ms":{round(task.result_ttl * 1000)}'.encode())  # (as given)
+    if task.after is not None:
+        parts.append(b',"after":' + codec.dumps(list(task.after)))
+        if task.waiting_for:
+            parts.append(f',"waiting_for":{task.waiting_for}'.encode())
     parts.append(b"}")
     return b"".join(parts)
 
@@ -106,6 +134,21 @@ def _controls(task: Task) -> bytes:
 def render_task_state(found: TaskState) -> bytes:
     """The task view plus its ``state`` (never a lease id)."""
     return render_task(found.task)[:-1] + f',"state":"{found.state}"}}'.encode()
+
+
+def render_children(view: bytes, children: Sequence[str], count: int) -> bytes:
+    """A task's view (``render_task_state``) with its live children (docs/design/results.md):
+    ``"children"`` (the first few ids) and ``"children_count"``, when it has any."""
+    if not count:
+        return view
+    return b"".join(
+        (
+            view[:-1],
+            b',"children":',
+            codec.dumps(list(children)),
+            f',"children_count":{count}}}'.encode(),
+        )
+    )
 
 
 def render_queue(queue: QueueStats, oldest_ready: float | None = None) -> bytes:
@@ -116,6 +159,8 @@ def render_queue(queue: QueueStats, oldest_ready: float | None = None) -> bytes:
             "handed_out": queue.handed_out,
             "delayed": queue.delayed,
             "dead": queue.dead,
+            "waiting": queue.waiting,
+            "succeeded": queue.succeeded,
             "paused": queue.paused,
             # When the oldest ready task (at the head of a priority lane) became ready.
             "oldest_ready_at": None if oldest_ready is None else codec.rfc3339(oldest_ready),
@@ -124,13 +169,52 @@ def render_queue(queue: QueueStats, oldest_ready: float | None = None) -> bytes:
 
 
 def render_delivery(delivery: Delivery) -> bytes:
+    lease = f',"lease_id":"{delivery.lease_id}","deadline":"{codec.rfc3339(delivery.deadline)}"'
     return b"".join(
         (
             b'{"task":',
             render_task(delivery.task),
-            f',"lease_id":"{delivery.lease_id}","deadline":"{codec.rfc3339(delivery.deadline)}"}}'.encode(),
+            lease.encode(),
+            b"}" if delivery.parents is None else _parents(delivery.parents),
         )
     )
+
+
+def _parents(parents: Sequence[ParentResult]) -> bytes:
+    """A delivery's ``"parents"`` (docs/design/results.md), in the order of the task's ``after``:
+    each ``{"id", "result"}``, or ``{"id"}`` when no result of it is held; and the closing
+    brace."""
+    return b"".join(
+        (
+            b',"parents":[',
+            b",".join(
+                b'{"id":' + codec.dumps(p.id) + b"}"
+                if p.result is None
+                else b'{"id":' + codec.dumps(p.id) + b',"result":' + p.result + b"}"
+                for p in parents
+            ),
+            b"]}",
+        )
+    )
+
+
+def render_outcome(outcome: Outcome) -> bytes:
+    """The answer of a result wait (docs/design/results.md): ``{"id", "state", ...}``: a
+    succeeded task's ``result`` (none when it was acked without one) and ``finished_at``; a dead
+    one's ``last_error`` and ``attempts``; nothing more for a cancelled or expired one."""
+    head = b'{"id":' + codec.dumps(outcome.task_id) + f',"state":"{outcome.state}"'.encode()
+    parts = [head]
+    if outcome.state == SUCCEEDED:
+        if outcome.result is not None:
+            parts.append(b',"result":' + outcome.result)
+        if outcome.finished_at is not None:
+            parts.append(f',"finished_at":"{codec.rfc3339(outcome.finished_at)}"'.encode())
+    elif outcome.state == DEAD:
+        error = outcome.last_error
+        parts.append(b',"last_error":' + (b"null" if error is None else codec.dumps(error)))
+        parts.append(f',"attempts":{outcome.attempts}'.encode())
+    parts.append(b"}")
+    return b"".join(parts)
 
 
 def render_deliveries(deliveries: Sequence[Delivery]) -> bytes:
@@ -282,6 +366,8 @@ async def enqueue(service: Service, request: Request) -> Answer:
         expires_in_ms=fields.get("expires_in_ms"),
         timeout_ms=fields.get("timeout_ms"),
         unique=fields.get("unique"),
+        after=fields.get("after"),
+        result_ttl_ms=fields.get("result_ttl_ms"),
     )
     if enqueued.duplicate:
         return 200, f'{{"id":"{enqueued.id}","duplicate":true}}'.encode()
@@ -312,6 +398,8 @@ async def enqueue_batch(service: Service, request: Request) -> Answer:
                 fields.get("expires_in_ms"),
                 fields.get("timeout_ms"),
                 fields.get("unique"),
+                fields.get("after"),  # (ids, or indices of earlier items)
+                fields.get("result_ttl_ms"),
             )
             for fields in items
         ],
@@ -362,16 +450,22 @@ async def claim_batch(service: Service, request: Request) -> Answer:
 
 
 async def settle(service: Service, request: Request) -> Answer:
-    """POST /jobs/settle, an extension (200): ``{"acks": [{"id", "lease_id"}...], "nacks": [{"id",
-    "lease_id", "error", "delay_ms", "terminal"}...]}``, all at once (acks, then nacks); each
-    one's outcome in order: null, or ``{"error", "status"}`` as its own request would have been
-    answered (404, 409). A malformed one (as its own request would have been refused: 400)
-    refuses them all, and nothing is settled."""
-    fields = codec.parse_object(await request.body())
+    """POST /jobs/settle, an extension (200): ``{"acks": [{"id", "lease_id", "result"}...],
+    "nacks": [{"id", "lease_id", "error", "delay_ms", "terminal"}...]}``, all at once (acks, then
+    nacks); each one's outcome in order: null, or ``{"error", "status"}`` as its own request
+    would have been answered (404, 409). A malformed one (as its own request would have been
+    refused: 400) refuses them all, and nothing is settled. An ack's ``result``
+    (docs/design/results.md) is kept as its text."""
+    body = await request.body()
+    fields = codec.parse_object(body)
     acks = _settlements(fields, "acks")
     nacks = _settlements(fields, "nacks")
+    if b'"result"' in body or any("result" in a for a in acks):
+        # Acks with results (the member spelled with escapes too): read again, each result
+        # kept as its text (a settle without any costs one search of its bytes).
+        acks = _acks_with_results(body)
     acked, nacked = await service.settle_many(
-        [(a.get("id"), a.get("lease_id")) for a in acks],
+        [_ack_item(a) for a in acks],
         [
             (n.get("id"), n.get("lease_id"), n.get("error"), n.get("delay_ms"), n.get("terminal"))
             for n in nacks
@@ -399,6 +493,24 @@ def _settlements(fields: dict[str, object], name: str) -> list[dict[str, object]
     return items
 
 
+def _acks_with_results(body: bytes) -> list[dict[str, object]]:
+    """The ``acks`` of a settle's body (already parsed once: a JSON object whose ``acks`` is an
+    array of objects), each ack's ``result`` kept as its text."""
+    text = codec.parse_object(body, frozenset({"acks"})).get("acks")
+    if not isinstance(text, bytes):
+        return []
+    return codec.parse_objects(b'{"acks":' + text + b"}", "acks", _ACK_RAW)
+
+
+def _ack_item(ack: dict[str, object]) -> tuple[object, object] | tuple[object, object, bytes]:
+    """An ack of a settle, as the service takes it: with its result (JSON text) if it has one
+    (``"result": null`` is one: null)."""
+    result = ack.get("result")
+    if isinstance(result, bytes):
+        return ack.get("id"), ack.get("lease_id"), result
+    return ack.get("id"), ack.get("lease_id")
+
+
 def _settled(error: WqError | None) -> bytes:
     if error is None:
         return b"null"
@@ -406,8 +518,17 @@ def _settled(error: WqError | None) -> bytes:
 
 
 async def ack(service: Service, request: Request) -> Answer:
+    """POST /jobs/{id}/ack: 204. An optional body ``{"result": <any JSON>}`` is the task's
+    result (docs/design/results.md), kept as sent; no body, an empty one or ``{}``: none."""
     task_id = request.match("id")
-    await service.ack(task_id, _lease_id(request))
+    lease_id = _lease_id(request)
+    body = await request.body()  # (mostly none: then nothing more to do)
+    result: bytes | None = None
+    if body:
+        value = _optional_object(body, _ACK_RAW).get("result")
+        if isinstance(value, bytes):  # (JsonText; "null" too: null is a result)
+            result = value
+    await service.ack(task_id, lease_id, result)
     return NO_CONTENT
 
 
@@ -444,7 +565,21 @@ async def extend(service: Service, request: Request) -> Answer:
 
 
 async def lookup_task(service: Service, request: Request) -> Answer:
-    return 200, render_task_state(await service.lookup(request.match("id")))
+    """GET /jobs/{id}: the task's view and state; with its live children, if it has any
+    (docs/design/results.md)."""
+    task_id = request.match("id")
+    view = render_task_state(await service.lookup(task_id))
+    children, count = await service.children(task_id)
+    return 200, render_children(view, children, count)
+
+
+async def result(service: Service, request: Request) -> Answer:
+    """GET /jobs/{id}/result?wait_ms=: how the task ended (docs/design/results.md), at once if
+    it has, else once it does within ``wait_ms`` (default 0); 204 if it is still pending then."""
+    outcome = await service.wait_result(request.match("id"), _query_int(request, "wait_ms"))
+    if outcome is None:
+        return NO_CONTENT
+    return 200, render_outcome(outcome)
 
 
 async def cancel(service: Service, request: Request) -> Answer:
@@ -582,7 +717,8 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("GET", "/jobs", list_tasks, head=True),
     Route("GET", "/jobs/{id}", lookup_task, head=True, patterns=_JOB_ID),
     Route("DELETE", "/jobs/{id}", cancel, patterns=_JOB_ID),
-    Route("POST", "/jobs/{id}/ack", ack, hot=True),
+    Route("GET", "/jobs/{id}/result", result, head=True),
+    Route("POST", "/jobs/{id}/ack", ack, reads_body=True, hot=True),
     Route("POST", "/jobs/{id}/nack", nack, reads_body=True, hot=True),
     Route("POST", "/jobs/{id}/extend", extend, reads_body=True, hot=True),
     Route("GET", "/stats", stats, head=True),

@@ -36,10 +36,10 @@ lane and one without).
 
 A lane request's body is read whole before its handler runs (aiohttp's handlers read theirs
 first thing); one that does not come within the body time-out gets 408 and the connection is
-closed, as aiohttp's way does. A route that reads no body (ack, a claim) with a body still to come
-is passed to aiohttp, which answers at once and skips it (extend reads one: its optional
-progress). Time-outs (head, body, idle) are kept by one timer per connection (``lane.Deadline``,
-as aiohttp's side keeps its own).
+closed, as aiohttp's way does. A route that reads no body (a claim) with a body still to come is
+passed to aiohttp, which answers at once and skips it (ack and extend read one: an optional
+result, an optional progress). Time-outs (head, body, idle) are kept by one timer per connection
+(``lane.Deadline``, as aiohttp's side keeps its own).
 """
 
 from __future__ import annotations
