@@ -125,12 +125,66 @@ _TASK_CONTROLS: Final[Json] = {
     },
 }
 
+# The members of docs/design/results.md: each only when set, as those above.
+_TASK_RESULTS: Final[Json] = {
+    "result": {
+        "description": "Only once it has succeeded (acked with a result, kept for its result "
+        "TTL): the result, any JSON value (null too), exactly as acked."
+    },
+    "finished_at": {
+        **_ref("schemas", "Timestamp"),
+        "description": "Only once it has succeeded: when it was acked.",
+    },
+    "result_ttl_ms": {
+        "type": "integer",
+        "minimum": 0,
+        "maximum": limits.MAX_RESULT_TTL_MS,
+        "description": "Only when enqueued with `result_ttl_ms`: how long its result is kept.",
+    },
+    "after": {
+        "type": "array",
+        "items": {"type": "string", "minLength": 1},
+        "minItems": 1,
+        "description": "Only for a task enqueued with `after`: its parents' ids, in order.",
+    },
+    "waiting_for": {
+        "type": "integer",
+        "minimum": 1,
+        "description": "Only while it is waiting: how many of its parents have not yet succeeded.",
+    },
+}
+
 _GAUGES: Final[Json] = {
     "ready": _count("Tasks waiting to be claimed."),
     "handed_out": _count("Tasks out with a worker, not yet settled."),
     "delayed": _count("Tasks waiting out a backoff or a delay."),
     "dead": _count("Tasks in the dead-letter queue."),
+    "waiting": _count("Tasks waiting for their parents (`after`) to succeed."),
+    "succeeded": _count(
+        "Results held: tasks acked with a result, kept for their result TTL (they were "
+        "counted `acked`)."
+    ),
 }
+_STATES: Final = ["ready", "handed_out", "delayed", "dead", "waiting", "succeeded"]
+_RESULT_TTL: Final[Json] = {
+    "type": ["integer", "null"],
+    "minimum": 0,
+    "maximum": limits.MAX_RESULT_TTL_MS,
+    "description": "How long a result is kept once the task is acked with one (`GET "
+    "/jobs/{id}/result`); 0 keeps none. Default: the broker's `-result-ttl-ms` (an hour).",
+}
+_AFTER_TEXT: Final = (
+    f"The tasks this one waits for (1 to {limits.MAX_PARENTS}, none twice): it is `waiting` "
+    "until every one of them has succeeded, then ready (or delayed by `delay_ms` from then); "
+    "its delivery carries their results (`parents`). A task that is not live (unknown, acked "
+    "without a result, cancelled, expired) is a 400 naming it (`after[1]`); a dead one buries "
+    "this task at once."
+)
+_RESULT_TEXT: Final = (
+    "The task's result, any JSON value (null too), kept byte for byte (within the body limit): "
+    "the task is kept, succeeded, for its result TTL (`GET /jobs/{id}/result`). Left out: no "
+    "result, the task is forgotten."
+)
 
 _TOTALS: Final[tuple[str, ...]] = tuple(f.name for f in fields(Totals))
 
@@ -175,19 +229,86 @@ _SCHEMAS: Final[Json] = {
         "description": "Higher is served first (within a queue); 0 by default.",
     },
     "Task": _object(
-        {**_TASK_PROPERTIES, **_TASK_CONTROLS},
+        {**_TASK_PROPERTIES, **_TASK_CONTROLS, **_TASK_RESULTS},
         required=list(_TASK_PROPERTIES),
         description="A task as clients see it.",
     ),
     "TaskState": _object(
         {
             **_TASK_PROPERTIES,
-            "state": {"type": "string", "enum": ["ready", "handed_out", "delayed", "dead"]},
+            "state": {"type": "string", "enum": _STATES},
             **_TASK_CONTROLS,
+            **_TASK_RESULTS,
         },
         required=[*_TASK_PROPERTIES, "state"],
-        description="A task and the collection it is in (never its lease id).",
+        description="A task and the state it is in (never its lease id).",
     ),
+    "TaskDetail": _object(
+        {
+            **_TASK_PROPERTIES,
+            "state": {"type": "string", "enum": _STATES},
+            **_TASK_CONTROLS,
+            **_TASK_RESULTS,
+            "children": {
+                "type": "array",
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": limits.MAX_CHILDREN_SHOWN,
+                "description": "Only when it has live children (tasks that name it in their "
+                f"`after` and are not gone): the first {limits.MAX_CHILDREN_SHOWN}, oldest "
+                "first.",
+            },
+            "children_count": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "Only with `children`: how many there are in all.",
+            },
+        },
+        required=[*_TASK_PROPERTIES, "state"],
+        description="A task, the state it is in (never its lease id), and its live children.",
+    ),
+    "ParentResult": _object(
+        {
+            "id": {"type": "string", "minLength": 1, "description": "The parent's id."},
+            "result": {
+                "description": "Its result, exactly as acked; left out when none is held "
+                "(acked without one, or with a result TTL of 0)."
+            },
+        },
+        required=["id"],
+    ),
+    "Result": {
+        "oneOf": [
+            _object(
+                {
+                    "id": {"type": "string", "minLength": 1},
+                    "state": {"const": "succeeded"},
+                    "result": {
+                        "description": "The result, exactly as acked; left out for a task "
+                        "acked without one while the caller waited (afterwards it is gone: 404)."
+                    },
+                    "finished_at": _schema("Timestamp"),
+                },
+                required=["id", "state", "finished_at"],
+            ),
+            _object(
+                {
+                    "id": {"type": "string", "minLength": 1},
+                    "state": {"const": "dead"},
+                    "last_error": {"type": ["string", "null"]},
+                    "attempts": _count(),
+                },
+            ),
+            _object(
+                {
+                    "id": {"type": "string", "minLength": 1},
+                    "state": {"type": "string", "enum": ["cancelled", "expired"]},
+                },
+                description="It ended so while the caller waited (afterwards it is gone: 404).",
+            ),
+        ],
+        "description": "How a task ended.",
+    },
     "TaskPage": _object(
         {
             "tasks": {"type": "array", "items": _schema("TaskState")},
@@ -205,13 +326,23 @@ _SCHEMAS: Final[Json] = {
         "gRPC stream at once; others at their next extend, a 409); its ack still counts, its "
         "nack or its lease running out drops it.",
     ),
-    "Emptied": _object({"cancelled": _count("How many ready and delayed tasks were cancelled.")}),
+    "Emptied": _object(
+        {"cancelled": _count("How many ready, delayed and waiting tasks were cancelled.")}
+    ),
     "Delivery": _object(
         {
             "task": _schema("Task"),
             "lease_id": {"type": "string", "minLength": 1},
             "deadline": _schema("Timestamp"),
+            "parents": {
+                "type": "array",
+                "items": _schema("ParentResult"),
+                "minItems": 1,
+                "description": "Only for a task enqueued with `after`: its parents, in that "
+                "order, with their results.",
+            },
         },
+        required=["task", "lease_id", "deadline"],
         description="A task handed out under a lease: settle it with the lease id.",
     ),
     "Enqueued": _object({"id": {"type": "string", "minLength": 1}}),
@@ -296,8 +427,23 @@ _SCHEMAS: Final[Json] = {
                 "ready, delayed or handed out (not for the window); once it is acked, dead, "
                 "cancelled or expired, the key makes a new task. Without a key: 400.",
             },
+            "after": {
+                "type": ["array", "null"],
+                "items": {"type": "string", "minLength": 1},
+                "minItems": 1,
+                "maxItems": limits.MAX_PARENTS,
+                "uniqueItems": True,
+                "description": _AFTER_TEXT,
+            },
+            "result_ttl_ms": _RESULT_TTL,
         },
         "examples": [{"payload": {"line": "hello"}, "max_attempts": 3, "delay_ms": 0}],
+    },
+    "AckRequest": {
+        "type": "object",
+        "description": _MEMBERS,
+        "properties": {"result": {"description": _RESULT_TEXT}},
+        "examples": [{"result": {"sent": 3}}],
     },
     "ExtendRequest": {
         "type": "object",
@@ -350,6 +496,21 @@ _SCHEMAS["BatchTask"] = {
             "pattern": "^[^\\x00-\\x1f\\x7f]*$",
             "description": "As the Idempotency-Key header of POST /jobs.",
         },
+        # In a batch, an earlier item may be named by its index too.
+        "after": {
+            **_SCHEMAS["EnqueueRequest"]["properties"]["after"],
+            "items": {
+                "anyOf": [
+                    {"type": "string", "minLength": 1},
+                    {
+                        "type": "integer",
+                        "minimum": 0,
+                        "description": "The index of an earlier task of the batch (below this "
+                        "one's own): a whole graph goes in one request.",
+                    },
+                ]
+            },
+        },
     },
     # (unique needs the key: a member here, the header for POST /jobs)
     "if": {"properties": {"unique": {"const": True}}, "required": ["unique"]},
@@ -397,7 +558,11 @@ _SCHEMAS["SettleRequest"] = {
     "properties": {
         "acks": {
             "type": "array",
-            "items": {"type": "object", "required": ["id", "lease_id"], "properties": _SETTLEMENT},
+            "items": {
+                "type": "object",
+                "required": ["id", "lease_id"],
+                "properties": {**_SETTLEMENT, "result": {"description": _RESULT_TEXT}},
+            },
         },
         "nacks": {
             "type": "array",
@@ -652,7 +817,9 @@ def _paths(public: Collection[str]) -> Json:
         description=(
             "Enqueue a task. With an `Idempotency-Key` seen in the same queue within the "
             "broker's window (`-dedup-window-ms`, five minutes by default), nothing is "
-            "created: 200 with the first task's id. The body's `Content-Type` is not checked."
+            "created: 200 with the first task's id. With `after`, the task waits for other "
+            "tasks to succeed (a workflow); `result_ttl_ms` says how long its result is kept. "
+            "The body's `Content-Type` is not checked."
         ),
         parameters=[
             {
@@ -677,12 +844,14 @@ def _paths(public: Collection[str]) -> Json:
                 _json(_schema("Enqueued"), "Enqueued."),
                 lookup={"id": "$response.body#/id"},
                 claim={"wait_ms": "0"},
+                result={"id": "$response.body#/id"},
             ),
             "200": _json(_schema("Duplicate"), "The idempotency key matched: a duplicate."),
             "400": _json(
                 _ERROR,
                 "A bad body or key: invalid JSON or UTF-8, not an object, no `payload`, a "
-                "member of the wrong type or out of range (or malformed HTTP).",
+                "member of the wrong type or out of range, an `after` naming a task that is not "
+                "live (or malformed HTTP).",
             ),
             "413": _response("PayloadTooLarge"),
             "429": _response("TooManyRequests"),
@@ -696,7 +865,8 @@ def _paths(public: Collection[str]) -> Json:
         description=(
             "A page of a queue's tasks in one state, each with its state (never its lease id): "
             "ready in the order they would be claimed (priority high to low, then oldest "
-            "first), delayed by due time, handed out by lease deadline, dead by burial. Pass "
+            "first), delayed by due time, handed out by lease deadline, dead by burial, "
+            "waiting by enqueue, succeeded by finish time. Pass "
             "`next_cursor` back as `cursor` for the next page: a task that stays in its state "
             "is never repeated nor skipped (a handed-out task whose lease is extended moves to "
             "its new deadline). `HEAD` too."
@@ -746,7 +916,10 @@ def _paths(public: Collection[str]) -> Json:
             "idempotency key as the member `idempotency_key`. An invalid task is named by its "
             f"index (`tasks[3].priority ...`) and nothing is enqueued. At most {limits.MAX_BATCH} "
             "tasks, and the body within the broker's body limit. The `Idempotency-Key` header is "
-            "refused (400): it cannot say which task it keys."
+            "refused (400): it cannot say which task it keys. A task's `after` may name an "
+            "earlier task of the batch by its index (`[0, 2]`): a whole graph of tasks in one "
+            "request; an index that is not of an earlier task is refused, named "
+            "(`tasks[2].after[0] ...`)."
         ),
         body={"required": True, "content": {JSON: {"schema": _schema("EnqueueBatchRequest")}}},
         answers={
@@ -817,7 +990,8 @@ def _paths(public: Collection[str]) -> Json:
         description=(
             "An extension (not in the specification): many acks and nacks in one request, as "
             "a gRPC stream settles them: the acks, then the nacks, each as its own request would "
-            "settle it (a nack's members as POST /jobs/{id}/nack takes them). Each one's outcome "
+            "settle it (an ack's `result` as POST /jobs/{id}/ack takes it, a nack's members as "
+            "POST /jobs/{id}/nack takes them). Each one's outcome "
             "comes back in order; a refused one (404, 409) changes nothing. A malformed one "
             "(what its own request would answer 400) refuses the request, naming it "
             f"(`nacks[2].delay_ms ...`), and nothing is settled. At most {limits.MAX_BATCH} in all."
@@ -838,11 +1012,53 @@ def _paths(public: Collection[str]) -> Json:
         "/jobs/{id}",
         summary="lookup",
         tag="tasks",
-        description="A task and its state (never its lease id). `HEAD` too.",
+        description=(
+            "A task and its state (never its lease id); with the tasks that wait for it (or "
+            "waited for it) and are not gone, if any (`children`). `HEAD` too."
+        ),
         parameters=[_LOOKUP_ID],
         answers={
-            "200": _json(_schema("TaskState"), "The task."),
-            "404": _json(_ERROR, "No such task: unknown, acked or purged (or no such path)."),
+            "200": _json(_schema("TaskDetail"), "The task."),
+            "404": _json(
+                _ERROR,
+                "No such task: unknown, acked without a result (or its result's time is up), "
+                "cancelled, expired or purged (or no such path).",
+            ),
+        },
+    )
+    add(
+        "get",
+        "/jobs/{id}/result",
+        summary="result",
+        tag="tasks",
+        description=(
+            "How a task ended, once it has: succeeded (its result, when it was acked with one), "
+            "or dead (its last error); waiting up to `wait_ms` for it to end (a long poll, as a "
+            "claim's; many waiters of one task share one wake-up, on any broker of a cluster). "
+            "A task that was cancelled, expired or acked without a result while the caller "
+            "waited is answered so; afterwards it is gone (404). `HEAD` too."
+        ),
+        parameters=[
+            _LOOKUP_ID,
+            _query(
+                "wait_ms",
+                {"type": "integer", "minimum": 0, "default": limits.DEFAULT_RESULT_WAIT_MS},
+                f"How long to wait for the task to end, in ms; values above {limits.MAX_WAIT_MS} "
+                f"are clamped to {limits.MAX_WAIT_MS}; 0 (the default) answers at once.",
+            ),
+        ],
+        answers={
+            "200": _json(_schema("Result"), "It has ended: how."),
+            "204": _empty(
+                "It is still pending (ready, delayed, handed out or waiting) when the wait ends."
+            ),
+            "400": _json(_ERROR, "A bad `wait_ms` (or malformed HTTP)."),
+            "404": _json(
+                _ERROR,
+                "No such task: unknown, or gone before the call (acked without a result, its "
+                "result's time up, cancelled, expired, purged), or no such path.",
+            ),
+            "429": _response("TooManyRequests"),
         },
     )
     add(
@@ -855,7 +1071,9 @@ def _paths(public: Collection[str]) -> Json:
             "A handed-out one becomes cancelling: 202; it will not be retried, its holder is "
             'told (on a gRPC stream at once, else at its next extend: 409 with `"cancelled": '
             "true`); its ack still counts, its nack or its lease running out drops it (counted "
-            "`cancelled`). A dead one is purged, as `DELETE /dlq/{id}`: 204."
+            "`cancelled`). A dead one is purged, as `DELETE /dlq/{id}`: 204. A waiting one is "
+            "gone too, and so is every task waiting for it (each counted `cancelled`); the "
+            "tasks waiting for a cancelled ready or delayed one are buried."
         ),
         parameters=[_path("id", "The task's id (`next`, `batch`, `settle` are none).")],
         answers={
@@ -872,9 +1090,26 @@ def _paths(public: Collection[str]) -> Json:
         "/jobs/{id}/ack",
         summary="ack",
         tag="tasks",
-        description="Report success. A body, if any, is ignored.",
+        description=(
+            'Report success. An optional body `{"result": ...}` is the task\'s result: the task '
+            "is kept, succeeded, for its result TTL (`GET /jobs/{id}/result`), and the tasks "
+            "waiting for it get it with their deliveries. No body, an empty one or `{}`: no "
+            "result (the task is forgotten). Either way, the tasks waiting for it whose last "
+            "pending parent it was become ready."
+        ),
         parameters=settle,
-        answers={"204": _empty("Acked."), "404": not_held, "409": other_lease},
+        body={"required": False, "content": {JSON: {"schema": _schema("AckRequest")}}},
+        answers={
+            "204": _empty("Acked."),
+            "400": _json(
+                _ERROR,
+                "No `lease_id`, or a bad body: invalid JSON or UTF-8, not an object (or "
+                "malformed HTTP). The task is not acked.",
+            ),
+            "404": not_held,
+            "409": other_lease,
+            "413": _response("PayloadTooLarge"),
+        },
     )
     add(
         "post",
@@ -960,8 +1195,9 @@ def _paths(public: Collection[str]) -> Json:
         summary="emptyQueue",
         tag="queues",
         description=(
-            "Cancel every ready and delayed task of the queue (counted `cancelled`); handed-out "
-            "ones run their course. A body, if any, is ignored."
+            "Cancel every ready, delayed and waiting task of the queue (counted `cancelled`, "
+            "each as `DELETE /jobs/{id}` would); handed-out ones run their course. A body, if "
+            "any, is ignored."
         ),
         parameters=[_path("name", "The queue's name.", _schema("QueueName"))],
         answers={
@@ -976,9 +1212,10 @@ def _paths(public: Collection[str]) -> Json:
         summary="deleteQueue",
         tag="queues",
         description=(
-            "Forget a queue that holds nothing (its four gauges 0): it leaves `GET /queues`, "
-            "its paused flag and its totals are forgotten (the broker's totals keep what it "
-            "counted). A task enqueued to it later makes it again, new."
+            "Forget a queue that holds nothing (its four gauges and `waiting` 0): it leaves "
+            "`GET /queues`, its paused flag, its totals and the results it holds are forgotten "
+            "(the broker's totals keep what it counted). A task enqueued to it later makes it "
+            "again, new."
         ),
         parameters=[_path("name", "The queue's name.", _schema("QueueName"))],
         answers={
