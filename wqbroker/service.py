@@ -174,6 +174,11 @@ class Service:
         """Task streams open now."""
         return self._dispatch.streams
 
+    @property
+    def result_waiters(self) -> int:
+        """Result waits (docs/design/results.md) waiting now."""
+        return self._result_waiters
+
     async def start(self) -> None:
         self._sweeper.start()
 
