@@ -8,8 +8,8 @@ task timings come from the service's events (``wqbroker.events``). What is measu
   scrape time, by one :meth:`Store.queue_report` call: no per-task work, whatever the backlog (the
   stores keep counters; the oldest ready task is an index lookup per priority lane). The call is
   made before the registry is rendered, and the custom collector (:class:`_StateCollector`) only
-  turns that snapshot into families. The dispatcher's parked long-polls and open streams are read
-  at the same moment.
+  turns that snapshot into families. The dispatcher's parked long-polls and open streams, and the
+  service's result waits, are read at the same moment.
 - Task timings and store latency are observed as they happen: :class:`Metrics` is the service's
   listener (an :class:`~wqbroker.events.Events`), told of each batch of hand-outs, settlements
   and leases gone, and of the time each store call that changes something took (a commit, in a
@@ -174,7 +174,11 @@ class Metrics(Events):
             except WqError as e:  # the store is away: the rest is still worth reporting
                 log.debug("metrics without the store's state: %s", e.message)
             self._state.update(
-                reports, self.clock.now(), service.parked_polls, service.open_streams
+                reports,
+                self.clock.now(),
+                service.parked_polls,
+                service.open_streams,
+                service.result_waiters,
             )
         return generate_latest(self.registry)
 
@@ -307,12 +311,19 @@ class _StateCollector:
         self._now = 0.0
         self._parked = 0
         self._streams = 0
+        self._result_waiters = 0
         self._high: dict[tuple[str, str], int] = {}  # (total, queue) -> highest value reported
 
     def update(
-        self, reports: list[QueueReport] | None, now: float, parked: int, streams: int
+        self,
+        reports: list[QueueReport] | None,
+        now: float,
+        parked: int,
+        streams: int,
+        result_waiters: int = 0,
     ) -> None:
         self._reports, self._now, self._parked, self._streams = reports, now, parked, streams
+        self._result_waiters = result_waiters
 
     def describe(self) -> Iterable[Metric]:
         return ()  # (nothing to check at registration: names are fixed here)
@@ -322,9 +333,14 @@ class _StateCollector:
         parked.add_metric((), self._parked)
         streams = GaugeMetricFamily("wq_open_streams", "gRPC task streams open now.")
         streams.add_metric((), self._streams)
+        waiters = GaugeMetricFamily(
+            "wq_result_waiters",
+            "Result waits (GET /jobs/{id}/result, WaitResult) waiting now.",
+        )
+        waiters.add_metric((), self._result_waiters)
         up = GaugeMetricFamily("wq_store_up", "1 if the store answered this scrape, else 0.")
         up.add_metric((), 0 if self._reports is None else 1)
-        yield from (parked, streams, up)
+        yield from (parked, streams, waiters, up)
         if self._reports is not None:
             yield from self._queues(self._reports)
 
