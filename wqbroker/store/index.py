@@ -54,7 +54,8 @@ import heapq
 import itertools
 import random
 import re
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final, Protocol
 
 from sortedcontainers import SortedKeyList
@@ -65,13 +66,18 @@ from wqbroker.errors import (
     LeaseLost,
     NotFound,
     TimeLimitReached,
+    UnknownParent,
     WqError,
     quoted,
 )
+from wqbroker.limits import error_value
 from wqbroker.models import (
+    ACKED,
     CANCELLED,
+    CANCELLED_STATE,
     CANCELLING,
     DEFAULT_QUEUE,
+    EXPIRED_STATE,
     PURGED,
     CancelResult,
     Enqueued,
@@ -79,8 +85,10 @@ from wqbroker.models import (
     ListKey,
     NackItem,
     NewTask,
+    ParentResult,
     QueueReport,
     QueueStats,
+    Released,
     Stats,
     SweepResult,
     Task,
@@ -92,8 +100,15 @@ HANDED_OUT: Final = 1
 DELAYED: Final = 2
 DEAD: Final = 3
 GONE: Final = 4  # cancelled or expired: in no collection (a hole where it stood, until passed)
-STATE_NAMES: Final = ("ready", "handed_out", "delayed", "dead")
-_STATE_OF: Final = {name: n for n, name in enumerate(STATE_NAMES)}
+WAITING: Final = 5  # waiting for parents (docs/design/results.md)
+SUCCEEDED: Final = 6  # acked with a result, kept
+#: The states of a task not yet ended (docs/design/results.md: a watched one is told of its end).
+PENDING: Final = frozenset({READY, HANDED_OUT, DELAYED, WAITING})
+#: A state's name, by its number (GONE has one only to keep the numbers in place).
+STATE_NAMES: Final = ("ready", "handed_out", "delayed", "dead", "gone", "waiting", "succeeded")
+_STATE_OF: Final = {name: n for n, name in enumerate(STATE_NAMES) if n != GONE}
+#: What a result's time to live is when nothing says (NewTask's default).
+DEFAULT_RESULT_TTL: Final = 3600.0
 
 PRIORITIES: Final = 10
 # Rebuild the lease heap once it holds this many stale entries and they outnumber live ones.
@@ -104,6 +119,25 @@ _MASK: Final = 2**64 - 1
 # Added to a seq (which is negative for a task put back at the head) in a cold line's entries.
 _SEQ_OFFSET: Final = 2**62
 _HEX_ID: Final = re.compile("[0-9a-f]{16}").fullmatch
+
+
+# The states a watched task ends in, as on_finished names them (docs/design/results.md).
+SUCCEEDED_NAME: Final = "succeeded"
+DEAD_NAME: Final = "dead"
+# (a dict.pop default that no value is)
+_ABSENT: Final = object()
+
+
+def _cut(error: str) -> str:
+    """An error made here (a parent's failure), cut to the usual size."""
+    cut = error_value(error)
+    assert cut is not None
+    return cut
+
+
+def _is_dead_with(error: str | None) -> str:
+    """How a child's error names a dead parent's: ``is dead: <its error>``."""
+    return f"is dead: {error}" if error else "is dead"
 
 
 def _mix(x: int) -> int:
@@ -141,6 +175,41 @@ class Control:
         self.ukey: str | None = None  # the unique key it holds while active
 
 
+class Flow:
+    """The part of a task that results and workflows set (docs/design/results.md), made only for
+    a task that has parents or children, a result, or a result TTL given: most tasks never do,
+    and their records carry None instead.
+
+    ``children`` holds the task's children that still exist (any state, succeeded ones too), in
+    the order they were enqueued; ``pins`` counts those of them not yet succeeded: while it is
+    above 0 the task's result is kept whatever its TTL. ``parked``: the task's time to be pruned
+    came while it was pinned (its heap entry is spent: the last child to go pushes a new one).
+    A store that keeps results in a file (SQLite) drops ``result`` once it is written there."""
+
+    __slots__ = (
+        "after",
+        "waiting_for",
+        "delay",
+        "children",
+        "pins",
+        "result",
+        "finished_at",
+        "ttl_given",
+        "parked",
+    )
+
+    def __init__(self) -> None:
+        self.after: tuple[int, ...] = ()  # its parents' ids, in the order given
+        self.waiting_for = 0  # parents not yet succeeded, while waiting
+        self.delay = 0.0  # seconds from its release to its first run (a waiting task's delay)
+        self.children: dict[int, None] = {}
+        self.pins = 0
+        self.result: bytes | None = None  # JSON text, once succeeded (memory)
+        self.finished_at = 0.0  # when it succeeded
+        self.ttl_given = False  # the TTL was given at enqueue (shown in its view)
+        self.parked = False
+
+
 class Record:
     """One task. ``payload``, ``created_at`` and ``last_error`` are for views: a store that reads
     views back from a file may drop them (the index itself never reads them). What control over
@@ -162,6 +231,8 @@ class Record:
         "seq",
         "lane",
         "ctl",
+        "ttl",
+        "flow",
     )
 
     def __init__(
@@ -183,6 +254,7 @@ class Record:
         handed_at: float = 0.0,
         progress: bytes | None = None,
         cancelling: bool = False,
+        ttl: float = DEFAULT_RESULT_TTL,
     ) -> None:
         self.id = task_id
         self.payload = payload
@@ -197,6 +269,8 @@ class Record:
         self.seq = seq
         self.lane: Lane = lane if lane is not None else _NOWHERE
         self.ctl: Control | None = None
+        self.ttl = ttl  # seconds a result is kept after an ack with one
+        self.flow: Flow | None = None  # docs/design/results.md
         if expires_at is not None or timeout is not None or progress is not None or cancelling:
             ctl = self.ctl = Control()
             ctl.expires_at, ctl.timeout, ctl.handed_at = expires_at, timeout, handed_at
@@ -296,7 +370,22 @@ class Record:
             task.timeout = ctl.timeout
             task.progress = ctl.progress  # (set only while handed out)
             task.cancelling = ctl.cancelling
+        flow = self.flow
+        if flow is not None:
+            flow_view(task, self, flow)
         return task
+
+
+def flow_view(task: Task, record: Record, flow: Flow) -> None:
+    """What results and workflows add to a task's view (its result only if it is held here)."""
+    if flow.after:
+        task.after = tuple("%016x" % n for n in flow.after)  # noqa: UP031
+    if record.state == WAITING:
+        task.waiting_for = flow.waiting_for
+    if record.state == SUCCEEDED:
+        task.result, task.finished_at = flow.result, flow.finished_at
+    if flow.ttl_given:
+        task.result_ttl = record.ttl
 
 
 class HotLine:
@@ -474,14 +563,15 @@ class Lane:
         return len(self.hot) + (len(self.cold) if self.cold else 0)
 
 
-class DeadLog:
-    """A queue's dead tasks in the order of burial, as ``(seq, record)``: a burial appends, a
-    requeue or purge leaves a hole (the record's state or seq moved on), so any place is found
-    by bisection on ``seq``."""
+class Log:
+    """A queue's tasks in one state (dead, waiting, succeeded) in the order they came to it, as
+    ``(seq, record)``: one coming appends, one leaving leaves a hole (the record's state or seq
+    moved on), so any place is found by bisection on ``seq``."""
 
-    __slots__ = ("items", "holes")
+    __slots__ = ("state", "items", "holes")
 
-    def __init__(self) -> None:
+    def __init__(self, state: int) -> None:
+        self.state = state
         self.items: list[tuple[int, Record]] = []
         self.holes = 0
 
@@ -489,23 +579,20 @@ class DeadLog:
         self.items.append((record.seq, record))
 
     def left(self) -> None:
-        """One of its records was requeued or purged."""
+        """One of its records left the state."""
         self.holes += 1
         if self.holes >= _COMPACT_LINE and self.holes * 2 > len(self.items):
-            self.items = [e for e in self.items if _is_dead(e)]
+            state = self.state
+            self.items = [e for e in self.items if e[1].state == state and e[1].seq == e[0]]
             self.holes = 0
 
     def live_after(self, seq: int | None) -> Iterator[Record]:
-        items = self.items
+        items, state = self.items, self.state
         at = 0 if seq is None else bisect.bisect_right(items, seq, key=_first)
         for i in range(at, len(items)):
-            entry = items[i]
-            if _is_dead(entry):
-                yield entry[1]
-
-
-def _is_dead(entry: tuple[int, Record]) -> bool:
-    return entry[1].state == DEAD and entry[1].seq == entry[0]
+            seq_at, record = items[i]
+            if record.state == state and record.seq == seq_at:
+                yield record
 
 
 def _first(entry: tuple[int, Record]) -> int:
@@ -527,6 +614,10 @@ class Queue:
         "out",
         "waiting",
         "graves",
+        "blocked",
+        "waits",
+        "succeeded",
+        "results",
     )
 
     def __init__(self, name: str) -> None:
@@ -541,7 +632,13 @@ class Queue:
         self.out: dict[int, Record] = {}  # its handed-out tasks
         # Its delayed tasks by due time, for listings: (available_at, seq, record).
         self.waiting: SortedKeyList[Record, tuple[float, int]] = SortedKeyList(key=_due)
-        self.graves = DeadLog()  # its dead tasks, for listings
+        self.graves = Log(DEAD)  # its dead tasks, for listings
+        # docs/design/results.md: its waiting tasks (how many, and in the order enqueued), its
+        # succeeded ones (how many, and in the order they finished).
+        self.blocked = 0
+        self.waits = Log(WAITING)
+        self.succeeded = 0
+        self.results = Log(SUCCEEDED)
 
     def lane(self, priority: int) -> Lane:
         lane = self.lanes[priority]
@@ -550,7 +647,15 @@ class Queue:
         return lane
 
     def stats(self) -> Stats:
-        return Stats(self.ready, self.held, self.delayed, len(self.dead), self.totals.copy())
+        return Stats(
+            self.ready,
+            self.held,
+            self.delayed,
+            len(self.dead),
+            self.totals.copy(),
+            self.blocked,
+            self.succeeded,
+        )
 
     @property
     def ready(self) -> int:
@@ -559,7 +664,14 @@ class Queue:
 
     def row(self) -> QueueStats:
         return QueueStats(
-            self.name, self.ready, self.held, self.delayed, len(self.dead), self.paused
+            self.name,
+            self.ready,
+            self.held,
+            self.delayed,
+            len(self.dead),
+            self.paused,
+            self.blocked,
+            self.succeeded,
         )
 
 
@@ -588,6 +700,11 @@ class Journal(Protocol):
 
     def deleted(self, record: Record) -> None:
         """The task is gone for good (acked or purged)."""
+        ...
+
+    def succeeded(self, record: Record) -> None:
+        """As ``moved``: the task succeeded, and its result (``record.flow.result``) is to be
+        kept (a store that keeps results in a file may drop it from the record once written)."""
         ...
 
     def queue_changed(self, queue: Queue) -> None:
@@ -647,6 +764,18 @@ class Index:
         self._expiries: list[tuple[float, int, int, Lane]] = []
         self._seq = 0  # the last number given from the increasing sequence
         self._head = 0  # the last number given from the decreasing one
+        # docs/design/results.md: waiting tasks and succeeded ones (results held), by id; when
+        # results are due to be pruned, (due, id), lazily (a pruned one's entry is passed over);
+        # the flows of cold ready tasks (a store warming one puts it back on its record); the
+        # ids of watched tasks, and the (id, state) of those that ended since the store last
+        # took them; what became ready or delayed as a side effect since last taken.
+        self._waiting: dict[int, Record] = {}
+        self._done: dict[int, Record] = {}
+        self._prunes: list[tuple[float, int]] = []
+        self._cold_flows: dict[int, Flow] = {}
+        self.watched: set[int] = set()
+        self.ended: list[tuple[str, str]] = []
+        self.released: Released | None = None
         self.totals = Totals()
         # The totals of the queues deleted (the broker's totals keep what they counted).
         self._deleted_totals = Totals()
@@ -659,8 +788,8 @@ class Index:
 
     @property
     def held_count(self) -> int:
-        """Tasks ready, delayed or handed out."""
-        return self._ready + self._delayed_n + self._held
+        """Tasks ready, delayed, handed out or waiting, and results held."""
+        return self._ready + self._delayed_n + self._held + len(self._waiting) + len(self._done)
 
     @property
     def hot_count(self) -> int:
@@ -677,6 +806,8 @@ class Index:
             delayed=self._delayed_n,
             dead=len(self._dead),
             totals=self.totals.copy(),
+            waiting=len(self._waiting),
+            succeeded=len(self._done),
         )
 
     @property
@@ -732,8 +863,75 @@ class Index:
         n = parse_id(task_id)
         if n is None:
             return None
+        return self._record_of(n)
+
+    def _record_of(self, n: int) -> Record | None:
         record = self._live.get(n)
-        return record if record is not None else self._dead.get(n)
+        if record is None:
+            record = self._dead.get(n)
+            if record is None and (self._waiting or self._done):
+                record = self._waiting.get(n) or self._done.get(n)
+        return record
+
+    def flow_of(self, n: int) -> Flow | None:
+        """A task's flow (None: it has none, or it is unknown), whether its record is in memory
+        or it is a cold ready task."""
+        record = self._record_of(n)
+        if record is not None:
+            return record.flow
+        return self._cold_flows.get(n) if self._cold_flows else None
+
+    def children(self, task_id: str, limit: int) -> tuple[list[str], int]:
+        """The first ``limit`` children of a task that still exist (oldest first), and how
+        many there are."""
+        n = parse_id(task_id)
+        flow = self.flow_of(n) if n is not None else None
+        if flow is None or not flow.children:
+            return [], 0
+        first = itertools.islice(flow.children, limit)
+        return ["%016x" % c for c in first], len(flow.children)  # noqa: UP031
+
+    def succeeded_parents(self, record: Record) -> list[int]:
+        """The parents of a task whose results are held (succeeded), in its ``after`` order."""
+        flow = record.flow
+        if flow is None or not flow.after or not self._done:
+            return []
+        done = self._done
+        return [p for p in flow.after if p in done]
+
+    def parent_results(self, record: Record) -> list[ParentResult] | None:
+        """A delivery's ``parents``, the results from the records (memory): None for a task
+        without parents."""
+        flow = record.flow
+        if flow is None or not flow.after:
+            return None
+        done = self._done
+        out = []
+        for p in flow.after:
+            parent = done.get(p)
+            result = parent.flow.result if parent is not None and parent.flow is not None else None
+            out.append(ParentResult("%016x" % p, result))  # noqa: UP031
+        return out
+
+    def watch(self, task_id: str) -> None:
+        """Mark a task watched (whatever its state: a store that reads it back checks, and
+        calls :meth:`unwatch` if it has ended already)."""
+        n = parse_id(task_id)
+        if n is not None:
+            self.watched.add(n)
+
+    def unwatch(self, task_id: str) -> None:
+        n = parse_id(task_id)
+        if n is not None:
+            self.watched.discard(n)
+
+    def take_ended(self) -> list[tuple[str, str]]:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def take_released(self) -> Released | None:
+        released, self.released = self.released, None
+        return released
 
     def held(self, task_id: str, lease_id: str) -> Record:
         """The task, handed out under ``lease_id``; else NotFound / LeaseLost."""
@@ -771,6 +969,11 @@ class Index:
             due = leases[0][0]
         if self._expiries and (due is None or self._expiries[0][0] < due):
             due = self._expiries[0][0]
+        prunes = self._prunes
+        while prunes and prunes[0][1] not in self._done:
+            heapq.heappop(prunes)
+        if prunes and (due is None or prunes[0][0] < due):
+            due = prunes[0][0]
         return due
 
     def cold_lane(self, queues: Sequence[str], now: float) -> Lane | None:
@@ -792,8 +995,8 @@ class Index:
         state's order, after the one whose key is ``after``: their records, or ``(id, lane)``
         for cold ready tasks (a store reads them back); and the key of the last one if more
         follow (else None). Keys: ready (priority, seq), delayed (available_at, seq), handed out
-        (deadline, seq), dead (seq,). O(limit + log n), but for handed-out tasks, O(h) in those
-        of the queue (bounded by what its workers hold)."""
+        (deadline, seq), dead, waiting, succeeded (seq,). O(limit + log n), but for handed-out
+        tasks, O(h) in those of the queue (bounded by what its workers hold)."""
         q = self._queues.get(queue)
         if q is None:
             return [], None
@@ -857,10 +1060,14 @@ class Index:
             now,
             now + new.delay if new.delay > 0 else now,
             lane=q.lanes[new.priority] or q.lane(new.priority),
+            ttl=new.result_ttl,
         )
         if new.expires_at is not None or new.timeout is not None or new.unique:
             ctl = record.control()
             ctl.expires_at, ctl.timeout = new.expires_at, new.timeout
+        if new.result_ttl_given:
+            record.flow = Flow()
+            record.flow.ttl_given = True
         if new.delay > 0:
             self._delay(record)
         else:
@@ -876,10 +1083,23 @@ class Index:
                 self._remember(new.queue, new.key, record.id, new.key_until)
         return record
 
-    def enqueue_many(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
+    def enqueue_many(
+        self,
+        items: Sequence[NewTask],
+        now: float,
+        *,
+        cold: Mapping[int, tuple[Lane, int]] | None = None,
+        errors: Mapping[int, str | None] | None = None,
+    ) -> list[Enqueued]:
         """Enqueue tasks in order; one whose idempotency key is in its window (or, unique, held
         by an active task) is answered as a duplicate of the first task's id, and creates
-        nothing."""
+        nothing. Tasks with ``after`` (docs/design/results.md): UnknownParent, and nothing
+        enqueued, if a parent is not a live task. A store with cold ready tasks names those
+        that are parents in ``cold`` (id -> (lane, seq), as read back: checked here), and the
+        errors of dead parents in ``errors`` (dead records do not keep theirs)."""
+        for new in items:
+            if new.after:
+                return self._enqueue_flow(items, now, cold or {}, errors or {})
         out: list[Enqueued] = []
         for new in items:
             if new.key is not None:
@@ -902,8 +1122,204 @@ class Index:
             )
             if new.expires_at is not None or new.timeout is not None:
                 task.expires_at, task.timeout = new.expires_at, new.timeout
+            if new.result_ttl_given:
+                task.result_ttl = new.result_ttl
             out.append(Enqueued(task_id, False, task))
         return out
+
+    def missing_parents(
+        self, items: Sequence[NewTask], cold: Mapping[int, tuple[Lane, int]]
+    ) -> list[int]:
+        """The ids the items name in their ``after`` that are not in memory (nor in ``cold``):
+        a store with cold ready tasks reads them back (they may be cold) before enqueuing."""
+        out: list[int] = []
+        for new in items:
+            for ref in new.after:
+                if isinstance(ref, str):
+                    n = parse_id(ref)
+                    if n is not None and n not in cold and self._record_of(n) is None:
+                        out.append(n)
+        return out
+
+    def dead_parents(self, items: Sequence[NewTask]) -> list[int]:
+        """The ids the items name in their ``after`` that are dead tasks."""
+        out: list[int] = []
+        for new in items:
+            for ref in new.after:
+                if isinstance(ref, str):
+                    n = parse_id(ref)
+                    if n is not None and n in self._dead:
+                        out.append(n)
+        return out
+
+    def _enqueue_flow(  # noqa: C901 (the checks before anything is done, then the doing)
+        self,
+        items: Sequence[NewTask],
+        now: float,
+        cold: Mapping[int, tuple[Lane, int]],
+        errors: Mapping[int, str | None],
+    ) -> list[Enqueued]:
+        """enqueue_many for a call where some task names parents: every parent checked first
+        (all or nothing), then each task placed as its parents' states say."""
+        # Which items would be duplicates (of a task, or of an earlier item of this call).
+        dup: list[int | None] = []  # the id an item is a duplicate of (None: a new task)
+        dup_of_item: dict[int, int] = {}  # item -> the earlier item it is a duplicate of
+        keys: dict[tuple[str, str], int] = {}  # keys of this call's new tasks -> item
+        for i, new in enumerate(items):
+            dup.append(None)
+            if new.key is None:
+                continue
+            owner = self.key_owner(new.queue, new.key, now)
+            if owner is not None:
+                dup[i] = int(owner, 16)
+            elif (new.queue, new.key) in keys:
+                dup_of_item[i] = keys[(new.queue, new.key)]
+            else:
+                keys[(new.queue, new.key)] = i
+
+        def existing(n: int) -> bool:
+            if self._record_of(n) is not None:
+                return True
+            found = cold.get(n)
+            if found is None:
+                return False
+            lane, seq = found
+            return lane.cold is not None and lane.cold.find(n, seq)
+
+        for i, new in enumerate(items):
+            for position, ref in enumerate(new.after):
+                if isinstance(ref, int):
+                    if not 0 <= ref < i:
+                        raise UnknownParent(i, position, str(ref))
+                    j = dup_of_item.get(ref, ref)
+                    first = dup[j]
+                    if first is not None and not existing(first):
+                        raise UnknownParent(i, position, hex_id(first))
+                else:
+                    n = parse_id(ref)
+                    if n is None or not existing(n):
+                        raise UnknownParent(i, position, ref)
+        # Every parent is there: enqueue.
+        out: list[Enqueued] = []
+        made: list[int] = []  # the id each item stands for (new or a duplicate's)
+        for new in items:
+            if new.key is not None:
+                owner = self.key_owner(new.queue, new.key, now)
+                if owner is not None:
+                    out.append(Enqueued(owner, True, None))
+                    made.append(int(owner, 16))
+                    continue
+            if not new.after:
+                record = self.enqueue(new, now)
+            else:
+                parents: list[int] = []
+                for ref in new.after:
+                    n = made[ref] if isinstance(ref, int) else int(ref, 16)
+                    if n not in parents:
+                        parents.append(n)
+                record = self._enqueue_child(new, now, parents, errors)
+            made.append(record.id)
+            task = record.view()
+            task.payload, task.created_at = new.payload, now
+            out.append(Enqueued(task.id, False, task))
+        return out
+
+    def _enqueue_child(
+        self,
+        new: NewTask,
+        now: float,
+        parents: list[int],
+        errors: Mapping[int, str | None],
+    ) -> Record:
+        """A task with parents (all of them there): waiting for those pending, born dead if
+        one is dead, else placed as any task."""
+        dead, pending = self._parents_now(parents)
+        if dead is None and not pending:
+            record = self.enqueue(new, now)
+            flow = record.flow
+            if flow is None:
+                flow = record.flow = Flow()
+            flow.after = tuple(parents)
+            if record.state == READY and record.id not in self._live:  # (gone cold at once)
+                self._cold_flows[record.id] = flow
+            self._link(record.id, flow)
+            return record
+        q = self._queues.get(new.queue) or self.queue(new.queue)
+        record = Record(
+            self._new_id(),
+            new.payload,
+            new.max_attempts,
+            now,
+            now + new.delay if new.delay > 0 else now,
+            lane=q.lanes[new.priority] or q.lane(new.priority),
+            ttl=new.result_ttl,
+        )
+        if new.expires_at is not None or new.timeout is not None or new.unique:
+            ctl = record.control()
+            ctl.expires_at, ctl.timeout = new.expires_at, new.timeout
+        flow = record.flow = Flow()
+        flow.after = tuple(parents)
+        flow.delay = new.delay
+        flow.ttl_given = new.result_ttl_given
+        self.totals.enqueued += 1
+        q.totals.enqueued += 1
+        if dead is not None:
+            parent = self._dead[dead]
+            error = errors[dead] if dead in errors else parent.last_error
+            record.last_error = _cut(f"parent {hex_id(dead)} {_is_dead_with(error)}")
+            self._bury(record)
+        else:
+            flow.waiting_for = pending
+            self._wait(record)
+        self._link(record.id, flow)
+        if self._journal is not None:
+            self._journal.created(record)
+            if dead is not None:
+                self._journal.errored(record)
+        if new.key is not None and not new.unique:
+            self._remember(new.queue, new.key, record.id, new.key_until)
+        elif new.key is not None and dead is None:
+            self._hold_key(new.queue, new.key, record)
+        return record
+
+    def _parents_now(self, parents: list[int]) -> tuple[int | None, int]:
+        """The first of a new task's parents that is dead (None: none is), and how many are
+        pending (not succeeded nor dead)."""
+        pending = 0
+        dead: int | None = None
+        for n in parents:
+            parent = self._record_of(n)
+            state = READY if parent is None else parent.state  # (None: a cold ready one)
+            if state == DEAD:
+                if dead is None:
+                    dead = n
+            elif state != SUCCEEDED:
+                pending += 1
+        return dead, pending
+
+    def _wait(self, record: Record) -> None:
+        """A new task waits for its parents."""
+        record.state = WAITING
+        record.seq = self._next_seq()
+        self._waiting[record.id] = record
+        q = record.lane.queue
+        q.blocked += 1
+        q.waits.append(record)
+        if record.ctl is not None and record.ctl.expires_at is not None:
+            self._watch_expiry(record)
+
+    def _link(self, task_id: int, flow: Flow) -> None:
+        """A new task is its parents' child (each pinned by it)."""
+        for n in flow.after:
+            parent = self.flow_of(n)
+            if parent is None:
+                record = self._record_of(n)
+                if record is not None:
+                    parent = record.flow = Flow()
+                else:  # a cold ready task
+                    parent = self._cold_flows[n] = Flow()
+            parent.children[task_id] = None
+            parent.pins += 1
 
     def claim(  # noqa: C901 (inlined: this runs for every task)
         self, queues: Sequence[str], lease: float, now: float
@@ -982,8 +1398,16 @@ class Index:
             lane.hot.append(record)
             self._live[record.id] = record
             self._hot += 1
+            if self._cold_flows:
+                flow = self._cold_flows.pop(record.id, None)
+                if flow is not None:
+                    record.flow = flow
 
-    def ack(self, task_id: str, lease_id: str) -> None:
+    def ack(
+        self, task_id: str, lease_id: str, now: float = 0.0, result: bytes | None = None
+    ) -> None:
+        """Ack: the task is forgotten, or (a ``result``, and a result TTL above 0) kept,
+        succeeded; the children it was the last pending parent of are released."""
         record = self.held(task_id, lease_id)
         self._drop_lease(record)
         del self._live[record.id]
@@ -991,8 +1415,192 @@ class Index:
             self._free_key(record.id)
         self.totals.acked += 1
         record.lane.queue.totals.acked += 1
+        if result is not None and record.ttl > 0:
+            self._succeed(record, result, now)
+            return
         if self._journal is not None:
             self._journal.deleted(record)
+        if record.flow is not None:
+            record.state = GONE
+            self._parent_done(record.flow, now)
+            self._unlink(record.id, record.flow, now, gone=True, pinned=True)
+        if self.watched:
+            self._ended(record.id, ACKED)
+
+    def _succeed(self, record: Record, result: bytes, now: float) -> None:
+        """A task acked with a result: kept, until its TTL runs out and no child pins it."""
+        record.state = SUCCEEDED
+        record.seq = self._next_seq()
+        flow = record.flow
+        if flow is None:
+            flow = record.flow = Flow()
+        flow.result = result
+        flow.finished_at = now
+        self._done[record.id] = record
+        q = record.lane.queue
+        q.succeeded += 1
+        q.results.append(record)
+        heapq.heappush(self._prunes, (now + record.ttl, record.id))
+        if self._journal is not None:
+            self._journal.succeeded(record)
+        self._parent_done(flow, now)
+        self._unlink(record.id, flow, now, gone=False, pinned=True)
+        if self.watched:
+            self._ended(record.id, SUCCEEDED_NAME)
+
+    def _parent_done(self, flow: Flow, now: float) -> None:
+        """A task succeeded (acked): each waiting child it was the last pending parent of is
+        released, ready at the back of its line, or delayed by its delay from ``now``."""
+        if not flow.children:
+            return
+        waiting = self._waiting
+        for n in flow.children:
+            child = waiting.get(n)
+            if child is None:
+                continue
+            child_flow = child.flow
+            assert child_flow is not None
+            child_flow.waiting_for -= 1
+            if child_flow.waiting_for == 0:
+                self._release(child, now)
+
+    def _release(self, record: Record, now: float) -> None:
+        """A waiting task whose last pending parent succeeded: ready, or delayed by its delay."""
+        flow = record.flow
+        assert flow is not None
+        self._unwait(record)
+        released = self.released
+        if released is None:
+            released = self.released = Released()
+        if flow.delay > 0:
+            record.available_at = now + flow.delay
+            self._delay(record)
+            if released.earliest is None or record.available_at < released.earliest:
+                released.earliest = record.available_at
+        else:
+            record.available_at = now
+            self._append(record)
+            released.queues.add(record.lane.queue.name)
+        self._moved(record)
+
+    def _unwait(self, record: Record) -> None:
+        """A waiting task leaves the waiting (its entry in its queue's log is a hole)."""
+        del self._waiting[record.id]
+        q = record.lane.queue
+        q.blocked -= 1
+        record.state = GONE
+        q.waits.left()
+
+    def _unlink(
+        self, task_id: int, flow: Flow, now: float | None, *, gone: bool, pinned: bool
+    ) -> None:
+        """A child no longer pins its parents (``pinned``: it did; it succeeded or is gone),
+        and (``gone``) is no longer one of their children. A parent whose result is due and no
+        longer pinned is pruned (at once when ``now`` is known, else at the next sweep)."""
+        if not flow.after:
+            return
+        done = self._done
+        for n in flow.after:
+            parent = done.get(n)
+            parent_flow = parent.flow if parent is not None else self.flow_of(n)
+            if parent_flow is None:
+                continue
+            if gone and parent_flow.children.pop(task_id, _ABSENT) is _ABSENT:
+                continue
+            if not pinned:
+                continue
+            parent_flow.pins -= 1
+            if parent is not None and not parent_flow.pins and parent_flow.parked:
+                parent_flow.parked = False
+                due = parent_flow.finished_at + parent.ttl
+                if now is not None and due <= now:
+                    self._prune(parent)
+                else:
+                    heapq.heappush(self._prunes, (due, n))
+
+    def _prune(self, record: Record) -> None:
+        """A succeeded task's result is dropped: the task is gone."""
+        del self._done[record.id]
+        q = record.lane.queue
+        q.succeeded -= 1
+        record.state = GONE
+        q.results.left()
+        flow = record.flow
+        assert flow is not None
+        if self._journal is not None:
+            self._journal.deleted(record)
+        self._unlink(record.id, flow, None, gone=True, pinned=False)
+
+    def _prune_due(self, now: float) -> int:
+        """Drop every result whose time is up by ``now`` and that no child pins: how many."""
+        prunes = self._prunes
+        done = self._done
+        n = 0
+        while prunes and prunes[0][0] <= now:
+            _, task_id = heapq.heappop(prunes)
+            record = done.get(task_id)
+            if record is None:
+                continue
+            flow = record.flow
+            assert flow is not None
+            if flow.pins:
+                flow.parked = True  # (the last child to go pushes a new entry)
+                continue
+            self._prune(record)
+            n += 1
+        return n
+
+    def _ended(self, task_id: int, state: str) -> None:
+        """A task ended: told, if watched."""
+        if task_id in self.watched:
+            self.watched.discard(task_id)
+            self.ended.append(("%016x" % task_id, state))  # noqa: UP031
+
+    def _orphan(self, task_id: int, flow: Flow, why: str) -> None:
+        """A task ended dead, cancelled or expired (``why``: "is dead: ...", "was cancelled",
+        "expired"): its waiting children are buried, and theirs, transitively (not counted
+        buried: they never ran)."""
+        if not flow.children:
+            return
+        waiting = self._waiting
+        todo: deque[tuple[int, Flow, str]] = deque([(task_id, flow, why)])
+        while todo:
+            parent, parent_flow, reason = todo.popleft()
+            error: str | None = None
+            for n in list(parent_flow.children):
+                child = waiting.get(n)
+                if child is None:
+                    continue
+                if error is None:
+                    error = _cut(f"parent {hex_id(parent)} {reason}")
+                child_flow = child.flow
+                assert child_flow is not None
+                self._unwait(child)
+                child_flow.waiting_for = 0
+                child.last_error = error
+                self._bury(child)
+                if self._journal is not None:
+                    self._journal.errored(child)
+                if self.watched:
+                    self._ended(n, DEAD_NAME)
+                if child_flow.children:
+                    todo.append((n, child_flow, _is_dead_with(error)))
+
+    def _cancel_waiting(self, record: Record) -> None:
+        """Cancel a waiting task, and its waiting children, transitively (each counted
+        cancelled)."""
+        waiting = self._waiting
+        todo: deque[Record] = deque([record])
+        while todo:
+            task = todo.popleft()
+            flow = task.flow
+            assert flow is not None
+            self._unwait(task)
+            self._gone(task, cancelled=True, orphans=False)
+            for n in list(flow.children):
+                child = waiting.get(n)
+                if child is not None:
+                    todo.append(child)
 
     def nack(
         self,
@@ -1054,13 +1662,18 @@ class Index:
         return deadline
 
     def settle(
-        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], now: float
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        now: float,
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        """Acks, then nacks: for each, None / its Failure, or the error it raised."""
+        """Acks (with their ``results``, by task id), then nacks: for each, None / its Failure,
+        or the error it raised."""
         acked: list[WqError | None] = []
         for task_id, lease_id in acks:
             try:
-                self.ack(task_id, lease_id)
+                self.ack(task_id, lease_id, now, results.get(task_id) if results else None)
                 acked.append(None)
             except WqError as e:
                 acked.append(e)
@@ -1124,6 +1737,8 @@ class Index:
         if self._expiries and self._expiries[0][0] <= now:
             self._expire_due(now)
         result.expired = self.totals.expired - expired  # (promoted past its expiry, too)
+        if self._prunes and self._prunes[0][0] <= now:
+            result.pruned = self._prune_due(now)
         self._forget_keys(now)
         return result
 
@@ -1157,6 +1772,8 @@ class Index:
         q.totals.purged += 1
         if self._journal is not None:
             self._journal.deleted(record)
+        if record.flow is not None:
+            self._unlink(record.id, record.flow, None, gone=True, pinned=True)
 
     def set_paused(self, name: str, paused: bool) -> bool:
         """Pause or resume a queue (created if new). True if that changed anything."""
@@ -1179,7 +1796,11 @@ class Index:
         if record is None:
             dead = self._dead.get(n) if n is not None else None
             if dead is None:
-                return None
+                waiting = self._waiting.get(n) if n is not None and self._waiting else None
+                if waiting is None:
+                    return None
+                self._cancel_waiting(waiting)
+                return CancelResult(task_id, CANCELLED, waiting.lane.queue.name)
             self.purge(task_id)
             return CancelResult(task_id, PURGED, dead.lane.queue.name)
         q = record.lane.queue
@@ -1206,31 +1827,36 @@ class Index:
         return True
 
     def empty(self, name: str) -> int | None:
-        """Cancel every ready and delayed task of a queue: how many (None: unknown queue)."""
+        """Cancel every waiting, ready and delayed task of a queue (each as a cancel would):
+        how many were cancelled (None: unknown queue)."""
         q = self._queues.get(name)
         if q is None:
             return None
-        n = 0
+        before = self.totals.cancelled
+        if q.blocked:  # (first: their cascades cancel their waiting children)
+            for record in list(q.waits.live_after(None)):
+                if record.state == WAITING:
+                    self._cancel_waiting(record)
         for lane in q.lanes:
-            if lane is None:
-                continue
-            while lane.hot:
-                record = lane.hot.popleft()
-                self._ready -= 1
-                self._hot -= 1
-                self._gone(record, cancelled=True)
-                n += 1
-            if lane.cold:
-                for task_id in lane.cold.clear():
-                    self._ready -= 1
-                    self._gone_cold(lane, task_id, cancelled=True)
-                    n += 1
+            if lane is not None:
+                self._empty_lane(lane)
         q.mask = 0
         for record in list(q.waiting):
             self._undelay(record)
             self._gone(record, cancelled=True)
-            n += 1
-        return n
+        return self.totals.cancelled - before
+
+    def _empty_lane(self, lane: Lane) -> None:
+        """Cancel every ready task of a lane."""
+        while lane.hot:
+            record = lane.hot.popleft()
+            self._ready -= 1
+            self._hot -= 1
+            self._gone(record, cancelled=True)
+        if lane.cold:
+            for task_id in lane.cold.clear():
+                self._ready -= 1
+                self._gone_cold(lane, task_id, cancelled=True)
 
     def delete_queue(self, name: str) -> None:
         """Forget a queue that holds nothing. NotFound if unknown, Conflict if it holds tasks."""
@@ -1238,12 +1864,16 @@ class Index:
         if q is None:
             raise NotFound(f"queue {quoted(name)} does not exist")
         ready, dead = q.ready, len(q.dead)
-        if ready or q.held or q.delayed or dead:
+        if ready or q.held or q.delayed or dead or q.blocked:
             raise Conflict(
                 f"queue {quoted(name)} holds {ready} ready, {q.held} handed-out, {q.delayed} "
-                f"delayed and {dead} dead tasks: empty it (POST /queues/{{name}}/empty), let "
-                "its handed-out tasks finish and purge its dead ones first"
+                f"delayed, {q.blocked} waiting and {dead} dead tasks: empty it "
+                "(POST /queues/{name}/empty), let its handed-out tasks finish and purge its "
+                "dead ones first"
             )
+        if q.succeeded:  # (its results go with it)
+            for record in list(q.results.live_after(None)):
+                self._prune(record)
         del self._queues[name]
         for field in Totals.__slots__:
             setattr(
@@ -1387,6 +2017,8 @@ class Index:
                 lane.cold = ColdLine()
             lane.cold.append(record.id, seq)  # the store reads it back when its turn comes
             self._live.pop(record.id, None)
+            if record.flow is not None:
+                self._cold_flows[record.id] = record.flow
         else:
             hot = lane.hot
             hot.items.append(record)  # (hot.append(), inline)
@@ -1455,6 +2087,10 @@ class Index:
             self.totals.buried += 1
             q.totals.buried += 1
             failure = Failure(record.task_id, True, None)
+            if record.flow is not None:
+                self._orphan(record.id, record.flow, _is_dead_with(error))
+            if self.watched:
+                self._ended(record.id, DEAD_NAME)
         if self._journal is not None:
             self._journal.errored(record)
         return failure
@@ -1469,7 +2105,7 @@ class Index:
     def _bury(self, record: Record) -> None:
         record.state = DEAD
         record.seq = self._next_seq()
-        del self._live[record.id]
+        self._live.pop(record.id, None)
         self._dead[record.id] = record
         q = record.lane.queue
         q.dead[record.id] = record
@@ -1539,8 +2175,9 @@ class Index:
         if not lane.hot and not cold:
             lane.queue.mask &= ~(1 << lane.priority)
 
-    def _gone(self, record: Record, *, cancelled: bool) -> None:
-        """A task out of every collection, counted cancelled (else expired)."""
+    def _gone(self, record: Record, *, cancelled: bool, orphans: bool = True) -> None:
+        """A task out of every collection, counted cancelled (else expired); its waiting
+        children buried (unless ``orphans`` is False: a cancel's cascade cancels them)."""
         record.state = GONE
         self._live.pop(record.id, None)
         if self._ukey_of:
@@ -1548,6 +2185,13 @@ class Index:
         self._count_gone(record.lane.queue, cancelled)
         if self._journal is not None:
             self._journal.deleted(record)
+        flow = record.flow
+        if flow is not None:
+            self._unlink(record.id, flow, None, gone=True, pinned=True)
+            if orphans:
+                self._orphan(record.id, flow, "was cancelled" if cancelled else "expired")
+        if self.watched:
+            self._ended(record.id, CANCELLED_STATE if cancelled else EXPIRED_STATE)
 
     def _gone_cold(self, lane: Lane, task_id: int, *, cancelled: bool) -> None:
         """A cold ready task (out of its line already) gone, counted cancelled (else
@@ -1555,8 +2199,16 @@ class Index:
         if self._ukey_of:
             self._free_key(task_id)
         self._count_gone(lane.queue, cancelled)
+        gone = Record(task_id, b"", 0, 0.0, 0.0, state=GONE, lane=lane)
+        flow = self._cold_flows.pop(task_id, None) if self._cold_flows else None
+        gone.flow = flow
         if self._journal is not None:
-            self._journal.deleted(Record(task_id, b"", 0, 0.0, 0.0, state=GONE, lane=lane))
+            self._journal.deleted(gone)
+        if flow is not None:
+            self._unlink(task_id, flow, None, gone=True, pinned=True)
+            self._orphan(task_id, flow, "was cancelled" if cancelled else "expired")
+        if self.watched:
+            self._ended(task_id, CANCELLED_STATE if cancelled else EXPIRED_STATE)
 
     def _count_gone(self, q: Queue, cancelled: bool) -> None:
         if cancelled:
@@ -1575,7 +2227,8 @@ class Index:
         heapq.heappush(self._expiries, (record.expires_at, record.id, record.seq, record.lane))
 
     def _expire_due(self, now: float) -> int:
-        """Drop every ready or delayed task whose expiry is due by ``now``: how many."""
+        """Drop every ready, delayed or waiting task whose expiry is due by ``now``: how
+        many."""
         expiries = self._expiries
         n = 0
         while expiries and expiries[0][0] <= now:
@@ -1590,6 +2243,13 @@ class Index:
                     self._undelay(record)
                 else:
                     continue  # handed out: it runs its course
+                self._gone(record, cancelled=False)
+                n += 1
+            elif self._waiting and task_id in self._waiting:
+                record = self._waiting[task_id]
+                if record.expires_at != at:
+                    continue
+                self._unwait(record)
                 self._gone(record, cancelled=False)
                 n += 1
             elif lane.cold is not None and lane.cold.find(task_id, seq):
@@ -1666,12 +2326,27 @@ class Index:
             assert len(q.out) == q.held, f"queue {q.name}: handed-out count out of step"
             assert len(q.waiting) == q.delayed, f"queue {q.name}: delayed count out of step"
             assert all(r.state == DELAYED and r.queue is q for r in q.waiting)
+            waits = list(q.waits.live_after(None))
+            assert len(waits) == q.blocked, f"queue {q.name}: waiting count out of step"
+            assert all(r.state == WAITING and r.queue is q for r in waits)
+            assert [r.seq for r in waits] == sorted(r.seq for r in waits)
+            results = list(q.results.live_after(None))
+            assert len(results) == q.succeeded, f"queue {q.name}: succeeded count out of step"
+            assert all(r.state == SUCCEEDED and r.queue is q for r in results)
         held = [r for r in self._live.values() if r.state == HANDED_OUT]
         delayed = [e[2] for e in self._delayed if _live_delayed(e)]
         delayed_ids = [r.id for r in delayed]
         everything = [r.id for r in hot] + cold + delayed_ids + [r.id for r in held]
         everything += list(self._dead)
-        assert len(set(everything)) == len(everything), "a task is in two places"
+        everything += list(self._waiting)
+        assert len(set(everything + list(self._done))) == len(everything) + len(self._done), (
+            "a task is in two places"
+        )
+        assert sum(q.blocked for q in self._queues.values()) == len(self._waiting)
+        assert sum(q.succeeded for q in self._queues.values()) == len(self._done)
+        assert all(r.state == WAITING for r in self._waiting.values())
+        assert all(r.state == SUCCEEDED for r in self._done.values())
+        self._check_flows(set(cold))
         assert len(hot) == self._hot
         assert len(hot) + len(cold) == self._ready
         assert len(held) == self._held
@@ -1688,18 +2363,56 @@ class Index:
         live = [(e[2], e[0]) for e in self._leases if _live_lease(e)]
         assert sorted(live) == sorted((r.lease_id, r.deadline) for r in held), "lease heap off"
         assert len(self._leases) - len(live) == self._stale_leases
-        active = set(everything) - set(self._dead)
+        active = set(everything) - set(self._dead) - set(self._waiting)
         for (queue, key), owner in self._ukeys.items():
             assert owner in active, f"unique key {key!r} of {queue!r} held by a task gone"
             assert self._ukey_of.get(owner) == (queue, key), "unique keys out of step"
         t = self.totals
         assert t.nacked + t.reclaimed == t.retried + t.buried
         gone = t.acked + t.purged + t.cancelled + t.expired
+        # ready + handed_out + delayed + dead + waiting == enqueued - acked - purged - ...
         assert len(everything) == t.enqueued - gone, "tasks and totals disagree"
         for field in t.__slots__:
             total = sum(getattr(q.totals, field) for q in self._queues.values())
             total += getattr(self._deleted_totals, field)
             assert total == getattr(t, field), f"queue totals of {field} do not add up"
+
+    def _check_flows(self, cold: set[int]) -> None:  # noqa: C901 (for tests: one sweep)
+        """Parents and children agree: each child that exists is among its parents' children,
+        and nothing else is; pins count the children not succeeded; a waiting task waits for
+        its parents not yet succeeded (none of them dead)."""
+        flows: dict[int, tuple[int | None, Flow]] = {}  # id -> (state, flow); None: cold
+        for source in (self._live, self._dead, self._waiting, self._done):
+            for n, record in source.items():
+                if record.flow is not None:
+                    flows[n] = (record.state, record.flow)
+        for n, flow in self._cold_flows.items():
+            assert n in cold, f"the flow of {hex_id(n)} is kept for a cold task that is not"
+            flows[n] = (None, flow)
+        exists = set(self._live) | set(self._dead) | set(self._waiting) | set(self._done) | cold
+        for n, (state, flow) in flows.items():
+            for child in flow.children:
+                assert child in flows, "a child that does not exist"
+                assert n in flows[child][1].after, "a child that does not name its parent"
+            pins = sum(1 for c in flow.children if flows[c][0] != SUCCEEDED)
+            assert flow.pins == pins, f"{hex_id(n)}: {flow.pins} pins, {pins} pinning children"
+            pending = 0
+            for parent in flow.after:
+                if parent not in exists:
+                    continue
+                assert parent in flows, "a parent without a flow"
+                assert n in flows[parent][1].children, "a child its parent does not know of"
+                parent_state = flows[parent][0]
+                if parent_state not in (SUCCEEDED, DEAD):
+                    pending += 1
+                if state == WAITING:
+                    assert parent_state != DEAD, f"{hex_id(n)} waits for a dead parent"
+            if state == WAITING:
+                assert flow.waiting_for == pending > 0, f"{hex_id(n)} waits for {pending}"
+            else:
+                assert flow.waiting_for == 0
+            if state == SUCCEEDED and not flow.pins and not flow.parked:
+                assert (flow.finished_at + self._done[n].ttl, n) in self._prunes
 
 
 def _paged(
@@ -1716,7 +2429,8 @@ def _paged(
         for record in heapq.nsmallest(want, out, key=_deadline_of):
             yield (record.deadline, record.seq), record
     else:
-        for record in q.graves.live_after(None if after is None else int(after[0])):
+        log = q.graves if which == DEAD else q.waits if which == WAITING else q.results
+        for record in log.live_after(None if after is None else int(after[0])):
             yield (record.seq,), record
 
 

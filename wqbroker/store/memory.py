@@ -8,7 +8,7 @@ counts as one transaction.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from wqbroker.errors import NotFound, WqError, quoted
 from wqbroker.models import (
@@ -22,6 +22,7 @@ from wqbroker.models import (
     NewTask,
     QueueReport,
     QueueStats,
+    Released,
     Stats,
     SweepResult,
     Task,
@@ -29,12 +30,12 @@ from wqbroker.models import (
     TaskState,
 )
 from wqbroker.retry import Backoff
-from wqbroker.store.index import STATE_NAMES, Index, Record
+from wqbroker.store import FinishedCallback
+from wqbroker.store.index import PENDING, STATE_NAMES, Index, Record
 
 
-def _delivery(record: Record) -> Delivery:
-    assert record.lease_id is not None
-    return Delivery(record.view(), record.lease_id, record.deadline)
+def _ignore(pairs: Sequence[tuple[str, str]]) -> None:
+    return None
 
 
 class MemoryStore:
@@ -46,6 +47,19 @@ class MemoryStore:
         backoff = backoff if backoff is not None else Backoff(rng=rng)
         self._index = Index(backoff.delay, rng)
         self.transactions = 0
+        self._finished: FinishedCallback = _ignore
+
+    def _delivery(self, record: Record) -> Delivery:
+        assert record.lease_id is not None
+        delivery = Delivery(record.view(), record.lease_id, record.deadline)
+        if record.flow is not None:
+            delivery.parents = self._index.parent_results(record)
+        return delivery
+
+    def _tell(self) -> None:
+        """Tell of the watched tasks that ended (docs/design/results.md)."""
+        if self._index.ended:
+            self._finished(self._index.take_ended())
 
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         done = self._index.enqueue_many(items, now)
@@ -59,28 +73,34 @@ class MemoryStore:
         self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
     ) -> Delivery | None:
         record = self._index.claim(queues, lease, now)
+        self._tell()  # (tasks met at their expiry)
         if record is None:
             return None
         self.transactions += 1
-        return _delivery(record)
+        return self._delivery(record)
 
     async def claim_many(
         self, leases: Sequence[float], *, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
     ) -> list[Delivery]:
         out: list[Delivery] = []
         claim = self._index.claim
+        delivery = self._delivery
         for lease in leases:
             record = claim(queues, lease, now)
             if record is None:
                 break
-            out.append(_delivery(record))
+            out.append(delivery(record))
         if out:
             self.transactions += 1
+        self._tell()
         return out
 
-    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
-        self._index.ack(task_id, lease_id)
+    async def ack(
+        self, task_id: str, lease_id: str, *, now: float, result: bytes | None = None
+    ) -> None:
+        self._index.ack(task_id, lease_id, now, result)
         self.transactions += 1
+        self._tell()
 
     async def nack(
         self,
@@ -94,6 +114,7 @@ class MemoryStore:
     ) -> Failure:
         failure = self._index.nack(task_id, lease_id, error, now, delay=delay, terminal=terminal)
         self.transactions += 1
+        self._tell()
         return failure
 
     async def extend(
@@ -114,6 +135,7 @@ class MemoryStore:
         if result is None:
             raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
         self.transactions += 1
+        self._tell()
         return result
 
     async def list_tasks(
@@ -131,6 +153,7 @@ class MemoryStore:
         if n is None:
             raise NotFound(f"queue {quoted(queue)} does not exist")
         self.transactions += n > 0
+        self._tell()
         return n
 
     async def delete_queue(self, queue: str) -> None:
@@ -138,11 +161,17 @@ class MemoryStore:
         self.transactions += 1
 
     async def settle_many(
-        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        *,
+        now: float,
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        acked, nacked = self._index.settle(acks, nacks, now)
+        acked, nacked = self._index.settle(acks, nacks, now, results)
         if acked.count(None) or any(isinstance(n, Failure) for n in nacked):
             self.transactions += 1
+        self._tell()
         return acked, nacked
 
     async def settle_claim(
@@ -153,9 +182,10 @@ class MemoryStore:
         *,
         now: float,
         queues: Sequence[str] = (DEFAULT_QUEUE,),
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
         before = self.transactions
-        acked, nacked = await self.settle_many(acks, nacks, now=now)
+        acked, nacked = await self.settle_many(acks, nacks, now=now, results=results)
         claimed = await self.claim_many(leases, now=now, queues=queues)
         self.transactions = min(self.transactions, before + 1)  # (one step: one transaction)
         return acked, nacked, claimed
@@ -163,17 +193,20 @@ class MemoryStore:
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         failure = self._index.reclaim(task_id, lease_id, error, now)
         self.transactions += 1
+        self._tell()
         return failure
 
     async def release(self, task_id: str, lease_id: str) -> bool:
         released = self._index.release(task_id, lease_id)
         self.transactions += released
+        self._tell()  # (a cancelling one: gone)
         return released
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
         result = self._index.sweep(now)
-        if result.reclaimed or result.promoted or result.expired:
+        if result.reclaimed or result.promoted or result.expired or result.pruned:
             self.transactions += 1
+        self._tell()
         return result, self._index.next_due()
 
     async def requeue(self, task_id: str, *, now: float) -> str:
@@ -207,6 +240,23 @@ class MemoryStore:
         if record is None:
             return None
         return TaskState(record.view(), STATE_NAMES[record.state])
+
+    async def watch(self, task_id: str) -> TaskState:
+        record = self._index.find(task_id)
+        if record is None:
+            raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
+        if record.state in PENDING:
+            self._index.watch(task_id)
+        return TaskState(record.view(), STATE_NAMES[record.state])
+
+    def on_finished(self, callback: FinishedCallback) -> None:
+        self._finished = callback
+
+    def take_released(self) -> Released | None:
+        return self._index.take_released()
+
+    async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
+        return self._index.children(task_id, limit)
 
     async def dead_letters(
         self, *, limit: int | None = None, queue: str | None = None
