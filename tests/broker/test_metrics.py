@@ -33,7 +33,7 @@ from wqwire.pb import broker_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(60)
 
 TOTALS = tuple(Totals.__slots__)
-GAUGES = ("ready", "handed_out", "delayed", "dead")
+GAUGES = ("ready", "handed_out", "delayed", "dead", "waiting", "succeeded")
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
@@ -253,6 +253,34 @@ async def test_parked_long_polls_and_open_streams(broker: Broker, http: Http) ->
     samples = await scrape(http)
     assert value(samples, "wq_parked_long_polls") == 0
     assert value(samples, "wq_open_streams") == 0
+
+
+async def test_waiting_tasks_results_held_and_result_waits(broker: Broker, http: Http) -> None:
+    """docs/design/results.md: wq_queue_waiting and wq_queue_succeeded per queue, as /queues
+    says; wq_result_waiters, the result waits parked now."""
+    parent = await http.enqueue({"parent": True}, queue="flow")
+    await http.enqueue({"child": True}, queue="flow", after=[parent])
+    done = await http.enqueue({"done": True}, queue="flow")
+    claimed = await ok(http, "GET", "/jobs/next?wait_ms=0&queue=flow", 200)
+    assert claimed["task"]["id"] == parent
+    claimed = await ok(http, "GET", "/jobs/next?wait_ms=0&queue=flow", 200)
+    assert claimed["task"]["id"] == done
+    status, _ = await http.request(
+        "POST", f"/jobs/{done}/ack?lease_id={claimed['lease_id']}", data=b'{"result": 1}'
+    )
+    assert status == 204
+    waiter = asyncio.ensure_future(http.request("GET", f"/jobs/{parent}/result?wait_ms=600000"))
+    await wait_until(lambda: broker.service.result_waiters, lambda n: n == 1, what="the wait")
+    samples = await scrape(http)
+    assert value(samples, "wq_queue_waiting", queue="flow") == 1
+    assert value(samples, "wq_queue_succeeded", queue="flow") == 1
+    assert value(samples, "wq_queue_handed_out", queue="flow") == 1
+    assert value(samples, "wq_result_waiters") == 1
+    (row,) = [q for q in await ok(http, "GET", "/queues", 200) if q["name"] == "flow"]
+    assert (row["waiting"], row["succeeded"]) == (1, 1)
+    waiter.cancel()
+    await wait_until(lambda: broker.service.result_waiters, lambda n: n == 0, what="its end")
+    assert value(await scrape(http), "wq_result_waiters") == 0
 
 
 async def test_grpc_calls_by_method_and_code(broker: Broker, http: Http) -> None:

@@ -388,6 +388,8 @@ HTTP_CALLS = [
     HttpCall("DELETE", "/jobs/{id}", 202),  # (a held task: cancelling)
     HttpCall("POST", "/queues/{name}/empty", 200),
     HttpCall("DELETE", "/queues/{name}", 204),
+    # results (docs/design/results.md): a held task's result, still pending
+    HttpCall("GET", "/jobs/{id}/result", 204),
 ]
 
 
@@ -402,7 +404,7 @@ def test_the_extension_routes_have_the_scopes_of_their_kin() -> None:
         "POST /queues/{name}/resume",
     ):
         assert HTTP_RULES[route] == "admin", route
-    for route in ("GET /jobs/{id}", "GET /queues"):
+    for route in ("GET /jobs/{id}", "GET /queues", "GET /jobs/{id}/result"):
         assert HTTP_RULES[route] is Access.ANY, route
 
 
@@ -628,6 +630,11 @@ async def _get_task_request(stub: pb_grpc.BrokerAsyncStub) -> pb.GetTaskRequest:
     return pb.GetTaskRequest(id=response.id)
 
 
+async def _wait_result_request(stub: pb_grpc.BrokerAsyncStub) -> pb.WaitResultRequest:
+    response = await stub.Enqueue(pb.EnqueueRequest(payload=b"1"), metadata=metadata(ROOT))
+    return pb.WaitResultRequest(id=response.id, wait_ms=0)
+
+
 async def _purge_request(stub: pb_grpc.BrokerAsyncStub) -> pb.PurgeDeadRequest:
     return pb.PurgeDeadRequest(id=await _dead_pb(stub))
 
@@ -669,6 +676,7 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "ListTasks": _const(pb.ListTasksRequest()),
     "EmptyQueue": _empty_queue_request,
     "DeleteQueue": _delete_queue_request,
+    "WaitResult": _wait_result_request,
 }
 
 
@@ -678,6 +686,7 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
         ("ExtendLease", "consume"),
         ("GetTask", Access.ANY),
         ("ListQueues", Access.ANY),
+        ("WaitResult", Access.ANY),  # a producer waits for what it enqueued
         ("PauseQueue", "admin"),
         ("ResumeQueue", "admin"),
         ("RequeueAll", "admin"),

@@ -93,6 +93,8 @@ def stats_dict(s: pb.StatsResponse) -> dict[str, Any]:
         "handed_out": s.handed_out,
         "delayed": s.delayed,
         "dead": s.dead,
+        "waiting": s.waiting,  # docs/design/results.md
+        "succeeded": s.succeeded,
         "totals": {
             "enqueued": t.enqueued,
             "delivered": t.delivered,
@@ -739,6 +741,8 @@ async def test_stats_reports_every_gauge_and_total(
         "handed_out": 1,
         "delayed": 2,
         "dead": 1,
+        "waiting": 0,
+        "succeeded": 0,
         "totals": {
             "enqueued": 6,
             "delivered": 5,
@@ -904,6 +908,7 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "ListTasks",
         "EmptyQueue",
         "DeleteQueue",
+        "WaitResult",  # docs/design/results.md
     }
     assert methods["StreamJobs"].client_streaming
     assert methods["StreamJobs"].server_streaming

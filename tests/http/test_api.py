@@ -581,7 +581,17 @@ async def test_reclaimed_task_wakes_a_parked_poller(
 
 async def test_stats_has_exactly_the_spec_fields(http: Http) -> None:
     stats = await http.stats()
-    assert set(stats) == {"ready", "handed_out", "delayed", "dead", "totals"}
+    # The spec's four gauges, and two more (docs/design/results.md): tasks waiting for their
+    # parents, results held.
+    assert set(stats) == {
+        "ready",
+        "handed_out",
+        "delayed",
+        "dead",
+        "waiting",
+        "succeeded",
+        "totals",
+    }
     # The spec's eight totals, and three more (extensions): dead tasks purged for good, tasks
     # cancelled and tasks expired (docs/design/control.md).
     assert set(stats["totals"]) == {

@@ -342,6 +342,36 @@ def settle_many(body: Callable[[str, str], Any]) -> Case:
     return case
 
 
+async def enqueue_after(b: Broker, v: Variant) -> RawResponse:
+    parent = (await send(b, "POST", "/jobs", _json({"payload": 0, "queue": "after"}))).json()
+    body = {"payload": 1, "queue": "after", "after": [parent["id"]], "result_ttl_ms": 5000}
+    return await send(b, "POST", v("/jobs"), _json(body))
+
+
+async def enqueue_after_unknown(b: Broker, v: Variant) -> RawResponse:
+    body = {"payload": 1, "after": ["0123456789abcdef"]}
+    return await send(b, "POST", v("/jobs"), _json(body))
+
+
+async def batch_with_a_graph(b: Broker, v: Variant) -> RawResponse:
+    tasks = [{"payload": 0}, {"payload": 1, "after": [0]}, {"payload": 2, "after": [0, 1]}]
+    return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
+
+
+async def batch_with_a_later_index(b: Broker, v: Variant) -> RawResponse:
+    tasks = [{"payload": 0, "after": [1]}, {"payload": 1}]
+    return await send(b, "POST", v("/jobs/batch"), _json({"tasks": tasks}))
+
+
+async def result_of_a_task(b: Broker, v: Variant) -> RawResponse:
+    queue = f"result-{tag(v)}"
+    await send(b, "POST", "/jobs", _json({"payload": 1, "queue": queue}))
+    task_id, lease_id = await claim(b, queue)
+    ack = await send(b, "POST", f"/jobs/{task_id}/ack?lease_id={lease_id}", b'{"result": [1]}')
+    assert ack.status == 204, ack
+    return await send(b, "GET", v(f"/jobs/{task_id}/result") + "?wait_ms=0")
+
+
 async def ack_unknown_task(b: Broker, v: Variant) -> RawResponse:
     return await send(b, "POST", v("/jobs/0123456789abcdef/ack") + "?lease_id=x")
 
@@ -384,7 +414,15 @@ CASES: list[Case] = [
     claim_huge_wait,
     claim_with_body,
     settle("ack"),
-    settle("ack", body=b"an ack's body is not read"),
+    settle("ack", body=b"an ack's body is read: this is no JSON"),
+    # An ack's result (docs/design/results.md).
+    settle("ack", body=_json({"result": {"n": [1.10, None]}})),
+    settle("ack", body=b'{"result": null}'),
+    settle("ack", body=b"{}"),
+    settle("ack", body=b'{"result": NaN}'),
+    settle("ack", body=b'{"result": "\xff"}'),
+    settle("ack", body=b"[1]"),
+    settle("ack", body=_json({"result": 1}), lease="nope"),
     settle("ack", lease="not-the-lease"),
     settle("ack", query="&lease_id=again"),
     settle("nack", body=_json({"error": "boom", "delay_ms": 0})),
@@ -420,6 +458,17 @@ CASES: list[Case] = [
     settle_many(lambda t, lease: {"acks": [], "nacks": [7]}),
     settle_many(lambda t, lease: b"{not json"),
     settle_many(lambda t, lease: b""),
+    settle_many(lambda t, lease: {"acks": [{"id": t, "lease_id": lease, "result": [1.5]}]}),
+    settle_many(
+        lambda t, lease: (
+            f'{{"acks": [{{"id": "{t}", "lease_id": "{lease}", "res\\u0075lt": 1}}]}}'.encode()
+        )
+    ),
+    enqueue_after,
+    enqueue_after_unknown,
+    batch_with_a_graph,
+    batch_with_a_later_index,
+    result_of_a_task,
 ]
 
 
@@ -723,21 +772,24 @@ async def test_a_body_sent_in_pieces_is_read_whole(broker: Broker, router_calls:
     assert router_calls == []
 
 
-async def test_an_ack_with_a_body_still_to_come_is_answered_at_once(
+async def test_an_ack_with_its_result_still_to_come_waits_for_it_in_the_lane(
     broker: Broker, router_calls: list[str]
 ) -> None:
-    """An ack reads no body: with one on its way it is passed to aiohttp, which answers without
-    waiting for it (and skips it), as it always has."""
+    """An ack reads its body (an optional result, docs/design/results.md): the lane waits for
+    it, as for an extend's progress."""
     await enqueue(broker)
     task_id, lease_id = await claim(broker)
-    target = f"/jobs/{task_id}/ack?lease_id={lease_id}"
-    head = f"POST {target} HTTP/1.1\r\nHost: wq\r\nContent-Length: 10\r\n\r\n"
+    body = _json({"result": {"pieces": "z" * 50}})
+    data = request("POST", f"/jobs/{task_id}/ack?lease_id={lease_id}", body)
     async with raw_connection(address(broker)) as conn:
-        await conn.send(head.encode() + b"12345")
-        assert (await conn.response(timeout=2)).status == 204
-        await conn.send(b"67890" + request("POST", "/jobs", _json({"payload": 1})))
+        await conn.send(data[:-20])
+        await asyncio.sleep(0.05)
+        await conn.send(data[-20:] + request("POST", "/jobs", _json({"payload": 1})))
+        assert (await conn.response()).status == 204
         assert (await conn.response()).status == 201
-    assert router_calls == [f"POST /jobs/{task_id}/ack?lease_id={lease_id}"]
+    assert router_calls == []
+    found = await send(broker, "GET", f"/jobs/{task_id}/result")
+    assert found.json()["result"] == {"pieces": "z" * 50}
 
 
 async def test_an_extend_with_its_progress_still_to_come_waits_for_it_in_the_lane(

@@ -244,8 +244,9 @@ def not_another_operation(case: Case) -> None:
 
 
 def bound_the_wait(case: Case) -> None:
-    """A claim's long poll cut to a few milliseconds (default 20 s, generated up to any size)."""
-    if case.operation.path not in ("/jobs/next", "/jobs/next/batch"):
+    """A claim's or a result's long poll cut to a few milliseconds (default 20 s for a claim,
+    generated up to any size)."""
+    if case.operation.path not in ("/jobs/next", "/jobs/next/batch", "/jobs/{id}/result"):
         return
     query = dict(case.query or {})
     wait = query.get("wait_ms", 0)
@@ -291,12 +292,32 @@ def cursors_the_broker_gave(case: Case) -> None:
         case.query = {k: v for k, v in case.query.items() if k != "cursor"}
 
 
+def parents_the_broker_knows(case: Case) -> None:
+    """An ``after`` names live tasks (or, in a batch, earlier items): generated ones name none
+    (refused, 400), so a valid one is left out of a valid body (workflows are tested in
+    tests/http/test_results.py, and below)."""
+    if case.operation.path not in ("/jobs", "/jobs/batch") or not isinstance(case.body, dict):
+        return
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive:
+        return
+    body = {k: v for k, v in case.body.items() if k != "after"}
+    tasks = body.get("tasks")
+    if isinstance(tasks, list):
+        body["tasks"] = [
+            {k: v for k, v in t.items() if k != "after"} if isinstance(t, dict) else t
+            for t in tasks
+        ]
+    case.body = body
+
+
 def prepare(case: Case) -> None:
     integers_as_integers(case)
     not_another_operation(case)
     bound_the_wait(case)
     unique_with_a_key(case)
     cursors_the_broker_gave(case)
+    parents_the_broker_knows(case)
 
 
 # -- every answer a generated request never gets, checked against the document ------------------
@@ -427,6 +448,58 @@ def test_control_over_tasks_answers_as_documented(live_broker: str) -> None:
     api("DELETE", "/queues/{name}", 204, **name)
     totals = api("GET", "/stats", 200, query=q)["totals"]
     assert (totals["cancelled"], totals["expired"]) == (0, 0)  # (the queue was forgotten)
+
+
+def test_results_and_workflows_answer_as_documented(live_broker: str) -> None:
+    api = Api(live_broker)
+    q: dict[str, Any] = {"queue": "openapi-results"}
+    tasks = [
+        {"payload": 0, **q},
+        {"payload": 1, "after": [0], "result_ttl_ms": 60_000, **q},
+        {"payload": 2, "after": [0, 1], **q},
+    ]
+    first, second, third = api("POST", "/jobs/batch", 201, body={"tasks": tasks})["ids"]
+    found = api("GET", "/jobs/{id}", 200, path_parameters={"id": first})
+    assert (found["children"], found["children_count"]) == ([second, third], 2)
+    waiting = api("GET", "/jobs/{id}", 200, path_parameters={"id": second})
+    assert (waiting["state"], waiting["waiting_for"]) == ("waiting", 1)
+    listed = api("GET", "/jobs", 200, query={**q, "state": "waiting"})
+    assert [t["id"] for t in listed["tasks"]] == [second, third]
+    result: dict[str, Any] = {"path_parameters": {"id": first}}
+    api("GET", "/jobs/{id}/result", 204, query={"wait_ms": 0}, **result)
+    api("GET", "/jobs/{id}/result", 400, query={"wait_ms": -1}, **result)
+    api("GET", "/jobs/{id}/result", 404, path_parameters={"id": "ffffffffffffffff"})
+    held = api("GET", "/jobs/next", 200, query={**q, "wait_ms": 0})
+    lease: dict[str, Any] = {"lease_id": held["lease_id"]}
+    api("POST", "/jobs/{id}/ack", 400, query=lease, data=b'{"result": NaN}', **result)
+    api("POST", "/jobs/{id}/ack", 204, query=lease, body={"result": {"n": 1}}, **result)
+    answer = api("GET", "/jobs/{id}/result", 200, **result)
+    assert (answer["state"], answer["result"]) == ("succeeded", {"n": 1})
+    assert api("GET", "/jobs/{id}", 200, **result)["state"] == "succeeded"
+    listed = api("GET", "/jobs", 200, query={**q, "state": "succeeded"})
+    assert [t["id"] for t in listed["tasks"]] == [first]
+    child = api("GET", "/jobs/next", 200, query={**q, "wait_ms": 0})
+    assert child["parents"] == [{"id": first, "result": {"n": 1}}]
+    body = {"acks": [{"id": second, "lease_id": child["lease_id"], "result": None}]}
+    assert api("POST", "/jobs/settle", 200, body=body) == {"acks": [None], "nacks": []}
+    last = api("GET", "/jobs/next", 200, query={**q, "wait_ms": 0})
+    assert last["parents"] == [{"id": first, "result": {"n": 1}}, {"id": second, "result": None}]
+    doomed: dict[str, Any] = {"path_parameters": {"id": third}}
+    api(
+        "POST",
+        "/jobs/{id}/nack",
+        204,
+        query={"lease_id": last["lease_id"]},
+        body={"terminal": True},
+        **doomed,
+    )
+    dead = api("GET", "/jobs/{id}/result", 200, **doomed)
+    assert (dead["state"], dead["attempts"]) == ("dead", 1)
+    api("POST", "/jobs", 400, body={"payload": 1, "after": ["ffffffffffffffff"]})
+    stats = api("GET", "/stats", 200, query=q)
+    assert (stats["waiting"], stats["succeeded"]) == (0, 2)
+    row = [r for r in api("GET", "/queues", 200) if r["name"] == q["queue"]]
+    assert (row[0]["waiting"], row[0]["succeeded"]) == (0, 2)
 
 
 def test_refusals_answer_as_documented(tmp_path: Path) -> None:

@@ -35,7 +35,19 @@ SPEC_TOTALS = [
     "buried",
     "requeued",
 ]
-QUEUE_ROW = ["name", "ready", "handed_out", "delayed", "dead", "paused", "oldest_ready_at"]
+QUEUE_ROW = [
+    "name",
+    "ready",
+    "handed_out",
+    "delayed",
+    "dead",
+    "waiting",  # docs/design/results.md
+    "succeeded",
+    "paused",
+    "oldest_ready_at",
+]
+# /stats: the spec's gauges in its order, the two of docs/design/results.md, the totals last.
+STATS_KEYS = ["ready", "handed_out", "delayed", "dead", "waiting", "succeeded", "totals"]
 
 
 @pytest.fixture
@@ -114,7 +126,7 @@ async def test_a_spec_enqueue_is_201_with_only_an_id_and_lands_in_default(http: 
 
 async def test_stats_keeps_the_spec_order_and_adds_its_own_totals_last(http: Http) -> None:
     stats = await http.stats()
-    assert list(stats) == ["ready", "handed_out", "delayed", "dead", "totals"]
+    assert list(stats) == STATS_KEYS
     assert list(stats["totals"]) == [*SPEC_TOTALS, "purged", "cancelled", "expired"]
 
 
@@ -222,6 +234,8 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
         "handed_out": 1,
         "delayed": 1,
         "dead": 0,
+        "waiting": 0,
+        "succeeded": 0,
         "paused": False,
         "oldest_ready_at": None,  # nothing ready
     }
@@ -232,6 +246,8 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
         "handed_out": 0,
         "delayed": 0,
         "dead": 1,
+        "waiting": 0,
+        "succeeded": 0,
         "paused": False,
         "oldest_ready_at": ready["available_at"],
     }
@@ -244,7 +260,7 @@ async def test_stats_of_one_queue_has_the_spec_shape_and_only_its_tasks(http: Ht
     await take(http, "queue=a")
     status, a = await http.request("GET", "/stats?queue=a")
     assert status == 200
-    assert list(a) == ["ready", "handed_out", "delayed", "dead", "totals"]
+    assert list(a) == STATS_KEYS
     assert list(a["totals"]) == [*SPEC_TOTALS, "purged", "cancelled", "expired"]
     assert gauges(a) == (1, 1, 0, 0)
     assert (a["totals"]["enqueued"], a["totals"]["delivered"]) == (2, 1)
@@ -346,6 +362,8 @@ async def test_pause_and_resume_are_idempotent_and_create_an_unknown_queue(http:
         "handed_out": 0,
         "delayed": 0,
         "dead": 0,
+        "waiting": 0,
+        "succeeded": 0,
         "paused": True,
         "oldest_ready_at": None,
     } in rows
