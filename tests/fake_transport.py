@@ -8,7 +8,11 @@ tasks, named queues claimed in the order listed, priorities (higher first, then 
 queues, idempotency keys, lease extension, nack options, lookups, the DLQ's bulk operations, and
 task control: cancels (a handed-out task becomes cancelling: its extensions are refused with
 Cancelled, its stream is told, its nack drops it), listings with cursors, emptying and deleting
-queues, progress, and the new enqueue options, kept on the task) and leave out time: delays and
+queues, progress, and the new enqueue options, kept on the task; and results and workflows,
+docs/design/results.md: acks with results kept as succeeded tasks, result waits (on a fake clock
+given as ``clock``, or real time), ``after`` with ids and a batch's indices, waiting tasks
+released when their parents succeed, buried or cancelled with them, parents' results on
+deliveries, children in lookups) and leave out time: delays and
 backoff are not honoured (a task nacked with ``delay_ms`` is ready at once, as after any nack),
 idempotency keys never expire, tasks never expire, time limits are not enforced (make extensions
 raise TimeLimitReached with :meth:`FakeTransport.fail`), and a lease never runs out unless a test
@@ -31,6 +35,7 @@ from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, NamedTuple
 
+from tests.fake_clock import FakeClock
 from wqclient import (
     Cancelled,
     Conflict,
@@ -49,8 +54,8 @@ from wqclient import (
     Unavailable,
     WqError,
 )
-from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS
-from wqclient.models import DEFAULT_QUEUE
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS, MAX_WAIT_MS
+from wqclient.models import DEFAULT_QUEUE, ParentResult, TaskResult
 
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -84,9 +89,11 @@ class Counters:
 
 
 class FakeTransport:
-    """An in-memory broker, as a unary transport."""
+    """An in-memory broker, as a unary transport. ``clock``: what its result waits wait on
+    (default: real time)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        self.clock = clock
         self.tasks: dict[str, Task] = {}  # every task, as the broker would report it now
         self.ready: deque[str] = deque()  # ids, oldest first
         self.held: dict[str, str] = {}  # id -> the lease it is held under
@@ -107,6 +114,13 @@ class FakeTransport:
         self.progress: dict[str, bytes] = {}  # the last progress reported, while handed out
         self.progress_reports: list[tuple[str, bytes]] = []  # (id, JSON text), in order
         self.options: dict[str, EnqueueItem] = {}  # what each enqueue asked for, by task id
+        # Results and workflows (docs/design/results.md).
+        self.results: list[tuple[str, bytes]] = []  # (id, JSON text) of each ack with a result
+        self.succeeded: dict[str, None] = {}  # ids of the tasks kept with a result, by finish
+        self.waiting: dict[str, set[str]] = {}  # a waiting task's id -> parents not yet done
+        self.children_of: dict[str, list[str]] = {}  # a parent's id -> its children, in order
+        self.ended: dict[str, TaskResult] = {}  # how each task that ended did (for waiters)
+        self.result_waits: list[tuple[str, int | None]] = []  # (id, wait_ms) of each wait
         self._seq = itertools.count(1)  # positions, for listings (see _key)
         self.position: dict[str, int] = {}  # a task's place in its state, for listings
         self.closed = False
@@ -170,6 +184,8 @@ class FakeTransport:
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
         unique: bool = False,
+        after: Sequence[str] | None = None,
+        result_ttl_ms: int | None = None,
     ) -> Enqueued:
         self._call("enqueue")
         item = EnqueueItem(
@@ -182,15 +198,22 @@ class FakeTransport:
             expires_in_ms,
             timeout_ms,
             unique,
+            None if after is None else tuple(after),
+            result_ttl_ms,
         )
         self._check(item, "")
-        return self._submit(item)
+        self._check_parents(item, "", None, [])
+        return self._submit(item, [])
 
     async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
         self._call("enqueue_many")
         for i, item in enumerate(items):  # all or none
             self._check(item, f"tasks[{i}].")
-        return [self._submit(item) for item in items]
+            self._check_parents(item, f"tasks[{i}].", i, [])
+        done: list[Enqueued] = []
+        for item in items:
+            done.append(self._submit(item, done))
+        return done
 
     async def claim(
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
@@ -211,10 +234,29 @@ class FakeTransport:
         await self.until(lambda: self.next_ready(queues) is not None)
         return self.hand_out(lease_ms, queues)  # at once: no other claim can take it in between
 
-    async def ack(self, task_id: str, lease_id: str) -> None:
+    async def ack(self, task_id: str, lease_id: str, *, result: bytes | None = None) -> None:
         self._call("ack", task_id)
+        if result is not None:
+            json.loads(result)  # (the fake trusts the client to send JSON)
         self._release(task_id, lease_id)
         self.acked.append(task_id)
+        task = self.tasks[task_id]
+        now = datetime.now(UTC)
+        ttl = self.options[task_id].result_ttl_ms if task_id in self.options else None
+        if result is not None:
+            self.results.append((task_id, result))
+        if result is not None and ttl != 0:
+            self.tasks[task_id] = replace(task, result_json=result, finished_at=now)
+            self.succeeded[task_id] = None
+        self.ended[task_id] = TaskResult(task_id, "succeeded", result if ttl != 0 else None, now)
+        for child in self.children_of.get(task_id, ()):
+            pending = self.waiting.get(child)
+            if pending is not None:
+                pending.discard(task_id)
+                if not pending:
+                    del self.waiting[child]
+                    self.position[child] = next(self._seq)
+                    self.ready.append(child)
         self.notify()
 
     async def nack(
@@ -235,8 +277,7 @@ class FakeTransport:
         self.nacks.append(Nack(task_id, error, delay_ms, terminal))
         if task_id in self.cancelling:  # dropped, counted cancelled: no retry
             self.cancelling.discard(task_id)
-            self.gone.add(task_id)
-            self.counters.cancelled += 1
+            self._cancelled(task_id)
             self.notify()
             return
         self.failed(task_id, error, terminal=terminal)
@@ -268,10 +309,11 @@ class FakeTransport:
                 self.told_cancel(task_id, self.held[task_id])
             self.notify()
             return "cancelling"
-        if task_id in self.ready:
-            self.ready.remove(task_id)
-            self.gone.add(task_id)
-            self.counters.cancelled += 1
+        if task_id in self.ready or task_id in self.waiting:
+            if task_id in self.ready:
+                self.ready.remove(task_id)
+            self.waiting.pop(task_id, None)
+            self._cancelled(task_id)
             self.notify()
             return "cancelled"
         if task_id in self.dead:
@@ -295,9 +337,19 @@ class FakeTransport:
         count = 100 if limit is None else limit
         if not 1 <= count <= 1000:
             raise InvalidArgument(f"limit must be from 1 to 1000, got {count}")
-        members = {"ready": self.ready, "handed_out": self.held, "dead": self.dead, "delayed": ()}
+        members: dict[str, Iterable[str]] = {
+            "ready": self.ready,
+            "handed_out": self.held,
+            "dead": self.dead,
+            "delayed": (),
+            "waiting": self.waiting,
+            "succeeded": self.succeeded,
+        }
         if which not in members:
-            raise InvalidArgument(f"state {which!r} is not one of ready, delayed, handed_out, dead")
+            raise InvalidArgument(
+                f"state {which!r} is not one of ready, delayed, handed_out, dead, waiting, "
+                "succeeded"
+            )
         ids = sorted(
             (i for i in members[which] if self.tasks[i].queue == name),
             key=lambda i: self._key(i, which),
@@ -325,11 +377,14 @@ class FakeTransport:
         self._check_queue(queue, "queue")
         if queue not in self.known_queues:
             raise NotFound(f"queue {queue} not found")
-        ids = [i for i in self.ready if self.tasks[i].queue == queue]
+        ids = [i for i in [*self.ready, *self.waiting] if self.tasks[i].queue == queue]
         for task_id in ids:
-            self.ready.remove(task_id)
-            self.gone.add(task_id)
-        self.counters.cancelled += len(ids)
+            if task_id in self.ready:
+                self.ready.remove(task_id)
+            if task_id in self.waiting:
+                del self.waiting[task_id]
+            if task_id not in self.gone:
+                self._cancelled(task_id)
         self.notify()
         return len(ids)
 
@@ -350,10 +405,58 @@ class FakeTransport:
 
     async def get_task(self, task_id: str) -> Task:
         self._call("get_task", task_id)
-        task = self.tasks.get(task_id)
-        if task is None or task_id in self.acked or task_id in self.purged or task_id in self.gone:
+        if not self.known(task_id):
             raise NotFound(f"task {task_id} not found")
-        return replace(self._view(task_id), state=self.state_of(task_id))
+        children = [c for c in self.children_of.get(task_id, ()) if self.live(c)]
+        return replace(
+            self._view(task_id),
+            state=self.state_of(task_id),
+            waiting_for=len(self.waiting.get(task_id, ())),
+            children=tuple(children[:100]) or None,
+            children_count=len(children),
+        )
+
+    def known(self, task_id: str) -> bool:
+        """Whether the broker still has the task (succeeded ones kept with their results)."""
+        if task_id in self.succeeded:
+            return True
+        gone = task_id in self.acked or task_id in self.purged or task_id in self.gone
+        return task_id in self.tasks and not gone
+
+    def live(self, task_id: str) -> bool:
+        """Whether a task is not yet gone (waiting, ready, handed out or dead): a child that
+        pins its parents' results, and shows in their lookups."""
+        return self.known(task_id) and task_id not in self.succeeded
+
+    async def wait_result(self, task_id: str, wait_ms: int | None) -> TaskResult | None:
+        self._call("wait_result", task_id)
+        self.result_waits.append((task_id, wait_ms))
+        if not self.known(task_id):
+            raise NotFound(f"task {task_id} not found")
+        if wait_ms is not None and wait_ms < 0:
+            raise InvalidArgument("wait_ms must be an integer from 0")
+        wait = min(MAX_WAIT_MS, wait_ms or 0) / 1000
+        if self._outcome(task_id) is None and wait > 0:
+            ended = asyncio.ensure_future(self.until(lambda: self._outcome(task_id) is not None))
+            waits = [ended]
+            if self.clock is not None:
+                waits.append(asyncio.ensure_future(self.clock.sleep(wait)))
+            await asyncio.wait(
+                waits, timeout=None if self.clock else wait, return_when=asyncio.FIRST_COMPLETED
+            )
+            for waited in waits:
+                waited.cancel()
+        return self._outcome(task_id)
+
+    def _outcome(self, task_id: str) -> TaskResult | None:
+        """How the task ended (None: it is still pending)."""
+        if task_id in self.dead:
+            task = self.tasks[task_id]
+            return TaskResult(task_id, "dead", last_error=task.last_error, attempts=task.attempts)
+        if task_id in self.succeeded:
+            task = self.tasks[task_id]
+            return TaskResult(task_id, "succeeded", task.result_json, task.finished_at)
+        return self.ended.get(task_id)
 
     def _view(self, task_id: str) -> Task:
         """The task as a lookup shows it: with its progress and cancelling while handed out."""
@@ -370,6 +473,10 @@ class FakeTransport:
         """The task's state as a lookup reports it (the fake has no delayed tasks)."""
         if task_id in self.held:
             return "handed_out"
+        if task_id in self.succeeded:
+            return "succeeded"
+        if task_id in self.waiting:
+            return "waiting"
         return "dead" if task_id in self.dead else "ready"
 
     async def stats(self, queue: str | None = None) -> Stats:
@@ -377,12 +484,22 @@ class FakeTransport:
         self._call("stats")
         if queue is not None:
             info = self._queue_info(queue)
-            return Stats(info.ready, info.handed_out, 0, info.dead, self._totals())
+            return Stats(
+                info.ready,
+                info.handed_out,
+                0,
+                info.dead,
+                self._totals(),
+                waiting=info.waiting,
+                succeeded=info.succeeded,
+            )
         return Stats(
             ready=len(self.ready),
             handed_out=len(self.held),
             dead=len(self.dead),
             totals=self._totals(),
+            waiting=len(self.waiting),
+            succeeded=len(self.succeeded),
         )
 
     async def queues(self) -> list[QueueInfo]:
@@ -394,7 +511,16 @@ class FakeTransport:
             return sum(1 for task_id in ids if self.tasks[task_id].queue == name)
 
         paused = name in self.paused
-        return QueueInfo(name, count(self.ready), count(self.held), 0, count(self.dead), paused)
+        return QueueInfo(
+            name,
+            count(self.ready),
+            count(self.held),
+            0,
+            count(self.dead),
+            paused,
+            waiting=count(self.waiting),
+            succeeded=count(self.succeeded),
+        )
 
     def _totals(self) -> Totals:
         c = self.counters
@@ -426,6 +552,28 @@ class FakeTransport:
         self.ready.append(task_id)
         self.counters.requeued += 1
         self.notify()
+
+    def _cancelled(self, task_id: str) -> None:
+        """A task is cancelled (gone, counted), and so is every task waiting on it, in turn."""
+        self.gone.add(task_id)
+        self.counters.cancelled += 1
+        self.ended[task_id] = TaskResult(task_id, "cancelled")
+        for child in self.children_of.get(task_id, ()):
+            if child in self.waiting:
+                del self.waiting[child]
+                self._cancelled(child)
+
+    def _bury_children(self, task_id: str, why: str) -> None:
+        """The tasks waiting on a task that died are buried (not counted buried: they never
+        ran), each naming its parent, and theirs in turn."""
+        for child in self.children_of.get(task_id, ()):
+            if child in self.waiting:
+                del self.waiting[child]
+                error = f"parent {task_id} {why}"
+                self.tasks[child] = replace(self.tasks[child], last_error=error)
+                self.position[child] = next(self._seq)
+                self.dead.append(child)
+                self._bury_children(child, f"is dead: {error}")
 
     async def requeue_all(self, queue: str | None = None) -> int:
         self._call("requeue_all")
@@ -499,6 +647,15 @@ class FakeTransport:
         lease_id = self.held[task_id] = self._lease()
         self.counters.delivered += 1
         self.notify()
+        parents = task.after
+        if parents:  # each with its result, if one is held
+            task = replace(
+                task,
+                parents=tuple(
+                    ParentResult(p, self.tasks[p].result_json if p in self.succeeded else None)
+                    for p in parents
+                ),
+            )
         return Delivery(task, lease_id, self.deadline(lease_ms))
 
     @staticmethod
@@ -515,6 +672,7 @@ class FakeTransport:
         if terminal or task.attempts >= task.max_attempts:
             self.dead.append(task_id)
             self.counters.buried += 1
+            self._bury_children(task_id, f"is dead: {error}")
         else:
             self.ready.append(task_id)
             self.counters.retried += 1
@@ -527,8 +685,7 @@ class FakeTransport:
             self.progress.pop(task_id, None)
             if task_id in self.cancelling:
                 self.cancelling.discard(task_id)
-                self.gone.add(task_id)
-                self.counters.cancelled += 1
+                self._cancelled(task_id)
                 self.notify()
                 return
             self.counters.reclaimed += 1
@@ -553,6 +710,8 @@ class FakeTransport:
         priority: int = 0,
         timeout_ms: int | None = None,
         expires_in_ms: int | None = None,
+        after: tuple[str, ...] | None = None,
+        result_ttl_ms: int | None = None,
     ) -> str:
         task_id = f"t{next(self._ids)}"
         now = datetime.now(UTC)
@@ -568,10 +727,23 @@ class FakeTransport:
             priority=priority,
             timeout_ms=timeout_ms,
             expires_at=expires_at,
+            after=after,
+            result_ttl_ms=result_ttl_ms,
         )
         self.position[task_id] = next(self._seq)
         self.known_queues.add(queue)
-        self.ready.append(task_id)
+        pending = {p for p in after or () if p not in self.succeeded and p not in self.acked}
+        for parent in after or ():
+            self.children_of.setdefault(parent, []).append(task_id)
+        dead = [p for p in after or () if p in self.dead]
+        if dead:  # a dead parent buries it at once
+            error = f"parent {dead[0]} is dead: {self.tasks[dead[0]].last_error}"
+            self.tasks[task_id] = replace(self.tasks[task_id], last_error=error)
+            self.dead.append(task_id)
+        elif pending:
+            self.waiting[task_id] = pending
+        else:
+            self.ready.append(task_id)
         self.counters.enqueued += 1
         self.notify()
         return task_id
@@ -597,13 +769,29 @@ class FakeTransport:
             if value is not None and not 1 <= value <= 31_536_000_000:
                 raise InvalidArgument(f"{where}{name} must be from 1 to 31536000000, got {value}")
 
-    def _submit(self, item: EnqueueItem) -> Enqueued:
+    def _check_parents(
+        self, item: EnqueueItem, where: str, index: int | None, earlier: list[Enqueued]
+    ) -> None:
+        """An ``after``'s parents: live tasks, or (in a batch: ``index``) earlier items."""
+        for j, ref in enumerate(item.after or ()):
+            if isinstance(ref, int):
+                if index is None or not 0 <= ref < index:
+                    raise InvalidArgument(
+                        f"{where}after[{j}] must name an earlier item of the batch, got {ref}"
+                    )
+            elif not self.known(ref) or (ref in self.acked and ref not in self.succeeded):
+                raise InvalidArgument(f"{where}after[{j}]: task {ref} does not exist")
+
+    def _submit(self, item: EnqueueItem, earlier: list[Enqueued]) -> Enqueued:
         queue = DEFAULT_QUEUE if item.queue is None else item.queue
         if item.idempotency_key is not None:
             first = self.keys.get((queue, item.idempotency_key))
             if first is not None:
                 return Enqueued(first, duplicate=True)
         attempts = 3 if item.max_attempts is None else item.max_attempts
+        after = None
+        if item.after:
+            after = tuple(str(earlier[r]) if isinstance(r, int) else r for r in item.after)
         task_id = self._add(
             item.payload_json,
             attempts,
@@ -611,6 +799,8 @@ class FakeTransport:
             item.priority or 0,
             timeout_ms=item.timeout_ms,
             expires_in_ms=item.expires_in_ms,
+            after=after,
+            result_ttl_ms=item.result_ttl_ms,
         )
         self.options[task_id] = item
         if item.idempotency_key is not None:
@@ -709,11 +899,16 @@ class FakeStream:
         has_room = len(self.unsettled) < self.prefetch and not self.draining
         return has_room and self.broker.next_ready(self.queues) is not None
 
-    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+    async def ack(
+        self, delivery: Delivery, *, confirm: bool = False, result: bytes | None = None
+    ) -> None:
         # (Every settlement here is applied before the call returns: confirmed or not.)
         self._check_open()
         try:
-            await self.broker.ack(delivery.task.id, delivery.lease_id)
+            if result is None:
+                await self.broker.ack(delivery.task.id, delivery.lease_id)
+            else:
+                await self.broker.ack(delivery.task.id, delivery.lease_id, result=result)
         finally:
             self._settled(delivery)
 
@@ -789,8 +984,8 @@ class FakeStream:
 class FakeStreamingTransport(FakeTransport):
     """An in-memory broker, as a transport that also streams."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, clock: FakeClock | None = None) -> None:
+        super().__init__(clock)
         self.streams: list[FakeStream] = []
 
     async def stream(

@@ -47,11 +47,14 @@ from wqclient.models import (
     Delivery,
     Enqueued,
     EnqueueItem,
+    ParentResult,
     QueueInfo,
     Stats,
     Task,
     TaskPage,
+    TaskResult,
     plain_task,
+    with_parents,
 )
 from wqwire.defaults import MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
 from wqwire.pb import broker_pb2 as pb
@@ -228,7 +231,13 @@ def _delivery(d: pb.Delivery) -> Delivery:
             t.queue or DEFAULT_QUEUE,
             t.priority,
         )
+    if d.parents:  # (docs/design/results.md: a task with parents)
+        task = with_parents(task, _parents(d.parents))
     return Delivery(task, d.lease_id, _time_of(d.deadline))
+
+
+def _parents(parents: Iterable[pb.ParentResult]) -> tuple[ParentResult, ...]:
+    return tuple(ParentResult(p.id, p.result if p.HasField("result") else None) for p in parents)
 
 
 def _enqueue_request(item: EnqueueItem) -> pb.EnqueueRequest:
@@ -257,6 +266,22 @@ def _fill_enqueue(out: pb.EnqueueRequest, item: EnqueueItem) -> None:
         out.timeout_ms = item.timeout_ms
     if item.unique:
         out.unique = True
+    if item.after is not None or item.result_ttl_ms is not None:
+        _fill_results(out, item)
+
+
+def _fill_results(out: pb.EnqueueRequest, item: EnqueueItem) -> None:
+    """The options of results and workflows (docs/design/results.md): an ``after`` of ids and
+    indices (TaskRef), a result TTL."""
+    if item.after is not None:
+        add = out.after.add
+        for ref in item.after:
+            if isinstance(ref, str):
+                add(id=ref)
+            else:
+                add(index=ref)
+    if item.result_ttl_ms is not None:
+        out.result_ttl_ms = item.result_ttl_ms
 
 
 def _nack_request(
@@ -267,10 +292,19 @@ def _nack_request(
     )
 
 
-def _task(task: pb.Task, state: str | None = None) -> Task:
+def _task(
+    task: pb.Task,
+    state: str | None = None,
+    children: Sequence[str] = (),
+    children_count: int = 0,
+) -> Task:
     fields = dict(_Fields(task))
     if state:
         fields["state"] = state
+    if children:
+        fields["children"] = list(children)
+    if children_count:
+        fields["children_count"] = children_count
     return Task.from_mapping(fields)
 
 
@@ -534,8 +568,9 @@ class GrpcStream:
         deadline: datetime = await self._settle()
         return deadline
 
-    def _ack(self, delivery: Delivery) -> asyncio.Future[Any]:
-        """Gather an ack; the future of its outcome."""
+    def _ack(self, delivery: Delivery, result: bytes | None = None) -> asyncio.Future[Any]:
+        """Gather an ack (with the task's result, JSON text, if given); the future of its
+        outcome."""
         self._check_open()
         # The broker settles a request's acks before its nacks: keep the futures in that order.
         if self._batch_nacks:
@@ -543,16 +578,21 @@ class GrpcStream:
         added = self._gathering().acks.add()
         added.id = delivery.task.id
         added.lease_id = delivery.lease_id
+        if result is not None:
+            added.result = result
         self._batch_settles = True
         return self._settle()
 
-    def ack_soon(self, delivery: Delivery) -> asyncio.Future[Any]:
+    def ack_soon(self, delivery: Delivery, result: bytes | None = None) -> asyncio.Future[Any]:
         """Queue an ack (raising StreamEnded if the stream is over); the future of the broker's
-        answer, for the caller to judge (nothing is logged, nothing kept for :meth:`flush`)."""
-        return self._ack(delivery)
+        answer, for the caller to judge (nothing is logged, nothing kept for :meth:`flush`).
+        ``result``: the task's result, JSON text."""
+        return self._ack(delivery, result)
 
-    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
-        future = self._ack(delivery)
+    async def ack(
+        self, delivery: Delivery, *, confirm: bool = False, result: bytes | None = None
+    ) -> None:
+        future = self._ack(delivery, result)
         if confirm:
             await future
         else:
@@ -889,6 +929,8 @@ class GrpcTransport:
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
         unique: bool = False,
+        after: Sequence[str] | None = None,
+        result_ttl_ms: int | None = None,
     ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, as one batch (:meth:`enqueue_many`), each caller getting its
@@ -905,6 +947,8 @@ class GrpcTransport:
             expires_in_ms,
             timeout_ms,
             unique,
+            None if after is None else tuple(after),
+            result_ttl_ms,
         )
         return self._coalescer.add(item)
 
@@ -988,8 +1032,11 @@ class GrpcTransport:
             return None
         return _delivery(response.delivery)
 
-    async def ack(self, task_id: str, lease_id: str) -> None:
-        await self._unary(self._stub.Ack, pb.AckRequest(id=task_id, lease_id=lease_id))
+    async def ack(self, task_id: str, lease_id: str, *, result: bytes | None = None) -> None:
+        request = pb.AckRequest(id=task_id, lease_id=lease_id)
+        if result is not None:
+            request.result = result
+        await self._unary(self._stub.Ack, request)
 
     async def nack(
         self,
@@ -1013,7 +1060,15 @@ class GrpcTransport:
 
     async def get_task(self, task_id: str) -> Task:
         response = await self._unary(self._stub.GetTask, pb.GetTaskRequest(id=task_id))
-        return _task(response.task, response.state)
+        return _task(response.task, response.state, response.children, response.children_count)
+
+    async def wait_result(self, task_id: str, wait_ms: int | None) -> TaskResult | None:
+        request = pb.WaitResultRequest(id=task_id, wait_ms=wait_ms)
+        timeout = self._timeout if not wait_ms else poll_timeout(wait_ms)
+        response = await self._unary(self._stub.WaitResult, request, timeout=timeout)
+        if not response.state:
+            return None
+        return TaskResult.from_mapping(_Fields(response), task_id)
 
     async def stats(self, queue: str | None = None) -> Stats:
         response = await self._unary(self._stub.Stats, pb.StatsRequest(queue=queue or ""))

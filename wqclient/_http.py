@@ -46,6 +46,7 @@ from wqclient.models import (
     Stats,
     Task,
     TaskPage,
+    TaskResult,
 )
 from wqwire.defaults import BATCH_PATH, CLAIM_BATCH_PATH, IDEMPOTENCY_KEY_HEADER, SETTLE_PATH
 from wqwire.scan import JsonText, read_members, scanner, skip
@@ -82,8 +83,9 @@ def _lease_refusal(message: str, cancelled: object) -> LeaseLost:
 # "payload" members are kept as their raw text.
 
 _scan_once = scanner(json.JSONDecoder())
-# (A task's progress is JSON its holder reported, kept byte for byte as payloads are.)
-_PAYLOAD: Final = frozenset({"payload", "progress"})
+# (A task's progress is JSON its holder reported, kept byte for byte as payloads are; so is a
+# result, a task's own or a parent's in a delivery: docs/design/results.md.)
+_PAYLOAD: Final = frozenset({"payload", "progress", "result"})
 
 
 def _value(text: str, i: int) -> tuple[Any, int]:
@@ -135,7 +137,12 @@ def _loads_led(text: str) -> Any:
         _, end = _scan_once(text, start)
         rest = text[end:]
         wrapped = text.startswith('{"task":')
-        if '"payload"' in rest or '"progress"' in rest or (wrapped and '"task"' in rest):
+        if (
+            '"payload"' in rest
+            or '"progress"' in rest
+            or '"result"' in rest
+            or (wrapped and '"task"' in rest)
+        ):
             return None
         value = json.loads(text[:start] + "null" + rest)
     except (ValueError, StopIteration, RecursionError):
@@ -172,7 +179,7 @@ def _loads_deliveries(text: str) -> dict[str, list[Any]] | None:
         task = value.get("task") if isinstance(value, dict) else None
         if not isinstance(task, dict) or '"payload"' in rest or '"task"' in rest:
             return None
-        if '"progress"' in rest:
+        if '"progress"' in rest or '"result"' in rest:
             return None  # (kept as its text by the general parser)
         task["payload"] = JsonText(text[start:after_payload].encode())
         out.append(value)
@@ -235,13 +242,24 @@ _OLDER: Final = (404, 405)  # what a broker without an extension answers its rou
 
 
 class _Settlement:
-    """An ack (no ``fields``) or a nack (its members) waiting to go in a POST /jobs/settle."""
+    """An ack or a nack (its members) waiting to go in a POST /jobs/settle; an ack's result
+    (JSON text, spliced in as it is), if it has one."""
 
-    __slots__ = ("fields", "future")
+    __slots__ = ("fields", "future", "result")
 
-    def __init__(self, fields: dict[str, object], future: asyncio.Future[None]) -> None:
+    def __init__(
+        self, fields: dict[str, object], future: asyncio.Future[None], result: bytes | None = None
+    ) -> None:
         self.fields = fields
         self.future = future
+        self.result = result
+
+    def member(self) -> bytes:
+        """Its member of a POST /jobs/settle's list."""
+        body = json.dumps(self.fields, separators=(",", ":")).encode()
+        if self.result is None:
+            return body
+        return body[:-1] + b',"result":' + self.result + b"}"
 
 
 def _certificate_error(base: str, error: BaseException) -> WqError:
@@ -443,6 +461,8 @@ class HttpTransport:
             parts.append(b',"timeout_ms":%d' % item.timeout_ms)
         if item.unique:
             parts.append(b',"unique":true')
+        if item.after is not None or item.result_ttl_ms is not None:
+            parts.append(_results_members(item))
         parts.append(b"}")
         return b"".join(parts)
 
@@ -468,6 +488,8 @@ class HttpTransport:
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
         unique: bool = False,
+        after: Sequence[str] | None = None,
+        result_ttl_ms: int | None = None,
     ) -> Awaitable[Enqueued]:
         """One task. Enqueues made in the same turn of the event loop (concurrent callers) go
         to the broker together, in one POST /jobs/batch, each caller getting its own answer
@@ -483,6 +505,8 @@ class HttpTransport:
             expires_in_ms,
             timeout_ms,
             unique,
+            None if after is None else tuple(after),
+            result_ttl_ms,
         )
         return self._coalescer.add(item)
 
@@ -572,21 +596,26 @@ class HttpTransport:
             raise ProtocolError(f"the broker's batch claim has no deliveries ({e})") from None
         return [Delivery.from_mapping(row) for row in rows]
 
-    def ack(self, task_id: str, lease_id: str) -> Awaitable[None]:
+    def ack(self, task_id: str, lease_id: str, *, result: bytes | None = None) -> Awaitable[None]:
         """Acks (and nacks) made in the same turn of the event loop (concurrent callers) go to
         the broker together, in one POST /jobs/settle, each caller getting its own outcome; a
-        lone one goes as it is, as POST /jobs/{id}/ack."""
-        return self._settle({"id": task_id, "lease_id": lease_id}, self._acks)
+        lone one goes as it is, as POST /jobs/{id}/ack (with ``result``: a body
+        ``{"result": ...}``, the JSON text as it is)."""
+        return self._settle({"id": task_id, "lease_id": lease_id}, self._acks, result)
 
-    async def _ack(self, task_id: object, lease_id: object) -> None:
-        await self._call("POST", f"/jobs/{_q(str(task_id))}/ack?lease_id={_q(str(lease_id))}")
+    async def _ack(self, task_id: object, lease_id: object, result: bytes | None = None) -> None:
+        body = None if result is None else b'{"result":' + result + b"}"
+        path = f"/jobs/{_q(str(task_id))}/ack?lease_id={_q(str(lease_id))}"
+        await self._call("POST", path, body=body)
 
-    def _settle(self, fields: dict[str, object], into: list[_Settlement]) -> Awaitable[None]:
+    def _settle(
+        self, fields: dict[str, object], into: list[_Settlement], result: bytes | None = None
+    ) -> Awaitable[None]:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[None] = loop.create_future()
         if not self._acks and not self._nacks:
             loop.call_soon(self._send_settlements)
-        into.append(_Settlement(fields, future))
+        into.append(_Settlement(fields, future, result))
         return future
 
     def _send_settlements(self) -> None:
@@ -632,10 +661,21 @@ class HttpTransport:
     ) -> list[WqError | None] | None:
         """POST /jobs/settle: each one's outcome, in order (None: the broker has no such route,
         and is asked one by one from now on)."""
-        body = json.dumps(
-            {"acks": [a.fields for a in acks], "nacks": [n.fields for n in nacks]},
-            separators=(",", ":"),
-        ).encode()
+        if any(a.result is not None for a in acks):  # (results spliced in as their text)
+            body = b"".join(
+                (
+                    b'{"acks":[',
+                    b",".join(a.member() for a in acks),
+                    b'],"nacks":[',
+                    b",".join(n.member() for n in nacks),
+                    b"]}",
+                )
+            )
+        else:
+            body = json.dumps(
+                {"acks": [a.fields for a in acks], "nacks": [n.fields for n in nacks]},
+                separators=(",", ":"),
+            ).encode()
         status, data = await self._call("POST", SETTLE_PATH, body=body, keep=_OLDER)
         if status in _OLDER:
             self._settles = False
@@ -663,7 +703,7 @@ class HttpTransport:
             if nack:
                 await self._nack(task_id, lease_id, fields)
             else:
-                await self._ack(task_id, lease_id)
+                await self._ack(task_id, lease_id, settlement.result)
         except WqError as e:
             _answer(settlement.future, e)
         else:
@@ -711,6 +751,20 @@ class HttpTransport:
             raise NotFound("task next not found")
         _, data = await self._call("GET", f"/jobs/{_q(task_id)}")
         return Task.from_mapping(_loads(data))
+
+    async def wait_result(self, task_id: str, wait_ms: int | None) -> TaskResult | None:
+        """GET /jobs/{id}/result?wait_ms=N: 200 how it ended, 204 still pending (None)."""
+        if task_id in ("next", "batch"):  # (no task is called so: those paths are others)
+            raise NotFound(f"task {task_id} not found")
+        path = f"/jobs/{_q(task_id)}/result" + _query(wait_ms=wait_ms)
+        timeout = self._timeout if not wait_ms else poll_timeout(wait_ms)
+        status, data = await self._call("GET", path, timeout=timeout)
+        if status == 204:
+            return None
+        answer = _loads(data)
+        if not isinstance(answer, dict):
+            raise ProtocolError(f"the broker's answer to a result wait is not one: {data[:200]!r}")
+        return TaskResult.from_mapping(answer, task_id)
 
     async def stats(self, queue: str | None = None) -> Stats:
         _, data = await self._call("GET", "/stats" + _query(queue=queue))
@@ -797,6 +851,17 @@ class HttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _results_members(item: EnqueueItem) -> bytes:
+    """An enqueue's members of results and workflows (docs/design/results.md): ``after`` (ids,
+    and indices of earlier items of a batch), ``result_ttl_ms``."""
+    out = b""
+    if item.after is not None:
+        out += b',"after":' + json.dumps(list(item.after), separators=(",", ":")).encode()
+    if item.result_ttl_ms is not None:
+        out += b',"result_ttl_ms":%d' % item.result_ttl_ms
+    return out
 
 
 def _answer(future: asyncio.Future[None], outcome: WqError | None) -> None:

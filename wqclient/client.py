@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import json
+import math
 import threading
 from collections.abc import (
     AsyncIterator,
@@ -29,8 +30,9 @@ from urllib.parse import urlsplit
 
 from wqclient._http import HttpTransport
 from wqclient._tls import check_token, env_default, ssl_context
+from wqclient.clock import Clock, SystemClock
 from wqclient.errors import InvalidArgument, Unavailable, WqError
-from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL
+from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL, MAX_WAIT_MS
 from wqclient.models import (
     DEFAULT_QUEUE,
     Delivery,
@@ -40,6 +42,7 @@ from wqclient.models import (
     Stats,
     Task,
     TaskPage,
+    TaskResult,
 )
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
@@ -120,9 +123,11 @@ def _item(
     priority: int | None,
     expires_in_ms: int | None = None,
     timeout_ms: int | None = None,
+    result_ttl_ms: int | None = None,
+    index: int = 0,
 ) -> EnqueueItem:
-    """One task of a batch: an EnqueueItem as given (its options left unset take the call's),
-    or a payload with the call's options."""
+    """One task of a batch (the ``index``-th): an EnqueueItem as given (its options left unset
+    take the call's), or a payload with the call's options."""
     if not isinstance(payload, EnqueueItem):
         return EnqueueItem(
             encode_payload(payload),
@@ -132,6 +137,7 @@ def _item(
             priority,
             expires_in_ms=expires_in_ms,
             timeout_ms=timeout_ms,
+            result_ttl_ms=result_ttl_ms,
         )
     return EnqueueItem(
         encode_payload(payload.payload_json),
@@ -143,7 +149,54 @@ def _item(
         _either(_option("expires_in_ms", payload.expires_in_ms), expires_in_ms),
         _either(_option("timeout_ms", payload.timeout_ms), timeout_ms),
         _flag("unique", payload.unique),
+        after_refs(payload.after, f"tasks[{index}].after", batch=True),
+        _either(_option("result_ttl_ms", payload.result_ttl_ms), result_ttl_ms),
     )
+
+
+def parent_id(parent: Any) -> str | None:
+    """The task id a parent stands for: an id (an :class:`~wqclient.Enqueued` too), or
+    anything with a string ``id`` (a Task, a Delivery, a workflow's handle); None if it is none
+    of these."""
+    if isinstance(parent, str):
+        return str(parent)
+    task_id = getattr(parent, "id", None)
+    return task_id if isinstance(task_id, str) else None
+
+
+def after_refs(value: Any, name: str = "after", *, batch: bool = False) -> tuple[Any, ...] | None:
+    """An enqueue's ``after`` as the transports take it: a tuple of task ids, and (in a batch,
+    ``batch``) of indices of earlier items; None for none (``None``, or an empty list). One
+    parent may be given alone (an id, a handle). Only the kinds are checked here: the broker
+    checks the rest (how many, none twice, an index that names an earlier item) and says why."""
+    if value is None:
+        return None
+    if parent_id(value) is not None:
+        value = [value]
+    elif isinstance(value, (bytes, bytearray)) or not hasattr(value, "__iter__"):
+        raise InvalidArgument(
+            f"{name} must be a list of task ids (or handles), got {type(value).__name__}"
+        )
+    refs: list[str | int] = []
+    for j, parent in enumerate(value):
+        task_id = parent_id(parent)
+        if task_id is not None:
+            refs.append(task_id)
+        elif isinstance(parent, int) and not isinstance(parent, bool):
+            if not batch:
+                raise InvalidArgument(
+                    f"{name}[{j}] must be a task id (an index names an earlier item of a batch: "
+                    "enqueue_many)"
+                )
+            if parent < 0:
+                raise InvalidArgument(
+                    f"{name}[{j}] must name an earlier item of the batch, got {parent}"
+                )
+            refs.append(parent)
+        else:
+            what = "a task id or the index of an earlier item" if batch else "a task id"
+            raise InvalidArgument(f"{name}[{j}] must be {what}, got {type(parent).__name__}")
+    return tuple(refs) or None
 
 
 class _Unset:
@@ -175,6 +228,14 @@ def _task_id(task: Delivery | Task | str) -> str:
     if not isinstance(task, str):
         raise InvalidArgument(f"a task id must be a string, got {type(task).__name__}")
     return str(task)
+
+
+def encode_result(value: Any) -> bytes:
+    """A task's result as JSON text (``bytes`` are taken to be JSON text already)."""
+    try:
+        return encode_payload(value)
+    except InvalidArgument as e:
+        raise InvalidArgument("result" + e.message.removeprefix("payload")) from None
 
 
 def _either(value: T | None, default: T | None) -> T | None:
@@ -272,6 +333,8 @@ class AsyncClient:
     Or pass ``transport``, any :class:`~wqclient.transport.Transport` (a fake one in tests,
     say): the client then uses it as it is, ``url`` is only a label, and ``timeout``, ``token``
     and ``ca_file`` must not be given. The client closes its transport when it is closed.
+    ``clock``: what a result wait longer than the broker's cap measures its time with (tests
+    pass a fake; default the system's).
     """
 
     def __init__(
@@ -282,8 +345,10 @@ class AsyncClient:
         timeout: float | None = None,
         token: str | None = None,
         ca_file: str | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self.url: str | None = url
+        self._clock: Clock = clock or SystemClock()
         if transport is None:
             self.url = DEFAULT_URL if url is None else url
             transport = make_transport(
@@ -330,6 +395,8 @@ class AsyncClient:
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
         unique: bool = False,
+        after: Any = None,
+        result_ttl_ms: int | None = None,
     ) -> Enqueued:
         """Enqueue a task and return its id. ``payload``: any JSON value, or JSON bytes.
 
@@ -342,7 +409,16 @@ class AsyncClient:
         if it is not handed out within this long. ``timeout_ms``: the most one attempt may
         run (the broker extends no lease past it; a Worker cancels its handler there). The
         id is an :class:`~wqclient.Enqueued`, a ``str`` whose ``duplicate`` says which
-        happened."""
+        happened.
+
+        ``after``: the tasks this one waits for (a list of ids, or of anything with an ``id``:
+        what enqueue returned, a Task, a workflow's handle; one may be given alone), 1 to
+        10,000: it is ``"waiting"`` until every one of them has succeeded (been acked), then
+        ready (or delayed by ``delay_ms`` from then); its delivery carries their results
+        (``delivery.parents``). A parent that ends dead, cancelled or expired buries it (dead,
+        its last error naming the parent); an unknown parent is InvalidArgument.
+        ``result_ttl_ms``: how long its result is kept once it is acked with one (0 to a year;
+        0 keeps none; default the broker's, an hour). See docs/design/results.md."""
         if (
             max_attempts is None
             and delay_ms is None
@@ -352,6 +428,8 @@ class AsyncClient:
             and expires_in_ms is None
             and timeout_ms is None
             and unique is False
+            and after is None
+            and result_ttl_ms is None
         ):  # (the usual call: nothing to check or pass but the payload)
             return await self._transport.enqueue(encode_payload(payload), None, None)
         return await self._transport.enqueue(
@@ -365,6 +443,8 @@ class AsyncClient:
                 expires_in_ms=_option("expires_in_ms", expires_in_ms),
                 timeout_ms=_option("timeout_ms", timeout_ms),
                 unique=_flag("unique", unique),
+                after=after_refs(after),
+                result_ttl_ms=_option("result_ttl_ms", result_ttl_ms),
             ),
         )
 
@@ -378,6 +458,7 @@ class AsyncClient:
         priority: int | None = None,
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
+        result_ttl_ms: int | None = None,
     ) -> list[Enqueued]:
         """Enqueue several tasks (one batch call, all or none); returns their ids in order.
 
@@ -386,7 +467,13 @@ class AsyncClient:
         idempotency_key="k1", unique=True)``: its options, those it leaves unset taking the ones
         given here). A duplicate (an idempotency key seen within the window, or held by a task
         still active for a ``unique`` one) comes back as the first task's id with ``duplicate``
-        set. ``expires_in_ms``, ``timeout_ms``: as for :meth:`enqueue`."""
+        set. ``expires_in_ms``, ``timeout_ms``, ``result_ttl_ms``: as for :meth:`enqueue`.
+
+        An item's ``after`` may name earlier items of the same batch by their index, beside
+        task ids: ``[EnqueueItem(b'1'), EnqueueItem(b'2', after=[0])]`` enqueues a task and
+        one that waits for it, a whole graph in one all-or-none call (an index that is not
+        earlier is InvalidArgument naming ``tasks[i].after[j]``). :mod:`wqclient.workflow`
+        builds chains, groups and chords this way."""
         options = (
             _option("max_attempts", max_attempts),
             _option("delay_ms", delay_ms),
@@ -394,8 +481,9 @@ class AsyncClient:
             _option("priority", priority),
             _option("expires_in_ms", expires_in_ms),
             _option("timeout_ms", timeout_ms),
+            _option("result_ttl_ms", result_ttl_ms),
         )
-        items = [_item(p, *options) for p in payloads]
+        items = [_item(p, *options, index=i) for i, p in enumerate(payloads)]
         return list(await self._transport.enqueue_many(items)) if items else []
 
     async def claim(
@@ -450,11 +538,21 @@ class AsyncClient:
         one = await self._transport.claim(wait, lease, **_given(queues=names))
         return [] if one is None else [one]
 
-    async def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
+    async def ack(
+        self, task: Delivery | str, lease_id: str | None = None, *, result: Any = UNSET
+    ) -> None:
         """Report success. Raises LeaseLost if the lease is no longer yours, NotFound if nobody
         holds the task any more. (Over HTTP, the acks and nacks made in the same turn of the
-        event loop go to the broker in one request; each caller gets its own outcome.)"""
-        await self._transport.ack(*_ids(task, lease_id))
+        event loop go to the broker in one request; each caller gets its own outcome.)
+
+        ``result``: the task's result, any JSON value (``None`` is JSON null; ``bytes`` are
+        taken as JSON text): the broker keeps the task, ``"succeeded"``, with it for the
+        task's result TTL, for :meth:`wait_result` and the deliveries of the tasks that wait
+        for it. Without one the task is forgotten, as always."""
+        if result is UNSET:
+            await self._transport.ack(*_ids(task, lease_id))
+        else:
+            await self._transport.ack(*_ids(task, lease_id), result=encode_result(result))
 
     async def nack(
         self,
@@ -499,8 +597,47 @@ class AsyncClient:
 
     async def get_task(self, task_id: str) -> Task:
         """Look a task up: a Task with its ``state`` (``"ready"``, ``"handed_out"``,
-        ``"delayed"`` or ``"dead"``). Raises NotFound once it is acked (or if it never was)."""
+        ``"delayed"`` or ``"dead"``; ``"waiting"`` for its parents, ``"succeeded"`` with its
+        ``result`` and ``finished_at``), its parents (``after``) and its live ``children``
+        (the first 100, and ``children_count``). Raises NotFound once it is acked without a
+        result (or if it never was)."""
         return await self._transport.get_task(task_id)
+
+    async def wait_result(
+        self, task: Delivery | Task | str, *, timeout: float | None = None
+    ) -> TaskResult | None:
+        """Wait for a task to end, up to ``timeout`` seconds (None: for as long as it takes;
+        0: answer at once), and say how: a :class:`~wqclient.TaskResult` whose ``state`` is
+        ``"succeeded"`` (its ``result``, decoded, and ``result_json``; None for a task acked
+        without one while this waited), ``"dead"`` (its ``last_error``), ``"cancelled"`` or
+        ``"expired"``. None if it is still pending (waiting, ready, delayed or handed out) when
+        the timeout runs out. Raises NotFound for a task the broker does not have: never
+        known, acked without a result (or with a TTL of 0) before the wait began, cancelled or
+        expired before it, its result's time up.
+
+        The broker holds one wait for at most 30 s: a longer one is asked again, in turn, until
+        ``timeout`` (measured on the client's clock) runs out. Waiting costs the broker no
+        polling (GET /jobs/{id}/result, gRPC WaitResult)."""
+        task_id = _task_id(task)
+        if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
+            raise InvalidArgument(f"timeout must be a number of seconds from 0, got {timeout!r}")
+        clock = self._clock
+        deadline = None if timeout is None else clock.monotonic() + timeout
+        while True:
+            asked = clock.monotonic()
+            left = None if deadline is None else max(0.0, deadline - asked)
+            wait_ms = MAX_WAIT_MS if left is None else min(MAX_WAIT_MS, math.ceil(left * 1000))
+            answer = await self._transport.wait_result(task_id, wait_ms)
+            if answer is not None:
+                return answer
+            now = clock.monotonic()
+            if (deadline is not None and now >= deadline) or wait_ms == 0:
+                return None
+            if now - asked < wait_ms / 2000:
+                # A wait answered well before its time (a broker that does not hold them):
+                # asked again after a pause, not at once.
+                pause = 1.0 if deadline is None else min(1.0, deadline - now)
+                await clock.sleep(pause)
 
     async def stats(self, queue: str | None = None) -> Stats:
         """Gauges (tasks in each collection now) and lifetime totals: of the whole broker, or
@@ -678,10 +815,15 @@ class Stream:
     async def _next(self) -> Delivery:
         return await self._stream.__anext__()
 
-    def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+    def ack(self, delivery: Delivery, *, confirm: bool = False, result: Any = UNSET) -> None:
         """Settle a delivery as done: queued on the stream (``confirm``: applied by the broker,
-        raising its refusal), as :meth:`AsyncStream.ack <wqclient.AsyncStream.ack>`."""
-        self._runner.run(self._stream.ack(delivery, confirm=confirm))
+        raising its refusal), as :meth:`AsyncStream.ack <wqclient.AsyncStream.ack>`.
+        ``result``: the task's result, as for AsyncClient.ack."""
+        if result is UNSET:
+            self._runner.run(self._stream.ack(delivery, confirm=confirm))
+        else:
+            data = encode_result(result)
+            self._runner.run(self._stream.ack(delivery, confirm=confirm, result=data))
 
     def nack(
         self,
@@ -770,11 +912,14 @@ class Client:
         timeout: float | None = None,
         token: str | None = None,
         ca_file: str | None = None,
+        clock: Clock | None = None,
     ) -> None:
         self._runner = _LoopThread()
         try:
             self._client = self._runner.run(
-                self._make(url, transport, timeout=timeout, token=token, ca_file=ca_file)
+                self._make(
+                    url, transport, timeout=timeout, token=token, ca_file=ca_file, clock=clock
+                )
             )
         except BaseException:
             self._runner.stop()
@@ -821,6 +966,8 @@ class Client:
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
         unique: bool = False,
+        after: Any = None,
+        result_ttl_ms: int | None = None,
     ) -> Enqueued:
         """Enqueue a task and return its id (see AsyncClient.enqueue)."""
         return self._run(
@@ -834,6 +981,8 @@ class Client:
             expires_in_ms=expires_in_ms,
             timeout_ms=timeout_ms,
             unique=unique,
+            after=after,
+            result_ttl_ms=result_ttl_ms,
         )
 
     def enqueue_many(
@@ -846,6 +995,7 @@ class Client:
         priority: int | None = None,
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
+        result_ttl_ms: int | None = None,
     ) -> list[Enqueued]:
         """Enqueue several tasks; returns their ids (see AsyncClient.enqueue_many)."""
         return self._run(
@@ -857,6 +1007,7 @@ class Client:
             priority=priority,
             expires_in_ms=expires_in_ms,
             timeout_ms=timeout_ms,
+            result_ttl_ms=result_ttl_ms,
         )
 
     def claim(
@@ -882,9 +1033,11 @@ class Client:
             self._client.claim_many, max_tasks, wait_ms=wait_ms, lease_ms=lease_ms, queues=queues
         )
 
-    def ack(self, task: Delivery | str, lease_id: str | None = None) -> None:
-        """Report success (see AsyncClient.ack)."""
-        self._run(self._client.ack, task, lease_id)
+    def ack(
+        self, task: Delivery | str, lease_id: str | None = None, *, result: Any = UNSET
+    ) -> None:
+        """Report success, with the task's ``result`` if given (see AsyncClient.ack)."""
+        self._run(self._client.ack, task, lease_id, result=result)
 
     def nack(
         self,
@@ -915,6 +1068,13 @@ class Client:
     def get_task(self, task_id: str) -> Task:
         """Look a task up, with its state (see AsyncClient.get_task)."""
         return self._run(self._client.get_task, task_id)
+
+    def wait_result(
+        self, task: Delivery | Task | str, *, timeout: float | None = None
+    ) -> TaskResult | None:
+        """Wait up to ``timeout`` seconds for a task to end, and say how; None if it is still
+        pending then (see AsyncClient.wait_result)."""
+        return self._run(self._client.wait_result, task, timeout=timeout)
 
     def stats(self, queue: str | None = None) -> Stats:
         """Gauges and lifetime totals, of the broker or of one queue."""

@@ -84,3 +84,27 @@ class Overloaded(Unavailable):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TaskNotSucceeded(WqError):
+    """A workflow handle's ``result()`` (docs/design/results.md): the task ended without
+    succeeding, so it has no result to give. ``state`` says how: ``"dead"`` (``last_error`` is
+    its last error; a task waiting on a parent that failed is buried naming it), ``"cancelled"``
+    or ``"expired"``."""
+
+    def __init__(
+        self, message: str, *, task_id: str, state: str, last_error: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.task_id = task_id
+        self.state = state
+        self.last_error = last_error
+
+
+class ResultTimeout(WqError, TimeoutError):
+    """A workflow handle's ``result(timeout)``: the task was still pending (waiting, ready,
+    delayed or handed out) when the timeout ran out. It goes on: ask again later."""
+
+    def __init__(self, message: str, *, task_id: str) -> None:
+        super().__init__(message)
+        self.task_id = task_id

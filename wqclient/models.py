@@ -8,10 +8,10 @@ only have to present an answer as a mapping: the field lists live here, once.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import datetime
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from wqclient.errors import ProtocolError, WqError
 from wqwire.defaults import DEFAULT_QUEUE as DEFAULT_QUEUE
@@ -51,8 +51,17 @@ CANCELLING: Final = "cancelling"  # handed out: gone once its holder nacks it or
 PURGED: Final = "purged"  # it was dead: dropped for good, as purge() does
 CANCEL_STATES: Final = (CANCELLED, CANCELLING, PURGED)
 
-# The states a listing can be asked for (``AsyncClient.list_tasks``).
-LIST_STATES: Final = ("ready", "delayed", "handed_out", "dead")
+# The states a listing can be asked for (``AsyncClient.list_tasks``): the four collections, and
+# those of results and workflows (docs/design/results.md): waiting for parents, and succeeded (acked
+# with a result that is kept).
+WAITING: Final = "waiting"
+SUCCEEDED: Final = "succeeded"
+LIST_STATES: Final = ("ready", "delayed", "handed_out", "dead", WAITING, SUCCEEDED)
+
+# How a task ended, as a result wait tells it (``TaskResult.state``).
+DEAD: Final = "dead"
+EXPIRED: Final = "expired"
+RESULT_STATES: Final = (SUCCEEDED, DEAD, CANCELLED, EXPIRED)
 
 
 class TaskControl(Protocol):
@@ -106,11 +115,47 @@ class Task(_Controlled):
     progress_json: bytes | None = None
     # True if it is handed out and a cancel came: it will not be retried.
     cancelling: bool = False
+    # Results and workflows (docs/design/results.md). Its result's JSON text once it succeeded
+    # (acked with a result, kept), and when; None otherwise.
+    result_json: bytes | None = None
+    finished_at: datetime | None = None
+    # How long its result is kept once it succeeds, if given at enqueue (None: the broker's
+    # default).
+    result_ttl_ms: int | None = None
+    # The tasks it waits for (or waited for), in the order given (enqueue's ``after``); None: none.
+    after: tuple[str, ...] | None = None
+    # How many of them have not yet succeeded, while it is waiting; 0 otherwise.
+    waiting_for: int = 0
+    # A lookup's (get_task): the first tasks that wait for (or waited for) it and are not gone,
+    # oldest first (None: none), and how many there are in all.
+    children: tuple[str, ...] | None = None
+    children_count: int = 0
+    # A delivered task's (one with ``after``): its parents, in that order, each with its result
+    # if one is held; None for a task without parents (or one that was not delivered).
+    parents: tuple[ParentResult, ...] | None = None
+
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            # The fields above that a task made by plain_task() leaves unset (a worker's
+            # transport makes one for every task it receives, and these are seldom set): their
+            # defaults. (Hidden from the type checker, which would take any name as an attribute.)
+            try:
+                return _LATER_DEFAULTS[name]
+            except KeyError:
+                raise AttributeError(
+                    f"{type(self).__name__!r} object has no attribute {name!r}"
+                ) from None
 
     @property
     def payload(self) -> Any:
         """The payload, decoded from JSON."""
         return json.loads(self.payload_json)
+
+    @property
+    def result(self) -> Any:
+        """Its result, decoded from JSON (see :attr:`result_json`); None if it has none."""
+        return None if self.result_json is None else json.loads(self.result_json)
 
     @property
     def progress_value(self) -> Any:
@@ -152,15 +197,12 @@ class Task(_Controlled):
         datetimes or RFC 3339 text; ``last_error``, ``queue`` (default ``"default"``),
         ``priority`` (default 0), ``state``, ``expires_at``, ``timeout_ms``, ``progress`` (the
         JSON text) and ``cancelling`` may be absent (or empty, as a protobuf field left unset
-        is). Raises ProtocolError if a field is missing or unreadable."""
+        is). So may those of results and workflows: ``result`` (the JSON text),
+        ``finished_at``, ``result_ttl_ms``, ``after``, ``waiting_for``, ``children``,
+        ``children_count`` and ``parents`` (mappings of ``id`` and ``result``). Raises
+        ProtocolError if a field is missing or unreadable."""
         try:
-            if not (
-                "state" in data
-                or "expires_at" in data
-                or "timeout_ms" in data
-                or "progress" in data
-                or "cancelling" in data
-            ):  # (the usual: a delivery's task, none of them set)
+            if _EXTENSIONS.isdisjoint(data):  # (the usual: a delivery's task, none of them set)
                 return plain_task(
                     data["id"],
                     bytes(data["payload"]),
@@ -175,6 +217,8 @@ class Task(_Controlled):
             expires_at = data.get("expires_at")
             timeout_ms = data.get("timeout_ms")
             progress = data.get("progress")
+            if not _RESULT_FIELDS.isdisjoint(data):
+                return cls._with_results(data)
             return cls(
                 id=data["id"],
                 payload_json=bytes(data["payload"]),
@@ -193,6 +237,142 @@ class Task(_Controlled):
             )
         except _UNREADABLE as e:
             raise _unreadable("a task", e) from None
+
+    @classmethod
+    def _with_results(cls, data: Mapping[str, Any]) -> Task:
+        """from_mapping, for a task with fields of results and workflows (raises what reading
+        them raises)."""
+        expires_at = data.get("expires_at")
+        timeout_ms = data.get("timeout_ms")
+        progress = data.get("progress")
+        result = data.get("result")
+        finished_at = data.get("finished_at")
+        ttl = data.get("result_ttl_ms")
+        children = data.get("children")
+        parents = data.get("parents")
+        return cls(
+            id=data["id"],
+            payload_json=bytes(data["payload"]),
+            attempts=data["attempts"],
+            max_attempts=data["max_attempts"],
+            created_at=_when(data["created_at"]),
+            available_at=_when(data["available_at"]),
+            last_error=data.get("last_error"),
+            queue=str(data.get("queue") or DEFAULT_QUEUE),
+            priority=int(data.get("priority") or 0),
+            state=str(data["state"]) if data.get("state") else None,
+            expires_at=None if expires_at is None else _when(expires_at),
+            timeout_ms=None if timeout_ms is None else int(timeout_ms),
+            progress_json=bytes(progress) if progress else None,
+            cancelling=data.get("cancelling") is True,
+            result_json=None if result is None else _json_text(result),
+            finished_at=None if finished_at is None else _when(finished_at),
+            result_ttl_ms=None if ttl is None else int(ttl),
+            after=_ids(data.get("after")),
+            waiting_for=int(data.get("waiting_for") or 0),
+            children=_ids(children),
+            children_count=int(data.get("children_count") or 0),
+            parents=None if not parents else parents_from(parents),
+        )
+
+
+def _ids(value: Any) -> tuple[str, ...] | None:
+    """A list of task ids from the wire (absent, null or empty: None)."""
+    if not value:
+        return None
+    if isinstance(value, (str, bytes, Mapping)):
+        raise TypeError(f"a list of ids is a {type(value).__name__}")
+    ids = tuple(value)
+    for task_id in ids:
+        if not isinstance(task_id, str):
+            raise TypeError(f"a task id is a {type(task_id).__name__}")
+    return ids
+
+
+def _json_text(value: Any) -> bytes:
+    """A result as the wire carries it: JSON text (HTTP: the raw member; gRPC: bytes)."""
+    if not isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"a result is a {type(value).__name__}, not JSON text")
+    return bytes(value)
+
+
+@dataclass(frozen=True, slots=True)
+class ParentResult:
+    """A parent of a delivered task (``task.parents``, ``delivery.parents``): its id, and its
+    result's JSON text if one is held (None: it succeeded without a result kept)."""
+
+    id: str
+    result_json: bytes | None = None
+
+    @property
+    def result(self) -> Any:
+        """Its result, decoded from JSON; None if none is held."""
+        return None if self.result_json is None else json.loads(self.result_json)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> ParentResult:
+        """From the wire's fields: ``id``, and ``result`` (JSON text; absent: none)."""
+        try:
+            task_id = data["id"]
+            if not isinstance(task_id, str):
+                raise TypeError(f"id is a {type(task_id).__name__}")
+            result = data.get("result")
+            return cls(task_id, None if result is None else _json_text(result))
+        except _UNREADABLE as e:
+            raise _unreadable("a parent's result", e) from None
+
+
+def parents_from(rows: Any) -> tuple[ParentResult, ...]:
+    """A delivery's ``parents`` from the wire (a list of mappings)."""
+    if isinstance(rows, (str, bytes, Mapping)):
+        raise _unreadable("a delivery's parents", TypeError(f"parents is a {type(rows).__name__}"))
+    return tuple(ParentResult.from_mapping(row) for row in rows)
+
+
+@dataclass(frozen=True, slots=True)
+class TaskResult:
+    """How a task ended, as :meth:`~wqclient.AsyncClient.wait_result` tells it.
+
+    ``state``: ``"succeeded"`` (its result in :attr:`result` / ``result_json``, None if it was
+    acked without one: it is then gone), ``"dead"`` (``last_error``, ``attempts``: it stays in
+    the dead-letter queue until requeued or purged), ``"cancelled"`` or ``"expired"``."""
+
+    id: str
+    state: str
+    result_json: bytes | None = None
+    finished_at: datetime | None = None
+    last_error: str | None = None
+    attempts: int = 0
+
+    @property
+    def succeeded(self) -> bool:
+        return self.state == SUCCEEDED
+
+    @property
+    def result(self) -> Any:
+        """The result, decoded from JSON; None if it has none."""
+        return None if self.result_json is None else json.loads(self.result_json)
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any], task_id: str = "") -> TaskResult:
+        """From the wire's fields: ``state``, ``id`` (else ``task_id``), ``result`` (JSON
+        text), ``finished_at``, ``last_error``, ``attempts`` (each absent when not set)."""
+        try:
+            state = data["state"]
+            if not isinstance(state, str) or not state:
+                raise ValueError(f"state is {state!r}")
+            result = data.get("result")
+            finished_at = data.get("finished_at")
+            return cls(
+                id=str(data.get("id") or task_id),
+                state=state,
+                result_json=None if result is None else _json_text(result),
+                finished_at=None if finished_at is None else _when(finished_at),
+                last_error=data.get("last_error") or None,
+                attempts=int(data.get("attempts") or 0),
+            )
+        except _UNREADABLE as e:
+            raise _unreadable("a task's result", e) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +443,30 @@ _FIELDS_SET: Final = tuple(
 ) = _FIELDS_SET
 _new_object: Final = object.__new__
 
+# The fields plain_task() leaves unset, and what reading one gives (Task.__getattr__).
+_LATER_DEFAULTS: Final[dict[str, Any]] = {
+    "result_json": None,
+    "finished_at": None,
+    "result_ttl_ms": None,
+    "after": None,
+    "waiting_for": 0,
+    "children": None,
+    "children_count": 0,
+    "parents": None,
+}
+_set_parents: Final = Task.__dict__["parents"].__set__
+# The members of a task's view beyond a delivered task's usual ones.
+_RESULT_FIELDS: Final = frozenset(_LATER_DEFAULTS) | {"result"}
+_EXTENSIONS: Final = (
+    frozenset({"state", "expires_at", "timeout_ms", "progress", "cancelling"}) | _RESULT_FIELDS
+)
+
+
+def with_parents(task: Task, parents: tuple[ParentResult, ...]) -> Task:
+    """``task`` (just made, not yet shared) given its delivery's parents."""
+    _set_parents(task, parents)
+    return task
+
 
 def plain_task(
     task_id: str,
@@ -277,7 +481,9 @@ def plain_task(
 ) -> Task:
     """``Task(...)`` with none of the later fields set (no state, expiry, time limit, progress
     or cancel), made in half the time: each slot set by its own descriptor, not through the
-    frozen dataclass's checks (a worker's transport makes one for every task it receives)."""
+    frozen dataclass's checks (a worker's transport makes one for every task it receives). The
+    fields of results and workflows are not even set: they read as their defaults
+    (``Task.__getattr__``)."""
     task: Task = _new_object(Task)
     _set_id(task, task_id)
     _set_payload(task, payload_json)
@@ -310,6 +516,13 @@ class Delivery:
         return self.task.id
 
     @property
+    def parents(self) -> tuple[ParentResult, ...] | None:
+        """The task's parents (it was enqueued with ``after``), in that order, each with its
+        result if one is held; None for a task without parents. (The task has them too:
+        ``delivery.task.parents``, as a Worker's handler sees them.)"""
+        return self.task.parents
+
+    @property
     def payload(self) -> Any:
         """The task's payload, decoded from JSON."""
         return self.task.payload
@@ -320,6 +533,9 @@ class Delivery:
         ``lease_id`` and ``deadline``. Raises ProtocolError if one is missing or unreadable."""
         try:
             task = Task.from_mapping(data["task"])
+            parents = data.get("parents")
+            if parents:  # (docs/design/results.md: a task with parents; absent otherwise)
+                task = with_parents(task, parents_from(parents))
             return cls(task, data["lease_id"], _when(data["deadline"]))
         except _UNREADABLE as e:
             raise _unreadable("a delivery", e) from None
@@ -364,8 +580,12 @@ class Enqueued(str):
 class EnqueueItem:
     """One task of a batch (``enqueue_many``), with options of its own. ``None`` leaves an
     option to the broker's default (3 attempts, no delay, queue ``"default"``, priority 0, no
-    idempotency key, no expiry, no time limit); ``unique`` (with an idempotency key): the key
-    holds while the task is ready, delayed or handed out, instead of for the broker's window."""
+    idempotency key, no expiry, no time limit, no parents, the broker's result TTL);
+    ``unique`` (with an idempotency key): the key holds while the task is ready, delayed or
+    handed out, instead of for the broker's window. ``after``: the tasks it waits for, each a
+    task id (or anything with an ``id``: an Enqueued, a Task, a workflow's handle) or the index
+    of an earlier item of the same batch; ``result_ttl_ms``: how long its result is kept once it
+    is acked with one (0: none is kept). See docs/design/results.md."""
 
     payload_json: bytes  # the payload's JSON text
     max_attempts: int | None = None
@@ -376,6 +596,8 @@ class EnqueueItem:
     expires_in_ms: int | None = None
     timeout_ms: int | None = None
     unique: bool = False
+    after: Sequence[Any] | None = None
+    result_ttl_ms: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,17 +614,20 @@ class QueueInfo:
     # When the oldest ready task (at the head of a priority lane) became ready; None: none is
     # ready (or a broker too old to say).
     oldest_ready_at: datetime | None = None
+    # Tasks waiting for parents, and results held (docs/design/results.md).
+    waiting: int = 0
+    succeeded: int = 0
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> QueueInfo:
-        """A queue from the wire's fields: ``name``, the four gauges (absent counts 0),
+        """A queue from the wire's fields: ``name``, the gauges (absent counts 0),
         ``paused`` (absent: false) and ``oldest_ready_at`` (absent or null: None). Raises
         ProtocolError if one is unreadable."""
         try:
             name = data["name"]
             if not isinstance(name, str):
                 raise TypeError(f"name is a {type(name).__name__}")
-            gauges = {f: int(data.get(f, 0)) for f in ("ready", "handed_out", "delayed", "dead")}
+            gauges = {f: int(data.get(f, 0)) for f in _QUEUE_GAUGES}
             oldest = data.get("oldest_ready_at")
             return cls(
                 name=name,
@@ -412,6 +637,9 @@ class QueueInfo:
             )
         except _UNREADABLE as e:
             raise _unreadable("a queue", e) from None
+
+
+_QUEUE_GAUGES: Final = ("ready", "handed_out", "delayed", "dead", WAITING, SUCCEEDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,18 +671,23 @@ class Totals:
 
 @dataclass(frozen=True, slots=True)
 class Stats:
-    """Gauges (tasks in each collection now) and lifetime totals."""
+    """Gauges (tasks in each collection now) and lifetime totals. ``waiting``: tasks waiting for
+    their parents (they are in the invariant's gauges: ``ready + handed_out + delayed + dead +
+    waiting == enqueued - acked - purged - cancelled - expired``); ``succeeded``: results held
+    (those tasks were counted acked)."""
 
     ready: int = 0
     handed_out: int = 0
     delayed: int = 0
     dead: int = 0
     totals: Totals = field(default_factory=Totals)
+    waiting: int = 0
+    succeeded: int = 0
 
     @property
     def idle(self) -> bool:
-        """Nothing ready, handed out or delayed."""
-        return self.ready == 0 and self.handed_out == 0 and self.delayed == 0
+        """Nothing ready, handed out, delayed or waiting for parents."""
+        return self.ready == 0 and self.handed_out == 0 and self.delayed == 0 and not self.waiting
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Stats:

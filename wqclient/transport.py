@@ -12,7 +12,8 @@ bytes; ``None`` for an option left to the broker's default); the broker checks r
 options added since the first version (queues, priorities, idempotency keys, nack options) are
 passed by keyword and only when set, so a transport written before them still serves the calls
 that leave them unset (the same goes for those of task control: ``expires_in_ms``, ``timeout_ms``,
-``unique``, an extension's ``progress``).
+``unique``, an extension's ``progress``; and for those of results and workflows: an enqueue's
+``after`` and ``result_ttl_ms``, an ack's ``result``, docs/design/results.md).
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from datetime import datetime
 from typing import Protocol, runtime_checkable
 
 from wqclient.errors import WqError
-from wqclient.models import Delivery, Enqueued, EnqueueItem, QueueInfo, Stats, Task, TaskPage
+from wqclient.models import (
+    Delivery,
+    Enqueued,
+    EnqueueItem,
+    QueueInfo,
+    Stats,
+    Task,
+    TaskPage,
+    TaskResult,
+)
 
 
 class AsyncStream(Protocol):
@@ -37,11 +47,14 @@ class AsyncStream(Protocol):
 
     async def __anext__(self) -> Delivery: ...
 
-    async def ack(self, delivery: Delivery, *, confirm: bool = False) -> None:
+    async def ack(
+        self, delivery: Delivery, *, confirm: bool = False, result: bytes | None = None
+    ) -> None:
         """Settle as done. The ack goes out with the others made meanwhile, in one message;
         without ``confirm`` this returns once it is queued on the stream (no round trip), and a
         refusal (LeaseLost, NotFound) is logged and kept for :meth:`flush`; with ``confirm`` it
-        returns once the broker has applied it, and raises its refusal."""
+        returns once the broker has applied it, and raises its refusal. ``result``: the task's
+        result, JSON text (passed only when set)."""
         ...
 
     async def nack(
@@ -106,15 +119,25 @@ class Transport(Protocol):
         expires_in_ms: int | None = None,
         timeout_ms: int | None = None,
         unique: bool = False,
-    ) -> Awaitable[Enqueued]: ...
+        after: Sequence[str] | None = None,
+        result_ttl_ms: int | None = None,
+    ) -> Awaitable[Enqueued]:
+        """One task. ``after``: the ids of the tasks it waits for; ``result_ttl_ms``: how long
+        its result is kept (both passed only when set)."""
+        ...
 
-    async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]: ...
+    async def enqueue_many(self, items: Sequence[EnqueueItem]) -> list[Enqueued]:
+        """Several tasks, all or none. An item's ``after`` (a tuple when set) holds task ids
+        and indices of earlier items of ``items``."""
+        ...
 
     async def claim(
         self, wait_ms: int | None, lease_ms: int | None, queues: Sequence[str] | None = None
     ) -> Delivery | None: ...
 
-    def ack(self, task_id: str, lease_id: str) -> Awaitable[None]: ...
+    def ack(self, task_id: str, lease_id: str, *, result: bytes | None = None) -> Awaitable[None]:
+        """Ack; ``result``: the task's result, JSON text (passed only when set)."""
+        ...
 
     def nack(
         self,
@@ -134,7 +157,14 @@ class Transport(Protocol):
         ...
 
     async def get_task(self, task_id: str) -> Task:
-        """The task with its ``state`` set; NotFound once acked (or never known)."""
+        """The task with its ``state`` set (and its ``children``, ``children_count``);
+        NotFound once acked without a result (or never known)."""
+        ...
+
+    async def wait_result(self, task_id: str, wait_ms: int | None) -> TaskResult | None:
+        """How the task ended, waiting up to ``wait_ms`` (None: the broker's default, 0; the
+        broker caps it at 30 s) for it to end: None if it is still pending then. NotFound for
+        a task the broker does not have (or whose result is gone)."""
         ...
 
     async def stats(self, queue: str | None = None) -> Stats: ...

@@ -3,12 +3,19 @@
 Write a handler, ``def handle(task)`` or ``async def handle(task)``, and a :class:`Worker` runs
 it with the concurrency you ask for: a handler that returns acks the task, one that raises nacks it
 with the exception's text (raise :class:`Retry` to retry after a delay of your choosing,
-:class:`Fail` to bury the task at once). Over a transport that can stream (gRPC) it consumes one
-stream whose prefetch is ``prefetch``: the tasks beyond the concurrency wait in the worker for a
-handler to be free, their leases kept, so that a handler that ends finds its next task at hand
-instead of waiting a round trip for it. Over HTTP it claims for its free slots at once
-(``claim_many``, one claim at a time), its acks and nacks going together; from a broker without
-batch claims it long-polls, one claim loop per unit of concurrency. Given no ``prefetch``, how
+:class:`Fail` to bury the task at once). What a handler returns, unless it is None, is the task's
+result (docs/design/results.md): the ack carries it, JSON-encoded (``bytes`` are taken as JSON
+text), and the broker keeps it for the task's result TTL, for whoever waits for it
+(``wait_result``) and for the tasks that wait for this one (they find it in ``task.parents``); a
+value that JSON cannot encode, or that the broker refuses, nacks the task (``"result is not JSON:
+..."``), logged. A handler that returns None acks as always.
+
+Over a transport that can stream (gRPC) it consumes one stream whose prefetch is ``prefetch``:
+the tasks beyond the concurrency wait in the worker for a handler to be free, their leases kept,
+so that a handler that ends finds its next task at hand instead of waiting a round trip for it.
+Over HTTP it claims for its free slots at once (``claim_many``, one claim at a time), its acks
+and nacks going together; from a broker without batch claims it long-polls, one claim loop per
+unit of concurrency. Given no ``prefetch``, how
 many tasks it holds follows its handlers (:class:`_Window`): twice the concurrency over gRPC (the
 concurrency over HTTP) while handlers are long against the broker's round trip, more while they
 are short, so a worker of short tasks is not bound by its round trips (up to AUTO_PREFETCH_MAX
@@ -52,6 +59,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import json
 import logging
 import math
 import time
@@ -162,7 +170,7 @@ class _Settler(Protocol):
 
     window: _Window | None
 
-    def ack(self, delivery: Delivery) -> Awaitable[None]: ...
+    def ack(self, delivery: Delivery, result: bytes | None = None) -> Awaitable[None]: ...
 
     def nack(
         self,
@@ -191,8 +199,10 @@ class _Unary:
         if self.window is not None:
             self.window.handled(seconds, len(delivery.task.payload_json))
 
-    def ack(self, delivery: Delivery) -> Awaitable[None]:
-        return self._client.ack(delivery)
+    def ack(self, delivery: Delivery, result: bytes | None = None) -> Awaitable[None]:
+        if result is None:
+            return self._client.ack(delivery)
+        return self._client.ack(delivery, result=result)
 
     def nack(
         self,
@@ -239,7 +249,7 @@ class _OnStream:
         clock: Clock | None = None,
     ) -> None:
         self._stream = stream
-        self._ack_soon: Callable[[Delivery], asyncio.Future[Any]] | None = getattr(
+        self._ack_soon: Callable[..., asyncio.Future[Any]] | None = getattr(
             stream, "ack_soon", None
         )
         self._judge = judge
@@ -248,16 +258,38 @@ class _OnStream:
         self._clock: Clock = clock or SystemClock()
 
     # (Each hands over the stream's own awaitable, or one already done: no coroutine per task.)
-    def ack(self, delivery: Delivery) -> Awaitable[None]:
+    def ack(self, delivery: Delivery, result: bytes | None = None) -> Awaitable[None]:
         if self._ack_soon is None:
-            return self._stream.ack(delivery, confirm=True)
-        answer = self._ack_soon(delivery)  # (raises StreamEnded at once if the stream is over)
-        answer.add_done_callback(functools.partial(self._judge, delivery))
+            if result is None:
+                return self._stream.ack(delivery, confirm=True)
+            return self._stream.ack(delivery, confirm=True, result=result)
+        if result is None:
+            answer = self._ack_soon(delivery)  # (raises StreamEnded at once if it is over)
+            answer.add_done_callback(functools.partial(self._judge, delivery))
+        else:
+            answer = self._ack_soon(delivery, result)
+            answer.add_done_callback(functools.partial(self._result_judged, delivery))
         window = self.window
         if window is not None and not window.timing:
             window.timing = True
             answer.add_done_callback(functools.partial(self._answered, self._clock.monotonic()))
         return _DONE
+
+    def _result_judged(self, delivery: Delivery, answer: asyncio.Future[Any]) -> None:
+        """The answer to an ack with a result: one the broker refused for its result (too
+        large, not JSON to it) is nacked, its lease being still held; anything else is judged
+        as any ack."""
+        error = None if answer.cancelled() else answer.exception()
+        if not isinstance(error, InvalidArgument):
+            self._judge(delivery, answer)
+            return
+        message = _refused_result(delivery, error)
+        try:
+            nack = asyncio.ensure_future(self._stream.nack(delivery, message, confirm=True))
+        except WqError as e:  # (the stream is over: the broker takes the task back)
+            log.warning("task %s: not nacked: %s", delivery.task.id, e.message)
+            return
+        nack.add_done_callback(functools.partial(_nacked, delivery))
 
     def _answered(self, asked: float, answer: asyncio.Future[Any]) -> None:
         window = self.window
@@ -294,6 +326,33 @@ class _OnStream:
         if progress is None:
             return self._stream.extend(delivery, lease_ms)
         return self._stream.extend(delivery, lease_ms, progress=progress)
+
+
+def _refused_result(delivery: Delivery, error: WqError) -> str:
+    """Say that the broker refused a handler's result; the nack's error."""
+    log.warning(
+        "task %s: the broker refused its handler's result (%s); nacking it",
+        delivery.task.id,
+        error.message,
+        extra=_fields(delivery.task, "result_refused"),
+    )
+    return f"result refused by the broker: {error.message}"
+
+
+def _nacked(delivery: Delivery, nack: asyncio.Future[Any]) -> None:
+    """Say so if a nack sent from a callback was refused."""
+    error = None if nack.cancelled() else nack.exception()
+    if error is not None:
+        log.warning("task %s: its nack was refused: %s", delivery.task.id, error)
+
+
+def _result_text(value: Any) -> bytes:
+    """A handler's result as JSON text (``bytes`` are taken as JSON text, and checked); raises
+    ValueError (or TypeError, RecursionError) naming what JSON cannot encode."""
+    if isinstance(value, (bytes, bytearray)):
+        json.loads(value)
+        return bytes(value)
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
 class _Done:
@@ -618,7 +677,7 @@ class Worker:
         self._down_since: float | None = None
         self._refusal: WqError | None = None
         self.succeeded = 0
-        self.failed = 0
+        self.failed = 0  # (results JSON could not encode, or the broker refused, counted too)
         self.discarded = 0  # results thrown away because the lease was lost
         self.cancelled = 0  # tasks cancelled while held: handlers stopped, tasks nacked
         self.timed_out = 0  # handlers stopped at their task's time limit (counted failed too)
@@ -938,17 +997,18 @@ class Worker:
         # Watched, not a task that sleeps: most handlers end long before it would be time.
         self._leases.watch(lease, span / 2, keep)
         error: Exception | None = None
+        value: Any = None  # what the handler returned: the task's result, unless None
         try:
             await self._running.acquire()
             started = self._clock.monotonic() if settler.window is not None else 0.0
             try:  # (the handler is run here, not in a coroutine of its own: this is per task)
                 if self._is_async and lease.stop is None:  # (_start_handler's usual, inline)
                     lease.runner = lease.task or asyncio.current_task()
-                    await self._handler(delivery.task)
+                    value = await self._handler(delivery.task)
                 else:
                     running = self._start_handler(delivery.task, lease)
                     if running is not None:  # (None: stopped while it waited for a handler)
-                        await running
+                        value = await running
             except asyncio.CancelledError:
                 if not self._stopped_by_us(lease):
                     raise
@@ -973,8 +1033,11 @@ class Worker:
                     await asyncio.wait((extending,))
         try:
             if error is None and lease.stop is None and not lease.lost:  # (the usual: an ack)
-                self.succeeded += 1
-                await self._settle(delivery, lease, lambda: settler.ack(delivery))
+                if value is None:
+                    self.succeeded += 1
+                    await self._settle(delivery, lease, lambda: settler.ack(delivery))
+                else:
+                    await self._ack_result(delivery, lease, settler, value)
             else:
                 await self._conclude(delivery, lease, settler, error)
         finally:
@@ -982,6 +1045,32 @@ class Worker:
             # collector, and a task kept holds nothing of the worker's), for a control that
             # says the handler has ended.
             _set_control(delivery.task, _STOPPED if lease.stop else _OVER)
+
+    async def _ack_result(
+        self, delivery: Delivery, lease: _Lease, settler: _Settler, value: Any
+    ) -> None:
+        """Ack a task with its handler's result (docs/design/results.md); nack it if JSON
+        cannot encode the result, or if the broker refuses it."""
+        try:
+            data = _result_text(value)
+        except (TypeError, ValueError, RecursionError) as e:
+            self.failed += 1
+            what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            await self._settle_failure(
+                delivery, lease, settler, TaskFailed(f"result is not JSON: {what}")
+            )
+            return
+        self.succeeded += 1
+
+        async def ack() -> None:
+            try:
+                await settler.ack(delivery, data)
+            except InvalidArgument as e:  # (too large, say)
+                self.succeeded -= 1
+                self.failed += 1
+                await settler.nack(delivery, _refused_result(delivery, e))
+
+        await self._settle(delivery, lease, ack)
 
     def _start_handler(self, task: Task, lease: _Lease) -> Awaitable[Any] | None:
         """The handler's run on ``task`` (None if it was stopped before it could start): an
