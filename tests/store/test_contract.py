@@ -61,14 +61,19 @@ async def expect(
     handed_out: int = 0,
     delayed: int = 0,
     dead: int = 0,
+    waiting: int = 0,
+    succeeded: int = 0,
     **totals: int,
 ) -> Stats:
-    """Assert every gauge and every counter (counters not named must be 0) and the invariant."""
+    """Assert every gauge and every counter (gauges and counters not named must be 0) and the
+    invariant (``waiting`` among the gauges; ``succeeded``, results held, is not: those tasks
+    were acked)."""
     unknown = set(totals) - set(TOTALS)
     assert not unknown, unknown
     stats = await store.stats()
-    gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead)
-    assert gauges == (ready, handed_out, delayed, dead), stats
+    gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead, stats.waiting)
+    assert gauges == (ready, handed_out, delayed, dead, waiting), stats
+    assert stats.succeeded == succeeded, stats
     assert stats.totals == Totals(**{name: totals.get(name, 0) for name in TOTALS}), stats
     t = stats.totals
     assert t.nacked + t.reclaimed == t.retried + t.buried, stats
