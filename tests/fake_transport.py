@@ -899,11 +899,11 @@ class FakeStream:
         has_room = len(self.unsettled) < self.prefetch and not self.draining
         return has_room and self.broker.next_ready(self.queues) is not None
 
-    async def ack(
-        self, delivery: Delivery, *, confirm: bool = False, result: bytes | None = None
-    ) -> None:
+    async def ack(self, delivery: Delivery, *, confirm: bool = False, result: Any = None) -> None:
         # (Every settlement here is applied before the call returns: confirmed or not.)
         self._check_open()
+        if result is not None and not isinstance(result, bytes):
+            result = json.dumps(result).encode()
         try:
             if result is None:
                 await self.broker.ack(delivery.task.id, delivery.lease_id)

@@ -4,7 +4,10 @@
 >>> with Client("http://localhost:8080") as wq:      # or grpc://localhost:50051
 ...     task_id = wq.enqueue({"line": "hello"}, max_attempts=3)
 ...     delivery = wq.claim(wait_ms=1000)
-...     wq.ack(delivery)
+...     wq.ack(delivery, result={"words": 1})
+...     print(wq.wait_result(task_id, timeout=5).result)
+
+Workflows (:mod:`wqclient.workflow`): ``chain``, ``group``, ``chord`` of ``signature`` objects.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -21,7 +24,9 @@ from wqclient.errors import (
     PayloadTooLarge,
     PermissionDenied,
     ProtocolError,
+    ResultTimeout,
     StreamEnded,
+    TaskNotSucceeded,
     TimeLimitReached,
     Unauthenticated,
     Unavailable,
@@ -31,13 +36,31 @@ from wqclient.models import (
     Delivery,
     Enqueued,
     EnqueueItem,
+    ParentResult,
     QueueInfo,
     Stats,
     Task,
     TaskPage,
+    TaskResult,
     Totals,
 )
 from wqclient.transport import AsyncStream, StreamingTransport, Transport
+from wqclient.workflow import (
+    AsyncChainHandle,
+    AsyncGroupHandle,
+    AsyncTaskHandle,
+    Chain,
+    ChainHandle,
+    Group,
+    GroupHandle,
+    Signature,
+    TaskHandle,
+    Workflow,
+    chain,
+    chord,
+    group,
+    signature,
+)
 
 if TYPE_CHECKING:
     from wqclient.worker import Fail, Retry, TaskFailed, Worker
@@ -53,37 +76,55 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AsyncChainHandle",
     "AsyncClient",
+    "AsyncGroupHandle",
     "AsyncStream",
+    "AsyncTaskHandle",
     "Cancelled",
     "CertificateError",
+    "Chain",
+    "ChainHandle",
     "Client",
     "Conflict",
     "Delivery",
     "EnqueueItem",
     "Enqueued",
     "Fail",
+    "Group",
+    "GroupHandle",
     "InvalidArgument",
     "LeaseLost",
     "NotFound",
     "Overloaded",
+    "ParentResult",
     "PayloadTooLarge",
     "PermissionDenied",
     "ProtocolError",
     "QueueInfo",
+    "ResultTimeout",
     "Retry",
+    "Signature",
     "Stats",
     "Stream",
     "StreamEnded",
     "StreamingTransport",
     "Task",
     "TaskFailed",
+    "TaskHandle",
+    "TaskNotSucceeded",
     "TaskPage",
+    "TaskResult",
     "TimeLimitReached",
     "Totals",
     "Transport",
     "Unauthenticated",
     "Unavailable",
     "Worker",
+    "Workflow",
     "WqError",
+    "chain",
+    "chord",
+    "group",
+    "signature",
 ]

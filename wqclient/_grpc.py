@@ -589,9 +589,14 @@ class GrpcStream:
         ``result``: the task's result, JSON text."""
         return self._ack(delivery, result)
 
-    async def ack(
-        self, delivery: Delivery, *, confirm: bool = False, result: bytes | None = None
-    ) -> None:
+    async def ack(self, delivery: Delivery, *, confirm: bool = False, result: Any = None) -> None:
+        """As :meth:`AsyncStream.ack <wqclient.AsyncStream.ack>`; ``result``: the task's
+        result, JSON text (``bytes``) or any JSON value, encoded here (None: no result;
+        ``b"null"`` for JSON null)."""
+        if result is not None and not isinstance(result, bytes):
+            from wqclient.client import encode_result  # (not at the top: it imports this)
+
+            result = encode_result(result)
         future = self._ack(delivery, result)
         if confirm:
             await future

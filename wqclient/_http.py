@@ -522,8 +522,13 @@ class HttpTransport:
                 pass
             except PayloadTooLarge as e:
                 # The request over the broker's body limit (not one task over its payload
-                # limit, which refuses the batch whole): send it in parts.
-                if len(items) == 1 or not e.message.startswith("request body"):
+                # limit, which refuses the batch whole): send it in parts. (Not a batch whose
+                # items name earlier ones by index: those name them in this batch only.)
+                if (
+                    len(items) == 1
+                    or not e.message.startswith("request body")
+                    or any(_indexed(item) for item in items)
+                ):
                     raise
                 half = len(items) // 2
                 return await self.enqueue_many(items[:half]) + await self.enqueue_many(items[half:])
@@ -851,6 +856,11 @@ class HttpTransport:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _indexed(item: EnqueueItem) -> bool:
+    """Whether an item of a batch names an earlier item by its index."""
+    return item.after is not None and any(isinstance(ref, int) for ref in item.after)
 
 
 def _results_members(item: EnqueueItem) -> bytes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Sequence
 from datetime import datetime
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from wqclient.errors import WqError
 from wqclient.models import (
@@ -47,14 +47,13 @@ class AsyncStream(Protocol):
 
     async def __anext__(self) -> Delivery: ...
 
-    async def ack(
-        self, delivery: Delivery, *, confirm: bool = False, result: bytes | None = None
-    ) -> None:
+    async def ack(self, delivery: Delivery, *, confirm: bool = False, result: Any = None) -> None:
         """Settle as done. The ack goes out with the others made meanwhile, in one message;
         without ``confirm`` this returns once it is queued on the stream (no round trip), and a
         refusal (LeaseLost, NotFound) is logged and kept for :meth:`flush`; with ``confirm`` it
         returns once the broker has applied it, and raises its refusal. ``result``: the task's
-        result, JSON text (passed only when set)."""
+        result, JSON text (``bytes``) or, for wqclient's gRPC stream, any JSON value (None: no
+        result, ``b"null"`` for JSON null; passed only when set)."""
         ...
 
     async def nack(
