@@ -1,9 +1,10 @@
 """``wq`` (``python -m wqclient.cli.admin``): the admin command, for people at a terminal.
 
 ``wq stats``, ``wq queues``, ``wq dlq [list|requeue|purge]``, ``wq task ID``, ``wq tasks QUEUE``
-(a queue's tasks in one state, a page at a time), ``wq cancel ID``, ``wq enqueue JSON``, ``wq pause
-QUEUE``, ``wq resume QUEUE``, ``wq queue empty|delete NAME`` and ``wq watch`` (a live view of the
-gauges and rates).
+(a queue's tasks in one state, a page at a time), ``wq cancel ID``, ``wq result ID`` (how a task
+ended, waiting for it with ``-wait``: docs/design/results.md), ``wq enqueue JSON`` (``-after``:
+tasks it waits for), ``wq pause QUEUE``, ``wq resume QUEUE``, ``wq queue empty|delete NAME`` and
+``wq watch`` (a live view of the gauges and rates).
 Each prints a table for people (the ``rich`` library: colours only when standard output is a
 terminal) or, with ``-json``, one JSON document with the HTTP API's member names (``wq watch
 -json``: one document a line, a line per refresh).
@@ -45,7 +46,16 @@ from wqclient.errors import (
     WqError,
 )
 from wqclient.limits import DEFAULT_URL
-from wqclient.models import CANCELLED, CANCELLING, LIST_STATES, QueueInfo, Stats, Task, Totals
+from wqclient.models import (
+    CANCELLED,
+    CANCELLING,
+    LIST_STATES,
+    QueueInfo,
+    Stats,
+    Task,
+    TaskResult,
+    Totals,
+)
 from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
 
 PROG: Final = "wq"
@@ -58,6 +68,7 @@ EXIT_USAGE: Final = 2  # a bad command line: flags, a payload that is not JSON, 
 EXIT_NOT_FOUND: Final = 3  # no such task (or not in the dead-letter queue)
 EXIT_UNAVAILABLE: Final = 4  # the broker cannot be reached, is shutting down, or is at a limit
 EXIT_REFUSED: Final = 5  # the broker refused the token (missing, unknown, or lacking a scope)
+EXIT_PENDING: Final = 6  # `wq result`: the task was still pending when -wait ran out
 EXIT_INTERRUPTED: Final = 130  # Ctrl-C (except in `wq watch`, which it ends normally)
 
 EXIT_CODES: Final = {
@@ -70,6 +81,8 @@ EXIT_CODES: Final = {
     EXIT_UNAVAILABLE: "the broker cannot be reached (its TLS certificate failing verification "
     "included), is shutting down, or is at a limit (429)",
     EXIT_REFUSED: "the broker refused the token (none, unknown, or without the scope needed)",
+    EXIT_PENDING: "wq result: the task was still pending when -wait ran out (and 1: it did not "
+    "succeed)",
     EXIT_INTERRUPTED: "interrupted (Ctrl-C)",
 }
 
@@ -124,12 +137,52 @@ def task_json(task: Task) -> dict[str, Any]:
         view["progress"] = json.loads(task.progress_json)
     if task.cancelling:
         view["cancelling"] = True
+    if task.result_json is not None or task.finished_at is not None or task.after is not None:
+        _results_json(view, task)
+    elif task.result_ttl_ms is not None or task.children is not None or task.children_count:
+        _results_json(view, task)
+    return view
+
+
+def _results_json(view: dict[str, Any], task: Task) -> None:
+    """The members of results and workflows (docs/design/results.md), only when set, as the
+    API's."""
+    if task.result_json is not None:
+        view["result"] = json.loads(task.result_json)
+    if task.finished_at is not None:
+        view["finished_at"] = rfc3339(task.finished_at)
+    if task.result_ttl_ms is not None:
+        view["result_ttl_ms"] = task.result_ttl_ms
+    if task.after is not None:
+        view["after"] = list(task.after)
+    if task.waiting_for:
+        view["waiting_for"] = task.waiting_for
+    if task.children is not None or task.children_count:
+        view["children"] = list(task.children or ())
+        view["children_count"] = task.children_count
+
+
+def result_json(task_id: str, answer: TaskResult | None) -> dict[str, Any]:
+    """A result wait's answer as GET /jobs/{id}/result gives it (its 204, still pending, as
+    ``{"id": ..., "state": "pending"}``)."""
+    if answer is None:
+        return {"id": task_id, "state": "pending"}
+    view: dict[str, Any] = {"id": answer.id, "state": answer.state}
+    if answer.result_json is not None:
+        view["result"] = json.loads(answer.result_json)
+    if answer.finished_at is not None:
+        view["finished_at"] = rfc3339(answer.finished_at)
+    if answer.state == "dead":
+        view["last_error"] = answer.last_error
+        view["attempts"] = answer.attempts
     return view
 
 
 def stats_json(stats: Stats) -> dict[str, Any]:
-    """Stats as ``GET /stats`` shows them."""
-    return asdict(stats)
+    """Stats as ``GET /stats`` shows them (the gauges, then ``totals``)."""
+    view = asdict(stats)
+    view["totals"] = view.pop("totals")
+    return view
 
 
 def queue_json(queue: QueueInfo) -> dict[str, Any]:
@@ -180,7 +233,16 @@ def _n(value: int) -> str:
 
 
 _GAUGES: Final = ("ready", "handed_out", "delayed", "dead")
-_GAUGE_STYLE: Final = {"ready": "green", "handed_out": "cyan", "delayed": "yellow", "dead": "red"}
+# The gauges of results and workflows: tasks waiting for their parents, results held.
+_RESULT_GAUGES: Final = ("waiting", "succeeded")
+_GAUGE_STYLE: Final = {
+    "ready": "green",
+    "handed_out": "cyan",
+    "delayed": "yellow",
+    "dead": "red",
+    "waiting": "magenta",
+    "succeeded": "blue",
+}
 _TOTALS: Final = tuple(f.name for f in fields(Totals))
 
 
@@ -193,7 +255,7 @@ def stats_table(stats: Stats, queue: str | None) -> RenderableType:
     gauges = _table()
     gauges.add_column("gauge", no_wrap=True)
     gauges.add_column("now", justify="right", no_wrap=True)
-    for name in _GAUGES:
+    for name in (*_GAUGES, *_RESULT_GAUGES):
         value = getattr(stats, name)
         gauges.add_row(_label(name), Text(_n(value), style=_GAUGE_STYLE[name] if value else "dim"))
     totals = _table()
@@ -212,17 +274,27 @@ def _table(title: str | None = None) -> Table:
     return Table(title=title, title_justify="left", box=box.SIMPLE_HEAVY, show_edge=False)
 
 
+def _shown_gauges(queues: Sequence[QueueInfo]) -> tuple[str, ...]:
+    """The gauges a table of queues shows: the four, and those of results and workflows once
+    some queue has any (a broker whose clients use none of them shows the table it always
+    did)."""
+    if any(q.waiting or q.succeeded for q in queues):
+        return (*_GAUGES, *_RESULT_GAUGES)
+    return _GAUGES
+
+
 def queues_table(queues: Sequence[QueueInfo]) -> Table:
     table = _table(f"queues: {len(queues)}")
     table.add_column("queue", no_wrap=True)
-    for name in _GAUGES:
+    shown = _shown_gauges(queues)
+    for name in shown:
         table.add_column(_label(name), justify="right", no_wrap=True)
     table.add_column("state", no_wrap=True)
     for q in queues:
         state = Text("paused", style="bold yellow") if q.paused else Text("active", style="green")
         gauges = [
             Text(_n(getattr(q, g)), style=_GAUGE_STYLE[g] if getattr(q, g) else "dim")
-            for g in _GAUGES
+            for g in shown
         ]
         table.add_row(q.name, *gauges, state)
     return table
@@ -254,7 +326,7 @@ def dead_table(tasks: Sequence[Task], limit: int | None) -> Table:
     return table
 
 
-_STATE_STYLE: Final = {"ready": "green", "handed_out": "cyan", "delayed": "yellow", "dead": "red"}
+_STATE_STYLE: Final = _GAUGE_STYLE
 
 
 def task_table(task: Task) -> Table:
@@ -279,9 +351,33 @@ def task_table(task: Task) -> Table:
         table.add_row("time limit", f"{_n(task.timeout_ms)} ms")
     if task.progress_json is not None:
         table.add_row("progress", _json_text(task.progress_json))
+    _results_rows(table, task)
     payload = json.dumps(json.loads(task.payload_json), indent=2, ensure_ascii=False)
     table.add_row("payload", payload)
     return table
+
+
+def _results_rows(table: Table, task: Task) -> None:
+    """A task's rows of results and workflows: its parents (and how many it still waits for),
+    its children, when it finished and its result."""
+    if task.after is not None:
+        waiting = f" (waiting for {_n(task.waiting_for)})" if task.waiting_for else ""
+        table.add_row("parents", "\n".join(task.after) + waiting)
+    if task.children is not None or task.children_count:
+        shown = list(task.children or ())
+        more = task.children_count - len(shown)
+        lines = shown + ([f"… and {_n(more)} more"] if more > 0 else [])
+        table.add_row(f"children ({_n(task.children_count)})", "\n".join(lines))
+    if task.result_ttl_ms is not None:
+        table.add_row("result kept", f"{_n(task.result_ttl_ms)} ms")
+    if task.finished_at is not None:
+        table.add_row("finished at", rfc3339(task.finished_at))
+    if task.result_json is not None:
+        table.add_row("result", _pretty(task.result_json))
+
+
+def _pretty(data: bytes) -> str:
+    return json.dumps(json.loads(data), indent=2, ensure_ascii=False)
 
 
 def _json_text(data: bytes, width: int = 80) -> str:
@@ -412,6 +508,29 @@ async def cmd_task(client: AsyncClient, args: argparse.Namespace, out: Output) -
     return EXIT_OK
 
 
+async def cmd_result(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    """How a task ended (docs/design/results.md), waiting up to -wait for it to."""
+    answer = await client.wait_result(args.id, timeout=args.wait / 1000)
+    if out.as_json:
+        out.json(result_json(args.id, answer))
+    elif answer is None:
+        waited = f" after {_n(args.wait)} ms" if args.wait else ""
+        out.show(f"task {args.id} is still pending{waited}")
+    elif answer.succeeded:
+        if answer.result_json is None:
+            out.show(f"task {args.id} succeeded (acked without a result)")
+        else:  # (the result's text as the broker keeps it: for a pipe, or jq)
+            out.file.write(answer.result_json.decode() + "\n")
+            out.file.flush()
+    elif answer.state == "dead":
+        out.show(f"task {args.id} is dead (attempts {answer.attempts}): {answer.last_error or '-'}")
+    else:
+        out.show(f"task {args.id} {'was cancelled' if answer.state == 'cancelled' else 'expired'}")
+    if answer is None:
+        return EXIT_PENDING
+    return EXIT_OK if answer.succeeded else EXIT_FAILED
+
+
 async def cmd_tasks(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
     queue, state = args.queue_name, args.state
     if args.all:
@@ -491,6 +610,8 @@ async def cmd_enqueue(client: AsyncClient, args: argparse.Namespace, out: Output
         queue=args.queue,
         priority=args.priority,
         idempotency_key=args.key,
+        after=args.after,
+        result_ttl_ms=args.result_ttl_ms,
     )
     duplicate = getattr(enqueued, "duplicate", False) is True
     if out.as_json:
@@ -578,10 +699,13 @@ def watch_frame(
         ("  Ctrl-C to stop", "dim"),
     )
     gauges = _table("gauges")
-    for name in _GAUGES:
+    shown: tuple[str, ...] = _GAUGES
+    if now.stats.waiting or now.stats.succeeded:
+        shown = (*_GAUGES, *_RESULT_GAUGES)
+    for name in shown:
         gauges.add_column(_label(name), justify="right", no_wrap=True)
     gauges.add_row(
-        *(Text(_n(getattr(now.stats, g)), style=_GAUGE_STYLE[g]) for g in _GAUGES),
+        *(Text(_n(getattr(now.stats, g)), style=_GAUGE_STYLE[g]) for g in shown),
     )
     per_second = rates(now, before)
     flow = _table("per second (totals)")
@@ -810,6 +934,60 @@ def _enqueue_flags(p: argparse.ArgumentParser) -> None:
         help="an idempotency key: an enqueue to the same queue with a key the broker saw within "
         "its window creates nothing and answers the first task's id",
     )
+    p.add_argument(
+        "-after",
+        "--after",
+        type=_task_ids,
+        default=None,
+        metavar="ID[,ID]",
+        help="the tasks it waits for: it is waiting until every one has succeeded, then ready "
+        "(and handed out with their results); a parent that fails for good buries it",
+    )
+    p.add_argument(
+        "-result-ttl-ms",
+        "--result-ttl-ms",
+        type=non_negative_int,
+        default=None,
+        metavar="MS",
+        help="how long its result is kept once it is acked with one (0: none is kept; default "
+        "the broker's -result-ttl-ms, an hour)",
+    )
+
+
+def _task_ids(text: str) -> list[str]:
+    """``-after``'s value: task ids separated by commas."""
+    ids = [part.strip() for part in text.split(",")]
+    if not all(ids):
+        raise argparse.ArgumentTypeError(f"expected task ids separated by commas, got {text!r}")
+    return ids
+
+
+def _result_flags(p: argparse.ArgumentParser) -> None:
+    _id_flags(p)
+    p.add_argument(
+        "-wait",
+        "--wait",
+        type=non_negative_int,
+        default=0,
+        metavar="MS",
+        help="wait up to MS milliseconds for the task to end (default 0: answer at once; "
+        "longer than the broker's 30 s, asked again in turn)",
+    )
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = (
+        "prints the result's JSON as the broker keeps it (-json: the HTTP API's answer to\n"
+        'GET /jobs/{id}/result, {"state": "pending"} for its 204).\n\n'
+        "exit codes:\n"
+        f"  {EXIT_OK:<5}the task succeeded (with a result, or acked without one while waiting)\n"
+        f"  {EXIT_FAILED:<5}it did not: it is dead (its last error), or was cancelled, or expired\n"
+        f"  {EXIT_USAGE:<5}usage: a bad flag or argument\n"
+        f"  {EXIT_NOT_FOUND:<5}no such task: never known, acked without a result, gone, or its "
+        "result's time is up\n"
+        f"  {EXIT_UNAVAILABLE:<5}the broker cannot be reached\n"
+        f"  {EXIT_REFUSED:<5}the broker refused the token\n"
+        f"  {EXIT_PENDING:<5}still pending (waiting, ready, delayed or handed out) when -wait ran "
+        "out"
+    )
 
 
 def _queue_name_flags(p: argparse.ArgumentParser) -> None:
@@ -824,7 +1002,8 @@ def _tasks_flags(p: argparse.ArgumentParser) -> None:
         choices=LIST_STATES,
         default="ready",
         help="the tasks in this state: ready (in the order they would be claimed), delayed (by "
-        "due time), handed_out (by lease deadline) or dead (by burial); default ready",
+        "due time), handed_out (by lease deadline), dead (by burial), waiting (for their "
+        "parents, by enqueue) or succeeded (with a result kept, by finish); default ready",
     )
     p.add_argument(
         "-limit",
@@ -885,7 +1064,16 @@ COMMANDS: Final = {
         ),
         Command("dlq purge", "Drop a dead task for good.", cmd_dlq_purge, _id_flags),
         Command(
-            "task", "Look a task up: its state, attempts, last error, payload.", cmd_task, _id_flags
+            "task",
+            "Look a task up: its state, attempts, last error, payload; parents, children, result.",
+            cmd_task,
+            _id_flags,
+        ),
+        Command(
+            "result",
+            "How a task ended: its result, or why it has none (-wait: for it to end).",
+            cmd_result,
+            _result_flags,
         ),
         Command(
             "tasks",
