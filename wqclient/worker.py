@@ -247,8 +247,10 @@ class _OnStream:
         judge: Callable[[Delivery, asyncio.Future[Any]], None],
         window: _Window | None = None,
         clock: Clock | None = None,
+        refused: Callable[[], None] | None = None,
     ) -> None:
         self._stream = stream
+        self._refused = refused  # told of each result the broker refused (nacked here)
         self._ack_soon: Callable[..., asyncio.Future[Any]] | None = getattr(
             stream, "ack_soon", None
         )
@@ -284,6 +286,8 @@ class _OnStream:
             self._judge(delivery, answer)
             return
         message = _refused_result(delivery, error)
+        if self._refused is not None:
+            self._refused()
         try:
             nack = asyncio.ensure_future(self._stream.nack(delivery, message, confirm=True))
         except WqError as e:  # (the stream is over: the broker takes the task back)
@@ -903,7 +907,7 @@ class Worker:
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
-        settler = _OnStream(stream, self._judge_ack, self._window, self._clock)
+        settler = _OnStream(stream, self._judge_ack, self._window, self._clock, self._refused)
         held = self._follow_cancels(stream)
 
         async def receive() -> WqError | None:
@@ -1387,6 +1391,11 @@ class Worker:
                     return
                 await asyncio.sleep(min(_BACKOFF_MAX, _BACKOFF_START * 2**attempt))
                 attempt += 1
+
+    def _refused(self) -> None:
+        """A result the broker refused, the ack that carried it on a stream (nacked)."""
+        self.succeeded -= 1
+        self.failed += 1
 
     def _judge_ack(self, delivery: Delivery, answer: asyncio.Future[Any]) -> None:
         """The broker's answer to an ack queued on a stream and not waited for."""
