@@ -20,7 +20,14 @@ Cancels (docs/design/control.md) go on the same channel: a cancel that makes a h
 cancelling NOTIFYs its lease id in its own transaction (so the other brokers hear it exactly when
 it is committed: :meth:`Listener.cancel_head`), and a broker that hears one tells the store's
 cancel callback (:meth:`Listener.on_cancel`), whose dispatcher tells the stream holding that lease,
-if it is one of its own. What is heard is parsed defensively: anyone with access to the database
+if it is one of its own.
+
+Watched tasks that end (docs/design/results.md: a waiter for their result, on some broker) go on
+it too: whatever ends one (an ack, a burial, a cancel, an expiry, on whichever broker) NOTIFYs its
+id and how it ended in its own transaction (:meth:`Listener.finish_head`; a task nobody waits for
+costs nothing: the flag is read with the change), and a broker that hears one tells the store's
+callback (:meth:`Listener.on_finished`), whose service answers the waiters of that task, if it
+has any. What is heard is parsed defensively: anyone with access to the database
 may NOTIFY on the channel, and a payload that is not one of these messages at worst has consumers
 look again (read as queue names); in a cancel message, only lease ids (16 hex digits) are taken.
 Nothing heard is ever a failure.
@@ -31,7 +38,10 @@ a newline, then the body, whose lines are:
 - queue names: tasks are ready in these queues (``*``: in any);
 - ``+``: the sender listens now (announce to it);
 - ``~``, then lease ids: the tasks held under these leases are cancelling (a batch, of one or
-  more: a cancel sends its one). ``~`` and ``+`` are never queue names.
+  more: a cancel sends its one);
+- ``!``, then a line per watched task that ended, its id and how (``1`` succeeded, ``2`` acked,
+  ``3`` dead, ``4`` cancelled, ``5`` expired), a space between (at most 250 a message).
+  ``~``, ``!`` and ``+`` are never queue names.
 """
 
 from __future__ import annotations
@@ -47,7 +57,15 @@ from typing import Final
 import asyncpg
 
 from wqbroker.errors import StoreError
-from wqbroker.models import NewTask
+from wqbroker.models import (
+    ACKED,
+    CANCELLED_STATE,
+    DEAD,
+    EXPIRED_STATE,
+    SUCCEEDED,
+    NewTask,
+)
+from wqbroker.store import FinishedCallback
 from wqbroker.store.postgres import dsn as dsns
 from wqbroker.store.postgres.pool import (
     PROBE_EVERY,
@@ -76,7 +94,12 @@ LISTENER_NAME: Final = "wq listener"
 _HELLO: Final = "+"
 # The first line of the body of a message of cancelled leases (one a line after it).
 _CANCELS: Final = "~"
+# The first line of the body of a message of watched tasks that ended.
+_FINISHED: Final = "!"
 _LEASE_ID: Final = re.compile(r"[0-9a-f]{16}")
+#: How a watched task ended, by its number in the functions' rows and the messages.
+FINISHED_AS: Final = {1: SUCCEEDED, 2: ACKED, 3: DEAD, 4: CANCELLED_STATE, 5: EXPIRED_STATE}
+_FINISHED_AS: Final = {str(n): state for n, state in FINISHED_AS.items()}
 # An enqueue carries its own announcement (NOTIFY in its transaction) at most this often.
 _INLINE_GAP: Final = 0.005
 # NOTIFY payloads stop at 8000 bytes: a longer list of queues is sent as "any queue".
@@ -96,6 +119,7 @@ class Listener:
         self.closed = False
         self._ready_elsewhere: ReadyCallback | None = None
         self._cancelled_elsewhere: CancelCallback | None = None
+        self._finished: FinishedCallback | None = None
         self._to_announce: set[str] = set()
         self._announcer: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -134,6 +158,15 @@ class Listener:
     def on_cancel(self, callback: CancelCallback) -> None:
         self._cancelled_elsewhere = callback
 
+    def on_finished(self, callback: FinishedCallback) -> None:
+        self._finished = callback
+
+    def finished(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """Tell the store's callback that these watched tasks ended (this broker's changes, once
+        committed, or another's, heard)."""
+        if pairs and self._finished is not None and not self.closed:
+            self._finished(pairs)
+
     def tell(self, queues: Iterable[str] | None) -> None:
         """Tell the store's callback that tasks became ready in ``queues`` (None: any queue)."""
         if self._ready_elsewhere is not None and not self.closed:
@@ -171,6 +204,13 @@ class Listener:
         if not self._others_listen():
             return None
         return f"{self._me}\n{_CANCELS}\n"
+
+    def finish_head(self) -> str | None:
+        """The start of the message a change that ends watched tasks sends in its own
+        transaction (their lines follow), or None when no other broker listens."""
+        if not self._others_listen():
+            return None
+        return f"{self._me}\n{_FINISHED}\n"
 
     def counted(self, listeners: int, started: float) -> None:
         """A sweep that began at ``started`` (monotonic) counted this many brokers listening
@@ -227,6 +267,15 @@ class Listener:
             leases = [x for x in rest.split("\n") if _LEASE_ID.fullmatch(x)]
             if leases and self._cancelled_elsewhere is not None and not self.closed:
                 self._cancelled_elsewhere(leases)
+            return
+        if kind == _FINISHED:
+            pairs = []
+            for line in rest.split("\n"):
+                task_id, _, how = line.partition(" ")
+                state = _FINISHED_AS.get(how)
+                if state is not None and _LEASE_ID.fullmatch(task_id):
+                    pairs.append((task_id, state))
+            self.finished(pairs)
             return
         self.tell(None if body == "*" else body.split("\n"))
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import socket
 from collections.abc import Callable, Coroutine
 from typing import Any, Final, TypeVar
@@ -77,6 +78,27 @@ UNREACHABLE: Final = (
     # refuses to use it ("cannot switch to state ..."): it is replaced like a lost one.
     asyncpg.InternalClientError,
 )
+#: A call that ended in a deadlock or a serialization failure (rolled back whole: each call is
+#: one transaction) is made again, up to this many times in all, after a short random pause.
+AGAIN: Final = 5
+_GAVE_UP: Final = (
+    f"the database ended the call {AGAIN} times in a deadlock or a serialization failure"
+)
+#: The class of SQLSTATEs the store's functions raise to refuse a call (``WQ404``: an unknown
+#: parent, sql/functions.sql's wq.link): passed to the store as asyncpg raised them.
+REFUSED: Final = "WQ"
+
+
+class _Again(Exception):
+    """A call to make again."""
+
+
+def _again_after(attempt: int) -> float:
+    """The pause before the next try of a call ended in a deadlock (random, so that the two
+    sides do not meet again in step)."""
+    return random.uniform(0, 0.002 * 2**attempt)
+
+
 #: What a server says when it is not, or no longer, the primary a store needs: read-only (a
 #: standby, an old primary back as one, ``default_transaction_read_only``: 25006), shutting down
 #: (57P01, 57P02) or starting or in recovery (57P03). A failover under way: the connection is
@@ -157,12 +179,22 @@ class Pool:
         return self.raw
 
     async def fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
-        raw = self.ready()
-        return await self._call(raw, raw.fetch(sql, *args))
+        for attempt in range(AGAIN):
+            raw = self.ready()
+            try:
+                return await self._call(raw, raw.fetch(sql, *args))
+            except _Again:
+                await asyncio.sleep(_again_after(attempt))
+        raise StoreError(_GAVE_UP)
 
     async def execute(self, sql: str, *args: Any) -> str:
-        raw = self.ready()
-        return await self._call(raw, raw.execute(sql, *args))
+        for attempt in range(AGAIN):
+            raw = self.ready()
+            try:
+                return await self._call(raw, raw.execute(sql, *args))
+            except _Again:
+                await asyncio.sleep(_again_after(attempt))
+        raise StoreError(_GAVE_UP)
 
     async def _call(self, raw: asyncpg.Pool, call: Coroutine[Any, Any, R]) -> R:
         try:
@@ -174,7 +206,12 @@ class Pool:
             if raw is not self.raw:  # its connection was dropped as the pool was replaced
                 raise StoreError(f"the database connection was lost: {one_line(e)}") from None
             raise self.unreachable(e) from None
+        except (asyncpg.DeadlockDetectedError, asyncpg.SerializationError):
+            # Rolled back whole (every call is one transaction): run again (fetch, execute).
+            raise _Again from None
         except asyncpg.PostgresError as e:
+            if e.sqlstate.startswith(REFUSED):
+                raise  # (a refusal of the store's own: the store reads it)
             raise _failed(e) from None
         except Exception as e:
             if raw is self.raw:

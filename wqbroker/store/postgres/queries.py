@@ -42,11 +42,15 @@ class Queries:
     queues: str
     report: str
     lookup: str
+    watch: str
+    children: str
     dead: str
     list_ready: str
     list_delayed: str
     list_handed_out: str
     list_dead: str
+    list_waiting: str
+    list_succeeded: str
     held: str
     queue_names: str
     db_now: str
@@ -58,6 +62,7 @@ class Queries:
     vacuum_tasks: str
     vacuum_counters: str
     vacuum_keys: str
+    vacuum_edges: str
     lock: str
     no_deadline: str
     has_meta: str
@@ -68,6 +73,7 @@ class Queries:
     id_key: str
     wipe: str
     check: str
+    edges_check: str
 
 
 def read(name: str) -> str:

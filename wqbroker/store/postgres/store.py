@@ -17,7 +17,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Coroutine, Iterable, Sequence
+from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
 from typing import Any, Final
 
 import asyncpg
@@ -31,6 +31,7 @@ from wqbroker.errors import (
     NotFound,
     StoreError,
     TimeLimitReached,
+    UnknownParent,
     WqError,
     quoted,
 )
@@ -43,14 +44,18 @@ from wqbroker.models import (
     HANDED_OUT,
     PURGED,
     READY,
+    SUCCEEDED,
+    WAITING,
     CancelResult,
     Delivery,
     Enqueued,
     Failure,
     NackItem,
     NewTask,
+    ParentResult,
     QueueReport,
     QueueStats,
+    Released,
     Stats,
     SweepResult,
     Task,
@@ -59,11 +64,12 @@ from wqbroker.models import (
     Totals,
 )
 from wqbroker.retry import Backoff
-from wqbroker.store.index import _MASK, PRIORITIES, STATE_NAMES, _mix, hex_id, parse_id
+from wqbroker.store import FinishedCallback
+from wqbroker.store.index import _MASK, PRIORITIES, _mix, hex_id, parse_id
 from wqbroker.store.postgres import dsn as dsns
 from wqbroker.store.postgres.dsn import redact
 from wqbroker.store.postgres.group import Grouped, split
-from wqbroker.store.postgres.listener import Listener
+from wqbroker.store.postgres.listener import FINISHED_AS, Listener
 from wqbroker.store.postgres.pool import (
     DEADLINE,
     POOL_SIZE,
@@ -90,10 +96,19 @@ _VACUUM_KEY: Final = 0x7771_0000_0002
 VACUUM_THRESHOLD: Final = 2000
 VACUUM_SCALE: Final = 0.1
 # The tables the brokers vacuum, and how.
-_VACUUM: Final = {"tasks": Q.vacuum_tasks, "counters": Q.vacuum_counters, "keys": Q.vacuum_keys}
+_VACUUM: Final = {
+    "tasks": Q.vacuum_tasks,
+    "counters": Q.vacuum_counters,
+    "keys": Q.vacuum_keys,
+    "edges": Q.vacuum_edges,
+}
 # How long after a claim that came back short its queues are looked at again.
 LOOK_AGAIN_AFTER: Final = 0.05
 _OFFSET: Final = 2**63
+# The states of the table's rows (sql/functions.sql), by number.
+_STATES: Final = (READY, HANDED_OUT, DELAYED, DEAD, WAITING, SUCCEEDED)
+# The SQLSTATE wq.link raises for a parent that is no task (its detail: item, position, id).
+_UNKNOWN_PARENT: Final = "WQ404"
 _ID_BLOCK: Final = 1024
 # The most numbers reserved ahead of a group's need (a broker that stops loses what it held).
 _AHEAD_MOST: Final = 64 * _ID_BLOCK
@@ -115,6 +130,8 @@ def _task(row: Any, skew: float) -> Task:
     if error is not None:
         error = bytes(error).decode("utf-8", "surrogatepass")
     expires = row[9]
+    finished = row[14]
+    after = row[16]
     return Task(
         _hex(row[0]),
         row[1],
@@ -129,17 +146,23 @@ def _task(row: Any, skew: float) -> Task:
         row[10],
         row[11],
         row[12],
+        row[13],
+        None if finished is None else finished - skew,
+        row[15],
+        None if after is None else tuple(_hex(k) for k in after),
+        row[17],
     )
 
 
 def _handed(row: Any, skew: float) -> Task:
     """A view from a claim's row (wq.claim's columns after o_rn: the first nine of lookup's,
-    then the expiry and the time limit)."""
+    then the expiry and the time limit; and, after the deadline, the result TTL given and the
+    parents)."""
     error = row[6]
     if error is not None:
         error = bytes(error).decode("utf-8", "surrogatepass")
     expires = row[9]
-    return Task(
+    task = Task(
         _hex(row[0]),
         row[1],
         row[2],
@@ -152,6 +175,16 @@ def _handed(row: Any, skew: float) -> Task:
         None if expires is None else expires - skew,
         row[10],
     )
+    if row[12] is not None:
+        task.result_ttl = row[12]
+    if row[13] is not None:
+        task.after = tuple(_hex(k) for k in row[13])
+    return task
+
+
+def _parents(after: Sequence[int], results: Sequence[bytes | None]) -> list[ParentResult]:
+    """A delivery's parents: each with its result, if it holds one."""
+    return [ParentResult(_hex(k), r) for k, r in zip(after, results, strict=True)]
 
 
 # Listing: each state's statement (sql/queries.sql), and its first page's key (before any task).
@@ -160,7 +193,11 @@ _LISTS: Final = {
     DELAYED: Q.list_delayed,
     HANDED_OUT: Q.list_handed_out,
     DEAD: Q.list_dead,
+    WAITING: Q.list_waiting,
+    SUCCEEDED: Q.list_succeeded,
 }
+# The states whose listing key is one number (an ord), not two.
+_ONE_NUMBER: Final = frozenset({DEAD, WAITING})
 _BIGINT: Final = 2**63 - 1
 
 
@@ -174,7 +211,7 @@ def _whole(x: float, low: int, high: int) -> int:
 
 def _list_args(state: str, after: tuple[float, ...] | None) -> tuple[Any, ...]:
     """The key parameters of a listing statement: the first page's, or those after ``after``."""
-    if state == DEAD:
+    if state in _ONE_NUMBER:
         if after is None:
             return (-_BIGINT - 1,)
         if len(after) != 1:
@@ -202,6 +239,41 @@ def _first(row: Any) -> Any:
 
 def _encode(error: str | None) -> bytes | None:
     return None if error is None else error.encode("utf-8", "surrogatepass")
+
+
+def _edges(
+    items: Sequence[NewTask],
+) -> tuple[list[int], list[int], list[int | None], list[int | None]]:
+    """The ``after`` of a call's items as wq.enqueue takes it: per edge, in the order of (item,
+    position), the child item (from 1), the position, the parent's key (None: an earlier item,
+    or an id that cannot be one) and that earlier item (from 1)."""
+    child: list[int] = []
+    pos: list[int] = []
+    parent: list[int | None] = []
+    item: list[int | None] = []
+    for i, t in enumerate(items, 1):
+        for j, ref in enumerate(t.after):
+            child.append(i)
+            pos.append(j)
+            if isinstance(ref, int):
+                parent.append(None)
+                item.append(ref + 1)
+            else:
+                n = parse_id(ref)
+                parent.append(None if n is None else _key(n))
+                item.append(None)
+    return child, pos, parent, item
+
+
+def _refused(error: asyncpg.PostgresError, items: Sequence[NewTask]) -> Exception:
+    """What an enqueue refused by the database raises: UnknownParent for a parent that is no
+    task (wq.link's WQ404: the item, the position and the id it stands for), else the error."""
+    if error.sqlstate != _UNKNOWN_PARENT:
+        return StoreError(f"the database failed: {one_line(error)}")
+    item, pos, task_id = (str(error.detail or "") + "  ").split(" ")[:3]
+    i, j = int(item) - 1, int(pos)
+    ref = items[i].after[j]
+    return UnknownParent(i, j, ref if isinstance(ref, str) else task_id)
 
 
 class PostgresStore:
@@ -258,6 +330,8 @@ class PostgresStore:
         self._wake = Listener(dsn, f"{rng.getrandbits(64):016x}", self._pool)
         self._vacuum: asyncio.Task[None] | None = None
         self.vacuums = 0  # tables vacuumed by this broker (for the tests)
+        # What acks released since the last take_released (docs/design/results.md).
+        self._released: Released | None = None
 
     @property
     def announcements(self) -> int:
@@ -323,6 +397,34 @@ class PostgresStore:
         leases cancelling (its cancel's commit announced them)."""
         self._wake.on_cancel(callback)
 
+    def on_finished(self, callback: FinishedCallback) -> None:
+        """Call ``callback(pairs)`` with ``(task_id, state)`` for every watched task that ended:
+        by a call of this store (once it committed: the functions return them) or of another
+        broker's (announced in its transaction: listener.py)."""
+        self._wake.on_finished(callback)
+
+    def _tell_finished(self, found: Sequence[tuple[int, int]]) -> None:
+        """Watched tasks a call of this store ended, as the functions name them (key, how)."""
+        if found:
+            self._wake.finished([(_hex(key), FINISHED_AS[how]) for key, how in found])
+
+    def take_released(self) -> Released | None:
+        released, self._released = self._released, None
+        return released
+
+    def _release(self, queue: str, ready: int, due: float | None) -> None:
+        """Children released in ``queue`` by an ack (``ready`` of them ready; the earliest due
+        time of those delayed, in the database's clock)."""
+        released = self._released
+        if released is None:
+            released = self._released = Released()
+        if ready:
+            released.queues.add(queue)
+        if due is not None:
+            due -= self.skew
+            if released.earliest is None or due < released.earliest:
+                released.earliest = due
+
     def _tell_all(self) -> None:
         self._wake.tell(None)
 
@@ -335,6 +437,10 @@ class PostgresStore:
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         if not items:
             return []
+        if any(t.after for t in items):
+            # (A call with an ``after`` is all or nothing, and its indices are its own: it goes
+            # in a transaction of its own, never grouped with others.)
+            return await self._enqueue(items, now)
         return await self._enqueues.call(items, self._group_key(now))
 
     async def _enqueue_group(
@@ -347,9 +453,11 @@ class PostgresStore:
 
     async def _enqueue(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
         ids = await self._new_ids(len(items))
+        linked = any(t.after for t in items)
         # Now and then (an idle broker: every time) the announcement of these tasks goes with
-        # their commit, and the other brokers hear of them a round trip sooner.
-        notify = self._wake.inline(items)
+        # their commit, and the other brokers hear of them a round trip sooner. (Not a call
+        # with an ``after``: which of its tasks are ready only the database tells.)
+        notify = None if linked else self._wake.inline(items)
         skew = self.skew
         # The options of docs/design/control.md: sent only when a task of the batch has one.
         expires: list[float | None] | None = None
@@ -363,38 +471,55 @@ class PostgresStore:
             timeouts = [t.timeout for t in items]
             uniques = [t.unique for t in items]
             keyed = any(t.key is not None for t in items)
-        rows = await self._fetch(
-            Q.enqueue,
-            self._now(now),
-            [_key(n) for n in ids],
-            [t.queue for t in items],
-            [t.priority for t in items],
-            [t.payload for t in items],
-            [t.max_attempts for t in items],
-            [t.delay for t in items],
-            [t.key for t in items],
-            [t.key_until + skew for t in items],
-            notify,
-            expires,
-            timeouts,
-            uniques,
-        )
+        # The result TTL: one for all (the broker's default), or each task's when some differ.
+        ttl: float | None = items[0].result_ttl
+        ttls: list[float] | None = None
+        given: list[bool] | None = None
+        if any(t.result_ttl_given or t.result_ttl != ttl for t in items):
+            ttl = None
+            ttls = [t.result_ttl for t in items]
+            given = [t.result_ttl_given for t in items]
+        edges = _edges(items) if linked else (None, None, None, None)
+        try:
+            rows = await self._fetch(
+                Q.enqueue,
+                self._now(now),
+                [_key(n) for n in ids],
+                [t.queue for t in items],
+                [t.priority for t in items],
+                [t.payload for t in items],
+                [t.max_attempts for t in items],
+                [t.delay for t in items],
+                [t.key for t in items],
+                [t.key_until + skew for t in items],
+                notify,
+                expires,
+                timeouts,
+                uniques,
+                ttl,
+                ttls,
+                given,
+                *edges,
+            )
+        except asyncpg.PostgresError as e:
+            raise _refused(e, items) from None
         out: list[Enqueued] = []
         ready: set[str] = set()
+        changed: dict[int, Any] = {}  # items wq.link changed, by index (from 1)
+        if linked:
+            changed = {row[0]: row for row in rows if row[2] is None}
+            rows = [row for row in rows if row[2] is not None]
         if keyed:
             rows.sort(key=_first)  # (done in the order of their keys: wq.enqueue)
-        for i, key, duplicate, at, available in rows:
+        for i, key, duplicate, at, available, *_ in rows:
             task_id = _hex(key)
             if duplicate:
                 out.append(Enqueued(task_id, True, None))
                 continue
             t = items[i - 1]
             self._queue_names.add(t.queue)
-            self._held += 1
             if t.key is not None and not t.unique:
                 self._keys[(t.queue, t.key)] = t.key_until
-            if t.delay <= 0:
-                ready.add(t.queue)
             task = Task(
                 task_id,
                 t.payload,
@@ -408,6 +533,22 @@ class PostgresStore:
                 t.expires_at,
                 t.timeout,
             )
+            if t.result_ttl_given:
+                task.result_ttl = t.result_ttl
+            state = 2 if t.delay > 0 else 0
+            if t.after:
+                task.after = tuple(r if isinstance(r, str) else out[r].id for r in t.after)
+                link = changed.get(i)
+                if link is not None:
+                    _, _, _, _, available, state, waiting, error = link
+                    task.available_at = available - skew
+                    task.waiting_for = waiting
+                    if error is not None:
+                        task.last_error = bytes(error).decode("utf-8", "surrogatepass")
+            if state != 3:
+                self._held += 1
+            if state == 0:
+                ready.add(t.queue)
             out.append(Enqueued(task_id, False, task))
         if any(not e.duplicate for e in out):
             self.transactions += 1
@@ -477,7 +618,9 @@ class PostgresStore:
         queues, now = key
         leases = [lease for call in calls for lease in call]
         lease_ids = self._lease_ids(len(leases))
-        rows = await self._fetch(Q.claim, self._now(now), leases, lease_ids, queues)
+        rows = await self._fetch(
+            Q.claim, self._now(now), leases, lease_ids, queues, self._wake.finish_head()
+        )
         return self._claimed(rows, [len(call) for call in calls], lease_ids, queues)
 
     def _lease_ids(self, n: int) -> list[str]:
@@ -497,16 +640,23 @@ class PostgresStore:
         skew = self.skew
         got: dict[int, Delivery] = {}
         promoted: list[str] = []
+        finished: list[tuple[int, int]] = []
         for row in rows:
             if offset:
                 row = row[offset:]
-            if row[0] is None:
-                promoted.append(row[8])
-            else:
+            if row[0] is not None:
                 i = row[0] - 1
-                got[i] = Delivery(_handed(row[1:12], skew), lease_ids[i], row[12] - skew)
-        if got or promoted:
+                d = Delivery(_handed(row[1:], skew), lease_ids[i], row[12] - skew)
+                if row[14] is not None:
+                    d.parents = _parents(row[14], row[15])
+                got[i] = d
+            elif row[16] is not None:
+                finished.append((row[1], row[16]))
+            else:
+                promoted.append(row[8])
+        if got or promoted or finished:
             self.transactions += 1
+        self._tell_finished(finished)
         if promoted:  # for the others, and for this broker's consumers of other queues
             self._wake.announce(promoted)
             self._wake.tell(promoted)
@@ -547,8 +697,11 @@ class PostgresStore:
         if deliveries:
             self._spawn(release())
 
-    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
-        acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now)
+    async def ack(
+        self, task_id: str, lease_id: str, *, now: float, result: bytes | None = None
+    ) -> None:
+        results = None if result is None else {task_id: result}
+        acked, _ = await self.settle_many(((task_id, lease_id),), (), now=now, results=results)
         if acked[0] is not None:
             raise acked[0]
 
@@ -568,13 +721,20 @@ class PostgresStore:
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         item = NackItem(task_id, lease_id, error)
-        _, nacked = await self._settle((), (item,), now, reclaim=True)
+        _, nacked = await self._settle((), (item,), None, now, reclaim=True)
         return _raise_or(nacked[0])
 
     async def settle_many(
-        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        *,
+        now: float,
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        return await self._settles.call((acks, nacks), self._group_key(now))
+        return await self._settles.call(
+            (acks, nacks, _per_ack(acks, results)), self._group_key(now)
+        )
 
     async def _settle_group(self, calls: list[_Settle], now: float) -> list[_Settled]:
         """The acks and nacks of several calls in one transaction; each call's outcomes."""
@@ -582,7 +742,7 @@ class PostgresStore:
             return [await self._settle(*calls[0], now, reclaim=False)]
         acks = [a for call in calls for a in call[0]]
         nacks = [n for call in calls for n in call[1]]
-        acked, nacked = await self._settle(acks, nacks, now, reclaim=False)
+        acked, nacked = await self._settle(acks, nacks, _results_of(calls), now, reclaim=False)
         return list(
             zip(
                 split(acked, [len(c[0]) for c in calls]),
@@ -595,11 +755,12 @@ class PostgresStore:
         self,
         acks: Sequence[tuple[str, str]],
         nacks: Sequence[NackItem],
+        results: Sequence[bytes | None] | None,
         now: float,
         *,
         reclaim: bool,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        plan = _SettlePlan(acks, nacks)
+        plan = _SettlePlan(acks, nacks, results)
         if not plan.ack_at and not plan.nack_at:
             return plan.acked, plan.nacked
         rows = await self._fetch(Q.settle, *self._settle_args(plan, now, reclaim))
@@ -610,6 +771,7 @@ class PostgresStore:
         acks, sent = plan.acks, plan.sent
         # The random part of each backoff that may be needed (as the Backoff would draw it).
         us = [self._draw() if n.delay is None and not n.terminal else 0.0 for n in sent]
+        results = plan.results
         return [
             self._now(now),
             [_key(int(acks[i][0], 16)) for i in plan.ack_at],
@@ -623,20 +785,39 @@ class PostgresStore:
             reclaim,
             self._backoff.base,
             self._backoff.cap,
+            None if results is None else [results[i] for i in plan.ack_at],
+            self._wake.finish_head(),
         ]
 
     def _settled(
         self, plan: _SettlePlan, rows: Iterable[Any]
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        """wq.settle's rows (o_kind, o_i, o_outcome, o_retry_at) read into the outcomes."""
+        """wq.settle's rows (o_kind, o_i, o_outcome, o_retry_at, o_id, o_queue) read into the
+        outcomes; children released (take_released) and announced; watched tasks told."""
         acks, sent, ack_at, nack_at = plan.acks, plan.sent, plan.ack_at, plan.nack_at
         acked, nacked = plan.acked, plan.nacked
+        results = plan.results
         changed = False
-        for kind, i, outcome, retry_at in rows:
+        released: set[str] = set()
+        finished: list[tuple[int, int]] = []
+        for kind, i, outcome, retry_at, key, queue in rows:
             if kind == 0:
                 task_id = acks[ack_at[i - 1]][0]
-                acked[ack_at[i - 1]] = _outcome_error(outcome, task_id)
-            elif outcome == 3:  # (it was cancelling: gone)
+                acked[ack_at[i - 1]] = error = _outcome_error(outcome, task_id)
+                if error is None:
+                    changed = True
+                    if results is None or results[ack_at[i - 1]] is None:
+                        self._held -= 1  # (forgotten; a result kept is held)
+                continue
+            if kind == 2:
+                self._release(queue, outcome, retry_at)
+                if outcome:
+                    released.add(queue)
+                continue
+            if kind == 3:
+                finished.append((key, outcome))
+                continue
+            if outcome == 3:  # (it was cancelling: gone)
                 nacked[nack_at[i - 1]] = Failure(sent[i - 1].task_id, False, None, True)
             else:
                 task_id = sent[i - 1].task_id
@@ -648,10 +829,13 @@ class PostgresStore:
                 )
             if outcome == 0 or outcome == 3:
                 changed = True
-                if kind == 0 or retry_at is None:
-                    self._held -= 1  # acked, buried or cancelled
+                if retry_at is None:
+                    self._held -= 1  # buried or cancelled
         if changed:
             self.transactions += 1
+        if released:
+            self._wake.announce(released)
+        self._tell_finished(finished)
         return acked, nacked
 
     async def settle_claim(
@@ -662,14 +846,15 @@ class PostgresStore:
         *,
         now: float,
         queues: Sequence[str] = (DEFAULT_QUEUE,),
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
         """One statement (wq.settle, then wq.claim: one round trip, one commit), grouped with
         the calls of its kind for the same queues that came meanwhile."""
         if not leases:
-            acked, nacked = await self.settle_many(acks, nacks, now=now)
+            acked, nacked = await self.settle_many(acks, nacks, now=now, results=results)
             return acked, nacked, []
         return await self._settle_claims.call(
-            (acks, nacks, leases), (tuple(queues), self._group_key(now))
+            (acks, nacks, leases, _per_ack(acks, results)), (tuple(queues), self._group_key(now))
         )
 
     async def _settle_claim_group(
@@ -677,7 +862,9 @@ class PostgresStore:
     ) -> list[_SettledClaimed]:
         queues, now = key
         plan = _SettlePlan(
-            [a for call in calls for a in call[0]], [n for call in calls for n in call[1]]
+            [a for call in calls for a in call[0]],
+            [n for call in calls for n in call[1]],
+            _results_of(calls),
         )
         leases = [lease for call in calls for lease in call[2]]
         lease_ids = self._lease_ids(len(leases))
@@ -689,13 +876,13 @@ class PostgresStore:
             queues,
         )
         before = self.transactions
-        acked, nacked = self._settled(plan, [row[1:5] for row in rows if row[0] == 0])
+        acked, nacked = self._settled(plan, [row[1:7] for row in rows if row[0] == 0])
         claimed = self._claimed(
             [row for row in rows if row[0] == 1],
             [len(call[2]) for call in calls],
             lease_ids,
             queues,
-            offset=5,
+            offset=7,
         )
         self.transactions = min(self.transactions, before + 1)  # (one commit for both)
         return list(
@@ -748,17 +935,21 @@ class PostgresStore:
 
     async def cancel(self, task_id: str, *, now: float) -> CancelResult:
         """One call of wq.cancel: a handed-out task's lease is announced to the other brokers in
-        its own transaction (they hear it once it is committed)."""
+        its own transaction (they hear it once it is committed). A waiting task's waiting
+        children are cancelled too, a ready or delayed one's buried (docs/design/results.md)."""
         n = parse_id(task_id)
-        row = None
+        rows = []
         if n is not None:
-            row = await self._fetchrow(Q.cancel, _key(n), self._wake.cancel_head())
-        if row is None or row[0] == 0:
+            rows = await self._fetch(
+                Q.cancel, _key(n), self._wake.cancel_head(), self._wake.finish_head()
+            )
+        if not rows or rows[0][0] == 0:
             raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
-        outcome, queue, lease_id = row
+        outcome, queue, lease_id, _, _ = rows[0]
         if outcome == 2:
             return CancelResult(task_id, CANCELLING, queue, lease_id)
         self.transactions += 1
+        self._tell_finished([(r[3], r[4]) for r in rows[1:]])
         if outcome == 1:
             self._held -= 1
             return CancelResult(task_id, CANCELLED, queue)
@@ -778,29 +969,32 @@ class PostgresStore:
         if len(rows) <= limit:
             return TaskPage(tasks, None)
         last = rows[limit - 1]
-        key: tuple[float, ...] = (last[14],) if state == DEAD else (last[13], last[14])
+        key: tuple[float, ...] = (last[19],) if state in _ONE_NUMBER else (last[18], last[19])
         return TaskPage(tasks, key)
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
-        count = await self._fetchval(Q.empty, queue)
-        if count is None:
+        rows = await self._fetch(Q.empty, queue, self._wake.finish_head())
+        if not rows:
             raise NotFound(f"queue {quoted(queue)} does not exist")
+        count = int(rows[0][0])
         if count:
             self.transactions += 1
             self._held -= count
-        return int(count)
+        self._tell_finished([(r[1], r[2]) for r in rows[1:]])
+        return count
 
     async def delete_queue(self, queue: str) -> None:
         row = await self._fetchrow(Q.delete_queue, queue)
         assert row is not None
-        found, ready, handed_out, delayed, dead = row
+        found, ready, handed_out, delayed, dead, waiting = row
         if not found:
             raise NotFound(f"queue {quoted(queue)} does not exist")
-        if ready or handed_out or delayed or dead:
+        if ready or handed_out or delayed or dead or waiting:
             raise Conflict(
                 f"queue {quoted(queue)} holds {ready} ready, {handed_out} handed-out, {delayed} "
-                f"delayed and {dead} dead tasks: empty it (POST /queues/{{name}}/empty), let "
-                "its handed-out tasks finish and purge its dead ones first"
+                f"delayed, {dead} dead and {waiting} waiting tasks: empty it (POST "
+                "/queues/{name}/empty), let its handed-out tasks finish and purge its dead ones "
+                "first"
             )
         self.transactions += 1
         self._queue_names.discard(queue)
@@ -809,11 +1003,12 @@ class PostgresStore:
         n = parse_id(task_id)
         if n is None:
             return False
-        queue = await self._fetchval(Q.release, _key(n), lease_id)
-        if queue is None:
+        rows = await self._fetch(Q.release, _key(n), lease_id, self._wake.finish_head())
+        if not rows:
             return False
         self.transactions += 1
-        self._wake.announce((queue,))
+        self._wake.announce((rows[0][0],))
+        self._tell_finished([(r[1], r[2]) for r in rows[1:]])
         return True
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
@@ -831,6 +1026,7 @@ class PostgresStore:
             self._backoff.base,
             self._backoff.cap,
             refresh,
+            self._wake.finish_head(),
         )
         took = time.monotonic() - started
         result = SweepResult()
@@ -838,7 +1034,7 @@ class PostgresStore:
         if self.db_clock and took < _SKEW_RTT:
             self.skew = db_now - (now + (started - entered) + took / 2)
         self._keys = {k: until for k, until in self._keys.items() if until > now}
-        if result.reclaimed or result.promoted or result.expired:
+        if result.reclaimed or result.promoted or result.expired or result.pruned:
             self.transactions += 1
         if result.ready_queues:
             self._wake.announce(result.ready_queues)
@@ -855,6 +1051,7 @@ class PostgresStore:
         db_now = 0.0
         names: set[str] = set()
         dirty: list[str] = []
+        finished: list[tuple[int, int]] = []
         for kind, key, lease_id, queue, n, at in rows:
             if kind == 0:
                 result.reclaimed.append((_hex(key), lease_id))
@@ -863,6 +1060,10 @@ class PostgresStore:
                 result.ready_queues.add(queue)
             elif kind == 8:
                 result.expired += n
+            elif kind == 9:
+                result.pruned += n
+            elif kind == 10:
+                finished.append((key, n))
             elif kind == 2:
                 due = at
             elif kind == 5:
@@ -873,6 +1074,7 @@ class PostgresStore:
                 self._hint(kind, queue, n, at, names, dirty)
         if refresh:
             self._queue_names = names
+        self._tell_finished(finished)
         if dirty and self._vacuum is None and not self._closed:
             self._vacuum = asyncio.get_running_loop().create_task(self._vacuum_tables(dirty))
         return due, db_now
@@ -951,14 +1153,16 @@ class PostgresStore:
         else:
             row = await self._fetchrow(Q.queue_stats, queue)
         assert row is not None
-        ready, handed_out, delayed, dead, *totals = row
+        ready, handed_out, delayed, dead, *totals, waiting, succeeded = row
         if queue is None:
-            self._held = ready + handed_out + delayed
-        return Stats(ready, handed_out, delayed, dead, Totals(*totals))
+            self._held = ready + handed_out + delayed + waiting + succeeded
+        return Stats(
+            ready, handed_out, delayed, dead, Totals(*totals), waiting=waiting, succeeded=succeeded
+        )
 
     async def queues(self) -> list[QueueStats]:
         rows = await self._fetch(Q.queues)
-        out = [QueueStats(r[0], r[2], r[3], r[4], r[5], r[1]) for r in rows]
+        out = [QueueStats(r[0], r[2], r[3], r[4], r[5], r[1], r[6], r[7]) for r in rows]
         out.sort(key=lambda q: q.name)
         self._queue_names = {q.name for q in out}
         return out
@@ -967,10 +1171,12 @@ class PostgresStore:
         out = []
         rows = await self._fetch(Q.report, PRIORITIES)
         for name, paused, ready, handed_out, delayed, dead, *rest in rows:
-            *totals, oldest = rest
+            *totals, waiting, succeeded, oldest = rest
             out.append(
                 QueueReport(
-                    QueueStats(name, ready, handed_out, delayed, dead, paused),
+                    QueueStats(
+                        name, ready, handed_out, delayed, dead, paused, waiting, succeeded
+                    ),
                     Totals(*totals),
                     None if oldest is None else oldest - self.skew,
                 )
@@ -985,7 +1191,23 @@ class PostgresStore:
         row = await self._fetchrow(Q.lookup, _key(n))
         if row is None:
             return None
-        return TaskState(_task(row, self.skew), STATE_NAMES[row[13]])
+        return TaskState(_task(row, self.skew), _STATES[row[18]])
+
+    async def watch(self, task_id: str) -> TaskState:
+        """One statement (wq.watch): the task marked watched if it is pending, then read."""
+        n = parse_id(task_id)
+        row = None if n is None else await self._fetchrow(Q.watch, _key(n))
+        if row is None:
+            raise NotFound(f"task {quoted(task_id)} does not exist")
+        return TaskState(_task(row, self.skew), _STATES[row[18]])
+
+    async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
+        n = parse_id(task_id)
+        if n is None:
+            return [], 0
+        row = await self._fetchrow(Q.children, _key(n), limit)
+        assert row is not None
+        return [_hex(k) for k in row[0]], int(row[1])
 
     async def dead_letters(
         self, *, limit: int | None = None, queue: str | None = None
@@ -1040,14 +1262,20 @@ class PostgresStore:
 
     async def check_invariants(self) -> None:
         """Assert the gauges kept in the counters agree with the tasks, queue by queue, and with
-        the totals: ``ready + handed_out + delayed + dead == enqueued - acked - purged -
-        cancelled - expired`` and ``nacked + reclaimed == retried + buried``."""
+        the totals: ``ready + handed_out + delayed + dead + waiting == enqueued - acked - purged
+        - cancelled - expired`` and ``nacked + reclaimed == retried + buried``; and that every
+        edge's child is a task, and every task's count of parents its edges'."""
         for row in await self._fetch(Q.check):
-            kept, counted = tuple(row[1:5]), tuple(row[5:9])
+            kept, counted = tuple(row[1:7]), tuple(row[7:13])
             assert kept == counted, f"queue {row[0]}: gauges {kept} but tasks {counted}"
-            held, failed, followed = row[9:12]
-            assert sum(kept) == held, f"queue {row[0]}: gauges {kept} but the totals say {held}"
+            held, failed, followed = row[13:16]
+            assert sum(kept[:5]) == held, (
+                f"queue {row[0]}: gauges {kept} but the totals say {held}"
+            )
             assert failed == followed, f"queue {row[0]}: nacked + reclaimed {failed}, {followed}"
+        edges = await self._fetchrow(Q.edges_check)
+        assert edges is not None
+        assert tuple(edges) == (0, 0), f"edges of no task, or parents miscounted: {tuple(edges)}"
 
     # -- talking to the database -------------------------------------------------------------
 
@@ -1074,21 +1302,51 @@ class PostgresStore:
         return await self._pool.execute(sql, *args)
 
 
-_Settle = tuple[Sequence[tuple[str, str]], Sequence[NackItem]]
+# A settle call: its acks, its nacks, and the result of each ack (None: none has one).
+_Results = Sequence[bytes | None] | None
+_Settle = tuple[Sequence[tuple[str, str]], Sequence[NackItem], _Results]
 _Settled = tuple[list[WqError | None], list[Failure | WqError]]
-_SettleClaim = tuple[Sequence[tuple[str, str]], Sequence[NackItem], Sequence[float]]
+_SettleClaim = tuple[Sequence[tuple[str, str]], Sequence[NackItem], Sequence[float], _Results]
 _SettledClaimed = tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]
+
+
+def _per_ack(
+    acks: Sequence[tuple[str, str]], results: Mapping[str, bytes] | None
+) -> list[bytes | None] | None:
+    """The result of each ack (by its task id in ``results``), or None when none has one."""
+    if not results:
+        return None
+    out = [results.get(task_id) for task_id, _ in acks]
+    return out if any(r is not None for r in out) else None
+
+
+def _results_of(calls: Sequence[_Settle] | Sequence[_SettleClaim]) -> list[bytes | None] | None:
+    """The results of the acks of several settle calls, in order (None: none has one)."""
+    if all(call[-1] is None for call in calls):
+        return None
+    out: list[bytes | None] = []
+    for call in calls:
+        results = call[-1]
+        out += [None] * len(call[0]) if results is None else results
+    return out
 
 
 class _SettlePlan:
     """Acks and nacks as wq.settle takes them: those whose task id cannot be one are answered
-    NotFound without asking (their outcomes start so, the others are filled in)."""
+    NotFound without asking (their outcomes start so, the others are filled in). ``results``:
+    each ack's result (None: none has one)."""
 
-    __slots__ = ("acks", "nacks", "acked", "nacked", "ack_at", "nack_at", "sent")
+    __slots__ = ("acks", "nacks", "acked", "nacked", "ack_at", "nack_at", "sent", "results")
 
-    def __init__(self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem]) -> None:
+    def __init__(
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        results: Sequence[bytes | None] | None = None,
+    ) -> None:
         self.acks = acks
         self.nacks = nacks
+        self.results = results
         self.acked: list[WqError | None] = [_not_held(t) for t, _ in acks]
         self.nacked: list[Failure | WqError] = [_not_held(n.task_id) for n in nacks]
         self.ack_at = [i for i, (t, _) in enumerate(acks) if parse_id(t) is not None]

@@ -8,7 +8,8 @@
 -- == the operations: one round trip each (sql/functions.sql) ==
 
 -- name: enqueue
-SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
+SELECT * FROM wq.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+    $17, $18, $19, $20)
 
 -- name: id_blocks
 -- $1 blocks of 1024 numbers for task ids.
@@ -25,29 +26,30 @@ SELECT pg_advisory_xact_lock(131327215009795);
 SELECT setval('wq.id_blocks', last_value + 1048576) FROM wq.id_blocks
 
 -- name: claim
-SELECT * FROM wq.claim($1, $2, $3, $4)
+SELECT * FROM wq.claim($1, $2, $3, $4, $5)
 
 -- name: settle
-SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)
 
 -- name: settle_claim
 -- wq.settle, then wq.claim, in one statement (one round trip, one transaction): a stream's acks
 -- and the tasks that take their places. The first column says which rows are which (0: settle's,
--- 1: claim's); UNION ALL runs its parts in order. (Two functions of earlier schema versions: no
--- migration needed.)
-SELECT 0 AS part, s.o_kind, s.o_i, s.o_outcome, s.o_retry_at, NULL::bigint, NULL::bigint,
-    NULL::bytea, NULL::int, NULL::int, NULL::float8, NULL::float8, NULL::bytea, NULL::text,
-    NULL::smallint, NULL::float8, NULL::float8, NULL::float8
-FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12) s
+-- 1: claim's); UNION ALL runs its parts in order. $14: the head of the announcement of watched
+-- tasks that end (both functions' own).
+SELECT 0 AS part, s.o_kind, s.o_i, s.o_outcome, s.o_retry_at, s.o_id, s.o_queue,
+    NULL::bigint, NULL::bigint, NULL::bytea, NULL::int, NULL::int, NULL::float8, NULL::float8,
+    NULL::bytea, NULL::text, NULL::smallint, NULL::float8, NULL::float8, NULL::float8,
+    NULL::float8, NULL::bigint[], NULL::bytea[], NULL::int
+FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) s
 UNION ALL
-SELECT 1, NULL, NULL, NULL, NULL, c.*
-FROM wq.claim($1, $13, $14, $15) c
+SELECT 1, NULL, NULL, NULL, NULL, NULL, NULL, c.*
+FROM wq.claim($1, $15, $16, $17, $14) c
 
 -- name: extend
 SELECT * FROM wq.extend($1, $2, $3, $4, $5)
 
 -- name: release
-SELECT wq.release($1, $2)
+SELECT * FROM wq.release($1, $2, $3)
 
 -- name: expired
 -- How many leases have run out by $1 (NULL: by the database's clock): the sweep draws as many
@@ -57,7 +59,7 @@ SELECT count(*) FROM wq.tasks WHERE state = 1
 AND deadline <= coalesce($1, extract(epoch FROM clock_timestamp())::float8)
 
 -- name: sweep
-SELECT * FROM wq.sweep($1, $2, $3, $4, $5)
+SELECT * FROM wq.sweep($1, $2, $3, $4, $5, $6)
 
 -- name: fold
 SELECT wq.fold()
@@ -70,11 +72,12 @@ SELECT * FROM wq.requeue($1, $2, $3)
 SELECT wq.purge($1)
 
 -- name: cancel
--- Task $1; $2: the head of the announcement of its lease, if it is handed out (NULL: none).
-SELECT * FROM wq.cancel($1, $2)
+-- Task $1; $2: the head of the announcement of its lease, if it is handed out (NULL: none); $3:
+-- of the watched tasks that end.
+SELECT * FROM wq.cancel($1, $2, $3)
 
 -- name: empty
-SELECT wq.empty($1)
+SELECT * FROM wq.empty($1, $2)
 
 -- name: delete_queue
 SELECT * FROM wq.delete_queue($1)
@@ -93,7 +96,8 @@ SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
        coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
        coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
        coalesce(sum(purged), 0)::bigint, coalesce(sum(cancelled), 0)::bigint,
-       coalesce(sum(expired), 0)::bigint
+       coalesce(sum(expired), 0)::bigint, coalesce(sum(waiting), 0)::bigint,
+       coalesce(sum(succeeded), 0)::bigint
 FROM wq.counters
 
 -- name: queue_stats
@@ -104,12 +108,14 @@ SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
        coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
        coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
        coalesce(sum(purged), 0)::bigint, coalesce(sum(cancelled), 0)::bigint,
-       coalesce(sum(expired), 0)::bigint
+       coalesce(sum(expired), 0)::bigint, coalesce(sum(waiting), 0)::bigint,
+       coalesce(sum(succeeded), 0)::bigint
 FROM wq.counters WHERE queue = $1
 
 -- name: queues
 SELECT q.name, q.paused, coalesce(sum(c.ready), 0)::bigint, coalesce(sum(c.handed_out), 0)::bigint,
-       coalesce(sum(c.delayed), 0)::bigint, coalesce(sum(c.dead), 0)::bigint
+       coalesce(sum(c.delayed), 0)::bigint, coalesce(sum(c.dead), 0)::bigint,
+       coalesce(sum(c.waiting), 0)::bigint, coalesce(sum(c.succeeded), 0)::bigint
 FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
 
 -- name: report
@@ -124,7 +130,8 @@ SELECT q.name, q.paused,
        coalesce(sum(reclaimed), 0)::bigint, coalesce(sum(retried), 0)::bigint,
        coalesce(sum(buried), 0)::bigint, coalesce(sum(requeued), 0)::bigint,
        coalesce(sum(purged), 0)::bigint, coalesce(sum(cancelled), 0)::bigint,
-       coalesce(sum(expired), 0)::bigint,
+       coalesce(sum(expired), 0)::bigint, coalesce(sum(waiting), 0)::bigint,
+       coalesce(sum(succeeded), 0)::bigint,
        CASE WHEN coalesce(sum(c.ready), 0) > 0 THEN (
            SELECT min(h.available_at) FROM generate_series(0, $1 - 1) AS p (n),
            LATERAL (SELECT t.available_at FROM wq.tasks t
@@ -134,33 +141,69 @@ SELECT q.name, q.paused,
 FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
 
 -- name: lookup
--- A task as store.py's _task reads it (its progress only while handed out), then its state.
+-- A task as store.py's _task reads it (its progress only while handed out; its result, finish
+-- time and parents waited for only in those states; its result TTL only if it was given; its
+-- parents only if it has some), then its state.
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
-       expires_at, timeout, CASE WHEN state = 1 THEN progress END, cancelling, state
-FROM wq.tasks WHERE id = $1
+       expires_at, timeout, CASE WHEN state = 1 THEN progress END, cancelling,
+       CASE WHEN state = 5 THEN result END, CASE WHEN state = 5 THEN finished_at END,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END,
+       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, state
+FROM wq.tasks t WHERE id = $1
+
+-- name: watch
+-- As lookup, once the task is marked watched if it is pending (wq.watch).
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, CASE WHEN state = 1 THEN progress END, cancelling,
+       CASE WHEN state = 5 THEN result END, CASE WHEN state = 5 THEN finished_at END,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END,
+       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, state
+FROM wq.watch($1) t
+
+-- name: children
+-- The first $2 live children of task $1 (not succeeded: they still need it), oldest first, and
+-- how many there are.
+SELECT ARRAY(SELECT e.child FROM wq.edges e JOIN wq.tasks c ON c.id = e.child
+             WHERE e.parent = $1 AND c.state <> 5 ORDER BY e.ord, e.child LIMIT $2),
+       (SELECT count(*) FROM wq.edges e JOIN wq.tasks c ON c.id = e.child
+        WHERE e.parent = $1 AND c.state <> 5)
 
 -- name: dead
 -- Dead tasks (of queue $1, or of all) in burial order, at most $2 (NULL: all).
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
-       expires_at, timeout, NULL::bytea, false
-FROM wq.tasks WHERE state = 3 AND ($1::text IS NULL OR queue = $1) ORDER BY ord LIMIT $2
+       expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END, 0
+FROM wq.tasks t WHERE state = 3 AND ($1::text IS NULL OR queue = $1) ORDER BY ord LIMIT $2
 
 -- == listings: a page of queue $1's tasks in one state, in its order, after the key given ==
--- The columns of lookup (but the state), then the key (two numbers; dead: the second only); at most $2 rows (the store asks
--- for one more than the page, to tell whether another follows). Each is one or two scans of a
--- partial index from the key on, stopped at the limit: O(limit + log n).
+-- The columns of lookup (but the state), then the key (two numbers; dead and waiting: the second
+-- only); at most $2 rows (the store asks for one more than the page, to tell whether another
+-- follows). Each is one or two scans of a partial index from the key on, stopped at the limit:
+-- O(limit + log n) (and a task's parents, only for one that has some).
 
 -- name: list_ready
 -- In claim order: priority high to low, then ord. After (priority $3, ord $4): the rest of that
 -- priority, then the lower ones (two index ranges; a first page gives $3 above every priority).
-SELECT * FROM (
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = page.id) END, 0, k1, k2
+FROM (
     (SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue,
-            priority, expires_at, timeout, NULL::bytea, false, priority AS k1, ord AS k2
+            priority, expires_at, timeout, ttl_given, result_ttl, parents, priority AS k1,
+            ord AS k2
      FROM wq.tasks WHERE state = 0 AND queue = $1 AND priority = $3 AND ord > $4
      ORDER BY ord LIMIT $2)
     UNION ALL
     (SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue,
-            priority, expires_at, timeout, NULL::bytea, false, priority, ord
+            priority, expires_at, timeout, ttl_given, result_ttl, parents, priority, ord
      FROM wq.tasks WHERE state = 0 AND queue = $1 AND priority < $3
      ORDER BY priority DESC, ord LIMIT $2)
 ) page ORDER BY k1 DESC, k2 LIMIT $2
@@ -168,26 +211,56 @@ SELECT * FROM (
 -- name: list_delayed
 -- By due time, then ord: after (available_at $3, ord $4).
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
-       expires_at, timeout, NULL::bytea, false, available_at, ord
-FROM wq.tasks WHERE state = 2 AND queue = $1 AND (available_at, ord) > ($3, $4)
+       expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END, 0, available_at, ord
+FROM wq.tasks t WHERE state = 2 AND queue = $1 AND (available_at, ord) > ($3, $4)
 ORDER BY available_at, ord LIMIT $2
 
 -- name: list_handed_out
 -- By lease deadline, then ord: after (deadline $3, ord $4).
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
-       expires_at, timeout, progress, cancelling, deadline, ord
-FROM wq.tasks WHERE state = 1 AND queue = $1 AND (deadline, ord) > ($3, $4)
+       expires_at, timeout, progress, cancelling, NULL::bytea, NULL::float8,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END, 0, deadline, ord
+FROM wq.tasks t WHERE state = 1 AND queue = $1 AND (deadline, ord) > ($3, $4)
 ORDER BY deadline, ord LIMIT $2
 
 -- name: list_dead
 -- By burial: after ord $3.
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
-       expires_at, timeout, NULL::bytea, false, NULL::float8, ord
-FROM wq.tasks WHERE state = 3 AND queue = $1 AND ord > $3
+       expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END, 0, NULL::float8, ord
+FROM wq.tasks t WHERE state = 3 AND queue = $1 AND ord > $3
 ORDER BY ord LIMIT $2
 
+-- name: list_waiting
+-- By enqueue: after ord $3.
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
+       CASE WHEN ttl_given THEN result_ttl END,
+       (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e WHERE e.child = t.id),
+       waiting_for, NULL::float8, ord
+FROM wq.tasks t WHERE state = 4 AND queue = $1 AND ord > $3
+ORDER BY ord LIMIT $2
+
+-- name: list_succeeded
+-- By finish time, then ord: after (finished_at $3, ord $4).
+SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
+       expires_at, timeout, NULL::bytea, false, result, finished_at,
+       CASE WHEN ttl_given THEN result_ttl END,
+       CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
+                                   WHERE e.child = t.id) END, 0, finished_at, ord
+FROM wq.tasks t WHERE state = 5 AND queue = $1 AND (finished_at, ord) > ($3, $4)
+ORDER BY finished_at, ord LIMIT $2
+
 -- name: held
-SELECT coalesce(sum(ready + handed_out + delayed), 0)::bigint FROM wq.counters
+SELECT coalesce(sum(ready + handed_out + delayed + waiting + succeeded), 0)::bigint
+FROM wq.counters
 
 -- name: queue_names
 SELECT name FROM wq.queues
@@ -228,6 +301,9 @@ VACUUM wq.counters
 -- name: vacuum_keys
 VACUUM wq.keys
 
+-- name: vacuum_edges
+VACUUM wq.edges
+
 -- == the schema (schema.py), inside the migration's transaction ==
 
 -- name: lock
@@ -265,23 +341,36 @@ SELECT value FROM wq.meta WHERE key = 'id_key'
 
 -- name: wipe
 DELETE FROM wq.tasks; DELETE FROM wq.counters; DELETE FROM wq.queues; DELETE FROM wq.keys;
+DELETE FROM wq.edges;
 ALTER SEQUENCE wq.ord RESTART; ALTER SEQUENCE wq.id_blocks RESTART
 
 -- name: check
--- Gauges against the tasks: one row per queue (queue, the four kept, the four counted, then what
--- the totals say is held, enqueued - acked - purged - cancelled - expired, and the two sides of
--- nacked + reclaimed == retried + buried).
-SELECT c.queue, c.ready, c.handed_out, c.delayed, c.dead,
+-- Gauges against the tasks: one row per queue (queue, the six kept: ready, handed out, delayed,
+-- dead, waiting, succeeded; the six counted; then what the totals say is held, enqueued - acked -
+-- purged - cancelled - expired, and the two sides of nacked + reclaimed == retried + buried).
+SELECT c.queue, c.ready, c.handed_out, c.delayed, c.dead, c.waiting, c.succeeded,
        coalesce(t.ready, 0), coalesce(t.handed_out, 0), coalesce(t.delayed, 0), coalesce(t.dead, 0),
+       coalesce(t.waiting, 0), coalesce(t.succeeded, 0),
        c.enqueued - c.acked - c.purged - c.cancelled - c.expired, c.nacked + c.reclaimed,
        c.retried + c.buried
 FROM (SELECT queue, sum(ready) ready, sum(handed_out) handed_out, sum(delayed) delayed,
-             sum(dead) dead, sum(enqueued) enqueued, sum(acked) acked, sum(purged) purged,
+             sum(dead) dead, sum(waiting) waiting, sum(succeeded) succeeded,
+             sum(enqueued) enqueued, sum(acked) acked, sum(purged) purged,
              sum(cancelled) cancelled, sum(expired) expired, sum(nacked) nacked,
              sum(reclaimed) reclaimed, sum(retried) retried, sum(buried) buried
       FROM wq.counters GROUP BY queue) c
 FULL JOIN (SELECT queue, count(*) FILTER (WHERE state = 0) ready,
                   count(*) FILTER (WHERE state = 1) handed_out,
                   count(*) FILTER (WHERE state = 2) delayed,
-                  count(*) FILTER (WHERE state = 3) dead FROM wq.tasks GROUP BY queue) t
+                  count(*) FILTER (WHERE state = 3) dead,
+                  count(*) FILTER (WHERE state = 4) waiting,
+                  count(*) FILTER (WHERE state = 5) succeeded FROM wq.tasks GROUP BY queue) t
 USING (queue)
+
+-- name: edges_check
+-- Edges whose child is no task (each is dropped with its child), and tasks whose count of
+-- parents is not their edges'.
+SELECT (SELECT count(*) FROM wq.edges e WHERE NOT EXISTS (
+            SELECT 1 FROM wq.tasks t WHERE t.id = e.child)),
+       (SELECT count(*) FROM wq.tasks t WHERE t.parents <> (
+            SELECT count(*) FROM wq.edges e WHERE e.child = t.id))
