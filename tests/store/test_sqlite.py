@@ -25,7 +25,16 @@ from tests.helpers import http_client, running_broker, settle
 from tests.procs import broker_command, broker_process
 from wqbroker.clock import FakeClock
 from wqbroker.errors import Cancelled, StoreError
-from wqbroker.models import DEFAULT_QUEUE, NewTask, QueueStats, Stats, Totals
+from wqbroker.models import (
+    DEFAULT_QUEUE,
+    Delivery,
+    NewTask,
+    ParentResult,
+    QueueStats,
+    Released,
+    Stats,
+    Totals,
+)
 from wqbroker.retry import Backoff
 from wqbroker.store import enqueue_one
 from wqbroker.store.sqlite import SCHEMA_VERSION, SqliteStore
@@ -625,4 +634,193 @@ async def test_a_restart_keeps_what_control_over_tasks_set(tmp_path: Path) -> No
     finally:
         await store.close()
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone() == ("4",)
+        schema = conn.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()
+        assert schema == (str(SCHEMA_VERSION),)
+
+
+# -- results and workflows (docs/design/results.md) -----------------------------------------------
+
+
+def _task(payload: bytes = b"{}", **kw: Any) -> NewTask:
+    """A task; ``ttl``: its result TTL (given), ``after``, ``queue``, ``delay``."""
+    ttl = kw.pop("ttl", None)
+    new = NewTask(payload, 3, kw.pop("delay", 0.0), kw.pop("queue", DEFAULT_QUEUE), **kw)
+    if ttl is not None:
+        new.result_ttl, new.result_ttl_given = ttl, True
+    return new
+
+
+async def _run(store: SqliteStore, queue: str, now: float, result: bytes | None = None) -> Delivery:
+    """Claim the next task of ``queue`` and ack it (with ``result``)."""
+    d = await store.claim(lease=30, now=now, queues=(queue,))
+    assert d is not None
+    await store.ack(d.task.id, d.lease_id, now=now, result=result)
+    return d
+
+
+async def test_a_restart_keeps_waiting_tasks_their_parents_and_results(tmp_path: Path) -> None:
+    """Waiting tasks (what they wait for counted again), the edges to their parents (the cold
+    ones too), results with their finish times and TTLs, pins, a released child's delay: all
+    come back after a restart, and go on as if there had been none."""
+    path = str(tmp_path / "flows.db")
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    try:
+        done = await store.enqueue_many(
+            [
+                _task(b'"a"', queue="p", ttl=100.0),  # 0: succeeds before the restart
+                _task(b'"b"', queue="p"),  # 1: pending (cold after the restart)
+                _task(b'"c"', queue="q", ttl=5.0),  # 2: succeeds; pinned by 5
+                _task(b'"x"', queue="c", after=(0, 1)),  # 3: waits for 1
+                _task(b'"y"', queue="g", after=(3,), ttl=7.0),  # 4: waits for 3
+                _task(b'"z"', queue="c", after=(2,), delay=10.0),  # 5: released, delayed
+            ],
+            now=NOW,
+        )
+        a, b, c, x, y, z = (d.id for d in done)
+        await _run(store, "p", NOW + 1, b'{"a": 1}')
+        await _run(store, "q", NOW + 1, b'"c\\u00e9"')
+        alone = (await store.enqueue_many([_task(ttl=50.0)], now=NOW + 1))[0].id
+        await _run(store, DEFAULT_QUEUE, NOW + 2, b"null")
+        before = await store.stats()
+    finally:
+        await store.close()
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    try:
+        store.check_invariants()
+        assert await store.stats() == before
+        assert (before.waiting, before.succeeded, before.delayed) == (2, 3, 1)
+        found = await store.lookup(x)
+        assert found is not None
+        assert (found.state, found.task.waiting_for, found.task.after) == ("waiting", 1, (a, b))
+        found = await store.lookup(a)
+        assert found is not None
+        assert (found.state, found.task.result, found.task.finished_at) == (
+            "succeeded",
+            b'{"a": 1}',
+            NOW + 1,
+        )
+        assert found.task.result_ttl == 100.0
+        found = await store.lookup(z)
+        assert found is not None
+        assert (found.state, found.task.available_at) == ("delayed", NOW + 11)
+        assert await store.children(b, limit=5) == ([x], 1)  # (b: a cold ready task)
+        assert await store.children(a, limit=5) == ([x], 1)
+        assert await store.children(x, limit=5) == ([y], 1)
+        page = await store.list_tasks("c", "waiting", limit=5)
+        assert [t.task.id for t in page.tasks] == [x]
+        page = await store.list_tasks(DEFAULT_QUEUE, "succeeded", limit=5)
+        assert [(t.task.id, t.task.result) for t in page.tasks] == [(alone, b"null")]
+        # The results are pruned when due, but those still pinned by a child.
+        swept, _ = await store.sweep(now=NOW + 60)
+        assert swept.pruned == 1  # ``alone``; ``c`` is pinned by ``z``, ``a`` by ``x``
+        assert await store.lookup(alone) is None
+        # b's ack releases x, whose delivery carries a's result read back from the file.
+        await _run(store, "p", NOW + 61)
+        assert store.take_released() == Released({"c"}, None)
+        d = await store.claim(lease=30, now=NOW + 61, queues=("c",))
+        assert d is not None
+        assert d.task.id == z  # (due since NOW + 11: promoted first)
+        assert d.parents == [ParentResult(c, b'"c\\u00e9"')]
+        await store.ack(z, d.lease_id, now=NOW + 61)
+        d = await store.claim(lease=30, now=NOW + 61, queues=("c",))
+        assert d is not None
+        assert d.task.id == x
+        assert d.parents == [ParentResult(a, b'{"a": 1}'), ParentResult(b, None)]
+        store.check_invariants()
+    finally:
+        await store.close()
+    store = await SqliteStore.open(path, _backoff(), hot_ready=2)
+    try:
+        store.check_invariants()
+        assert await store.lookup(c) is None  # unpinned by z's ack, and due: pruned
+        found = await store.lookup(y)
+        assert found is not None
+        assert (found.state, found.task.waiting_for) == ("waiting", 1)
+        await store.ack(x, d.lease_id, now=NOW + 62, result=b"[]")
+        assert store.take_released() == Released({"g"}, None)
+        d = await store.claim(lease=30, now=NOW + 62, queues=("g",))
+        assert d is not None
+        assert d.parents == [ParentResult(x, b"[]")]
+        store.check_invariants()
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        edges = conn.execute("SELECT count(*) FROM edges").fetchone()[0]
+        assert edges == 3  # x's two (it holds its result) and y's (z is gone, and its edge)
+
+
+def _copy_database(path: Path, copy: Path) -> None:
+    """The file and its write-ahead log, as they are (a broker killed now leaves them so)."""
+    for suffix in ("", "-wal"):
+        source = Path(str(path) + suffix)
+        if source.exists():
+            Path(str(copy) + suffix).write_bytes(source.read_bytes())
+
+
+async def test_a_parents_ack_and_its_childrens_release_are_one_commit(tmp_path: Path) -> None:
+    """A parent's ack and the release of its children are one transaction: a copy of the file
+    taken right after the acks (as a broker killed then would leave it) has the children ready,
+    the fan-in child waiting for the one parent not yet acked, nothing half done."""
+    path = tmp_path / "live.db"
+    store = await SqliteStore.open(str(path), _backoff())
+    try:
+        parents = [d.id for d in await store.enqueue_many([_task(queue="p")] * 3, now=NOW)]
+        fan_out = await store.enqueue_many([_task(queue="c", after=(parents[0],))] * 1000, now=NOW)
+        (fan_in,) = await store.enqueue_many([_task(queue="i", after=tuple(parents))], now=NOW)
+        held = await store.claim(lease=30, now=NOW + 1, queues=("p",))
+        assert held is not None
+        before = store.transactions
+        await store.ack(held.task.id, held.lease_id, now=NOW + 1, result=b'"first"')
+        assert store.transactions == before + 1  # the ack and 1000 releases: one commit
+        await _run(store, "p", NOW + 2)
+        # (the broker is "killed" here: its file and its write-ahead log copied as they are)
+        copy = tmp_path / "after-kill.db"
+        _copy_database(path, copy)
+    finally:
+        await store.close()
+    store = await SqliteStore.open(str(copy), _backoff())
+    try:
+        stats = await store.stats()
+        assert (stats.ready, stats.waiting, stats.succeeded) == (1001, 1, 1)
+        assert stats.totals.acked == 2
+        found = await store.lookup(fan_in.id)
+        assert found is not None
+        assert (found.state, found.task.waiting_for) == ("waiting", 1)
+        claimed = await store.claim_many([30.0] * 1000, now=NOW + 3, queues=("c",))
+        assert [d.task.id for d in claimed] == [d.id for d in fan_out]
+        assert all(d.parents == [ParentResult(parents[0], b'"first"')] for d in claimed)
+        await _run(store, "p", NOW + 3)
+        assert store.take_released() == Released({"i"}, None)
+        store.check_invariants()
+    finally:
+        await store.close()
+
+
+async def test_results_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
+    """20 MB of results held: the process keeps the index's records, not the results; a child's
+    delivery reads its parent's back from the file."""
+    path = str(tmp_path / "results.db")
+    store = await SqliteStore.open(path, _backoff(), sync="normal")
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        parents = [d.id for d in await store.enqueue_many([_task(queue="p")] * 200, now=NOW)]
+        (child,) = await store.enqueue_many([_task(after=(parents[-1],))], now=NOW)
+        for _ in range(4):
+            claimed = await store.claim_many([30.0] * 50, now=NOW, queues=("p",))
+            results = {d.task.id: b'"%s"' % d.task.id.encode() * 6000 for d in claimed}
+            acks = [(d.task.id, d.lease_id) for d in claimed]
+            acked, _ = await store.settle_many(acks, [], now=NOW, results=results)
+            assert acked == [None] * 50
+            del claimed, results
+        await asyncio.sleep(0)  # the loop drops its last reference to the batch written
+        grown = tracemalloc.get_traced_memory()[0] - base
+        assert grown < 4 * 2**20, f"{grown / 2**20:.1f} MB kept for 20 MB of results"
+        assert (await store.stats()).succeeded == 200
+        d = await store.claim(lease=30, now=NOW)
+        assert d is not None
+        assert d.task.id == child.id
+        assert d.parents == [ParentResult(parents[-1], b'"%s"' % parents[-1].encode() * 6000)]
+    finally:
+        tracemalloc.stop()
+        await store.close()

@@ -1400,7 +1400,9 @@ class Index:
             self._hot += 1
             if self._cold_flows:
                 flow = self._cold_flows.pop(record.id, None)
-                if flow is not None:
+                if flow is not None:  # (what the row said of it, and its parents and children)
+                    if record.flow is not None:
+                        flow.ttl_given = record.flow.ttl_given
                     record.flow = flow
 
     def ack(
@@ -1908,17 +1910,23 @@ class Index:
                 self._expiries.append((expires_at, task_id, seq, lane))
 
     def restore(self, records: Iterable[tuple[Record, str, int]]) -> None:
-        """Put back handed-out, delayed and dead records (with their queue's name and their
-        priority) read from
-        storage, in any order (the dead-letter queue is put in the order of ``seq``). Call
-        :meth:`restored` at the end."""
+        """Put back handed-out, delayed, dead, waiting and succeeded records (with their queue's
+        name and their priority) read from storage, in any order (the dead-letter queue and the
+        logs of waiting and succeeded tasks are put in the order of ``seq``). Then
+        :meth:`restore_edges`; call :meth:`restored` at the end."""
         dead: list[Record] = []
+        waiting: list[Record] = []
+        done: list[Record] = []
         for record, name, priority in records:
             q = self._restored_queue(name)
             record.lane = q.lane(priority)
             self._seq = max(self._seq, record.seq)
             if record.state == DEAD:
                 dead.append(record)
+            elif record.state == WAITING:
+                waiting.append(record)
+            elif record.state == SUCCEEDED:
+                done.append(record)
             elif record.state == DELAYED:
                 self._delayed.append((record.available_at, record.seq, record))
                 self._delayed_n += 1
@@ -1935,11 +1943,70 @@ class Index:
                 q.out[record.id] = record
             else:
                 raise ValueError(f"task {record.task_id} has an unknown state {record.state}")
-        dead.sort(key=lambda r: r.seq)
+        dead.sort(key=_seq_of)
         for record in dead:
             self._dead[record.id] = record
             record.lane.queue.dead[record.id] = record
             record.lane.queue.graves.append(record)
+        self._restore_flows(waiting, done)
+
+    def _restore_flows(self, waiting: list[Record], done: list[Record]) -> None:
+        """Put back waiting and succeeded records (each in the order of ``seq``)."""
+        waiting.sort(key=_seq_of)
+        for record in waiting:
+            self._waiting[record.id] = record
+            q = record.lane.queue
+            q.blocked += 1
+            q.waits.append(record)
+            if record.expires_at is not None:
+                self._expiries.append((record.expires_at, record.id, record.seq, record.lane))
+        done.sort(key=_seq_of)
+        for record in done:
+            self._done[record.id] = record
+            q = record.lane.queue
+            q.succeeded += 1
+            q.results.append(record)
+            assert record.flow is not None
+            self._prunes.append((record.flow.finished_at + record.ttl, record.id))
+
+    def restore_edges(self, edges: Iterable[tuple[int, int, int | None]]) -> None:
+        """Put back the edges between tasks and their parents, as ``(child, parent, the
+        parent's state)`` (None: the parent is gone), in the order they were made, once every
+        task is back (a task not in memory is a cold ready one); then count what each waiting
+        task waits for."""
+        for child, parent, parent_state in edges:
+            flow = self.flow_of(child)
+            if flow is None:
+                record = self._record_of(child)
+                if record is not None:
+                    flow = record.flow = Flow()
+                else:
+                    flow = self._cold_flows[child] = Flow()
+            flow.after += (parent,)
+            if parent_state is None:
+                continue
+            parent_flow = self.flow_of(parent)
+            if parent_flow is None:
+                record = self._record_of(parent)
+                if record is not None:
+                    parent_flow = record.flow = Flow()
+                else:
+                    parent_flow = self._cold_flows[parent] = Flow()
+            parent_flow.children[child] = None
+            child_record = self._record_of(child)
+            if child_record is None or child_record.state != SUCCEEDED:
+                parent_flow.pins += 1
+        for record in self._waiting.values():
+            flow = record.flow
+            assert flow is not None
+            flow.waiting_for = sum(1 for n in flow.after if self._pending(n))
+
+    def _pending(self, n: int) -> bool:
+        """Whether a task is there and not yet succeeded nor dead (a cold one is ready)."""
+        record = self._record_of(n)
+        if record is None:
+            return n in self._cold_flows
+        return record.state in PENDING
 
     def _restored_queue(self, name: str) -> Queue:
         q = self._queues.get(name)
@@ -1964,6 +2031,7 @@ class Index:
         heapq.heapify(self._leases)
         heapq.heapify(self._key_expiry)
         heapq.heapify(self._expiries)
+        heapq.heapify(self._prunes)
         self.totals = totals
         self._id_key = id_key
         self._issued = totals.enqueued

@@ -45,7 +45,7 @@ import logging
 import os
 import random
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import astuple, replace
@@ -62,8 +62,10 @@ from wqbroker.models import (
     ListKey,
     NackItem,
     NewTask,
+    ParentResult,
     QueueReport,
     QueueStats,
+    Released,
     Stats,
     SweepResult,
     Task,
@@ -72,15 +74,22 @@ from wqbroker.models import (
     Totals,
 )
 from wqbroker.retry import Backoff
+from wqbroker.store import FinishedCallback
 from wqbroker.store.index import (
     DEAD,
+    DEFAULT_RESULT_TTL,
     HANDED_OUT,
+    PENDING,
     READY,
     STATE_NAMES,
+    SUCCEEDED,
+    WAITING,
+    Flow,
     Index,
     Lane,
     Queue,
     Record,
+    flow_view,
     hex_id,
     parse_id,
 )
@@ -99,7 +108,8 @@ SCHEMA_VERSION: Final = MIGRATIONS.latest
 
 _INSERT = (
     "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
-    "queue, priority, expires_at, timeout, ukey) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "queue, priority, expires_at, timeout, ukey, result_ttl, ttl_given, finished_at, delay) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_BODY = "INSERT INTO bodies (id, payload, created_at) VALUES (?, ?, ?)"
 _UPDATE = (
@@ -115,6 +125,12 @@ _UPDATE_CONTROL = (
 _SET_ERROR = "UPDATE tasks SET last_error = ? WHERE id = ?"
 _DELETE = "DELETE FROM tasks WHERE id = ?"
 _DELETE_BODY = "DELETE FROM bodies WHERE id = ?"
+# docs/design/results.md: a task's parents (edges, made with it, gone with it), when it succeeded
+# and its result.
+_INSERT_EDGE = "INSERT INTO edges (child, parent) VALUES (?, ?)"
+_DELETE_EDGES = "DELETE FROM edges WHERE child = ?"
+_SET_FINISHED = "UPDATE tasks SET finished_at = ? WHERE id = ?"
+_SET_RESULT = "UPDATE bodies SET result = ? WHERE id = ?"
 _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
     "retried = ?, buried = ?, requeued = ?, purged = ?, cancelled = ?, expired = ? WHERE id = 1"
@@ -131,32 +147,45 @@ _UNKEY = "DELETE FROM keys WHERE queue = ? AND key = ?"
 # records, with the error of a live task (a dead task's error stays in the file).
 _LOAD_READY = "SELECT id, queue, priority, ord, expires_at FROM tasks WHERE state = 0 ORDER BY ord"
 _CONTROL_COLUMNS = "expires_at, timeout, handed_at, progress, cancelling, ukey"
+_FLOW_COLUMNS = "result_ttl, ttl_given, finished_at, delay"
 _LOAD_OTHERS = (
     "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
     "CASE WHEN state = 3 THEN NULL ELSE last_error END, priority, queue, "
-    f"{_CONTROL_COLUMNS} FROM tasks WHERE state != 0"
+    f"{_CONTROL_COLUMNS}, {_FLOW_COLUMNS} FROM tasks WHERE state != 0"
+)
+# Every edge, in the order made, with the state of its parent (NULL: the parent is gone).
+_LOAD_EDGES = (
+    "SELECT e.child, e.parent, p.state FROM edges e LEFT JOIN tasks p ON p.id = e.parent "
+    "ORDER BY e.n"
 )
 _LOAD_QUEUES = (
     "SELECT name, paused, enqueued, delivered, acked, nacked, reclaimed, retried, buried, "
     "requeued, purged, cancelled, expired FROM queues"
 )
-_LOAD_UNIQUE = "SELECT queue, ukey, id FROM tasks WHERE ukey IS NOT NULL AND state IN (0, 1, 2)"
+_LOAD_UNIQUE = "SELECT queue, ukey, id FROM tasks WHERE ukey IS NOT NULL AND state IN (0, 1, 2, 5)"
 _LOAD_KEYS = "SELECT queue, key, task_id, until FROM keys"
 # Cold ready tasks read back, with their payloads.
 _WARM = (
     "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, "
-    f"ord, last_error, priority, queue, {_CONTROL_COLUMNS}, payload, created_at "
+    f"ord, last_error, priority, queue, {_CONTROL_COLUMNS}, {_FLOW_COLUMNS}, payload, created_at "
     "FROM tasks JOIN bodies USING (id) WHERE id IN ({})"
 )
+# Where a _WARM row has its payload (and its creation time next).
+_PAYLOAD_AT: Final = 21
 _READ = (
-    "SELECT b.id, b.payload, b.created_at, t.last_error FROM bodies b JOIN tasks t ON t.id = b.id "
-    "WHERE b.id IN ({})"
+    "SELECT b.id, b.payload, b.created_at, t.last_error, b.result FROM bodies b "
+    "JOIN tasks t ON t.id = b.id WHERE b.id IN ({})"
 )
+_READ_RESULTS = "SELECT id, result FROM bodies WHERE id IN ({}) AND result IS NOT NULL"
+# Parents named by new tasks that the index does not hold (cold ready ones), and dead ones'
+# errors.
+_READ_PARENTS = "SELECT id, state, queue, priority, ord, last_error FROM tasks WHERE id IN ({})"
 # One task, any state (a lookup of a task the index holds only as a cold id).
 _LOOKUP = (
     "SELECT t.attempts, t.max_attempts, t.available_at, t.state, t.last_error, t.queue, "
     "t.priority, b.payload, b.created_at, t.expires_at, t.timeout, t.progress, t.cancelling, "
-    "t.ord FROM tasks t JOIN bodies b ON t.id = b.id WHERE t.id = ?"
+    "t.ord, b.result, t.finished_at, t.result_ttl, t.ttl_given "
+    "FROM tasks t JOIN bodies b ON t.id = b.id WHERE t.id = ?"
 )
 _OFFSET: Final = 2**63
 # Before sealing a batch, let the event loop run this many times so that operations already
@@ -172,12 +201,16 @@ HOT_READY: Final = 16_384
 _WARM_BATCH: Final = 256
 # Rows read back by key per SELECT.
 _READ_CHUNK: Final = 500
+# Rounds of reading back what changed meanwhile (parents, a result) before going on as it stands.
+_FLOW_READS: Final = 8
 # What a record holds instead of what the file keeps.
 _NO_PAYLOAD: Final = b""
 _NO_TIME: Final = 0.0
 
-# A row of the file, as read back for a view: payload, created_at, last_error.
-Row = tuple[bytes, float, str | None]
+# A row of the file, as read back for a view: payload, created_at, last_error, result.
+Row = tuple[bytes, float, str | None, bytes | None]
+# What a commit reads back: rows by key, and results by key (of parents of tasks handed out).
+Reads = tuple[dict[int, Row], dict[int, bytes]]
 
 
 def _key(n: int) -> int:
@@ -209,7 +242,22 @@ def _record(row: Sequence[Any]) -> tuple[Record, str, int]:
         cancelling=bool(cancelling),
     )
     record.ukey = ukey
+    if len(row) > 17:
+        ttl, ttl_given, finished_at, delay = row[17:21]
+        record.ttl = DEFAULT_RESULT_TTL if ttl is None else ttl
+        if ttl_given or state == WAITING or state == SUCCEEDED:
+            flow = record.flow = Flow()
+            flow.ttl_given = bool(ttl_given)
+            flow.finished_at = finished_at or _NO_TIME
+            flow.delay = delay or 0.0
     return record, row[10], row[9]
+
+
+def _blob(value: Any) -> bytes | None:
+    """A BLOB read back (sqlite3 may give text for a value written as text)."""
+    if value is None:
+        return None
+    return value.encode() if isinstance(value, str) else bytes(value)
 
 
 def _schema_version(conn: sqlite3.Connection) -> int | None:
@@ -289,6 +337,12 @@ class _File:
         )
 
 
+def _flow_columns(record: Record, flow: Flow) -> tuple[int, float | None, float | None]:
+    """ttl_given, finished_at and delay of a new task that has a flow."""
+    finished_at = flow.finished_at if record.state == SUCCEEDED else None
+    return int(flow.ttl_given), finished_at, flow.delay if record.state == WAITING else None
+
+
 class _Batch:
     """Changes made since the last seal, rows to read back once they are committed, and the
     future the commit resolves (with the rows read)."""
@@ -304,9 +358,12 @@ class _Batch:
         "unkeys",
         "reads",
         "future",
+        "results",
+        "unlinks",
+        "result_reads",
     )
 
-    def __init__(self, future: asyncio.Future[dict[int, Row]]) -> None:
+    def __init__(self, future: asyncio.Future[Reads]) -> None:
         self.new: dict[int, tuple[Record, bytes, float]] = {}  # with payload and created_at
         self.moved: dict[int, Record] = {}  # in the file: update
         self.errors: dict[int, str | None] = {}  # last_error to write
@@ -317,6 +374,9 @@ class _Batch:
         self.unkeys: set[tuple[str, str]] = set()  # and to delete
         self.reads: set[int] = set()  # keys to read back after the commit
         self.future = future
+        self.results: dict[int, bytes | None] = {}  # results to write (docs/design/results.md)
+        self.unlinks: set[int] = set()  # tasks whose edges to delete
+        self.result_reads: set[int] = set()  # keys whose results to read back after the commit
 
 
 class _Cache:
@@ -382,9 +442,20 @@ class _Journal:
         batch.queues.add(record.queue)
         batch.errors.pop(task_id, None)
         self.cache.take(task_id)
+        if batch.results:
+            batch.results.pop(task_id, None)
         if batch.new.pop(task_id, None) is None:  # else it never reached the file
             batch.moved.pop(task_id, None)
             batch.deleted.add(task_id)
+            if record.flow is not None and record.flow.after:
+                batch.unlinks.add(task_id)
+
+    def succeeded(self, record: Record) -> None:
+        self.moved(record)
+        flow = record.flow
+        assert flow is not None
+        self.open().results[record.id] = flow.result
+        flow.result = None  # the file keeps it
 
     def queue_changed(self, queue: Queue) -> None:
         self.open().queues.add(queue)
@@ -421,9 +492,15 @@ class _Rows:
         "keys",
         "unkeys",
         "reads",
+        "edges",
+        "unlinks",
+        "finished",
+        "results",
+        "result_reads",
+        "ended",
     )
 
-    def __init__(self, batch: _Batch, totals: Totals) -> None:
+    def __init__(self, batch: _Batch, totals: Totals, ended: list[tuple[str, str]]) -> None:
         self.inserts = [
             (
                 _key(r.id),
@@ -439,9 +516,27 @@ class _Rows:
                 r.expires_at,
                 r.timeout,
                 r.ukey,
+                r.ttl,
+                *((0, None, None) if r.flow is None else _flow_columns(r, r.flow)),
             )
             for r, _, _ in batch.new.values()
         ]
+        # docs/design/results.md: the edges of new tasks with parents, in the order made.
+        self.edges = [
+            (_key(r.id), _key(parent))
+            for r, _, _ in batch.new.values()
+            if r.flow is not None and r.flow.after
+            for parent in r.flow.after
+        ]
+        self.unlinks = [(_key(task_id),) for task_id in batch.unlinks]
+        self.finished = [
+            (r.flow.finished_at, _key(r.id))
+            for r in batch.moved.values()
+            if r.state == SUCCEEDED and r.flow is not None
+        ]
+        self.results = [(result, _key(task_id)) for task_id, result in batch.results.items()]
+        self.result_reads = list(batch.result_reads)
+        self.ended = ended
         self.bodies = [
             (_key(r.id), payload, created_at) for r, payload, created_at in batch.new.values()
         ]
@@ -496,10 +591,14 @@ class _Rows:
         return [
             (_DELETE, self.deletes),
             (_DELETE_BODY, self.deletes),
+            (_DELETE_EDGES, self.unlinks),
             (_INSERT, self.inserts),
             (_INSERT_BODY, self.bodies),
+            (_INSERT_EDGE, self.edges),
             (_UPDATE, self.updates),
             (_UPDATE_CONTROL, self.controls),
+            (_SET_FINISHED, self.finished),
+            (_SET_RESULT, self.results),
             (_SET_ERROR, self.errors),
             (_DROP_QUEUE, self.dropped_queues),
             (_QUEUE, self.queues),
@@ -536,9 +635,10 @@ class SqliteStore:
         self._conn: sqlite3.Connection | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="wq-sqlite")
         self._flushing: asyncio.Task[None] | None = None
-        self._last_commit: asyncio.Future[dict[int, Row]] | None = None
+        self._last_commit: asyncio.Future[Reads] | None = None
         self._failed: str | None = None
         self.transactions = 0
+        self._finished: FinishedCallback | None = None
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -563,12 +663,14 @@ class SqliteStore:
             raise StoreError(f"{path} is refused: {e}") from None
         stats = store._index.stats()
         log.info(
-            "loaded %s: %d ready, %d handed out, %d delayed, %d dead",
+            "loaded %s: %d ready, %d handed out, %d delayed, %d dead, %d waiting, %d results",
             path,
             stats.ready,
             stats.handed_out,
             stats.delayed,
             stats.dead,
+            stats.waiting,
+            stats.succeeded,
         )
         return store
 
@@ -631,6 +733,10 @@ class SqliteStore:
             for key, queue, priority, seq, expires_at in conn.execute(_LOAD_READY)
         )
         index.restore(_record(row) for row in conn.execute(_LOAD_OTHERS))
+        index.restore_edges(
+            (child + _OFFSET, parent + _OFFSET, state)
+            for child, parent, state in conn.execute(_LOAD_EDGES)
+        )
         for queue, key, task_key, until in conn.execute(_LOAD_KEYS):
             index.restore_key(queue, key, task_key + _OFFSET, until)
         for queue, key, task_key in conn.execute(_LOAD_UNIQUE):
@@ -649,10 +755,54 @@ class SqliteStore:
 
     async def enqueue_many(self, items: Sequence[NewTask], *, now: float) -> list[Enqueued]:
         self._check()
-        done = self._index.enqueue_many(items, now)
+        for new in items:
+            if new.after:
+                done = await self._enqueue_flow(items, now)
+                break
+        else:
+            done = self._index.enqueue_many(items, now)
         if done:  # (a duplicate too: never answer with a task that is not yet committed)
             await self._durable()
         return done
+
+    async def _enqueue_flow(self, items: Sequence[NewTask], now: float) -> list[Enqueued]:
+        """Tasks some of which name parents (docs/design/results.md): the parents the index
+        does not hold (cold ready ones, or unknown) and the errors of dead ones (the file keeps
+        them) are read back first; then the index enqueues, checking every parent again as it
+        stands then (what changed while the file was read is read again)."""
+        index = self._index
+        cold: dict[int, tuple[Lane, int]] = {}
+        errors: dict[int, str | None] = {}
+        for _ in range(_FLOW_READS):
+            missing = index.missing_parents(items, cold)
+            dead = [n for n in index.dead_parents(items) if n not in errors]
+            if not missing and not dead:
+                break
+            await self._durable()  # the file as the index has it
+            rows = await self._in_writer(self._read_parents, [_key(n) for n in missing + dead])
+            self._check()
+            found = False
+            for key, state, queue, priority, seq, error in rows:
+                n = key + _OFFSET
+                if state == READY and n in missing:
+                    cold[n] = (index.queue(queue).lane(priority), seq)
+                    found = True
+                elif state == DEAD:
+                    errors[n] = error
+            if not found and not [n for n in index.dead_parents(items) if n not in errors]:
+                break  # (what is missing is not in the file either: the index says so)
+        return index.enqueue_many(items, now, cold=cold, errors=errors)
+
+    def _read_parents(self, keys: list[int]) -> list[tuple[Any, ...]]:
+        """In the writer thread: the rows of tasks named as parents (see _READ_PARENTS)."""
+        conn = self._conn
+        assert conn is not None
+        out: list[tuple[Any, ...]] = []
+        for i in range(0, len(keys), _READ_CHUNK):
+            chunk = keys[i : i + _READ_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            out += conn.execute(_READ_PARENTS.format(marks), chunk).fetchall()
+        return out
 
     async def claim(
         self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
@@ -674,11 +824,12 @@ class SqliteStore:
         *,
         now: float,
         queues: Sequence[str] = (DEFAULT_QUEUE,),
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError], list[Delivery]]:
         """The settlements change the index at once; the claims join them in the open batch:
         one commit for both (nothing is answered before it)."""
         self._check()
-        acked, nacked = self._index.settle(acks, nacks, now)
+        acked, nacked = self._index.settle(acks, nacks, now, results)
         claimed = await self._claim_many(leases, now, queues) if leases else []
         if not claimed:
             await self._durable()
@@ -700,12 +851,16 @@ class SqliteStore:
             claimed.append((record, self._delivery(record)))
         if not claimed:
             return []
-        reads = self._journal.open().reads
+        batch = self._journal.open()
+        reads = batch.reads
         for record, delivery in claimed:
             if not delivery.task.payload:
                 reads.add(_key(record.id))
-        rows = await self._durable()
-        return [self._complete(delivery, rows) for _, delivery in claimed]
+            if record.flow is not None and record.flow.after:
+                # (its parents' results, read back after the commit: docs/design/results.md)
+                batch.result_reads.update(_key(n) for n in index.succeeded_parents(record))
+        rows, results = await self._durable()
+        return [self._complete(delivery, rows, results) for _, delivery in claimed]
 
     async def _warm(self, lane: Lane, n: int) -> None:
         """Read the next ``n`` cold ready tasks of ``lane`` back from the file; make them hot."""
@@ -726,7 +881,7 @@ class SqliteStore:
                 record, queue, priority = _record(row)
                 record.lane = self._index.queue(queue).lane(priority)
                 records.append(record)
-                self._journal.cache.put(n_id, row[17], row[18])
+                self._journal.cache.put(n_id, row[_PAYLOAD_AT], row[_PAYLOAD_AT + 1])
             if not records:
                 self._fail_stop(f"ready task {hex_id(ids[0])} is missing from {self.path}")
                 self._check()
@@ -752,8 +907,8 @@ class SqliteStore:
             marks = ",".join("?" * len(chunk))
             for row in conn.execute(_WARM.format(marks), chunk):
                 row = list(row)
-                payload = row[17]
-                row[17] = payload.encode() if isinstance(payload, str) else bytes(payload)
+                payload = row[_PAYLOAD_AT]
+                row[_PAYLOAD_AT] = _blob(payload)
                 out[row[0] + _OFFSET] = tuple(row)
         return out
 
@@ -762,8 +917,11 @@ class SqliteStore:
         here) from the file once committed."""
         assert record.lease_id is not None
         cached = self._journal.cache.take(record.id)
-        if cached is None:
-            return Delivery(record.view(), record.lease_id, record.deadline)
+        if cached is None or record.flow is not None:
+            delivery = Delivery(record.view(), record.lease_id, record.deadline)
+            if cached is not None:
+                delivery.task.payload, delivery.task.created_at = cached
+            return delivery
         lane = record.lane
         task = Task(  # (record.view(), with the cached payload: one Task made, not two)
             "%016x" % record.id,  # noqa: UP031
@@ -782,16 +940,20 @@ class SqliteStore:
         return Delivery(task, record.lease_id, record.deadline)
 
     @staticmethod
-    def _complete(delivery: Delivery, rows: dict[int, Row]) -> Delivery:
+    def _complete(delivery: Delivery, rows: dict[int, Row], results: dict[int, bytes]) -> Delivery:
         task = delivery.task
+        if task.after is not None:  # (docs/design/results.md: its parents, with their results)
+            delivery.parents = [ParentResult(p, results.get(_key(int(p, 16)))) for p in task.after]
         if task.payload:
             return delivery
-        payload, created_at, _ = rows[_key(int(task.id, 16))]
+        payload, created_at, _, _ = rows[_key(int(task.id, 16))]
         task = replace(task, payload=payload, created_at=created_at)
-        return Delivery(task, delivery.lease_id, delivery.deadline)
+        return Delivery(task, delivery.lease_id, delivery.deadline, delivery.parents)
 
-    async def ack(self, task_id: str, lease_id: str, *, now: float) -> None:
-        await self._change(lambda: self._index.ack(task_id, lease_id))
+    async def ack(
+        self, task_id: str, lease_id: str, *, now: float, result: bytes | None = None
+    ) -> None:
+        await self._change(lambda: self._index.ack(task_id, lease_id, now, result))
 
     async def nack(
         self,
@@ -867,17 +1029,26 @@ class SqliteStore:
                 row = rows.get(_key(entry.id))
                 if row is None:
                     continue  # gone while the rows were read
-                payload, created_at, error = row
+                payload, created_at, error, result = row
                 view = replace(entry.view(), payload=payload, created_at=created_at)
                 if entry.state == DEAD:
                     view.last_error = error
+                elif entry.state == SUCCEEDED:
+                    view.result = result
             else:
                 full = cold_rows.get(entry[0])
                 if full is None:
                     continue
                 record, _, _ = _record(full)
                 record.lane = entry[1]
-                view = replace(record.view(), payload=full[17], created_at=full[18])
+                view = replace(
+                    record.view(),
+                    payload=full[_PAYLOAD_AT],
+                    created_at=full[_PAYLOAD_AT + 1],
+                )
+                flow = self._index.flow_of(entry[0])
+                if flow is not None and flow.after:
+                    view.after = tuple(hex_id(p) for p in flow.after)
             tasks.append(TaskState(view, state))
         return TaskPage(tasks, last)
 
@@ -891,9 +1062,14 @@ class SqliteStore:
         await self._change(lambda: self._index.delete_queue(queue))
 
     async def settle_many(
-        self, acks: Sequence[tuple[str, str]], nacks: Sequence[NackItem], *, now: float
+        self,
+        acks: Sequence[tuple[str, str]],
+        nacks: Sequence[NackItem],
+        *,
+        now: float,
+        results: Mapping[str, bytes] | None = None,
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
-        return await self._change(lambda: self._index.settle(acks, nacks, now))
+        return await self._change(lambda: self._index.settle(acks, nacks, now, results))
 
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         return await self._change(lambda: self._index.reclaim(task_id, lease_id, error, now))
@@ -960,14 +1136,19 @@ class SqliteStore:
         if n is None:
             return None
         loop = asyncio.get_running_loop()
-        row = await loop.run_in_executor(self._writer, self._read_one, _key(n))
-        if row is None:
-            return None
+        for _ in range(_FLOW_READS):
+            row = await loop.run_in_executor(self._writer, self._read_one, _key(n))
+            if row is None:
+                return None
+            record = self._index.find(task_id)
+            if record is None or record.state != SUCCEEDED or row[3] == SUCCEEDED:
+                break
+            await self._durable()  # it succeeded while the row was read: read its result
+        assert row is not None
         attempts, max_attempts, available_at, state, error, queue, priority, payload, created = row[
             :9
         ]
         expires_at, timeout, progress, cancelling = row[9:13]
-        record = self._index.find(task_id)
         if record is not None:  # the index is ahead of a row read while it changed
             attempts, available_at, state = record.attempts, record.available_at, record.state
             error = record.last_error if state != DEAD else error
@@ -981,7 +1162,25 @@ class SqliteStore:
             if state == HANDED_OUT:
                 task.progress = None if progress is None else bytes(progress)
                 task.cancelling = bool(cancelling)
+        self._flow_view(task, n, record, state, row)
         return TaskState(task, STATE_NAMES[state])
+
+    def _flow_view(
+        self, task: Task, n: int, record: Record | None, state: int, row: tuple[Any, ...]
+    ) -> None:
+        """What results and workflows add to a looked-up task's view (docs/design/results.md):
+        its parents and what it waits for from the index, its result from the row."""
+        result, finished_at, result_ttl, ttl_given = row[14:18]
+        flow = record.flow if record is not None else self._index.flow_of(n)
+        if flow is not None and record is not None:
+            flow_view(task, record, flow)
+        elif flow is not None and flow.after:  # (a cold ready task)
+            task.after = tuple(hex_id(p) for p in flow.after)
+        if state == SUCCEEDED:
+            task.result = _blob(result)
+            task.finished_at = finished_at if flow is None else flow.finished_at
+        if ttl_given:
+            task.result_ttl = DEFAULT_RESULT_TTL if result_ttl is None else result_ttl
 
     def _read_one(self, key: int) -> tuple[Any, ...] | None:
         """In the writer thread: one task's row and body (see _LOOKUP)."""
@@ -1009,11 +1208,36 @@ class SqliteStore:
             row = rows.get(_key(r.id))
             if row is None:  # requeued and acked while the rows were read: no longer dead
                 continue
-            payload, created_at, error = row
+            payload, created_at, error, _ = row
             views.append(
                 replace(r.view(), payload=payload, created_at=created_at, last_error=error)
             )
         return views
+
+    # -- results and workflows (docs/design/results.md) --------------------------------------
+
+    async def watch(self, task_id: str) -> TaskState:
+        self._check()
+        # Marked first, then read: an end that comes while the row is read is told.
+        self._index.watch(task_id)
+        found = await self.lookup(task_id)
+        if found is None:
+            self._index.unwatch(task_id)
+            raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
+        if STATE_NAMES.index(found.state) not in PENDING:
+            self._index.unwatch(task_id)
+        return found
+
+    def on_finished(self, callback: FinishedCallback) -> None:
+        self._finished = callback
+
+    def take_released(self) -> Released | None:
+        return self._index.take_released()
+
+    async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
+        self._check()
+        await self._durable()
+        return self._index.children(task_id, limit)
 
     def problem(self) -> str | None:
         if self._failed is not None:
@@ -1069,15 +1293,15 @@ class SqliteStore:
         if self._conn is None:
             raise StoreError("the store is closed")
 
-    async def _durable(self) -> dict[int, Row]:
-        """Wait until every change made so far is committed; the rows the open batch was asked
-        to read back."""
+    async def _durable(self) -> Reads:
+        """Wait until every change made so far is committed; the rows (and results) the open
+        batch was asked to read back."""
         batch = self._journal.batch
         if batch is None:
             last = self._last_commit
             if last is not None and not last.done():
                 await asyncio.shield(last)
-            return {}
+            return {}, {}
         future = batch.future
         self._last_commit = future
         if self._flushing is None:
@@ -1094,7 +1318,7 @@ class SqliteStore:
             batch, journal.batch = journal.batch, None
             if batch is None:  # the store failed meanwhile
                 break
-            rows = _Rows(batch, self._index.totals)
+            rows = _Rows(batch, self._index.totals, self._index.take_ended())
             try:
                 read = await loop.run_in_executor(self._writer, self._write, rows)
             except Exception as e:
@@ -1102,12 +1326,22 @@ class SqliteStore:
                 batch.future.set_exception(StoreError(self._failed or "commit failed"))
                 continue
             self.transactions += 1
+            if rows.ended and self._finished is not None:
+                self._tell(rows.ended)  # (committed: before the calls are answered)
             batch.future.set_result(read)
             if self._last_commit is batch.future:
                 self._last_commit = None  # done: nothing to wait for (nor rows to keep alive)
         self._flushing = None
 
-    def _write(self, rows: _Rows) -> dict[int, Row]:
+    def _tell(self, ended: list[tuple[str, str]]) -> None:
+        """Tell ``on_finished``'s callback of watched tasks that ended (committed now)."""
+        assert self._finished is not None
+        try:
+            self._finished(ended)
+        except Exception:  # (the service's: it must not stop the commits)
+            log.exception("telling of %d tasks that ended failed", len(ended))
+
+    def _write(self, rows: _Rows) -> Reads:
         """In the writer thread: one transaction for the whole batch, then the reads."""
         conn = self._conn
         assert conn is not None
@@ -1122,10 +1356,15 @@ class SqliteStore:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise
-        return self._read(rows.reads) if rows.reads else {}
+        # (The payloads and results written go now: the thread pool's work item may hold the
+        # rows a moment after the commit is answered.)
+        rows.bodies.clear()
+        rows.results.clear()
+        read = self._read(rows.reads) if rows.reads else {}
+        return read, self._read_results(rows.result_reads) if rows.result_reads else {}
 
     def _read(self, keys: Iterable[int]) -> dict[int, Row]:
-        """In the writer thread: payload, created_at and last_error by key."""
+        """In the writer thread: payload, created_at, last_error and result by key."""
         conn = self._conn
         assert conn is not None
         wanted = list(keys)
@@ -1133,9 +1372,24 @@ class SqliteStore:
         for i in range(0, len(wanted), _READ_CHUNK):
             chunk = wanted[i : i + _READ_CHUNK]
             marks = ",".join("?" * len(chunk))
-            for key, payload, created_at, last_error in conn.execute(_READ.format(marks), chunk):
+            for key, payload, created_at, last_error, result in conn.execute(
+                _READ.format(marks), chunk
+            ):
                 text = payload.encode() if isinstance(payload, str) else bytes(payload)
-                out[key] = (text, created_at, last_error)
+                out[key] = (text, created_at, last_error, _blob(result))
+        return out
+
+    def _read_results(self, keys: Iterable[int]) -> dict[int, bytes]:
+        """In the writer thread: the results of these tasks (those that have one), by key."""
+        conn = self._conn
+        assert conn is not None
+        wanted = list(keys)
+        out: dict[int, bytes] = {}
+        for i in range(0, len(wanted), _READ_CHUNK):
+            chunk = wanted[i : i + _READ_CHUNK]
+            marks = ",".join("?" * len(chunk))
+            for key, result in conn.execute(_READ_RESULTS.format(marks), chunk):
+                out[key] = _blob(result) or b""
         return out
 
     def _fail_stop(self, reason: str) -> None:
