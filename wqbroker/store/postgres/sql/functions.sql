@@ -1344,9 +1344,9 @@ BEGIN
 END $$;
 
 -- Every ready, delayed and waiting task of a queue dropped, counted cancelled, each as a cancel
--- would (the waiting ones first, with the tasks waiting for them, transitively; the children of
--- the ready and delayed ones buried): how many of the queue's (o_n; no row if the queue is
--- unknown), then a row per watched task that ended (o_id, o_st; announced with p_head). Tasks a
+-- would (the waiting ones first, with the tasks waiting for them, transitively, in any queue;
+-- the children of the ready and delayed ones buried): how many were cancelled (o_n; no row if
+-- the queue is unknown), then a row per watched task that ended (o_id, o_st; announced with p_head). Tasks a
 -- claim is handing out meanwhile are waited for, and left to it.
 CREATE FUNCTION wq.empty(p_queue text, p_head text)
 RETURNS TABLE (o_n bigint, o_id bigint, o_st int) LANGUAGE plpgsql AS $$
@@ -1381,7 +1381,7 @@ BEGIN
             SELECT pg_backend_pid(), g.queue, g.n, -g.n FROM g
             ON CONFLICT (slot, queue) DO UPDATE SET cancelled = k.cancelled + excluded.cancelled,
                 waiting = k.waiting + excluded.waiting)
-        SELECT count(*) FILTER (WHERE x.queue = p_queue), array_agg(x.id),
+        SELECT count(*), array_agg(x.id),
                array_agg(x.id) FILTER (WHERE x.watched)
             INTO w, gone, seen FROM del x;
         PERFORM wq.depart(gone, true);

@@ -165,12 +165,11 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
 FROM wq.watch($1) t
 
 -- name: children
--- The first $2 live children of task $1 (not succeeded: they still need it), oldest first, and
--- how many there are.
-SELECT ARRAY(SELECT e.child FROM wq.edges e JOIN wq.tasks c ON c.id = e.child
-             WHERE e.parent = $1 AND c.state <> 5 ORDER BY e.ord, e.child LIMIT $2),
-       (SELECT count(*) FROM wq.edges e JOIN wq.tasks c ON c.id = e.child
-        WHERE e.parent = $1 AND c.state <> 5)
+-- The first $2 children of task $1 (the tasks that name it and are still kept, in any state:
+-- a child's edges go with it), oldest first, and how many there are.
+SELECT ARRAY(SELECT e.child FROM wq.edges e WHERE e.parent = $1 ORDER BY e.ord, e.child
+             LIMIT $2),
+       (SELECT count(*) FROM wq.edges e WHERE e.parent = $1)
 
 -- name: dead
 -- Dead tasks (of queue $1, or of all) in burial order, at most $2 (NULL: all).
