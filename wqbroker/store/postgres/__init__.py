@@ -24,8 +24,9 @@ The package, a module for each concern (as River's driver is split from its migr
 
 Tables (in the schema ``wq``; ``migrations/001_tables.sql`` describes their columns):
 
-- ``tasks``: one row per task not acked nor purged, in its state (0 ready, 1 handed out,
-  2 delayed, 3 dead) with its payload (``bytea``: exact bytes). ``ord`` is where it stands: place
+- ``tasks``: one row per task not acked nor purged (or acked with a result still kept), in its
+  state (0 ready, 1 handed out, 2 delayed, 3 dead, 4 waiting for its parents, 5 succeeded) with
+  its payload (``bytea``: exact bytes). ``ord`` is where it stands: place
   in line (ready), tie-break among equal due times (delayed, handed out), burial order (dead). Each
   call takes one number from the sequence ``wq.ord`` and numbers the rows it changes
   ``number * 2**20 + i``, so order within a call is exact; a release takes the negated number, and
@@ -37,6 +38,17 @@ Tables (in the schema ``wq``; ``migrations/001_tables.sql`` describes their colu
   is what is due), and a partial unique index on ``(queue, ukey)`` over ready, delayed and
   handed-out tasks makes "unique while active" the database's to enforce, whichever broker
   enqueues.
+- ``edges`` (docs/design/results.md, ``migrations/004_results.sql``): each child's parents, in the
+  order of its ``after``, indexed both ways. A task's flags say what its end must look at (it has
+  parents, children, a waiter), so a task that uses none of it costs nothing more. The last
+  parent's ack releases its children in its own transaction: one statement over the edges, each
+  child's row updated once (its count of parents pending less those acked), children locked in
+  id order so that brokers releasing overlapping children never wait in a cycle (a deadlock that
+  comes anyway, with an enqueue naming both a parent and its child, is retried: pool.py). A
+  parent that ends dead, cancelled or expired buries its waiting children transitively (a
+  cancelled waiting task cancels them); results are pruned by the sweep (an index on when each is
+  looked at: a result a live child still pins is looked at again later, or when that child
+  leaves).
 - ``counters``: totals and gauges as deltas, one row per (connection slot, queue), changed in the
   same transaction as the tasks. The slot is the backend's pid: two live connections never share
   one, so concurrent transactions never wait on a counter row (no single hot row). ``stats`` sums
@@ -65,6 +77,8 @@ pumps the consumers waiting for those queues; the service also polls now and the
 makes a handed-out task cancelling sends its lease id on the same channel in its own transaction,
 and the others tell their dispatchers (:meth:`PostgresStore.on_cancel`: a
 :class:`~wqbroker.store.CancelListener`), which tell the stream holding it, if it is theirs.
+Watched tasks that end (a waiter for a result: docs/design/results.md) are sent on it too, in the
+transaction that ends them, and heard by every broker (:meth:`PostgresStore.on_finished`).
 
 The database away (pool.py): calls fail with StoreError (503 / UNAVAILABLE) at once until the
 database answers again; then every queue is re-checked.

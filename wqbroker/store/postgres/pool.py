@@ -21,6 +21,10 @@ says the same in ``/readyz``. When the database cannot be reached, the pool is m
 old connections are replaced and the store is told (``on_recovered``: every queue is re-checked,
 since announcements may have been missed).
 
+A call the database ends in a deadlock or a serialization failure (two brokers locking the same
+waiting tasks in opposite orders, which the functions avoid where they can) was rolled back whole,
+since every call is one transaction: it is made again, a few times, after a short random pause.
+
 A failover is the same: the connections are made through dsn.py (the DSN's servers, the one that
 takes writes), and a server that stops being the primary (:data:`SWITCHING`: a write refused as
 read-only, a server shutting down or starting; or the probe finding it read-only) makes the store

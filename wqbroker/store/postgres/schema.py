@@ -1,14 +1,13 @@
 """The PostgreSQL store's schema: made, upgraded or checked when a store opens.
 
 The tables are the migrations in ``migrations/`` (``001_tables.sql``, ``002_key_expiries.sql``,
-``003_control.sql``, ...), run by the one runner the SQL stores share (wqbroker/store/migrate.py)
-inside a transaction holding ``pg_advisory_xact_lock``: brokers starting together on one database
-wait for each other, and one of them makes or upgrades the schema. In the same transaction,
-whenever a migration ran, every function is made again from ``sql/functions.sql``; and a new
-database gets the key that scatters its task ids. A database holding other tables and no wq
-schema, or a wq schema of a newer version, is refused (ValueError; the store makes it a one-line
-StoreError).
-"""
+``003_control.sql``, ``004_results.sql``, ...), run by the one runner the SQL stores share
+(wqbroker/store/migrate.py) inside a transaction holding ``pg_advisory_xact_lock``: brokers
+starting together on one database wait for each other, and one of them makes or upgrades the
+schema. In the same transaction, whenever a migration ran, every function is made again from
+``sql/functions.sql``; and a new database gets the key that scatters its task ids. A database
+holding other tables and no wq schema, or a wq schema of a newer version, is refused (ValueError;
+the store makes it a one-line StoreError)."""
 
 from __future__ import annotations
 
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
 MIGRATIONS: Final = Migrations("wqbroker.store.postgres", "migrations")
 # 2: set-based enqueue and acks, promotions reported by claims, fold, an index of key expiries
 # 3: control over every task (cancel, listing, expiry, time limits, unique keys, progress)
+# 4: results and workflows (results kept, tasks waiting for others, watched tasks)
 SCHEMA_VERSION: Final = MIGRATIONS.latest
 # Any constant: the key of the advisory lock taken while the schema is checked or made.
 _LOCK_KEY: Final = 0x7771_0000_0001

@@ -233,6 +233,17 @@ def _bad_cursor() -> InvalidArgument:
     return InvalidArgument("cursor is not one this broker gave (pass next_cursor as it came)")
 
 
+def _count(result: SweepResult, kind: int, queue: str, n: int) -> None:
+    """A sweep's row of tasks promoted (1), expired (8) or results pruned (9), counted."""
+    if kind == 1:
+        result.promoted += n
+        result.ready_queues.add(queue)
+    elif kind == 8:
+        result.expired += n
+    else:
+        result.pruned += n
+
+
 def _first(row: Any) -> Any:
     return row[0]
 
@@ -458,6 +469,30 @@ class PostgresStore:
         # their commit, and the other brokers hear of them a round trip sooner. (Not a call
         # with an ``after``: which of its tasks are ready only the database tells.)
         notify = None if linked else self._wake.inline(items)
+        args, keyed = self._enqueue_args(items, ids, now, notify)
+        try:
+            rows = await self._fetch(Q.enqueue, *args)
+        except asyncpg.PostgresError as e:
+            raise _refused(e, items) from None
+        changed: dict[int, Any] = {}  # items wq.link changed, by index (from 1)
+        if linked:
+            changed = {row[0]: row for row in rows if row[2] is None}
+            rows = [row for row in rows if row[2] is not None]
+        if keyed:
+            rows.sort(key=_first)  # (done in the order of their keys: wq.enqueue)
+        out, ready = self._enqueued(items, rows, changed)
+        if any(not e.duplicate for e in out):
+            self.transactions += 1
+        if notify is not None:
+            self._wake.announcements += 1
+        elif ready:
+            self._wake.announce(ready)
+        return out
+
+    def _enqueue_args(
+        self, items: Sequence[NewTask], ids: list[int], now: float, notify: str | None
+    ) -> tuple[list[Any], bool]:
+        """The arguments of wq.enqueue, and whether any task has an idempotency key."""
         skew = self.skew
         # The options of docs/design/control.md: sent only when a task of the batch has one.
         expires: list[float | None] | None = None
@@ -479,38 +514,36 @@ class PostgresStore:
             ttl = None
             ttls = [t.result_ttl for t in items]
             given = [t.result_ttl_given for t in items]
-        edges = _edges(items) if linked else (None, None, None, None)
-        try:
-            rows = await self._fetch(
-                Q.enqueue,
-                self._now(now),
-                [_key(n) for n in ids],
-                [t.queue for t in items],
-                [t.priority for t in items],
-                [t.payload for t in items],
-                [t.max_attempts for t in items],
-                [t.delay for t in items],
-                [t.key for t in items],
-                [t.key_until + skew for t in items],
-                notify,
-                expires,
-                timeouts,
-                uniques,
-                ttl,
-                ttls,
-                given,
-                *edges,
-            )
-        except asyncpg.PostgresError as e:
-            raise _refused(e, items) from None
+        edges = _edges(items) if any(t.after for t in items) else (None, None, None, None)
+        args = [
+            self._now(now),
+            [_key(n) for n in ids],
+            [t.queue for t in items],
+            [t.priority for t in items],
+            [t.payload for t in items],
+            [t.max_attempts for t in items],
+            [t.delay for t in items],
+            [t.key for t in items],
+            [t.key_until + skew for t in items],
+            notify,
+            expires,
+            timeouts,
+            uniques,
+            ttl,
+            ttls,
+            given,
+            *edges,
+        ]
+        return args, keyed
+
+    def _enqueued(
+        self, items: Sequence[NewTask], rows: Sequence[Any], changed: dict[int, Any]
+    ) -> tuple[list[Enqueued], set[str]]:
+        """wq.enqueue's rows (in the items' order) read into the answers (``changed``: the rows
+        of the items wq.link changed, by index from 1), and the queues of new ready tasks."""
+        skew = self.skew
         out: list[Enqueued] = []
         ready: set[str] = set()
-        changed: dict[int, Any] = {}  # items wq.link changed, by index (from 1)
-        if linked:
-            changed = {row[0]: row for row in rows if row[2] is None}
-            rows = [row for row in rows if row[2] is not None]
-        if keyed:
-            rows.sort(key=_first)  # (done in the order of their keys: wq.enqueue)
         for i, key, duplicate, at, available, *_ in rows:
             task_id = _hex(key)
             if duplicate:
@@ -540,23 +573,22 @@ class PostgresStore:
                 task.after = tuple(r if isinstance(r, str) else out[r].id for r in t.after)
                 link = changed.get(i)
                 if link is not None:
-                    _, _, _, _, available, state, waiting, error = link
-                    task.available_at = available - skew
-                    task.waiting_for = waiting
-                    if error is not None:
-                        task.last_error = bytes(error).decode("utf-8", "surrogatepass")
+                    state = self._linked(task, link)
             if state != 3:
                 self._held += 1
             if state == 0:
                 ready.add(t.queue)
             out.append(Enqueued(task_id, False, task))
-        if any(not e.duplicate for e in out):
-            self.transactions += 1
-        if notify is not None:
-            self._wake.announcements += 1
-        elif ready:
-            self._wake.announce(ready)
-        return out
+        return out, ready
+
+    def _linked(self, task: Task, row: Any) -> int:
+        """A new task as wq.link left it (waiting, or dead at once): its state."""
+        _, _, _, _, available, state, waiting, error = row
+        task.available_at = available - self.skew
+        task.waiting_for = waiting
+        if error is not None:
+            task.last_error = bytes(error).decode("utf-8", "surrogatepass")
+        return int(state)
 
     async def _new_ids(self, n: int) -> list[int]:
         """``n`` fresh task ids (reserving blocks of numbers from the database as needed).
@@ -794,49 +826,52 @@ class PostgresStore:
     ) -> tuple[list[WqError | None], list[Failure | WqError]]:
         """wq.settle's rows (o_kind, o_i, o_outcome, o_retry_at, o_id, o_queue) read into the
         outcomes; children released (take_released) and announced; watched tasks told."""
-        acks, sent, ack_at, nack_at = plan.acks, plan.sent, plan.ack_at, plan.nack_at
-        acked, nacked = plan.acked, plan.nacked
-        results = plan.results
+        acks, ack_at = plan.acks, plan.ack_at
+        acked, results = plan.acked, plan.results
         changed = False
         released: set[str] = set()
         finished: list[tuple[int, int]] = []
         for kind, i, outcome, retry_at, key, queue in rows:
             if kind == 0:
-                task_id = acks[ack_at[i - 1]][0]
-                acked[ack_at[i - 1]] = error = _outcome_error(outcome, task_id)
+                acked[ack_at[i - 1]] = error = _outcome_error(outcome, acks[ack_at[i - 1]][0])
                 if error is None:
                     changed = True
                     if results is None or results[ack_at[i - 1]] is None:
                         self._held -= 1  # (forgotten; a result kept is held)
-                continue
-            if kind == 2:
+            elif kind == 1:
+                changed = self._nacked(plan, i, outcome, retry_at) or changed
+            elif kind == 2:
                 self._release(queue, outcome, retry_at)
                 if outcome:
                     released.add(queue)
-                continue
-            if kind == 3:
-                finished.append((key, outcome))
-                continue
-            if outcome == 3:  # (it was cancelling: gone)
-                nacked[nack_at[i - 1]] = Failure(sent[i - 1].task_id, False, None, True)
             else:
-                task_id = sent[i - 1].task_id
-                error = _outcome_error(outcome, task_id)
-                if retry_at is not None:
-                    retry_at -= self.skew
-                nacked[nack_at[i - 1]] = (
-                    error if error is not None else Failure(task_id, retry_at is None, retry_at)
-                )
-            if outcome == 0 or outcome == 3:
-                changed = True
-                if retry_at is None:
-                    self._held -= 1  # buried or cancelled
+                finished.append((key, outcome))
         if changed:
             self.transactions += 1
         if released:
             self._wake.announce(released)
         self._tell_finished(finished)
-        return acked, nacked
+        return acked, plan.nacked
+
+    def _nacked(self, plan: _SettlePlan, i: int, outcome: int, retry_at: float | None) -> bool:
+        """A nack's row of wq.settle (the ``i``-th sent) read into its outcome; whether it
+        changed anything."""
+        sent, at = plan.sent, plan.nack_at[i - 1]
+        if outcome == 3:  # (it was cancelling: gone)
+            plan.nacked[at] = Failure(sent[i - 1].task_id, False, None, True)
+        else:
+            task_id = sent[i - 1].task_id
+            error = _outcome_error(outcome, task_id)
+            if retry_at is not None:
+                retry_at -= self.skew
+            plan.nacked[at] = (
+                error if error is not None else Failure(task_id, retry_at is None, retry_at)
+            )
+        if outcome != 0 and outcome != 3:
+            return False
+        if retry_at is None:
+            self._held -= 1  # buried or cancelled
+        return True
 
     async def settle_claim(
         self,
@@ -1055,21 +1090,16 @@ class PostgresStore:
         for kind, key, lease_id, queue, n, at in rows:
             if kind == 0:
                 result.reclaimed.append((_hex(key), lease_id))
-            elif kind == 1:
-                result.promoted += n
-                result.ready_queues.add(queue)
-            elif kind == 8:
-                result.expired += n
-            elif kind == 9:
-                result.pruned += n
-            elif kind == 10:
-                finished.append((key, n))
             elif kind == 2:
                 due = at
             elif kind == 5:
                 db_now = at
             elif kind == 6:
                 self._wake.counted(n, started)
+            elif kind == 10:
+                finished.append((key, n))
+            elif kind in (1, 8, 9):
+                _count(result, kind, queue, n)
             else:
                 self._hint(kind, queue, n, at, names, dirty)
         if refresh:
@@ -1174,9 +1204,7 @@ class PostgresStore:
             *totals, waiting, succeeded, oldest = rest
             out.append(
                 QueueReport(
-                    QueueStats(
-                        name, ready, handed_out, delayed, dead, paused, waiting, succeeded
-                    ),
+                    QueueStats(name, ready, handed_out, delayed, dead, paused, waiting, succeeded),
                     Totals(*totals),
                     None if oldest is None else oldest - self.skew,
                 )
@@ -1269,9 +1297,7 @@ class PostgresStore:
             kept, counted = tuple(row[1:7]), tuple(row[7:13])
             assert kept == counted, f"queue {row[0]}: gauges {kept} but tasks {counted}"
             held, failed, followed = row[13:16]
-            assert sum(kept[:5]) == held, (
-                f"queue {row[0]}: gauges {kept} but the totals say {held}"
-            )
+            assert sum(kept[:5]) == held, f"queue {row[0]}: gauges {kept} but the totals say {held}"
             assert failed == followed, f"queue {row[0]}: nacked + reclaimed {failed}, {followed}"
         edges = await self._fetchrow(Q.edges_check)
         assert edges is not None
