@@ -34,7 +34,7 @@ from tests.helpers import Http, http_client, running_broker
 from wqbroker.auth import NO_TOKEN
 from wqbroker.broker import Broker
 from wqbroker.http.dashboard import ASSETS, CONTENT_SECURITY_POLICY, ROUTES
-from wqclient import AsyncClient, Unavailable
+from wqclient import AsyncClient, EnqueueItem, Unavailable
 
 try:
     from playwright.async_api import Browser, Page, async_playwright, expect
@@ -663,6 +663,148 @@ async def test_a_running_task_shows_its_progress_and_can_be_cancelled(
         await expect(row).to_contain_text("Cancelling")
         await expect(row).to_contain_text('progress {"done":80,"of":100,"step":"resizing"}')
         await expect(page.locator("#tasks-detail")).to_have_text("Progress")
+        console.check()
+
+
+@dataclass
+class Flow:
+    """A small workflow in the queue flow: two parents (the first succeeded with a result), a
+    child waiting for both, and a grandchild waiting for the child."""
+
+    first: str
+    second: str
+    child: str
+    grandchild: str
+    result: Any
+
+
+async def set_flow(broker: Broker) -> Flow:
+    result = {"rows": 3, "ok": True, "names": ["a", "b"]}
+    async with AsyncClient(broker.http_url) as client:
+        first, second, child, grandchild = await client.enqueue_many(
+            [
+                EnqueueItem(b'{"fetch": 1}'),
+                EnqueueItem(b'{"fetch": 2}'),
+                EnqueueItem(b'{"join": true}', after=[0, 1]),
+                EnqueueItem(b'{"report": true}', after=[2]),
+            ],
+            queue="flow",
+        )
+        delivery = await client.claim(queues="flow", wait_ms=0)
+        assert delivery is not None
+        assert delivery.id == first
+        await client.ack(delivery, result=result)
+    return Flow(first, second, child, grandchild, result)
+
+
+async def test_results_and_workflows_on_every_view(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    flow = await set_flow(broker)
+    stats = await http.stats()
+    assert (stats["waiting"], stats["succeeded"]) == (2, 1)
+    async with open_page(browser) as (page, console):
+        # The overview: the two gauges, as /stats says.
+        await goto(page, broker, "overview")
+        for key in ("waiting", "succeeded"):
+            gauge = page.locator(f"#gauge-{key} .gauge-value")
+            await expect(gauge).to_have_attribute("data-value", str(stats[key]))
+        await screenshot(page, "overview-results.png")
+
+        # The queues: their columns once a queue has any, leading to the tasks in each state.
+        await goto(page, broker, "queues")
+        row = page.locator('#queues-table tr[data-queue="flow"]')
+        for key, value in (("waiting", 2), ("succeeded", 1), ("ready", 1)):
+            await expect(row.locator(f'td[data-field="{key}"]')).to_have_attribute(
+                "data-value", str(value)
+            )
+        await expect(page.locator("#queues-table th.col-results").first).to_be_visible()
+        await row.locator('td[data-field="waiting"] a').click()
+        await expect(page).to_have_url(re.compile(r"#/tasks\?queue=flow&state=waiting$"))
+
+        # The tasks waiting, each saying for how many of its parents.
+        rows = page.locator("#tasks-table tbody tr")
+        await expect(rows).to_have_count(2)
+        waiting = page.locator('#tasks-states a[data-state="waiting"]')
+        await expect(waiting).to_have_attribute("aria-current", "page")
+        await expect(waiting.locator(".count")).to_have_text("2")
+        child_row = page.locator(f'#tasks-table tr[data-id="{flow.child}"]')
+        await expect(child_row).to_contain_text("waiting for 1 of 2 parents")
+        await expect(page.locator("#tasks-when")).to_have_text("Enqueued")
+        await screenshot(page, "tasks-waiting.png")
+        # The succeeded: with their result, and nothing to cancel.
+        await page.locator('#tasks-states a[data-state="succeeded"]').click()
+        await expect(rows).to_have_count(1)
+        done = page.locator(f'#tasks-table tr[data-id="{flow.first}"]')
+        await expect(done).to_contain_text('result {"rows":3,"ok":true,"names":["a","b"]}')
+        await expect(done.locator("button")).to_have_count(0)
+        await expect(page.locator("#tasks-when")).to_have_text("Finished")
+
+        # A waiting task's page: its parents as links, how many it still waits for.
+        await done.locator("a").first.click()  # (its page first, by the link)
+        await expect(page).to_have_url(re.compile(f"#/task/{flow.first}$"))
+        card = page.locator("#task-card")
+        await expect(card).to_have_attribute("data-state", "succeeded")
+        await expect(page.locator("#task-state")).to_have_text("Succeeded")
+        shown_result = await page.locator("#task-result-json").inner_text()
+        assert json.loads(shown_result) == flow.result
+        assert shown_result == json.dumps(flow.result, indent=2)
+        await expect(page.locator("#task-finished")).not_to_be_empty()
+        await expect(card.locator("button.cancel")).to_have_count(0)
+        children = page.locator("#task-children a")
+        await expect(children).to_have_count(1)
+        await expect(page.locator("#task-card")).to_contain_text("Children (1)")
+        await screenshot(page, "task-succeeded.png")
+
+        await children.first.click()
+        await expect(page).to_have_url(re.compile(f"#/task/{flow.child}$"))
+        await expect(card).to_have_attribute("data-state", "waiting")
+        await expect(page.locator("#task-state")).to_have_text("Waiting")
+        await expect(page.locator("#task-waiting-for")).to_have_text("1 of 2 parents")
+        parents = page.locator("#task-parents a")
+        await expect(parents).to_have_text([flow.first, flow.second])
+        await expect(page.locator("#task-children a")).to_have_text([flow.grandchild])
+        await screenshot(page, "task-waiting.png")
+
+        # The second parent succeeds meanwhile: the page follows (the child is ready).
+        async with AsyncClient(f"grpc://{broker.grpc_target}") as client:
+            await connected(client)
+            delivery = await client.claim(queues="flow", wait_ms=0)
+            assert delivery is not None
+            assert delivery.id == flow.second
+            await client.ack(delivery, result=[2])
+        await expect(card).to_have_attribute("data-state", "ready")
+        await expect(page.locator("#task-waiting-for")).to_have_count(0)
+
+        # Cancelled from the grandchild's page: it and what waits for it are gone.
+        await page.goto(f"{broker.http_url}/ui{POLL}#/task/{flow.grandchild}")
+        await expect(card).to_have_attribute("data-state", "waiting")
+        await card.locator("button.cancel").click()
+        await expect(page.locator("#confirm-dialog")).to_contain_text("every task waiting for it")
+        await page.locator("#confirm-ok").click()
+        await expect(page.locator("#task-missing")).to_contain_text("No such task")
+        assert (await http.request("GET", f"/jobs/{flow.grandchild}"))[0] == 404
+        console.check()
+
+
+async def test_a_task_whose_parent_died_names_it_on_its_page(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    async with AsyncClient(broker.http_url) as client:
+        parent, child = await client.enqueue_many(
+            [EnqueueItem(b'"parent"', max_attempts=1), EnqueueItem(b'"child"', after=[0])]
+        )
+        delivery = await client.claim(wait_ms=0)
+        assert delivery is not None
+        await client.nack(delivery, error="no such file")
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, f"task/{child}")
+        await expect(page.locator("#task-card")).to_have_attribute("data-state", "dead")
+        await expect(page.locator("#task-error")).to_have_text(
+            f"parent {parent} is dead: no such file"
+        )
+        await expect(page.locator("#task-parents a")).to_have_text([parent])
+        await expect(page.locator("#task-waiting-for")).to_have_count(0)
         console.check()
 
 

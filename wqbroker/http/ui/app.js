@@ -4,6 +4,8 @@
  * GET /stats (polled; the page keeps the last minutes of samples for the charts and the rates),
  * GET /queues, GET /dlq, GET /jobs/{id}, GET /jobs (a queue's tasks in one state, a page at a
  * time, by cursor), and the admin calls (pause, resume, requeue, purge, cancel, empty, delete).
+ * Results and workflows (docs/design/results.md): the gauges waiting and succeeded, those two
+ * states in the tasks view, and a task's result, parents and children on its page.
  *
  * Tokens: a call answered 401 opens the token form (once, however many calls are waiting);
  * the token is kept in sessionStorage and sent as "Authorization: Bearer ..." with every call.
@@ -24,11 +26,18 @@
   const TOKEN_KEY = "wq.token";
 
   const STATES = ["ready", "handed_out", "delayed", "dead"];
+  // Those of results and workflows: waiting for parents (in the invariant beside the four), and
+  // succeeded (acked with a result that is kept: results held).
+  const RESULT_STATES = ["waiting", "succeeded"];
+  const LIST_STATES = [...STATES, ...RESULT_STATES];
+  const PENDING = [...STATES, "waiting"]; // what a queue's depth bar shows
   const LABELS = {
     ready: "Ready",
     handed_out: "Handed out",
     delayed: "Delayed",
     dead: "Dead",
+    waiting: "Waiting",
+    succeeded: "Succeeded",
     enqueued: "Enqueued",
     delivered: "Delivered",
     acked: "Acked",
@@ -60,13 +69,34 @@
     handed_out: "#1d4ed8",
     delayed: "#b45309",
     dead: "#b91c1c",
-    enqueued: "#7c3aed",
+    waiting: "#7c3aed",
+    enqueued: "#6d28d9",
     acked: "#15803d",
     failed: "#b91c1c",
   };
   const VIEWS = {overview: "Overview", queues: "Queues", tasks: "Tasks", dlq: "Dead letters", task: "Task"};
   // What the tasks view shows in its "when" column, by state.
-  const WHEN = {ready: "Ready since", delayed: "Due", handed_out: "Ready since", dead: "Buried"};
+  const WHEN = {
+    ready: "Ready since",
+    delayed: "Due",
+    handed_out: "Ready since",
+    dead: "Buried",
+    waiting: "Enqueued",
+    succeeded: "Finished",
+  };
+
+  // A JSON value as the page shows it: indented (a value JSON.stringify cannot show, as text).
+  function pretty(value, indent) {
+    try {
+      return JSON.stringify(value, null, indent);
+    } catch (e) {
+      return String(value);
+    }
+  }
+
+  function count(row, key) {
+    return (row && row[key]) || 0;
+  }
 
   // -- formatting ------------------------------------------------------------------------------
 
@@ -434,10 +464,10 @@
   function renderStats() {
     const stats = state.stats;
     if (!stats) return;
-    for (const key of STATES) {
+    for (const key of LIST_STATES) {
       const el = $(`#gauge-${key} .gauge-value`);
-      el.textContent = formatInt(stats[key]);
-      el.dataset.value = String(stats[key]);
+      el.textContent = formatInt(stats[key]); // ("–" from a broker that has no such gauge)
+      el.dataset.value = stats[key] === undefined ? "" : String(stats[key]);
       el.classList.toggle("nonzero", stats[key] > 0);
     }
     $("#dead-count").textContent = stats.dead > 0 ? formatInt(stats.dead) : "";
@@ -515,7 +545,7 @@
     const ratesEl = $("#chart-rates");
     if (!gaugesEl.clientWidth) return null;
     state.charts = {
-      gauges: makeChart(gaugesEl, STATES, formatInt, true),
+      gauges: makeChart(gaugesEl, PENDING, formatInt, true),
       rates: makeChart(ratesEl, ["enqueued", "acked", "failed"], (v) => `${formatRate(v)}/s`, false),
     };
     const observer = new ResizeObserver(() => {
@@ -533,7 +563,7 @@
     if (!charts) return;
     const samples = state.samples;
     const times = samples.map((s) => s.t);
-    const gauges = STATES.map((k) => samples.map((s) => s.stats[k]));
+    const gauges = PENDING.map((k) => samples.map((s) => (s.stats[k] === undefined ? null : s.stats[k])));
     charts.gauges.setData(padded([times, ...gauges]));
     // Each point: the rate over the samples of the last couple of seconds (one poll is noisy).
     const window = Math.max(2, (3 * POLL_MS) / 1000);
@@ -584,12 +614,15 @@
     const rows = state.queues || [];
     const withAge = rows.some((r) => r.oldest_ready_age !== undefined || r.oldest_ready_at !== undefined);
     $("#queues-table .col-oldest").hidden = !withAge;
-    const deepest = Math.max(1, ...rows.map((r) => STATES.reduce((n, k) => n + r[k], 0)));
+    // The gauges of results and workflows, once some queue has any.
+    const withResults = rows.some((r) => count(r, "waiting") || count(r, "succeeded"));
+    for (const th of document.querySelectorAll("#queues-table .col-results")) th.hidden = !withResults;
+    const deepest = Math.max(1, ...rows.map((r) => PENDING.reduce((n, k) => n + count(r, k), 0)));
     const tbody = $("#queues-table tbody");
     tbody.replaceChildren(
       ...rows.map((row) => {
-        const bar = h("div", {class: "bar", title: STATES.map((k) => `${label(k)}: ${formatInt(row[k])}`).join(", ")});
-        for (const k of STATES) {
+        const bar = h("div", {class: "bar", title: PENDING.map((k) => `${label(k)}: ${formatInt(count(row, k))}`).join(", ")});
+        for (const k of PENDING) {
           if (!row[k]) continue;
           const part = h("span", {class: k});
           part.style.width = `${(100 * row[k]) / deepest}%`;
@@ -597,8 +630,9 @@
         }
         const age = oldestReady(row);
         const cell = (key) => {
-          const td = h("td", {class: "num", "data-label": label(key), dataset: {field: key, value: row[key]}}, formatInt(row[key]));
-          if (row[key] > 0) td.replaceChildren(h("a", {href: tasksHash(row.name, key)}, formatInt(row[key])));
+          const value = count(row, key);
+          const td = h("td", {class: "num", "data-label": label(key), dataset: {field: key, value}}, formatInt(value));
+          if (value > 0) td.replaceChildren(h("a", {href: tasksHash(row.name, key)}, formatInt(value)));
           return td;
         };
         const dead = cell("dead");
@@ -613,6 +647,8 @@
           cell("handed_out"),
           cell("delayed"),
           dead,
+          withResults && cell("waiting"),
+          withResults && cell("succeeded"),
           withAge && h("td", {class: "num", "data-label": "Oldest ready"}, age == null ? "–" : formatDuration(age)),
           h("td", {class: "col-bar", "data-label": "Depth"}, bar),
           h(
@@ -687,7 +723,7 @@
   function renderStates() {
     const row = queueRow(state.tasksQueue);
     $("#tasks-states").replaceChildren(
-      ...STATES.map((k) =>
+      ...LIST_STATES.map((k) =>
         h(
           "a",
           {
@@ -697,7 +733,7 @@
             dataset: {state: k},
           },
           label(k),
-          h("span", {class: "count"}, row ? formatInt(row[k]) : "0"),
+          h("span", {class: "count"}, formatInt(count(row, k))),
         ),
       ),
     );
@@ -706,6 +742,14 @@
   function detail(task) {
     const parts = [];
     if (task.cancelling) parts.push(h("span", {class: "badge badge-cancelling"}, "Cancelling"));
+    if (task.state === "waiting" && task.after) {
+      const text = `waiting for ${formatInt(task.waiting_for || 0)} of ${formatInt(task.after.length)} ${task.after.length === 1 ? "parent" : "parents"}`;
+      parts.push(h("div", {class: "detail-text waiting"}, text));
+    }
+    if (task.state === "succeeded") {
+      const text = "result" in task ? `result ${pretty(task.result)}` : "no result";
+      parts.push(h("div", {class: "detail-text result", title: text}, text));
+    }
     if (task.progress !== undefined) {
       const text = JSON.stringify(task.progress);
       parts.push(h("div", {class: "detail-text progress", title: text}, `progress ${text}`));
@@ -726,7 +770,7 @@
     renderStates();
     $("#tasks-when").textContent = WHEN[state.tasksState];
     $("#tasks-detail").textContent = state.tasksState === "handed_out" ? "Progress" : "Details";
-    const total = row ? row[state.tasksState] : 0;
+    const total = count(row, state.tasksState);
     const what = `${label(state.tasksState).toLowerCase()} ${total === 1 ? "task" : "tasks"} in ${state.tasksQueue}`;
     $("#tasks-summary").textContent = tasks.length
       ? `${formatInt(total)} ${what}; page ${formatInt(number)}: ${formatInt(tasks.length)} of them.`
@@ -737,14 +781,15 @@
     $("#tasks-first").disabled = number === 1;
     $("#tasks-prev").disabled = number === 1;
     $("#tasks-next").disabled = !page.next_cursor;
-    const empty = row && row.ready + row.handed_out + row.delayed + row.dead === 0;
+    const empty = row && PENDING.reduce((n, k) => n + count(row, k), 0) === 0;
     $("#tasks-delete-queue").hidden = !empty;
-    $("#tasks-empty-queue").disabled = !row || row.ready + row.delayed === 0;
+    $("#tasks-empty-queue").disabled = !row || row.ready + row.delayed + count(row, "waiting") === 0;
     $("#tasks-table tbody").replaceChildren(
       ...tasks.map((task) => {
         const created = new Date(task.created_at);
-        const since = new Date(task.available_at);
+        const since = new Date(task.state === "succeeded" && task.finished_at ? task.finished_at : task.available_at);
         const dead = task.state === "dead";
+        const done = task.state === "succeeded"; // (its result is kept: nothing to cancel)
         return h(
           "tr",
           {dataset: {id: task.id, state: task.state}},
@@ -757,7 +802,7 @@
           h(
             "td",
             {class: "actions"},
-            task.cancelling
+            task.cancelling || done
               ? null
               : h(
                   "button",
@@ -787,7 +832,13 @@
               `A worker holds ${where.charAt(0).toLowerCase()}${where.slice(1)}: it is told to stop, and the task will not be retried (an ack it sends still counts).`,
               "Cancel task",
             ]
-          : ["Cancel this task?", `${where} is dropped now, with its payload, and never runs. This cannot be undone.`, "Cancel task"];
+          : task.state === "waiting"
+            ? [
+                "Cancel this task?",
+                `${where} is dropped now, with its payload, and never runs; so is every task waiting for it. This cannot be undone.`,
+                "Cancel task",
+              ]
+            : ["Cancel this task?", `${where} is dropped now, with its payload, and never runs. This cannot be undone.`, "Cancel task"];
     const ok = await confirmAction(title, message, verb, true);
     if (!ok) return;
     await act(
@@ -803,10 +854,12 @@
   async function emptyQueue() {
     const name = state.tasksQueue;
     const row = queueRow(name);
-    const count = row ? row.ready + row.delayed : 0;
+    const waiting = count(row, "waiting");
+    const n = count(row, "ready") + count(row, "delayed") + waiting;
+    const which = waiting ? "ready, delayed and waiting" : "ready and delayed";
     const ok = await confirmAction(
       "Empty this queue?",
-      `All ${formatInt(count)} ready and delayed ${count === 1 ? "task" : "tasks"} of queue ${name} are cancelled, with their payloads. Tasks handed out run their course. This cannot be undone.`,
+      `All ${formatInt(n)} ${which} ${n === 1 ? "task" : "tasks"} of queue ${name} are cancelled, with their payloads. Tasks handed out run their course. This cannot be undone.`,
       "Empty queue",
       true,
     );
@@ -1036,27 +1089,20 @@
           "div",
           {class: "card", id: "task-missing"},
           h("h2", {}, "No such task"),
-          h("p", {}, `No task has the id ${id}. An acked or purged task is gone for good; the id may also be mistyped.`),
+          h(
+            "p",
+            {},
+            `No task has the id ${id}. A task acked without a result (or whose result's time ran out), cancelled or purged is gone for good; the id may also be mistyped.`,
+          ),
           h("p", {class: "hint"}, `The broker answered 404: ${missing}`),
         ),
       );
       return;
     }
-    let payload;
-    try {
-      payload = JSON.stringify(task.payload, null, 2);
-    } catch (e) {
-      payload = String(task.payload);
-    }
+    const payload = pretty(task.payload, 2);
     const dead = task.state === "dead";
-    let progress = null;
-    if (task.progress !== undefined) {
-      try {
-        progress = JSON.stringify(task.progress, null, 2);
-      } catch (e) {
-        progress = String(task.progress);
-      }
-    }
+    const progress = task.progress !== undefined ? pretty(task.progress, 2) : null;
+    const output = "result" in task ? pretty(task.result, 2) : null; // (its result, shown)
     result.replaceChildren(
       h(
         "article",
@@ -1075,6 +1121,7 @@
                 h("button", {type: "button", class: "btn btn-small btn-danger purge", onclick: () => purgeOne(task)}, "Purge"),
               )
             : !task.cancelling &&
+                task.state !== "succeeded" &&
                 h(
                   "div",
                   {class: "actions"},
@@ -1088,10 +1135,28 @@
           fact("Priority", String(task.priority)),
           fact("Attempts", h("span", {id: "task-attempts"}, `${formatInt(task.attempts)} of ${formatInt(task.max_attempts)}`)),
           fact("Created", ...when(task.created_at)),
-          fact(task.state === "delayed" ? "Next attempt" : "Available since", ...when(task.available_at)),
+          fact(
+            task.state === "delayed" ? "Next attempt" : task.state === "waiting" ? "Enqueued" : "Available since",
+            ...when(task.available_at),
+          ),
           task.expires_at && fact("Expires", ...when(task.expires_at)),
           task.timeout_ms !== undefined && fact("Time limit", h("span", {id: "task-timeout"}, formatDuration(task.timeout_ms / 1000))),
+          task.state === "waiting" &&
+            task.after &&
+            fact(
+              "Waiting for",
+              h("span", {id: "task-waiting-for"}, `${formatInt(task.waiting_for || 0)} of ${formatInt(task.after.length)} ${task.after.length === 1 ? "parent" : "parents"}`),
+            ),
+          task.finished_at && fact("Finished", h("span", {id: "task-finished"}, dateFmt.format(new Date(task.finished_at))), h("span", {class: "hint"}, relative(new Date(task.finished_at)))),
+          task.result_ttl_ms !== undefined && fact("Result kept", h("span", {id: "task-result-ttl"}, formatDuration(task.result_ttl_ms / 1000))),
         ),
+        task.after && h("div", {class: "section-label"}, `Parents (${formatInt(task.after.length)})`),
+        task.after && taskLinks("task-parents", task.after, task.after.length),
+        task.children && h("div", {class: "section-label"}, `Children (${formatInt(task.children_count || task.children.length)})`),
+        task.children && taskLinks("task-children", task.children, task.children_count || task.children.length),
+        output !== null && h("div", {class: "section-label"}, "Result"),
+        output !== null && h("pre", {class: "block", id: "task-result-json"}, output),
+        task.state === "succeeded" && output === null && h("p", {class: "hint", id: "task-result-json"}, "No result: it was acked without one."),
         progress !== null && h("div", {class: "section-label"}, "Progress"),
         progress !== null && h("pre", {class: "block", id: "task-progress"}, progress),
         h("div", {class: "section-label"}, "Last error"),
@@ -1101,6 +1166,17 @@
         h("div", {class: "section-label"}, "Payload"),
         h("pre", {class: "block", id: "task-payload"}, payload),
       ),
+    );
+  }
+
+  // Links to tasks (a task's parents or children), and how many more there are than shown.
+  function taskLinks(id, ids, total) {
+    const more = total - ids.length;
+    return h(
+      "ul",
+      {class: "links", id},
+      ...ids.map((other) => h("li", {}, h("a", {href: `#/task/${encodeURIComponent(other)}`}, other))),
+      more > 0 && h("li", {class: "hint"}, `and ${formatInt(more)} more`),
     );
   }
 
@@ -1150,7 +1226,7 @@
       await refreshView();
     } else if (view === "tasks") {
       const queue = params.get("queue") || "default";
-      const taskState = STATES.includes(params.get("state")) ? params.get("state") : "ready";
+      const taskState = LIST_STATES.includes(params.get("state")) ? params.get("state") : "ready";
       if (changed || queue !== state.tasksQueue || taskState !== state.tasksState) state.tasksCursors = [""];
       state.tasksQueue = queue;
       state.tasksState = taskState;
