@@ -315,7 +315,9 @@ class Dispatcher:
         events: Events,
         *,
         max_waiters: int = 0,
+        others: Callable[[], int] | None = None,
     ) -> None:
+        """``others``: how many other waiters (result waits) count toward ``max_waiters``."""
         self._store = store
         self._events = events
         self._clock = clock
@@ -335,6 +337,7 @@ class Dispatcher:
         self._readied = 0
         self._closing = False
         self._max_waiters = max_waiters  # parked long-polls and open streams (0: no limit)
+        self._others = others
         self._parked = 0  # long-polls waiting now
 
     @property
@@ -633,6 +636,8 @@ class Dispatcher:
 
     def _room_for_a_waiter(self) -> None:
         waiters = self._parked + len(self._streams)
+        if self._others is not None:
+            waiters += self._others()  # (docs/design/results.md: result waits count too)
         if self._max_waiters and waiters >= self._max_waiters:
             raise Overloaded(
                 f"{waiters} consumers are already waiting, the most this broker parks: retry later",

@@ -129,7 +129,13 @@ class Service:
         self._sweeper = Sweeper(clock, sweep_interval, self.sweep)
         self._background = Background()
         self._dispatch = Dispatcher(
-            store, clock, self._sweeper.wake_by, self._background, events, max_waiters=max_waiters
+            store,
+            clock,
+            self._sweeper.wake_by,
+            self._background,
+            events,
+            max_waiters=max_waiters,
+            others=lambda: self._result_waiters,
         )
         self._closing = False
         self._on_close: list[Callable[[], None]] = []
