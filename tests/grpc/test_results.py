@@ -17,7 +17,7 @@ import json
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import pytest
@@ -37,7 +37,7 @@ from wqwire.pb import broker_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(60)
 
 Code = grpc.StatusCode
-Stub = pb_grpc.BrokerAsyncStub
+Stub: TypeAlias = "pb_grpc.BrokerAsyncStub"
 EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
 MAX_BODY = 64 * 1024
 
@@ -305,13 +305,15 @@ async def test_result_waits_count_toward_max_waiters(clock: FakeClock) -> None:
         grpc.aio.insecure_channel(b.grpc_target) as channel,
     ):
         stub = pb_grpc.BrokerStub(channel)
-        task_id = await enqueue(stub)
+        task_id, other = await enqueue(stub), await enqueue(stub)
         call = wait(stub, task_id)
         await parked(b)
-        error = await refused(wait(stub, task_id, 1000), Code.RESOURCE_EXHAUSTED, "waiters")
+        error = await refused(wait(stub, other, 1000), Code.RESOURCE_EXHAUSTED, "waiters")
         metadata: Any = error.trailing_metadata()
         assert dict(metadata)["retry-after-ms"] == "1000"
-        assert (await wait(stub, task_id, 0)).state == ""
+        assert (await wait(stub, other, 0)).state == ""
+        claim_call = stub.NextJob(pb.NextJobRequest(wait_ms=1000, queues=["other"]))
+        await refused(claim_call, Code.RESOURCE_EXHAUSTED, "waiting")
         clock.advance(31)
         assert (await call).state == ""
 
