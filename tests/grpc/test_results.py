@@ -177,7 +177,7 @@ async def test_a_bad_result_is_refused_and_the_task_stays_held(
 
 async def test_next_job_s_acks_take_results(stub: Stub) -> None:
     first, second, bad = await held(stub), await held(stub), await held(stub)
-    await enqueue(stub, b"next")
+    await enqueue(stub, b'"next"')
     response = await stub.NextJob(
         pb.NextJobRequest(
             wait_ms=0,
@@ -190,7 +190,7 @@ async def test_next_job_s_acks_take_results(stub: Stub) -> None:
     )
     assert [s.code for s in response.settled] == [0, 0, Code.INVALID_ARGUMENT.value[0]]
     assert "result" in response.settled[2].message
-    assert response.delivery.task.payload == b"next"
+    assert response.delivery.task.payload == b'"next"'
     assert (await wait(stub, first.task.id, None)).result == b"[1.10]"
     await refused(get(stub, second.task.id), Code.NOT_FOUND, second.task.id)
     assert (await get(stub, bad.task.id)).state == "handed_out"
@@ -362,12 +362,11 @@ async def test_a_result_ttl_of_zero_keeps_nothing_and_a_short_one_is_pruned(
 @pytest.mark.parametrize(
     ("refs", "field"),
     [
-        ([pb.TaskRef(index=0)], "after[0]"),  # an index outside a batch
         ([pb.TaskRef()], "after[0]"),  # neither an id nor an index
         ([pb.TaskRef(id="")], "after[0]"),
         ([pb.TaskRef(id="ffffffffffffffff")], "after[0]"),  # unknown
         (after("a", "b", "a"), "after[2]"),  # twice
-        (after(*["a"] * (MAX_PARENTS + 1)), f"at most {MAX_PARENTS}"),
+        (after(*["a"] * (MAX_PARENTS + 1)), f"after names at most {MAX_PARENTS}"),
     ],
 )
 async def test_a_bad_after_is_invalid_naming_it(
@@ -379,6 +378,11 @@ async def test_a_bad_after_is_invalid_naming_it(
     )
     await refused(stub.EnqueueBatch(batch), Code.INVALID_ARGUMENT, f"tasks[1].{field}")
     assert (await stub.Stats(pb.StatsRequest())).totals.enqueued == 0
+
+
+async def test_an_index_names_an_item_of_a_batch_only(stub: Stub) -> None:
+    error = await refused(enqueue(stub, after=after(0)), Code.INVALID_ARGUMENT, "after[0]")
+    assert "earlier item of a batch" in (error.details() or "")
 
 
 @pytest.mark.parametrize(
@@ -569,22 +573,29 @@ async def test_a_chain_and_a_fan_in_are_released_over_both_protocols(both: Both)
     )
     assert status == 201, body
     chain = body["ids"]
+    # The first acked on NextJob, whose claim in the same call takes the child it released.
+    first = await claim(both.stub)
+    assert first.task.id == chain[0]
+    ack = pb.AckRequest(id=first.task.id, lease_id=first.lease_id, result=b"0")
+    answer = await both.stub.NextJob(pb.NextJobRequest(wait_ms=5000, acks=[ack]))
+    assert [s.code for s in answer.settled] == [0]
+    second = answer.delivery
+    assert second.task.id == chain[1]
+    assert [(p.id, p.result) for p in second.parents] == [(chain[0], b"0")]
+    # The second acked over HTTP; the third and fourth go to a stream as each is released.
+    await both.http_ack(chain[1], second.lease_id, b'{"result": 1}')
     worker = await Worker(both.stub).open(prefetch=1)
-    (d,) = await worker.receive(1)
-    assert d.task.id == chain[0]
-    await worker.send(acks=[pb.AckRequest(id=d.task.id, lease_id=d.lease_id, result=b"0")])
-    await worker.outcomes(1)
-    await worker.send(drain=True)
-    await worker.until(lambda w: w.ended)
-    second = await both.http_claim()
-    assert (second["task"]["id"], second["parents"]) == (chain[1], [{"id": chain[0], "result": 0}])
-    await both.http_ack(chain[1], second["lease_id"], b'{"result": 1}')
-    third = await claim(both.stub)
+    (third,) = await worker.receive(1)
+    assert third.task.id == chain[2]
     assert [(p.id, p.result) for p in third.parents] == [(chain[1], b"1")]
-    await both.stub.Ack(pb.AckRequest(id=third.task.id, lease_id=third.lease_id, result=b"2"))
-    fourth = await both.http_claim()
-    assert fourth["parents"] == [{"id": chain[2], "result": 2}]
-    await both.http_ack(chain[3], fourth["lease_id"])
+    await worker.send(acks=[pb.AckRequest(id=chain[2], lease_id=third.lease_id, result=b"2")])
+    (fourth,) = await worker.receive(1)
+    assert fourth.task.id == chain[3]
+    assert [(p.id, p.result) for p in fourth.parents] == [(chain[2], b"2")]
+    await worker.send(acks=[ack_of(fourth)], drain=True)
+    await worker.until(lambda w: w.ended)
+    status, done = await both.http.request("GET", f"/jobs/{chain[2]}/result")
+    assert (status, done["result"]) == (200, 2)
     # A fan-in: parents enqueued over gRPC, the child over HTTP, the parents acked over both.
     parents = [await enqueue(both.stub, b"%d" % i) for i in range(6)]
     child = await both.http.enqueue("child", after=parents)
