@@ -16,6 +16,8 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from tests.fake_clock import FakeClock
 from tests.fake_transport import FakeStreamingTransport, FakeTransport
@@ -26,6 +28,7 @@ from wqclient import (
     AsyncClient,
     AsyncGroupHandle,
     AsyncTaskHandle,
+    Chain,
     ChainHandle,
     Client,
     GroupHandle,
@@ -124,6 +127,61 @@ def test_empty_workflows_are_refused() -> None:
         chord([], "callback")
     with pytest.raises(InvalidArgument):
         signature("x", after=[0]).items()  # (an index only names an item of the same batch)
+
+
+# A workflow drawn at random: signatures, chains and groups nested up to a few levels.
+workflows = st.recursive(
+    st.integers(0, 999).map(lambda n: signature({"n": n})),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=4).map(lambda steps: chain(*steps)),
+        st.lists(inner, min_size=1, max_size=4).map(group),
+    ),
+    max_leaves=20,
+)
+
+
+def _depends(items: list[Any]) -> list[set[int]]:
+    """For each item, every earlier item it waits for, directly or not."""
+    out: list[set[int]] = []
+    for item in items:
+        direct = {ref for ref in item.after or () if isinstance(ref, int)}
+        out.append(direct.union(*(out[i] for i in direct)))
+    return out
+
+
+def _spans(flow: Any, start: int = 0) -> tuple[range, list[tuple[Any, list[range]]]]:
+    """The items a workflow makes (a range of the batch) and, for each chain or group in it,
+    its range and its parts' ranges."""
+    if isinstance(flow, Signature):
+        return range(start, start + 1), []
+    parts: list[range] = []
+    found: list[tuple[Any, list[range]]] = []
+    at = start
+    for part in flow.steps if isinstance(flow, Chain) else flow.members:
+        span, inner = _spans(part, at)
+        parts.append(span)
+        found.extend(inner)
+        at = span.stop
+    found.append((flow, parts))
+    return range(start, at), found
+
+
+@given(workflows)
+def test_any_workflow_is_one_valid_batch_that_keeps_its_order(flow: Any) -> None:
+    items = flow.items()
+    for i, item in enumerate(items):  # an index only ever names an earlier item
+        assert all(0 <= ref < i for ref in item.after or ())
+    depends = _depends(items)
+    whole, nested = _spans(flow)
+    assert len(whole) == len(items)
+    for node, parts in nested:
+        for k, later in enumerate(parts):
+            for earlier in parts[:k]:
+                for j in later:
+                    if isinstance(node, Chain):  # a step runs after all of every step before
+                        assert set(earlier) <= depends[j]
+                    else:  # a group's members wait for none of each other
+                        assert not set(earlier) & depends[j]
 
 
 # -- run by a Worker, on the fake transport -------------------------------------------------------
