@@ -622,11 +622,14 @@ class AsyncClient:
         if timeout is not None and (isinstance(timeout, bool) or not timeout >= 0):
             raise InvalidArgument(f"timeout must be a number of seconds from 0, got {timeout!r}")
         clock = self._clock
-        deadline = None if timeout is None else clock.monotonic() + timeout
+        deadline = None if timeout is None or math.isinf(timeout) else clock.monotonic() + timeout
         while True:
             asked = clock.monotonic()
             left = None if deadline is None else max(0.0, deadline - asked)
-            wait_ms = MAX_WAIT_MS if left is None else min(MAX_WAIT_MS, math.ceil(left * 1000))
+            if left is None or left * 1000 >= MAX_WAIT_MS:
+                wait_ms = MAX_WAIT_MS
+            else:
+                wait_ms = math.ceil(left * 1000)
             answer = await self._transport.wait_result(task_id, wait_ms)
             if answer is not None:
                 return answer

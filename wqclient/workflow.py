@@ -265,7 +265,8 @@ def chord(header: Group | Iterable[Step], callback: Step) -> Chain:
 def _value(task_id: str, answer: TaskResult | None, timeout: float | None) -> Any:
     """A result wait's answer as a handle's ``result()`` gives it."""
     if answer is None:
-        raise ResultTimeout(f"task {task_id} is still pending after {timeout:g} s", task_id=task_id)
+        after = "" if timeout is None else f" after {timeout:g} s"
+        raise ResultTimeout(f"task {task_id} is still pending{after}", task_id=task_id)
     if answer.succeeded:
         return answer.result
     why = {"dead": "is dead", "cancelled": "was cancelled", "expired": "expired"}.get(

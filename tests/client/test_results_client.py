@@ -329,10 +329,11 @@ async def test_a_wait_ends_when_the_task_ends_in_a_later_slice() -> None:
     assert [wait_ms for _, wait_ms in fake.result_waits] == [30_000, 30_000]
 
 
-async def test_a_wait_with_no_timeout_goes_on_until_the_task_ends() -> None:
+@pytest.mark.parametrize("timeout", [None, math.inf])
+async def test_a_wait_with_no_timeout_goes_on_until_the_task_ends(timeout: float | None) -> None:
     async with on_a_fake_clock() as (wq, fake, clock):
         task_id = await wq.enqueue("slow", max_attempts=1)
-        waiting = asyncio.ensure_future(wq.wait_result(task_id))
+        waiting = asyncio.ensure_future(wq.wait_result(task_id, timeout=timeout))
         for _ in range(5):
             await clock.sleeping()
             await clock.advance(30)
@@ -350,8 +351,9 @@ async def test_a_wait_of_zero_asks_once_and_a_negative_one_is_refused() -> None:
     async with on_a_fake_clock() as (wq, fake, _):
         task_id = await wq.enqueue("x")
         assert await wq.wait_result(task_id, timeout=0) is None
-        with pytest.raises(InvalidArgument):
-            await wq.wait_result(task_id, timeout=-1)
+        for bad in (-1, math.nan):
+            with pytest.raises(InvalidArgument):
+                await wq.wait_result(task_id, timeout=bad)
         with pytest.raises(NotFound):
             await wq.wait_result("nonesuch", timeout=10)
     assert fake.result_waits == [(task_id, 0), ("nonesuch", 10_000)]
