@@ -299,6 +299,15 @@ async def test_a_waiter_at_a_broker_that_closes_hears_pending(clock: FakeClock) 
         assert [a.state for a in answers] == ["", "", ""]
 
 
+async def test_a_waiter_that_goes_away_waits_no_more(stub: Stub, broker: Broker) -> None:
+    task_id = await enqueue(stub)
+    call = wait(stub, task_id)
+    await parked(broker)
+    call.cancel()
+    await wait_until(lambda: broker.service.result_waiters == 0, what="the wait to end")
+    assert (await wait(stub, task_id, 0)).state == ""
+
+
 async def test_result_waits_count_toward_max_waiters(clock: FakeClock) -> None:
     async with (
         running_broker(clock=clock, max_waiters=1) as b,

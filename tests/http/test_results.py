@@ -430,6 +430,16 @@ async def test_a_waiter_at_a_broker_that_closes_is_answered_204(clock: FakeClock
         assert await asyncio.wait_for(asyncio.gather(*waits), 10) == [(204, None)] * 3
 
 
+async def test_a_waiter_that_goes_away_waits_no_more(http: Http, broker: Broker) -> None:
+    task_id = await http.enqueue(1)
+    async with http_client(http.base) as other:
+        wait = waiting(other, task_id)
+        await parked(broker)
+        wait.cancel()
+    await wait_until(lambda: broker.service.result_waiters == 0, what="the wait to end")
+    assert (await result_of(http, task_id))[0] == 204
+
+
 async def test_result_waits_count_toward_max_waiters(clock: FakeClock) -> None:
     async with http_broker(clock=clock, max_waiters=1) as b, http_client(b.http_url) as h:
         task_id, other = await h.enqueue(1), await h.enqueue(2)

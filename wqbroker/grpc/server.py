@@ -447,7 +447,10 @@ async def _settle(
     service: Service, acks: Sequence[pb.AckRequest], nacks: Sequence[pb.NackRequest] = ()
 ) -> list[_Outcome]:
     """Settle acks, then nacks, at once; their outcomes, in that order."""
-    items = [_ack(a) for a in acks]  # (each field read once: this is per task)
+    # (Each field read once, inline: this is per task. With its result, if it has one.)
+    items = [
+        (a.id, a.lease_id, a.result) if a.HasField("result") else (a.id, a.lease_id) for a in acks
+    ]
     ack_errors, nack_errors = await service.settle_many(items, [_nack_item(n) for n in nacks])
     return [
         _Outcome(item[0], item[1], error) for item, error in zip(items, ack_errors, strict=True)
