@@ -231,8 +231,10 @@ def _delivery(d: pb.Delivery) -> Delivery:
             t.queue or DEFAULT_QUEUE,
             t.priority,
         )
-    if d.parents:  # (docs/design/results.md: a task with parents)
-        task = with_parents(task, _parents(d.parents))
+    # A task with parents (docs/design/results.md): them, and its after. (A delivered task's
+    # result_ttl_ms is left to lookups: reading it would cost every delivery a presence check.)
+    if d.parents:
+        task = with_parents(task, _parents(d.parents), tuple(t.after) or None)
     return Delivery(task, d.lease_id, _time_of(d.deadline))
 
 

@@ -455,6 +455,7 @@ _LATER_DEFAULTS: Final[dict[str, Any]] = {
     "parents": None,
 }
 _set_parents: Final = Task.__dict__["parents"].__set__
+_set_after: Final = Task.__dict__["after"].__set__
 # The members of a task's view beyond a delivered task's usual ones.
 _RESULT_FIELDS: Final = frozenset(_LATER_DEFAULTS) | {"result"}
 _EXTENSIONS: Final = (
@@ -462,9 +463,14 @@ _EXTENSIONS: Final = (
 )
 
 
-def with_parents(task: Task, parents: tuple[ParentResult, ...]) -> Task:
-    """``task`` (just made, not yet shared) given its delivery's parents."""
+def with_parents(
+    task: Task, parents: tuple[ParentResult, ...], after: tuple[str, ...] | None = None
+) -> Task:
+    """``task`` (just made, not yet shared) given its delivery's parents (and, if given, its
+    ``after``)."""
     _set_parents(task, parents)
+    if after is not None:
+        _set_after(task, after)
     return task
 
 

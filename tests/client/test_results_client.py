@@ -621,6 +621,7 @@ def test_grpc_deliveries_carry_their_parents() -> None:
     )
     delivery = _delivery(message)
     assert delivery.parents == (ParentResult("p1", b"1.10"), ParentResult("p2", None))
+    assert delivery.task.after == ("p1", "p2")  # (as HTTP's delivery shows it)
     without = pb.Delivery(task=message.task, lease_id="l2", deadline=stamp)
     without.task.ClearField("after")
     assert _delivery(without).parents is None

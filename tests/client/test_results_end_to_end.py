@@ -167,6 +167,7 @@ async def test_a_graph_in_one_batch_and_its_parents_on_delivery(
         ParentResult(outside, None),
     )
     assert last.task.parents == last.parents
+    assert last.task.after == (b, a, outside)
     parent = await client.get_task(a)
     assert (parent.children, parent.children_count) == ((b, join), 2)
 
