@@ -573,6 +573,39 @@ async def test_a_result_survives_byte_for_byte_across_protocols(both: Both) -> N
         await both.stub.Ack(ack_of(delivery))
 
 
+async def test_batched_settles_keep_results_on_every_store(both: Both) -> None:
+    """POST /jobs/settle's acks and NextJob's acks with results (one transaction each)."""
+    ids = [await both.http.enqueue(i) for i in range(4)]
+    status, claimed = await both.http.request("GET", "/jobs/next/batch?wait_ms=0&max=2")
+    assert status == 200, claimed
+    first, second = claimed["deliveries"]
+    body = (
+        b'{"acks": ['
+        + f'{{"id": "{first["task"]["id"]}", "lease_id": "{first["lease_id"]}", '.encode()
+        + b'"result": {"b": 1.10}},'
+        + f'{{"id": "{second["task"]["id"]}", "lease_id": "{second["lease_id"]}"}}]}}'.encode()
+    )
+    status, answer = await both.raw("POST", "/jobs/settle", body)
+    assert (status, json.loads(answer)) == (200, {"acks": [None, None], "nacks": []})
+    third, fourth = await claim(both.stub), await claim(both.stub)
+    acks = [
+        pb.AckRequest(id=third.task.id, lease_id=third.lease_id, result=b"[3]"),
+        ack_of(fourth),
+    ]
+    assert [
+        s.code for s in (await both.stub.NextJob(pb.NextJobRequest(wait_ms=0, acks=acks))).settled
+    ] == [
+        0,
+        0,
+    ]
+    assert (await wait(both.stub, ids[0], 0)).result == b'{"b": 1.10}'
+    assert (await wait(both.stub, ids[2], 0)).result == b"[3]"
+    for gone in (ids[1], ids[3]):
+        await refused(wait(both.stub, gone, 0), Code.NOT_FOUND, gone)
+    stats = await both.stub.Stats(pb.StatsRequest())
+    assert (stats.succeeded, stats.totals.acked) == (2, 4)
+
+
 async def test_a_chain_and_a_fan_in_are_released_over_both_protocols(both: Both) -> None:
     # A chain enqueued over HTTP, run alternately by a gRPC stream and HTTP claims.
     status, body = await both.http.request(
@@ -665,7 +698,7 @@ async def test_a_waiter_on_one_broker_is_woken_by_an_ack_on_another(
         ):
             stub_a = pb_grpc.BrokerStub(channel)
             d = await held(stub_a)
-            child = await enqueue(stub_a, b"child", after=after(d.task.id))
+            child = await enqueue(stub_a, b'"child"', after=after(d.task.id))
             waits = [
                 asyncio.ensure_future(http_b.request("GET", f"/jobs/{t}/result?wait_ms=30000"))
                 for t in (d.task.id, d.task.id, child)
