@@ -7,8 +7,9 @@ with the exception's text (raise :class:`Retry` to retry after a delay of your c
 result (docs/design/results.md): the ack carries it, JSON-encoded (``bytes`` are taken as JSON
 text), and the broker keeps it for the task's result TTL, for whoever waits for it
 (``wait_result``) and for the tasks that wait for this one (they find it in ``task.parents``); a
-value that JSON cannot encode, or that the broker refuses, nacks the task (``"result is not JSON:
-..."``), logged. A handler that returns None acks as always.
+value that JSON cannot encode, or that the broker refuses, buries the task (a terminal nack:
+``"result is not JSON: ..."``; running it again would redo its work only to fail the same way),
+logged. A handler that returns None acks as always.
 
 Over a transport that can stream (gRPC) it consumes one stream whose prefetch is ``prefetch``:
 the tasks beyond the concurrency wait in the worker for a handler to be free, their leases kept,
@@ -289,7 +290,9 @@ class _OnStream:
         if self._refused is not None:
             self._refused()
         try:
-            nack = asyncio.ensure_future(self._stream.nack(delivery, message, confirm=True))
+            nack = asyncio.ensure_future(
+                self._stream.nack(delivery, message, terminal=True, confirm=True)
+            )
         except WqError as e:  # (the stream is over: the broker takes the task back)
             log.warning("task %s: not nacked: %s", delivery.task.id, e.message)
             return
@@ -335,7 +338,7 @@ class _OnStream:
 def _refused_result(delivery: Delivery, error: WqError) -> str:
     """Say that the broker refused a handler's result; the nack's error."""
     log.warning(
-        "task %s: the broker refused its handler's result (%s); nacking it",
+        "task %s: the broker refused its handler's result (%s); burying it",
         delivery.task.id,
         error.message,
         extra=_fields(delivery.task, "result_refused"),
@@ -1061,7 +1064,7 @@ class Worker:
             self.failed += 1
             what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
             await self._settle_failure(
-                delivery, lease, settler, TaskFailed(f"result is not JSON: {what}")
+                delivery, lease, settler, Fail(f"result is not JSON: {what}")
             )
             return
         self.succeeded += 1
@@ -1072,7 +1075,7 @@ class Worker:
             except InvalidArgument as e:  # (too large, say)
                 self.succeeded -= 1
                 self.failed += 1
-                await settler.nack(delivery, _refused_result(delivery, e))
+                await settler.nack(delivery, _refused_result(delivery, e), terminal=True)
 
         await self._settle(delivery, lease, ack)
 

@@ -476,7 +476,8 @@ async def test_a_handlers_return_value_is_the_tasks_result(
     def sync_handler(task: Task) -> Any:
         return returns(task.payload)
 
-    ids = {kind: fake.add({"kind": kind, "n": 21}, max_attempts=1) for kind in KINDS}
+    # (three attempts each: a result JSON cannot encode buries the task at once, not retried)
+    ids = {kind: fake.add({"kind": kind, "n": 21}, max_attempts=3) for kind in KINDS}
     caplog.set_level(logging.WARNING, logger=WORKER_LOG)
     async with running(fake, sync_handler if sync else async_handler) as worker:
         await fake.wait_until(lambda: len(fake.acked) + len(fake.dead) == len(KINDS))
@@ -486,20 +487,21 @@ async def test_a_handlers_return_value_is_the_tasks_result(
     assert set(fake.acked) == {ids["number"], ids["nothing"], ids["text"]}
     errors = {fake.tasks[i].last_error for i in fake.dead}
     assert all(e is not None and e.startswith("result is not JSON: ") for e in errors)
-    assert len(fake.dead) == 4  # (a clear nack, not a crash: the worker went on)
+    assert len(fake.dead) == 4  # (a clear terminal nack, not a crash: the worker went on)
+    assert all(fake.tasks[i].attempts == 1 for i in fake.dead)
     assert (worker.succeeded, worker.failed) == (3, 4)
     logged = [r.getMessage() for r in caplog.records if "result is not JSON" in r.getMessage()]
     assert len(logged) == 4
 
 
-async def test_a_result_the_broker_refuses_nacks_the_task(
+async def test_a_result_the_broker_refuses_buries_the_task(
     fake: FakeTransport, caplog: pytest.LogCaptureFixture
 ) -> None:
     async def handler(task: Task) -> Any:
         return "x" * 100
 
     fake.fail("ack", InvalidArgument("result is 100 bytes, over the limit of 64"))
-    task_id = fake.add("big", max_attempts=1)
+    task_id = fake.add("big", max_attempts=3)
     caplog.set_level(logging.WARNING, logger=WORKER_LOG)
     async with running(fake, handler) as worker:
         await fake.wait_until(lambda: task_id in fake.dead)
@@ -507,6 +509,7 @@ async def test_a_result_the_broker_refuses_nacks_the_task(
         "result refused by the broker: result is 100 bytes, over the limit of 64"
     )
     assert (worker.succeeded, worker.failed) == (0, 1)
+    assert fake.tasks[task_id].attempts == 1  # buried, not retried
     assert any("refused its handler's result" in r.getMessage() for r in caplog.records)
 
 

@@ -224,8 +224,8 @@ async def test_a_workers_return_values_are_the_results(
             EnqueueItem(b'"abcde"'),
             EnqueueItem(b'"sum"', after=[0, 1]),
             EnqueueItem(b'"nothing"'),
-            EnqueueItem(b'"set"', max_attempts=1),
-            EnqueueItem(b'"huge"', max_attempts=1),
+            EnqueueItem(b'"set"', max_attempts=3),
+            EnqueueItem(b'"huge"', max_attempts=3),
         ]
     )
     caplog.set_level(logging.WARNING, logger="wqclient.worker")
@@ -246,7 +246,9 @@ async def test_a_workers_return_values_are_the_results(
     assert unencodable is not None
     assert unencodable.state == "dead"
     assert (unencodable.last_error or "").startswith("result is not JSON: ")
+    assert unencodable.attempts == 1  # buried at once: running it again would fail the same way
     assert refused is not None
     assert refused.state == "dead"
     assert (refused.last_error or "").startswith("result refused by the broker: ")
+    assert refused.attempts == 1
     assert (worker.succeeded, worker.failed) == (4, 2)
