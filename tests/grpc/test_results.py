@@ -573,6 +573,33 @@ async def test_a_result_survives_byte_for_byte_across_protocols(both: Both) -> N
         await both.stub.Ack(ack_of(delivery))
 
 
+async def test_nothing_new_for_a_client_that_sends_none_of_it_on_every_store(both: Both) -> None:
+    task_id = await both.http.enqueue({"n": 1})
+    status, view = await both.http.request("GET", f"/jobs/{task_id}")
+    assert status == 200
+    assert set(view) == {
+        "id",
+        "payload",
+        "attempts",
+        "max_attempts",
+        "created_at",
+        "available_at",
+        "last_error",
+        "queue",
+        "priority",
+        "state",
+    }
+    found = await get(both.stub, task_id)
+    assert (fields_set(found), fields_set(found.task)) == ({"task", "state"}, PLAIN_FIELDS)
+    status, delivery = await both.raw("GET", "/jobs/next?wait_ms=0")
+    assert set(json.loads(delivery)) == {"task", "lease_id", "deadline"}
+    await both.http_ack(task_id, json.loads(delivery)["lease_id"])
+    await refused(get(both.stub, task_id), Code.NOT_FOUND, task_id)
+    d = await held(both.stub)
+    assert fields_set(d) == {"task", "lease_id", "deadline"}
+    assert fields_set(d.task) == PLAIN_FIELDS | {"attempts"}
+
+
 async def test_batched_settles_keep_results_on_every_store(both: Both) -> None:
     """POST /jobs/settle's acks and NextJob's acks with results (one transaction each)."""
     ids = [await both.http.enqueue(i) for i in range(4)]

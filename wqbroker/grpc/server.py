@@ -237,7 +237,7 @@ def _fill_extensions(out: pb.Task, task: Task) -> None:
         _set_time(out.finished_at, task.finished_at)
     if task.result_ttl is not None:
         out.result_ttl_ms = round(task.result_ttl * 1000)
-    if task.after is not None:
+    if task.after:  # (None, or (): no parents)
         out.after.extend(task.after)
         out.waiting_for = task.waiting_for
 
@@ -246,7 +246,7 @@ def _fill_delivery(out: pb.Delivery, delivery: Delivery) -> None:
     _fill_task(out.task, delivery.task)
     out.lease_id = delivery.lease_id
     _set_time(out.deadline, delivery.deadline)
-    if delivery.parents is not None:
+    if delivery.parents:
         add = out.parents.add
         for parent in delivery.parents:
             if parent.result is None:
@@ -966,7 +966,7 @@ def _bound(deliveries: Sequence[Delivery], outcomes: Sequence[_Outcome]) -> int:
         total += len(t.payload) + 6 * texts + _DELIVERY_FRAME
         if t.progress is not None:  # (a hand-out has none: progress is a holder's)
             total += len(t.progress)
-        if d.parents is not None:  # (docs/design/results.md: the parents, their results)
+        if d.parents:  # (docs/design/results.md: the parents, their results)
             total += _parents_bound(d)
     for o in outcomes:
         total += 6 * (len(o.id) + len(o.lease_id)) + _OUTCOME_FRAME

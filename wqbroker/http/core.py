@@ -123,7 +123,7 @@ def _extensions(task: Task) -> bytes:
         parts.append(f',"finished_at":"{codec.rfc3339(task.finished_at)}"'.encode())
     if task.result_ttl is not None:
         parts.append(f',"result_ttl_ms":{round(task.result_ttl * 1000)}'.encode())  # (as given)
-    if task.after is not None:
+    if task.after:  # (None, or (): no parents)
         parts.append(b',"after":' + codec.dumps(list(task.after)))
         if task.waiting_for:
             parts.append(f',"waiting_for":{task.waiting_for}'.encode())
@@ -175,7 +175,7 @@ def render_delivery(delivery: Delivery) -> bytes:
             b'{"task":',
             render_task(delivery.task),
             lease.encode(),
-            b"}" if delivery.parents is None else _parents(delivery.parents),
+            _parents(delivery.parents) if delivery.parents else b"}",
         )
     )
 
