@@ -59,6 +59,7 @@ POSTGRES_MODULES: Final = frozenset(
     {
         "store/test_postgres.py",
         "store/test_postgres_control.py",
+        "store/test_postgres_results.py",
         "e2e/test_postgres_cluster.py",
         "e2e/test_postgres_failover.py",
     }

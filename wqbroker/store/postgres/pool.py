@@ -98,9 +98,11 @@ class _Again(Exception):
 
 
 def _again_after(attempt: int) -> float:
-    """The pause before the next try of a call ended in a deadlock (random, so that the two
-    sides do not meet again in step)."""
-    return random.uniform(0, 0.002 * 2**attempt)
+    """The pause before the next try of a call ended in a deadlock: long enough for the
+    transaction that went on to take what it waited for (made again at once, the call could take
+    it back first, and meet the same cycle), random so that two calls do not meet again in step
+    (5 to 20 ms, doubling each time)."""
+    return float(random.uniform(0.005, 0.02) * 2**attempt)
 
 
 #: What a server says when it is not, or no longer, the primary a store needs: read-only (a
@@ -140,6 +142,7 @@ class Pool:
         # Set when a call ran past its deadline: the probe (listener.py) looks at once.
         self.look = asyncio.Event()
         self._expiring: set[asyncio.Task[None]] = set()
+        self.retries = 0  # calls made again after a deadlock or a serialization failure
 
     async def connect(self, dsn: str, size: int) -> None:
         """Open the pool (its connections to a server of ``dsn`` that takes writes: dsn.py).
@@ -188,6 +191,7 @@ class Pool:
             try:
                 return await self._call(raw, raw.fetch(sql, *args))
             except _Again:
+                self.retries += 1
                 await asyncio.sleep(_again_after(attempt))
         raise StoreError(_GAVE_UP)
 
@@ -197,6 +201,7 @@ class Pool:
             try:
                 return await self._call(raw, raw.execute(sql, *args))
             except _Again:
+                self.retries += 1
                 await asyncio.sleep(_again_after(attempt))
         raise StoreError(_GAVE_UP)
 

@@ -349,6 +349,11 @@ class PostgresStore:
         """NOTIFYs sent (for the tests)."""
         return self._wake.announcements
 
+    @property
+    def retries(self) -> int:
+        """Calls made again after a deadlock or a serialization failure (for the tests)."""
+        return self._pool.retries
+
     # -- opening -----------------------------------------------------------------------------
 
     @classmethod
