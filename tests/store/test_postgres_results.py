@@ -536,6 +536,65 @@ async def test_a_child_counts_each_of_its_parents_acked_in_one_transaction_once(
     await consistent(a)
 
 
+# -- results pinned by their children -----------------------------------------------------------
+
+
+async def _deadline(dsn: str, task_id: str) -> float:
+    """When the sweep looks at a result next (the row's deadline)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        return float(
+            await conn.fetchval(
+                "SELECT deadline FROM wq.tasks WHERE id = $1 AND state = 5",
+                int(task_id, 16) - 2**63,
+            )
+        )
+    finally:
+        await conn.close()
+
+
+async def test_a_pinned_result_is_looked_at_again_later_and_when_its_child_leaves(
+    dsn: str, two: tuple[PostgresStore, PostgresStore]
+) -> None:
+    a, b = two
+    parents = [e.id for e in await a.enqueue_many([task(queue="p", ttl=5.0)] * 2, now=NOW)]
+    children = await a.enqueue_many(
+        [task(queue="c", after=[p], delay=1000.0) for p in parents], now=NOW
+    )
+    for d in await claim_all(a, "p"):
+        await a.ack(d.task.id, d.lease_id, now=NOW, result=b"1")
+    assert await _deadline(dsn, parents[0]) == NOW + 5
+    # Its time is up, but a child still needs it: not pruned, and not looked at again at every
+    # sweep (a minute later; or as soon as the child leaves).
+    result, due = await b.sweep(now=NOW + 10)
+    assert result.pruned == 0
+    assert due == pytest.approx(NOW + 70)
+    assert await _deadline(dsn, parents[0]) == NOW + 70
+    result, due = await a.sweep(now=NOW + 20)
+    assert (result.pruned, due) == (0, pytest.approx(NOW + 70))
+    await a.cancel(children[0].id, now=NOW + 30)
+    assert await _deadline(dsn, parents[0]) == NOW + 5  # (due again: its own time)
+    # A parent another transaction holds when its child leaves is not waited for: looked at
+    # again at its later time.
+    conn = await asyncpg.connect(dsn)
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                "SELECT 1 FROM wq.tasks WHERE id = $1 FOR UPDATE", int(parents[1], 16) - 2**63
+            )
+            await b.cancel(children[1].id, now=NOW + 30)
+    finally:
+        await conn.close()
+    result, due = await b.sweep(now=NOW + 31)
+    assert result.pruned == 1
+    assert await a.lookup(parents[0]) is None
+    assert due == pytest.approx(NOW + 70)
+    result, due = await a.sweep(now=NOW + 70)
+    assert (result.pruned, due) == (1, None)
+    stats = await consistent(a, b)
+    assert (stats.succeeded, stats.totals.cancelled) == (0, 2)
+
+
 # -- brokers at once -----------------------------------------------------------------------------
 
 
