@@ -1035,3 +1035,43 @@ async def test_requeue_all_and_nack_batches_keep_the_invariant(store: Store) -> 
     assert n == 6
     assert sorted(queues) == [C, P]
     await expect(store, ready=6, enqueued=6, delivered=3, nacked=3, buried=3, requeued=6)
+
+
+async def test_a_diamond_of_waiting_tasks_cancelled_cancels_each_once(store: Store) -> None:
+    parent = await add(store, queue=P)
+    done = await store.enqueue_many(
+        [
+            new(after=[parent], queue=C),  # 0: cancelled
+            new(after=[0], queue=C),  # 1
+            new(after=[0], queue=G),  # 2
+            new(after=[1, 2], queue=G),  # 3: a child of both
+        ],
+        now=NOW,
+    )
+    await store.cancel(done[0].id, now=NOW)
+    for enqueued in done:
+        assert await store.lookup(enqueued.id) is None
+    await expect(store, ready=1, enqueued=5, cancelled=4)
+
+
+async def test_a_cancelling_task_acked_with_a_result_succeeds_and_is_not_cancelling(
+    store: Store,
+) -> None:
+    task_id = await add(store)
+    d = await take(store)
+    await store.cancel(task_id, now=NOW)
+    await store.ack(task_id, d.lease_id, now=NOW, result=b"1")
+    found = await view(store, task_id)
+    assert (found.state, found.task.cancelling, found.task.result) == ("succeeded", False, b"1")
+
+
+async def test_a_succeeded_task_cannot_be_cancelled_nor_requeued_nor_purged(store: Store) -> None:
+    task_id = await add(store)
+    await run(store, result=b"1")
+    with pytest.raises(NotFound):
+        await store.cancel(task_id, now=NOW)
+    with pytest.raises(NotFound):
+        await store.requeue(task_id, now=NOW)
+    with pytest.raises(NotFound):
+        await store.purge(task_id)
+    assert await state_of(store, task_id) == "succeeded"

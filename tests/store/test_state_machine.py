@@ -6,15 +6,23 @@ with idempotency keys), claim (from lists of queues), ack, nack (on the backoff,
 terminal), extend, reclaim, release, requeue, requeue_all, purge, pause and resume, cancel (of a
 task in any state, or gone: a handed-out one becomes cancelling, and its holder's nack, reclaim,
 release or lapsed lease drops it), emptying a queue, lookups, listings page by page (each state's
-order), lease expiry and clock advances with a sweep, and (SQLite) restarts; it mirrors each step
-in a plain model: per queue, a ready lane per priority; the handed-out tasks with their leases,
-the delayed tasks with their due times, the dead-letter queue in burial order, the idempotency
-keys in their window, which queues are paused, and the totals of the store and of each queue.
-After every step it
-checks that each task is in exactly one collection, that the store's gauges, totals (global and per
-queue), queue rows and dead-letter queue match the model, that ``nacked + reclaimed == retried +
-buried`` and that ``ready + handed_out + delayed + dead == enqueued - acked - purged - cancelled -
+order), lease expiry and clock advances with a sweep, and (SQLite) restarts; results and
+workflows (docs/design/results.md): acks with results (kept for their TTL, pruned by sweeps, pinned
+by children), tasks enqueued after others (by id, or by index in the same call; waiting, released
+by their last parent's ack, born dead, buried or cancelled with their parents, transitively; an
+unknown parent refusing the whole call), their deliveries' parents. It mirrors each step in a
+plain model: per queue, a ready lane per priority; the handed-out tasks with their leases, the
+delayed tasks with their due times, the waiting tasks, the dead-letter queue in burial order, the
+results held, the idempotency keys in their window, which queues are paused, and the totals of the
+store and of each queue. After every step it checks that each task is in exactly one collection,
+that the store's gauges (``waiting`` and ``succeeded`` too), totals (global and per queue), queue
+rows and dead-letter queue match the model, that ``nacked + reclaimed == retried + buried`` and
+that ``ready + handed_out + delayed + dead + waiting == enqueued - acked - purged - cancelled -
 expired``.
+
+Results whose time is up and that no child pins any more: a store drops them at the latest at the
+next sweep (one may drop them at once); the model asks the store which it has dropped before it
+compares.
 
 The backoff's random draw is pinned (u = 0.5, so a retry waits 3/4 of the nominal delay) so that
 the model knows exactly when each retry becomes due; the jitter itself is covered elsewhere.
@@ -43,7 +51,8 @@ from hypothesis.stateful import (
 )
 
 from tests.helpers import BACKENDS, SQLITE_HOT, examples, invariant_holds, make_store
-from wqbroker.errors import Cancelled, LeaseLost, NotFound
+from wqbroker import limits
+from wqbroker.errors import Cancelled, LeaseLost, NotFound, UnknownParent
 from wqbroker.models import (
     CANCELLED,
     CANCELLING,
@@ -54,6 +63,7 @@ from wqbroker.models import (
     Failure,
     NackItem,
     NewTask,
+    ParentResult,
     Stats,
     Totals,
 )
@@ -95,6 +105,13 @@ class ModelTask:
     due: float = 0.0  # when delayed
     delay_seq: int = 0  # when delayed: tie-break for equal due times
     cancelling: bool = False  # when handed out: a cancel came
+    # docs/design/results.md
+    after: tuple[str, ...] = ()  # its parents
+    waiting_for: int = 0  # when waiting: parents not yet succeeded
+    delay: float = 0.0  # its delay, from its release when it waits
+    ttl: float = limits.DEFAULT_RESULT_TTL_MS / 1000  # seconds its result is kept
+    result: bytes | None = None  # when succeeded
+    finished_at: float = 0.0  # when succeeded
 
 
 @dataclass
@@ -113,6 +130,7 @@ DELAYS = st.sampled_from([0.0, 0.0, 0.5, 1.0, 3.0])
 STEPS = st.sampled_from([0.25, 0.5, 1.0, 2.0, 5.0, 16.0, 31.0])
 ERRORS = st.sampled_from([None, "boom", "timeout", ""])
 QUEUES = st.sampled_from([DEFAULT_QUEUE, DEFAULT_QUEUE, "a", "b"])
+LEASE = 10.0
 PRIORITIES = st.sampled_from([0, 0, 1, 9])
 KEYS = st.sampled_from([None, None, "k1", "k2"])
 WINDOWS = st.sampled_from([1.0, 4.0, 300.0])
@@ -122,6 +140,9 @@ CLAIM_QUEUES = st.lists(
 )
 NACK_DELAYS = st.sampled_from([None, None, 0.0, 0.5, 7.0])
 SUBMISSIONS = st.tuples(DELAYS, st.integers(1, 3), QUEUES, PRIORITIES, KEYS, WINDOWS)
+# docs/design/results.md: result TTLs (None: the default, an hour: longer than any run), results.
+TTLS = st.sampled_from([None, None, 0.0, 2.0, 8.0])
+RESULTS = st.sampled_from([None, b"null", b'{"r": [1, 2.50]}', b'"\\u00e9"'])
 
 
 class StoreMachine(RuleBasedStateMachine):
@@ -150,6 +171,15 @@ class StoreMachine(RuleBasedStateMachine):
         self.keys: dict[tuple[str, str], tuple[str, float]] = {}  # -> (task id, until)
         self.old_leases: list[tuple[str, str]] = []  # (task id, lease id) no longer current
         self.totals = Totals()
+        # docs/design/results.md: waiting tasks (in the order enqueued; in ``tasks`` too), results
+        # held (in the order they finished; not in ``tasks``: acked), each task's children in
+        # the order enqueued (gone ones too), and the burials made together with others by a
+        # cascade (by step: their order among themselves is the store's own).
+        self.waiting: dict[str, ModelTask] = {}
+        self.succeeded: dict[str, ModelTask] = {}
+        self.children: dict[str, list[str]] = {}
+        self.together: dict[str, int] = {}
+        self.steps = 0
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
@@ -233,6 +263,7 @@ class StoreMachine(RuleBasedStateMachine):
             return False, retry_at
         self.dead.append(task.id)
         self.count(task, "buried")
+        self.orphan(task.id, f"is dead: {error}" if error else "is dead")
         return True, None
 
     def drop_cancelled(self, task: ModelTask) -> None:
@@ -242,13 +273,104 @@ class StoreMachine(RuleBasedStateMachine):
         self.cancelled.add(task.id)
         self.old_leases.append((task.id, task.lease_id or ""))
         self.count(task, "cancelled")
+        self.orphan(task.id, "was cancelled")
+
+    # -- results and workflows (docs/design/results.md) --------------------------------------
+
+    def orphan(self, task_id: str, why: str) -> None:
+        """A task ended dead, cancelled or expired: its waiting children are buried, and
+        theirs (breadth first), not counted buried."""
+        todo = deque([(task_id, why)])
+        buried = False
+        while todo:
+            parent, reason = todo.popleft()
+            for child_id in self.children.get(parent, ()):
+                child = self.waiting.pop(child_id, None)
+                if child is None:
+                    continue
+                error = limits.error_value(f"parent {parent} {reason}")
+                assert error is not None
+                child.last_error = error
+                child.waiting_for = 0
+                self.dead.append(child_id)
+                self.together[child_id] = self.steps
+                buried = True
+                todo.append((child_id, f"is dead: {error}"))
+        if buried and task_id in self.dead:
+            self.together[task_id] = self.steps
+
+    def cancel_waiting(self, task: ModelTask) -> None:
+        """A waiting task cancelled: it and its waiting children, transitively."""
+        todo = deque([task])
+        while todo:
+            one = todo.popleft()
+            if one.id not in self.waiting:  # (a child of two of them: cancelled already)
+                continue
+            del self.waiting[one.id]
+            del self.tasks[one.id]
+            self.cancelled.add(one.id)
+            self.count(one, "cancelled")
+            todo.extend(self.waiting[c] for c in self.children.get(one.id, ()) if c in self.waiting)
+
+    def acked_now(self, task: ModelTask, result: bytes | None) -> None:
+        """A handed-out task acked (its lease is gone already): forgotten, or kept succeeded;
+        its waiting children whose last pending parent it was released."""
+        del self.tasks[task.id]
+        self.acked.add(task.id)
+        self.count(task, "acked")
+        if result is not None and task.ttl > 0:
+            task.result, task.finished_at = result, self.now
+            self.succeeded[task.id] = task
+        for child_id in self.children.get(task.id, ()):
+            child = self.waiting.get(child_id)
+            if child is None:
+                continue
+            child.waiting_for -= 1
+            if child.waiting_for == 0:
+                del self.waiting[child_id]
+                if child.delay > 0:
+                    self.to_delayed(child, self.now + child.delay)
+                else:
+                    child.available_at = self.now
+                    self.to_ready(child)
+
+    def pinned(self, task_id: str) -> bool:
+        """Whether a child that is not yet succeeded (nor gone) names the task."""
+        return any(c in self.tasks for c in self.children.get(task_id, ()))
+
+    def prunable(self) -> list[str]:
+        """Results whose time is up and that no child pins: the store drops them by the next
+        sweep."""
+        return [
+            t.id
+            for t in self.succeeded.values()
+            if t.finished_at + t.ttl <= self.now and not self.pinned(t.id)
+        ]
+
+    def sync_pruned(self) -> None:
+        """Drop from the model the results the store has dropped already (it may, once they
+        are prunable)."""
+        for task_id in self.prunable():
+            if self.run(self.store.lookup(task_id)) is None:
+                del self.succeeded[task_id]
+
+    def live_ids(self) -> list[str]:
+        """Tasks a new task may name as a parent."""
+        return sorted({*self.tasks, *self.succeeded})
+
+    def gone_ids(self) -> list[str]:
+        """Tasks that are not live any more (a new task may not name them)."""
+        return sorted((self.acked - set(self.succeeded)) | self.purged | self.cancelled)
 
     def next_due(self) -> float | None:
         times = [t.deadline for t in self.handed.values()]
         times += [t.due for t in self.delayed.values()]
+        times += [t.finished_at + t.ttl for t in self.succeeded.values() if not self.pinned(t.id)]
         return min(times) if times else None
 
     def sweep_and_check(self) -> None:
+        self.sync_pruned()
+        must = set(self.prunable())  # (those unpinned by the sweep's reclaims: by the next)
         expired = sorted(
             (t for t in self.handed.values() if t.deadline <= self.now),
             key=lambda t: (t.deadline, t.claim_seq),
@@ -261,20 +383,41 @@ class StoreMachine(RuleBasedStateMachine):
             self.count(task, "reclaimed")
             self.fail(task, "lease expired")
         promoted = self.promote_due()
+        may = set(self.prunable())
         result, next_due = self.run(self.store.sweep(now=self.now))
         assert sorted(result.reclaimed) == expected_reclaims
         assert result.promoted == promoted
-        assert next_due == self.next_due()
+        for task_id in must:
+            del self.succeeded[task_id]
+        dropped = {i for i in may - must if self.run(self.store.lookup(i)) is None}
+        for task_id in dropped:
+            del self.succeeded[task_id]
+        assert len(must) <= result.pruned <= len(must) + len(dropped), (result.pruned, must)
+        expected = self.next_due()
+        if not self.succeeded:
+            assert next_due == expected
+        elif expected is not None:  # (a result's time may wake it while a child pins it)
+            assert next_due is not None
+            assert next_due <= expected
 
-    def new_task(self, submission: tuple[float, int, str, int, str | None, float]) -> NewTask:
+    def new_task(
+        self,
+        submission: tuple[float, int, str, int, str | None, float],
+        ttl: float | None = None,
+        after: tuple[str | int, ...] = (),
+    ) -> NewTask:
         delay, max_attempts, queue, priority, key, window = submission
         self.payload_n += 1
         payload = b'{"n": %d}' % self.payload_n
         until = self.now + window if key is not None else 0.0
-        return NewTask(payload, max_attempts, delay, queue, priority, key, until)
+        new = NewTask(payload, max_attempts, delay, queue, priority, key, until, after=after)
+        if ttl is not None:
+            new.result_ttl, new.result_ttl_given = ttl, True
+        return new
 
-    def enqueued(self, new: NewTask, done: Enqueued) -> None:
-        """Check one enqueue's answer against the model, and put it in the model."""
+    def enqueued(self, new: NewTask, done: Enqueued, parents: tuple[str, ...] = ()) -> None:
+        """Check one enqueue's answer against the model, and put it in the model (``parents``:
+        its ``after``, indices made ids)."""
         if new.key is not None:
             found = self.keys.get((new.queue, new.key))
             if found is not None and found[1] > self.now:
@@ -291,19 +434,37 @@ class StoreMachine(RuleBasedStateMachine):
             new.max_attempts,
             new.payload,
         )
-        assert (view.queue, view.priority, view.last_error) == (new.queue, new.priority, None)
+        assert (view.queue, view.priority) == (new.queue, new.priority)
         assert view.created_at == self.now
         assert view.available_at == self.now + new.delay
+        assert view.after == (parents or None)
+        assert view.result_ttl == (new.result_ttl if new.result_ttl_given else None)
         task = ModelTask(view.id, new.payload, new.max_attempts, new.queue, new.priority, self.now)
+        task.after, task.delay, task.ttl = parents, new.delay, new.result_ttl
+        task.available_at = self.now + new.delay
         self.tasks[task.id] = task
         self.queue(new.queue)
         self.count(task, "enqueued")
         if new.key is not None:
             self.keys[(new.queue, new.key)] = (task.id, new.key_until)
-        if new.delay > 0:
+        for parent in parents:
+            self.children.setdefault(parent, []).append(task.id)
+        dead = [p for p in parents if p in self.tasks and p in self.dead]
+        pending = [p for p in parents if p in self.tasks and p not in self.dead]
+        if dead:
+            error = self.tasks[dead[0]].last_error
+            task.last_error = (
+                f"parent {dead[0]} is dead: {error}" if error else (f"parent {dead[0]} is dead")
+            )
+            self.dead.append(task.id)
+        elif pending:
+            task.waiting_for = len(pending)
+            self.waiting[task.id] = task
+        elif new.delay > 0:
             self.to_delayed(task, self.now + new.delay)
         else:
             self.to_ready(task)
+        assert (view.last_error, view.waiting_for) == (task.last_error, task.waiting_for)
 
     # -- rules -----------------------------------------------------------------------------
 
@@ -311,18 +472,24 @@ class StoreMachine(RuleBasedStateMachine):
         tasks=st.lists(SUBMISSIONS, max_size=6),
         claims=st.integers(0, 4),
         lease=LEASES,
+        data=st.data(),
+        graph=st.lists(st.tuples(SUBMISSIONS, TTLS), max_size=5),
     )
     def start(
         self,
         tasks: list[tuple[float, int, str, int, str | None, float]],
         claims: int,
         lease: float,
+        data: st.DataObject,
+        graph: list[tuple[tuple[float, int, str, int, str | None, float], float | None]],
     ) -> None:
         stats = self.run(self.store.stats())
         assert stats.totals == Totals()
         assert self.run(self.store.queues()) == []
         for submission in tasks:
             self.enqueue(submission)
+        if graph:  # (most runs start with a few tasks waiting for others)
+            self.enqueue_after(data, graph)
         for _ in range(claims):
             self.claim(lease, [DEFAULT_QUEUE, "a", "b"])
 
@@ -344,15 +511,96 @@ class StoreMachine(RuleBasedStateMachine):
         )
         self.enqueued(new, done)
 
-    @rule(submissions=st.lists(SUBMISSIONS, max_size=4))
+    @rule(submissions=st.lists(SUBMISSIONS, max_size=4), ttl=TTLS)
     def enqueue_many(
-        self, submissions: list[tuple[float, int, str, int, str | None, float]]
+        self, submissions: list[tuple[float, int, str, int, str | None, float]], ttl: float | None
     ) -> None:
-        items = [self.new_task(s) for s in submissions]
+        items = [self.new_task(s, ttl) for s in submissions]
         done = self.run(self.store.enqueue_many(items, now=self.now))
         assert len(done) == len(items)
         for new, answer in zip(items, done, strict=True):  # in order: a key may repeat
             self.enqueued(new, answer)
+
+    @rule(
+        data=st.data(),
+        submissions=st.lists(st.tuples(SUBMISSIONS, TTLS), min_size=1, max_size=3),
+    )
+    def enqueue_after(
+        self,
+        data: st.DataObject,
+        submissions: list[tuple[tuple[float, int, str, int, str | None, float], float | None]],
+    ) -> None:
+        """Tasks after others (docs/design/results.md): each names live tasks or earlier items
+        of the same call (or none)."""
+        live = self.live_ids()
+        items = []
+        for i, (submission, ttl) in enumerate(submissions):
+            choices: list[str | int] = [*live, *range(i)]
+            after = data.draw(
+                st.lists(st.sampled_from(choices), max_size=3, unique=True)
+                if choices
+                else st.just([]),
+                label="after",
+            )
+            no_key = (*submission[:4], None, submission[5])
+            items.append(self.new_task(no_key, ttl, tuple(after)))
+        done = self.run(self.store.enqueue_many(items, now=self.now))
+        assert len(done) == len(items)
+        for new, answer in zip(items, done, strict=True):
+            parents = tuple(done[p].id if isinstance(p, int) else p for p in new.after)
+            self.enqueued(new, answer, parents)
+
+    @rule(result=RESULTS)
+    def drain(self, result: bytes | None) -> None:
+        """Workers that run every ready task (those released meanwhile too), each acked at once
+        with a result: parents hand their results to their children."""
+        for _ in range(10):
+            if not self.ran([DEFAULT_QUEUE, "a", "b"], 4, result):
+                return
+
+    @rule(queues=CLAIM_QUEUES, n=st.integers(1, 4), result=RESULTS)
+    def run_tasks(self, queues: list[str], n: int, result: bytes | None) -> None:
+        """Workers that take tasks and ack them at once with a result (the way results and
+        children are made, and children released)."""
+        self.ran(queues, n, result)
+
+    def ran(self, queues: list[str], n: int, result: bytes | None) -> int:
+        """Up to ``n`` tasks of ``queues`` claimed and acked with ``result``: how many."""
+        self.promote_due()
+        deliveries = self.run(self.store.claim_many([LEASE] * n, now=self.now, queues=queues))
+        expected = []
+        for _ in range(n):
+            task = self.pick(queues)
+            if task is None:
+                break
+            expected.append(task)
+        assert [d.task.id for d in deliveries] == [t.id for t in expected]
+        for task, delivery in zip(expected, deliveries, strict=True):
+            self.handed_out(task, delivery, LEASE)
+        acks = [(d.task.id, d.lease_id) for d in deliveries]
+        results = {d.task.id: result for d in deliveries} if result is not None else None
+        acked, _ = self.run(self.store.settle_many(acks, [], now=self.now, results=results))
+        assert acked == [None] * len(acks)
+        for task in expected:
+            del self.handed[task.id]
+            self.old_leases.append((task.id, task.lease_id or ""))
+            self.acked_now(task, result)
+        return len(expected)
+
+    @rule(data=st.data(), ttl=TTLS)
+    def enqueue_after_a_task_gone(self, data: st.DataObject, ttl: float | None) -> None:
+        """A call naming a parent that is not live is refused whole: nothing of it is done."""
+        gone = data.draw(
+            st.sampled_from([*self.gone_ids(), "0123456789abcdef", "not-an-id"]), label="gone"
+        )
+        live = self.live_ids()
+        first = self.new_task((0.0, 1, DEFAULT_QUEUE, 0, None, 1.0))
+        after: tuple[str | int, ...] = (*live[:2], 0, gone)
+        second = self.new_task((0.0, 1, "a", 0, None, 1.0), ttl, after)
+        with pytest.raises(UnknownParent) as raised:
+            self.run(self.store.enqueue_many([first, second], now=self.now))
+        assert (raised.value.item, raised.value.position) == (1, len(after) - 1)
+        assert raised.value.task_id == gone
 
     @rule(lease=LEASES, queues=CLAIM_QUEUES)
     def claim(self, lease: float, queues: list[str]) -> None:
@@ -393,6 +641,14 @@ class StoreMachine(RuleBasedStateMachine):
         assert delivery.deadline == self.now + lease
         assert all(delivery.lease_id != lease_id for _, lease_id in self.old_leases)
         assert all(delivery.lease_id != t.lease_id for t in self.handed.values())
+        if task.after:
+            parents = [
+                ParentResult(p, self.succeeded[p].result if p in self.succeeded else None)
+                for p in task.after
+            ]
+            assert delivery.parents == parents
+        else:
+            assert delivery.parents is None
         task.lease_id = delivery.lease_id
         task.deadline = delivery.deadline
         task.claim_seq = self.next_seq()
@@ -403,15 +659,13 @@ class StoreMachine(RuleBasedStateMachine):
         return self.handed[data.draw(st.sampled_from(sorted(self.handed)), label="handed")]
 
     @precondition(lambda self: self.handed)
-    @rule(data=st.data())
-    def ack(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), result=RESULTS)
+    def ack(self, data: st.DataObject, result: bytes | None) -> None:
         task = self.pick_handed(data)
-        self.run(self.store.ack(task.id, task.lease_id or "", now=self.now))
+        self.run(self.store.ack(task.id, task.lease_id or "", now=self.now, result=result))
         del self.handed[task.id]
-        del self.tasks[task.id]
-        self.acked.add(task.id)
         self.old_leases.append((task.id, task.lease_id or ""))
-        self.count(task, "acked")
+        self.acked_now(task, result)
 
     @precondition(lambda self: self.handed)
     @rule(data=st.data(), error=ERRORS, delay=NACK_DELAYS, terminal=st.booleans())
@@ -455,7 +709,14 @@ class StoreMachine(RuleBasedStateMachine):
         if self.old_leases and stale:
             task_id, lease_id = data.draw(st.sampled_from(self.old_leases), label="stale lease")
             acks.append((task_id, lease_id))
-        acked, nacked = self.run(self.store.settle_many(acks, nacks, now=self.now))
+        results: dict[str, bytes] = {}
+        for task_id, _ in acks:
+            kept = data.draw(RESULTS, label="result")
+            if kept is not None:
+                results[task_id] = kept
+        acked, nacked = self.run(
+            self.store.settle_many(acks, nacks, now=self.now, results=results or None)
+        )
         for (task_id, lease_id), outcome in zip(acks, acked, strict=True):
             if task_id not in self.handed or self.handed[task_id].lease_id != lease_id:
                 expected = LeaseLost if task_id in self.handed else NotFound
@@ -463,10 +724,8 @@ class StoreMachine(RuleBasedStateMachine):
                 continue
             assert outcome is None
             task = self.handed.pop(task_id)
-            del self.tasks[task_id]
-            self.acked.add(task_id)
             self.old_leases.append((task_id, lease_id))
-            self.count(task, "acked")
+            self.acked_now(task, results.get(task_id))
         for item, result in zip(nacks, nacked, strict=True):
             task = self.handed[item.task_id]
             if task.cancelling:
@@ -542,6 +801,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def revive(self, task_id: str) -> None:
         self.dead.remove(task_id)
+        self.together.pop(task_id, None)
         task = self.tasks[task_id]
         task.attempts = 0
         task.last_error = None
@@ -572,6 +832,7 @@ class StoreMachine(RuleBasedStateMachine):
         task_id = data.draw(st.sampled_from(self.dead), label="dead")
         self.run(self.store.purge(task_id))
         self.dead.remove(task_id)
+        self.together.pop(task_id, None)
         task = self.tasks.pop(task_id)
         self.purged.add(task_id)
         self.count(task, "purged")
@@ -594,7 +855,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def cancel(self, data: st.DataObject) -> None:
-        """Cancel any task, or one gone, or none."""
+        """Cancel any task, or one gone, or none (a succeeded one: it was acked)."""
         known = {*self.tasks, *self.acked, *self.purged, *self.cancelled}
         task_id = data.draw(st.sampled_from([*sorted(known), "0123456789abcdef"]), label="cancel")
         task = self.tasks.get(task_id)
@@ -611,11 +872,15 @@ class StoreMachine(RuleBasedStateMachine):
         if task_id in self.dead:
             assert result.state == PURGED
             self.dead.remove(task_id)
+            self.together.pop(task_id, None)
             del self.tasks[task_id]
             self.purged.add(task_id)
             self.count(task, "purged")
             return
         assert (result.state, result.lease_id) == (CANCELLED, None)
+        if task_id in self.waiting:
+            self.cancel_waiting(task)
+            return
         if task_id in self.delayed:
             del self.delayed[task_id]
         else:
@@ -623,6 +888,7 @@ class StoreMachine(RuleBasedStateMachine):
         del self.tasks[task_id]
         self.cancelled.add(task_id)
         self.count(task, "cancelled")
+        self.orphan(task_id, "was cancelled")
 
     @rule(queue=st.sampled_from([DEFAULT_QUEUE, "a", "b", "never"]))
     def empty_queue(self, queue: str) -> None:
@@ -630,16 +896,27 @@ class StoreMachine(RuleBasedStateMachine):
             with pytest.raises(NotFound):
                 self.run(self.store.empty_queue(queue, now=self.now))
             return
-        gone = [i for lane in self.queues[queue].lanes.values() for i in lane]
-        gone += [i for i, t in self.delayed.items() if t.queue == queue]
-        assert self.run(self.store.empty_queue(queue, now=self.now)) == len(gone)
-        for lane in self.queues[queue].lanes.values():
+        before = self.totals.cancelled
+        for task in [t for t in self.waiting.values() if t.queue == queue]:
+            if task.id in self.waiting:  # (not cancelled with a parent already)
+                self.cancel_waiting(task)
+        lanes = self.queues[queue].lanes
+        gone = [i for p in sorted(lanes) for i in lanes[p]]
+        gone += [
+            t.id
+            for t in sorted(self.delayed.values(), key=lambda t: (t.due, t.delay_seq))
+            if t.queue == queue
+        ]
+        for lane in lanes.values():
             lane.clear()
         for task_id in gone:
             self.delayed.pop(task_id, None)
             task = self.tasks.pop(task_id)
             self.cancelled.add(task_id)
             self.count(task, "cancelled")
+            self.orphan(task_id, "was cancelled")
+        n = self.run(self.store.empty_queue(queue, now=self.now))
+        assert n == self.totals.cancelled - before
 
     @rule(size=st.sampled_from([1, 2, 5, 1000]))
     def listings_match_the_model(self, size: int) -> None:
@@ -660,10 +937,12 @@ class StoreMachine(RuleBasedStateMachine):
                 "ready": ready,
                 "delayed": [t.id for t in delayed],
                 "handed_out": [t.id for t in handed],
-                "dead": dead,
+                "waiting": [i for i, t in self.waiting.items() if t.queue == name],
+                "succeeded": [i for i, t in self.succeeded.items() if t.queue == name],
             }
             for state, ids in expected.items():
                 assert self.listed(name, state, size) == ids, (name, state)
+            assert self.canonical(self.listed(name, "dead", size)) == self.canonical(dead)
 
     def listed(self, queue: str, state: str, size: int) -> list[str]:
         out: list[str] = []
@@ -686,7 +965,7 @@ class StoreMachine(RuleBasedStateMachine):
         candidates = [*sorted({*self.tasks, *self.acked, *self.purged}), "no-such-task"]
         task_id = data.draw(st.sampled_from(candidates), label="looked up")
         found = self.run(self.store.lookup(task_id))
-        task = self.tasks.get(task_id)
+        task = self.tasks.get(task_id) or self.succeeded.get(task_id)
         if task is None:
             assert found is None
             return
@@ -697,9 +976,18 @@ class StoreMachine(RuleBasedStateMachine):
             state = "delayed"
         elif task_id in self.dead:
             state = "dead"
+        elif task_id in self.waiting:
+            state = "waiting"
+        elif task_id in self.succeeded:
+            state = "succeeded"
         else:
             state = "ready"
         assert found.state == state
+        assert (found.task.after, found.task.waiting_for) == (task.after or None, task.waiting_for)
+        if state == "succeeded":
+            assert (found.task.result, found.task.finished_at) == (task.result, task.finished_at)
+        else:
+            assert (found.task.result, found.task.finished_at) == (None, None)
         view = found.task
         assert view.id == task_id
         assert (view.payload, view.attempts, view.max_attempts) == (
@@ -770,20 +1058,35 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def each_task_is_in_exactly_one_collection(self) -> None:
+        self.steps += 1  # (burials after this one are not made together with those before)
+        self.sync_pruned()
         ready = self.ready_ids()
-        collections = [set(ready), set(self.handed), set(self.delayed), set(self.dead)]
+        collections = [
+            set(ready),
+            set(self.handed),
+            set(self.delayed),
+            set(self.dead),
+            set(self.waiting),
+        ]
         assert len(ready) == len(collections[0]), "a task is twice in ready"
         assert sum(len(c) for c in collections) == len(self.tasks)
         assert set().union(*collections) == set(self.tasks)
         assert not (self.acked | self.purged) & set(self.tasks)
+        assert set(self.succeeded) <= self.acked
 
     def expect_stats(self, stats: Stats, tasks: list[ModelTask], totals: Totals) -> None:
         def n(ids: Collection[str]) -> int:
             return sum(1 for t in tasks if t.id in ids)
 
         ready = set(self.ready_ids())
-        gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead)
-        assert gauges == (n(ready), n(self.handed), n(self.delayed), n(set(self.dead)))
+        gauges = (stats.ready, stats.handed_out, stats.delayed, stats.dead, stats.waiting)
+        assert gauges == (
+            n(ready),
+            n(self.handed),
+            n(self.delayed),
+            n(set(self.dead)),
+            n(self.waiting),
+        )
         assert stats.totals == totals
         assert invariant_holds(stats), stats.totals
         t = stats.totals
@@ -791,12 +1094,19 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def gauges_and_totals_match_the_model(self) -> None:
+        self.sync_pruned()
         tasks = list(self.tasks.values())
-        self.expect_stats(self.run(self.store.stats()), tasks, self.totals)
+        stats = self.run(self.store.stats())
+        self.expect_stats(stats, tasks, self.totals)
+        assert stats.succeeded == len(self.succeeded)
         for name, q in self.queues.items():
             mine = [t for t in tasks if t.queue == name]
-            self.expect_stats(self.run(self.store.stats(name)), mine, q.totals)
+            stats = self.run(self.store.stats(name))
+            self.expect_stats(stats, mine, q.totals)
+            assert stats.succeeded == sum(1 for t in self.succeeded.values() if t.queue == name)
         assert self.run(self.store.stats("never")) == Stats()
+        held = self.store.held_hint()
+        assert held is None or held == len(self.tasks) - len(self.dead) + len(self.succeeded)
 
     @invariant()
     def queue_rows_match_the_model(self) -> None:
@@ -808,6 +1118,9 @@ class StoreMachine(RuleBasedStateMachine):
             handed = sum(1 for t in mine if t.id in self.handed)
             delayed = sum(1 for t in mine if t.id in self.delayed)
             dead = sum(1 for t in mine if t.id in self.dead)
+            waiting = sum(1 for t in mine if t.id in self.waiting)
+            self.sync_pruned()
+            succeeded = sum(1 for t in self.succeeded.values() if t.queue == row.name)
             assert (row.ready, row.handed_out, row.delayed, row.dead, row.paused) == (
                 q.ready(),
                 handed,
@@ -815,11 +1128,27 @@ class StoreMachine(RuleBasedStateMachine):
                 dead,
                 q.paused,
             )
+            assert (row.waiting, row.succeeded) == (waiting, succeeded)
+
+    def canonical(self, ids: list[str]) -> list[str]:
+        """A burial order, tasks buried together by one cascade sorted among themselves (their
+        order is the store's own)."""
+        out: list[str] = []
+        run: list[str] = []
+        group: int | None = None
+        for task_id in ids:
+            mine = self.together.get(task_id)
+            if mine is not None and mine == group:
+                run.append(task_id)
+                continue
+            out += sorted(run)
+            run, group = [task_id], mine
+        return out + sorted(run)
 
     @invariant()
     def the_dead_letter_queue_matches_the_model(self) -> None:
         views = self.run(self.store.dead_letters())
-        assert [v.id for v in views] == self.dead
+        assert self.canonical([v.id for v in views]) == self.canonical(self.dead)
         for view in views:
             task = self.tasks[view.id]
             assert (view.attempts, view.last_error) == (task.attempts, task.last_error)
@@ -827,7 +1156,8 @@ class StoreMachine(RuleBasedStateMachine):
             assert view.attempts <= task.max_attempts
         for name in self.queues:
             mine = [i for i in self.dead if self.tasks[i].queue == name]
-            assert [v.id for v in self.run(self.store.dead_letters(queue=name))] == mine
+            listed = [v.id for v in self.run(self.store.dead_letters(queue=name))]
+            assert self.canonical(listed) == self.canonical(mine)
 
     @invariant()
     def index_internals_agree(self) -> None:

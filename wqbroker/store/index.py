@@ -1433,6 +1433,8 @@ class Index:
         """A task acked with a result: kept, until its TTL runs out and no child pins it."""
         record.state = SUCCEEDED
         record.seq = self._next_seq()
+        if record.ctl is not None:
+            record.ctl.cancelling = False  # (acked: it ran its course)
         flow = record.flow
         if flow is None:
             flow = record.flow = Flow()
@@ -1595,6 +1597,8 @@ class Index:
         todo: deque[Record] = deque([record])
         while todo:
             task = todo.popleft()
+            if task.state != WAITING:  # (a child of two of them: cancelled already)
+                continue
             flow = task.flow
             assert flow is not None
             self._unwait(task)
