@@ -1311,15 +1311,21 @@ class Index:
     def _link(self, task_id: int, flow: Flow) -> None:
         """A new task is its parents' child (each pinned by it)."""
         for n in flow.after:
-            parent = self.flow_of(n)
-            if parent is None:
-                record = self._record_of(n)
-                if record is not None:
-                    parent = record.flow = Flow()
-                else:  # a cold ready task
-                    parent = self._cold_flows[n] = Flow()
+            parent = self._made_flow(n)
             parent.children[task_id] = None
             parent.pins += 1
+
+    def _made_flow(self, n: int) -> Flow:
+        """A task's flow, made if it has none (the task is there: in memory, or cold)."""
+        record = self._record_of(n)
+        if record is not None:
+            if record.flow is None:
+                record.flow = Flow()
+            return record.flow
+        flow = self._cold_flows.get(n)
+        if flow is None:
+            flow = self._cold_flows[n] = Flow()
+        return flow
 
     def claim(  # noqa: C901 (inlined: this runs for every task)
         self, queues: Sequence[str], lease: float, now: float
@@ -1978,28 +1984,21 @@ class Index:
         parent's state)`` (None: the parent is gone), in the order they were made, once every
         task is back (a task not in memory is a cold ready one); then count what each waiting
         task waits for."""
+        parents: dict[int, list[int]] = {}  # (lists while they grow: a tuple would be copied)
         for child, parent, parent_state in edges:
-            flow = self.flow_of(child)
-            if flow is None:
-                record = self._record_of(child)
-                if record is not None:
-                    flow = record.flow = Flow()
-                else:
-                    flow = self._cold_flows[child] = Flow()
-            flow.after += (parent,)
+            after = parents.get(child)
+            if after is None:
+                after = parents[child] = []
+            after.append(parent)
             if parent_state is None:
                 continue
-            parent_flow = self.flow_of(parent)
-            if parent_flow is None:
-                record = self._record_of(parent)
-                if record is not None:
-                    parent_flow = record.flow = Flow()
-                else:
-                    parent_flow = self._cold_flows[parent] = Flow()
+            parent_flow = self._made_flow(parent)
             parent_flow.children[child] = None
             child_record = self._record_of(child)
             if child_record is None or child_record.state != SUCCEEDED:
                 parent_flow.pins += 1
+        for child, after in parents.items():
+            self._made_flow(child).after = tuple(after)
         for record in self._waiting.values():
             flow = record.flow
             assert flow is not None
