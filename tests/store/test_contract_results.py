@@ -11,6 +11,7 @@ cancelled - expired``."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -42,12 +43,15 @@ UNKNOWN = "0123456789abcdef"
 
 @pytest.fixture(autouse=True)
 async def _structures_agree(store: Store) -> AsyncIterator[None]:
-    """After each test, a store built on an Index (memory, SQLite) finds its own structures in
-    agreement (its lines, heaps, parents and children, pins, totals: Index.check_invariants)."""
+    """After each test, the store finds its own structures in agreement (an Index, memory and
+    SQLite: its lines, heaps, parents and children, pins, totals; PostgreSQL: its counters and
+    its tasks)."""
     yield
     check = getattr(store, "check_invariants", None)
     if check is not None:
-        check()
+        checked = check()
+        if inspect.isawaitable(checked):
+            await checked
 
 
 def new(
