@@ -599,12 +599,15 @@ async def test_a_parent_retried_does_not_bury_its_children(store: Store) -> None
     assert await state_of(store, child) == "waiting"
 
 
-async def test_a_dead_parent_without_an_error(store: Store) -> None:
+@pytest.mark.parametrize("error", [None, ""])
+async def test_a_dead_parent_without_an_error(store: Store, error: str | None) -> None:
     parent = await add(store, queue=P)
     child = await add(store, after=[parent], queue=C)
     d = await take(store, P)
-    await store.nack(parent, d.lease_id, None, now=NOW, terminal=True)
+    await store.nack(parent, d.lease_id, error, now=NOW, terminal=True)
     assert (await view(store, child)).task.last_error == f"parent {parent} is dead"
+    born = await add(store, after=[parent], queue=C)
+    assert (await view(store, born)).task.last_error == f"parent {parent} is dead"
 
 
 async def test_a_childs_error_is_cut_to_the_usual_size(store: Store) -> None:

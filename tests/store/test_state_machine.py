@@ -180,6 +180,8 @@ class StoreMachine(RuleBasedStateMachine):
         self.children: dict[str, list[str]] = {}
         self.together: dict[str, int] = {}
         self.steps = 0
+        self.step_buried: list[str] = []  # burials of this step
+        self.step_cascaded = False  # one of them buried waiting children
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
@@ -262,6 +264,7 @@ class StoreMachine(RuleBasedStateMachine):
             self.count(task, "retried")
             return False, retry_at
         self.dead.append(task.id)
+        self.step_buried.append(task.id)
         self.count(task, "buried")
         self.orphan(task.id, f"is dead: {error}" if error else "is dead")
         return True, None
@@ -281,7 +284,6 @@ class StoreMachine(RuleBasedStateMachine):
         """A task ended dead, cancelled or expired: its waiting children are buried, and
         theirs (breadth first), not counted buried."""
         todo = deque([(task_id, why)])
-        buried = False
         while todo:
             parent, reason = todo.popleft()
             for child_id in self.children.get(parent, ()):
@@ -293,11 +295,19 @@ class StoreMachine(RuleBasedStateMachine):
                 child.last_error = error
                 child.waiting_for = 0
                 self.dead.append(child_id)
-                self.together[child_id] = self.steps
-                buried = True
+                self.step_buried.append(child_id)
+                self.step_cascaded = True
                 todo.append((child_id, f"is dead: {error}"))
-        if buried and task_id in self.dead:
-            self.together[task_id] = self.steps
+
+    def step_done(self) -> None:
+        """A step's burials, if one of them buried waiting children, were made together: their
+        order among themselves is the store's own (one may bury the parents of a sweep first,
+        then their children)."""
+        if self.step_cascaded:
+            for task_id in self.step_buried:
+                self.together[task_id] = self.steps
+        self.step_buried, self.step_cascaded = [], False
+        self.steps += 1
 
     def cancel_waiting(self, task: ModelTask) -> None:
         """A waiting task cancelled: it and its waiting children, transitively."""
@@ -457,6 +467,7 @@ class StoreMachine(RuleBasedStateMachine):
                 f"parent {dead[0]} is dead: {error}" if error else (f"parent {dead[0]} is dead")
             )
             self.dead.append(task.id)
+            self.step_buried.append(task.id)
         elif pending:
             task.waiting_for = len(pending)
             self.waiting[task.id] = task
@@ -1058,7 +1069,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def each_task_is_in_exactly_one_collection(self) -> None:
-        self.steps += 1  # (burials after this one are not made together with those before)
+        self.step_done()
         self.sync_pruned()
         ready = self.ready_ids()
         collections = [
@@ -1147,6 +1158,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def the_dead_letter_queue_matches_the_model(self) -> None:
+        self.step_done()  # (idempotent)
         views = self.run(self.store.dead_letters())
         assert self.canonical([v.id for v in views]) == self.canonical(self.dead)
         for view in views:
