@@ -43,6 +43,18 @@ a journal, only heap entries are numbered (the deques and dicts keep the rest in
 Idempotency keys: (queue, key) -> (task id, until when), with a heap of expiries pruned as time
 passes. A key is remembered for its window even after its task was acked.
 
+Results and workflows (docs/design/results.md): a task that uses any of it carries a
+:class:`Flow` (its parents, how many it still waits for, its children and how many of them pin
+its result, its result); a task that uses none carries None, and the hot paths only look at that.
+Waiting and succeeded tasks are in dicts by id and in a log per queue (the order enqueued, the
+order finished: listings seek in them by ``seq``). Results are pruned from a heap of (due, id),
+lazily; one whose time comes while children pin it is parked, and the last of them to go pushes
+it back (pruned at once when the time is known to be up). A parent's ack releases its children
+and a parent's end buries (or, a waiting one cancelled, cancels) its waiting children in the
+same call, so in the same commit of a durable store. The flow of a cold ready task is kept apart
+until it is warmed. What a call released (:meth:`Index.take_released`) and which watched tasks
+ended (:meth:`Index.take_ended`) are taken by the store after it.
+
 Changes are reported to a :class:`Journal` as they happen (a durable store writes them down); the
 memory store has none.
 """

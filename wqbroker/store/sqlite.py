@@ -26,15 +26,23 @@ acknowledged is lost even on power loss. With NORMAL, commits survive a crash of
 (kill -9) but the last ones may be lost on power loss or an OS crash.
 
 Schema: the numbered files of ``sqlite_migrations/`` (``001`` the first schema, ``002`` payloads
-kept apart, ``003`` queues, priorities and keys), run at open by the runner both SQL stores share
+kept apart, ``003`` queues, priorities and keys, ``004`` control over tasks, ``005`` results and
+workflows), run at open by the runner both SQL stores share
 (wqbroker/store/migrate.py) inside the ``BEGIN IMMEDIATE`` transaction that takes the file's lock;
 a file of a newer version, or not wq's, is refused.
 
+Results and workflows (docs/design/results.md): results are kept beside payloads and read back
+the same way (for a lookup, a listing, the parents of a task handed out); a task's parents are
+rows of ``edges``, written with the task and deleted with it. A parent's ack and its children's
+release, a parent's end and its children's burial, are one change of the index and so one commit.
+Watched tasks that ended are told to ``on_finished``'s callback once their commit is done.
+
 Restart: the index is rebuilt by streaming the rows (payloads are not read). Every task comes back
 in the collection it was in (ready ones in the same order, the dead-letter queue in order of
-burial). Handed-out tasks keep their lease: a worker still holding one can ack it after the
-restart; otherwise it is reclaimed when its deadline passes (at once, if it passed while the broker
-was down). Counters survive too.
+burial; waiting and succeeded ones, their edges, what each waiting task still waits for counted
+from its parents' states). Handed-out tasks keep their lease: a worker still holding one can ack
+it after the restart; otherwise it is reclaimed when its deadline passes (at once, if it passed
+while the broker was down). Counters survive too.
 """
 
 from __future__ import annotations
