@@ -379,6 +379,8 @@ async def test_stats_are_the_same_from_both_brokers_after_a_known_workload(
         "handed_out": 1,
         "delayed": 1,
         "dead": 0,
+        "waiting": 0,  # (the gauges of docs/design/results.md: nothing waits, no result held)
+        "succeeded": 0,
         "totals": {
             "enqueued": 7,
             "delivered": 6,

@@ -100,9 +100,10 @@ BEGIN
     RETURN substring(p FROM 1 FOR keep) || note;
 END $$;
 
--- Why a child of a dead task is buried: "is dead: <its error>" (follows "parent <id> ").
+-- Why a child of a dead task is buried: "is dead: <its error>", or "is dead" if it has none
+-- (follows "parent <id> ").
 CREATE FUNCTION wq.dead_why(p_error bytea) RETURNS bytea LANGUAGE sql IMMUTABLE AS $$
-SELECT CASE WHEN p_error IS NULL THEN convert_to('is dead', 'UTF8')
+SELECT CASE WHEN p_error IS NULL OR p_error = '' THEN convert_to('is dead', 'UTF8')
             ELSE convert_to('is dead: ', 'UTF8') || p_error END
 $$;
 
@@ -317,7 +318,8 @@ END $$;
 -- the call is undone). A child is then dead at once if a parent is dead (wq.dead_why, the first
 -- such by position; through the call's own items too), else waiting for the parents not yet
 -- succeeded, else left as it was; new parents have kids. Returns the items it changed: their
--- state, parents waited for, error and available time.
+-- state, parents waited for, error and available time (as enqueued: now + its delay; a waiting
+-- task's is set again when it is released).
 CREATE FUNCTION wq.link(now_ float8, p_ids bigint[], p_new boolean[], p_delays float8[],
     p_base bigint, p_c int[], p_pos int[], p_parent bigint[], p_item int[])
 RETURNS TABLE (o_i int, o_state int, o_waiting int, o_error bytea, o_available float8)
@@ -391,8 +393,6 @@ BEGIN
             waiting_for = CASE WHEN ch.msg IS NULL THEN ch.w ELSE 0 END,
             delay = CASE WHEN ch.msg IS NULL AND ch.w > 0 AND p_delays[ch.i] > 0
                          THEN p_delays[ch.i] END,
-            available_at = CASE WHEN ch.msg IS NULL AND ch.w = 0 THEN t.available_at
-                                ELSE now_ END,
             last_error = ch.msg, parents = ch.np, kids = t.kids OR ch.kid
         FROM ch WHERE t.id = ch.id
         RETURNING ch.i, ch.was, t.queue, t.state, t.waiting_for, t.last_error, t.available_at),
