@@ -3,7 +3,8 @@
 -- not know, stops the import). Whatever a client sends is a parameter ($1, $2 ...), never part of
 -- the text.
 -- Columns are listed in the order the Python side reads them: gauges (ready, handed_out, delayed,
--- dead), then totals in the order of wqbroker.models.Totals.
+-- dead), then totals in the order of wqbroker.models.Totals, then the gauges of
+-- docs/design/results.md (waiting, succeeded).
 
 -- == the operations: one round trip each (sql/functions.sql) ==
 
