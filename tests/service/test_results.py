@@ -170,7 +170,7 @@ async def test_a_pending_task_answers_none_when_the_wait_ends(
     done = await service.enqueue(PAYLOAD)
     assert await service.wait_result(done.id) is None  # no wait: at once
     waiting = asyncio.ensure_future(service.wait_result(done.id, wait_ms=5_000))
-    await settle()
+    await wait_until(lambda: service.result_waiters == 1, what="the wait to start")
     clock.advance(4.9)
     await settle()
     assert not waiting.done()
@@ -191,7 +191,8 @@ async def _waiting_for(
     service: Service, task_id: str, n: int = 1
 ) -> list[asyncio.Task[Outcome | None]]:
     waits = [asyncio.ensure_future(service.wait_result(task_id, wait_ms=30_000)) for _ in range(n)]
-    await settle(20)
+    before = service.result_waiters
+    await wait_until(lambda: service.result_waiters == before + n, what="the waits to start")
     assert not any(w.done() for w in waits)
     return waits
 
