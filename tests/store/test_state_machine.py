@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import tempfile
 from collections import deque
 from collections.abc import Collection, Coroutine
@@ -179,6 +180,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.succeeded: dict[str, ModelTask] = {}
         self.children: dict[str, list[str]] = {}
         self.together: dict[str, int] = {}
+        self.ended_why: dict[str, str] = {}  # why a task ended, as its children are told
         self.steps = 0
         self.step_buried: list[str] = []  # burials of this step
         self.step_cascaded = False  # one of them buried waiting children
@@ -286,6 +288,7 @@ class StoreMachine(RuleBasedStateMachine):
         todo = deque([(task_id, why)])
         while todo:
             parent, reason = todo.popleft()
+            self.ended_why[parent] = reason
             for child_id in self.children.get(parent, ()):
                 child = self.waiting.pop(child_id, None)
                 if child is None:
@@ -1141,6 +1144,24 @@ class StoreMachine(RuleBasedStateMachine):
             )
             assert (row.waiting, row.succeeded) == (waiting, succeeded)
 
+    def another_parent_named(
+        self, task_id: str, error: str | None, errors: dict[str, str | None]
+    ) -> None:
+        """A task buried with its parents' cascade may name another of its parents than the
+        model's (several of them ended in one step: which the store met first is its own), but
+        the one it names is one of its parents, and with that parent's own reason (its last
+        error as the store has it, if it is dead)."""
+        assert task_id in self.together, (task_id, error, self.tasks[task_id].last_error)
+        found = re.match(r"parent ([0-9a-f]{16}) ", error or "")
+        assert found is not None, error
+        parent = found.group(1)
+        assert parent in self.tasks[task_id].after, (error, self.tasks[task_id].after)
+        if parent in errors:  # dead
+            why = f"is dead: {errors[parent]}" if errors[parent] else "is dead"
+        else:
+            why = self.ended_why[parent]
+        assert error == limits.error_value(f"parent {parent} {why}"), (error, why)
+
     def canonical(self, ids: list[str]) -> list[str]:
         """A burial order, tasks buried together by one cascade sorted among themselves (their
         order is the store's own)."""
@@ -1161,9 +1182,12 @@ class StoreMachine(RuleBasedStateMachine):
         self.step_done()  # (idempotent)
         views = self.run(self.store.dead_letters())
         assert self.canonical([v.id for v in views]) == self.canonical(self.dead)
+        errors = {view.id: view.last_error for view in views}
         for view in views:
             task = self.tasks[view.id]
-            assert (view.attempts, view.last_error) == (task.attempts, task.last_error)
+            assert view.attempts == task.attempts
+            if view.last_error != task.last_error:
+                self.another_parent_named(view.id, view.last_error, errors)
             assert (view.queue, view.priority) == (task.queue, task.priority)
             assert view.attempts <= task.max_attempts
         for name in self.queues:
