@@ -794,3 +794,38 @@ async def test_ids_are_reserved_ahead_so_the_next_group_waits_for_no_reservation
         assert reservations == [Q.id_blocks]  # (the first group's)
     finally:
         await store.close()
+
+
+async def test_groups_side_by_side_find_their_ids_reserved_once_the_store_kept_enough_ahead(
+    dsn: str,
+) -> None:
+    """On a distant database several groups are in flight at once, and take ids while a top-up
+    is under way: as many again as one group needs is too few. Each time a group finds too few
+    ids, the store keeps twice as many ahead, until the groups of a round find theirs reserved."""
+    store = await PostgresStore.open(dsn, backoff(1), random.Random(1))
+    reservations: list[str] = []
+    fetch = store._fetch
+
+    async def counted(sql: str, *args: Any) -> Any:
+        if sql == Q.id_blocks and asyncio.current_task() not in store._side_tasks:
+            reservations.append(sql)  # (one on a group's way, not a top-up beside the groups)
+        return await fetch(sql, *args)
+
+    store._fetch = counted  # type: ignore[method-assign]
+    try:
+        batch = [NewTask(b"1", 1, 0.0) for _ in range(1000)]
+        seen: set[str] = set()
+        on_the_way: list[int] = []
+        for _ in range(8):
+            await asyncio.gather(*store._side_tasks)  # (a top-up under way ends)
+            before = len(reservations)
+            # Four groups side by side (as the group commit sends them to a distant database).
+            for out in await asyncio.gather(*(store._enqueue(batch, NOW) for _ in range(4))):
+                seen |= {e.id for e in out}
+            on_the_way.append(len(reservations) - before)
+        assert len(seen) == 32_000
+        assert on_the_way[0] >= 1, on_the_way
+        assert on_the_way[-4:] == [0, 0, 0, 0], on_the_way
+        assert (await store.stats()).ready == 32_000
+    finally:
+        await store.close()
