@@ -733,6 +733,30 @@ async def test_on_a_slow_link_calls_of_a_kind_go_side_by_side(dsn: str) -> None:
         await proxy.close()
 
 
+async def test_on_a_slow_link_a_dozen_enqueues_go_side_by_side(dsn: str) -> None:
+    """20 ms each way: each producer waiting for its answer has its batch in a group in flight, so
+    the enqueues side by side bound the rate (in flight / round trip). A dozen go at once, on the
+    store's own pool, each its own transaction; none waits for another's round trip."""
+    from bench.delayproxy import DelayProxy
+
+    parts = urllib.parse.urlsplit(dsn)
+    proxy = DelayProxy((parts.hostname or "127.0.0.1", parts.port or 5432), 0.02)
+    port = await proxy.start()
+    user = parts.netloc.rpartition("@")[0]
+    slow = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{port}"))
+    store = await PostgresStore.open(slow, backoff(), random.Random(1))
+    try:
+        await enqueue_one(store, b"0", max_attempts=3, delay=0.0, now=NOW)  # (slow: seen)
+        batches = [[NewTask(b"%d" % (10 * i + j), 3, 0.0) for j in range(10)] for i in range(12)]
+        done = await asyncio.gather(*(store.enqueue_many(b, now=NOW) for b in batches))
+        assert store._enqueues.most_in_flight == 12
+        assert len({e.id for answer in done for e in answer}) == 120
+        assert (await store.stats()).ready == 121
+    finally:
+        await store.close()
+        await proxy.close()
+
+
 async def test_a_standby_promoted_behind_the_old_primary_never_hands_out_an_id_again(
     dsn: str,
 ) -> None:

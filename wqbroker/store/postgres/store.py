@@ -62,7 +62,7 @@ from wqbroker.retry import Backoff
 from wqbroker.store.index import _MASK, PRIORITIES, STATE_NAMES, _mix, hex_id, parse_id
 from wqbroker.store.postgres import dsn as dsns
 from wqbroker.store.postgres.dsn import redact
-from wqbroker.store.postgres.group import Grouped, split
+from wqbroker.store.postgres.group import ENQUEUE_WIDTH, Grouped, split
 from wqbroker.store.postgres.listener import Listener
 from wqbroker.store.postgres.pool import (
     DEADLINE,
@@ -249,7 +249,7 @@ class PostgresStore:
         # Group commit: calls made while one of their kind is in flight go together in the next
         # transaction (a broker serving many clients one task at a time pays far fewer round
         # trips and commits).
-        self._enqueues = Grouped(self._enqueue_group)
+        self._enqueues = Grouped(self._enqueue_group, width=ENQUEUE_WIDTH)
         self._settles = Grouped(self._settle_group)
         self._claims = Grouped(self._claim_group, self._unclaim)
         self._settle_claims = Grouped(self._settle_claim_group, self._unclaim_settled)
