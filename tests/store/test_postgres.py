@@ -733,6 +733,30 @@ async def test_on_a_slow_link_calls_of_a_kind_go_side_by_side(dsn: str) -> None:
         await proxy.close()
 
 
+async def test_on_a_slow_link_a_dozen_enqueues_go_side_by_side(dsn: str) -> None:
+    """20 ms each way: each producer waiting for its answer has its batch in a group in flight, so
+    the enqueues side by side bound the rate (in flight / round trip). A dozen go at once, on the
+    store's own pool, each its own transaction; none waits for another's round trip."""
+    from bench.delayproxy import DelayProxy
+
+    parts = urllib.parse.urlsplit(dsn)
+    proxy = DelayProxy((parts.hostname or "127.0.0.1", parts.port or 5432), 0.02)
+    port = await proxy.start()
+    user = parts.netloc.rpartition("@")[0]
+    slow = urllib.parse.urlunsplit(parts._replace(netloc=f"{user}@127.0.0.1:{port}"))
+    store = await PostgresStore.open(slow, backoff(), random.Random(1))
+    try:
+        await enqueue_one(store, b"0", max_attempts=3, delay=0.0, now=NOW)  # (slow: seen)
+        batches = [[NewTask(b"%d" % (10 * i + j), 3, 0.0) for j in range(10)] for i in range(12)]
+        done = await asyncio.gather(*(store.enqueue_many(b, now=NOW) for b in batches))
+        assert store._enqueues.most_in_flight == 12
+        assert len({e.id for answer in done for e in answer}) == 120
+        assert (await store.stats()).ready == 121
+    finally:
+        await store.close()
+        await proxy.close()
+
+
 async def test_a_standby_promoted_behind_the_old_primary_never_hands_out_an_id_again(
     dsn: str,
 ) -> None:
@@ -792,5 +816,40 @@ async def test_ids_are_reserved_ahead_so_the_next_group_waits_for_no_reservation
                 assert len(reservations) == before
         assert len(seen) == 15_000
         assert reservations == [Q.id_blocks]  # (the first group's)
+    finally:
+        await store.close()
+
+
+async def test_groups_side_by_side_find_their_ids_reserved_once_the_store_kept_enough_ahead(
+    dsn: str,
+) -> None:
+    """On a distant database several groups are in flight at once, and take ids while a top-up
+    is under way: as many again as one group needs is too few. Each time a group finds too few
+    ids, the store keeps twice as many ahead, until the groups of a round find theirs reserved."""
+    store = await PostgresStore.open(dsn, backoff(1), random.Random(1))
+    reservations: list[str] = []
+    fetch = store._fetch
+
+    async def counted(sql: str, *args: Any) -> Any:
+        if sql == Q.id_blocks and asyncio.current_task() not in store._side_tasks:
+            reservations.append(sql)  # (one on a group's way, not a top-up beside the groups)
+        return await fetch(sql, *args)
+
+    store._fetch = counted  # type: ignore[method-assign]
+    try:
+        batch = [NewTask(b"1", 1, 0.0) for _ in range(1000)]
+        seen: set[str] = set()
+        on_the_way: list[int] = []
+        for _ in range(8):
+            await asyncio.gather(*store._side_tasks)  # (a top-up under way ends)
+            before = len(reservations)
+            # Four groups side by side (as the group commit sends them to a distant database).
+            for out in await asyncio.gather(*(store._enqueue(batch, NOW) for _ in range(4))):
+                seen |= {e.id for e in out}
+            on_the_way.append(len(reservations) - before)
+        assert len(seen) == 32_000
+        assert on_the_way[0] >= 1, on_the_way
+        assert on_the_way[-4:] == [0, 0, 0, 0], on_the_way
+        assert (await store.stats()).ready == 32_000
     finally:
         await store.close()

@@ -5,10 +5,10 @@ A broker serving many clients one task at a time would otherwise pay a round tri
 for each; grouped, the enqueues (or settlements, or claims for one list of queues) that arrive while
 one transaction is under way wait for it and then share the next. One in flight per key while
 the database answers quickly; when it is far away (a group took longer than SLOW), up to WIDTH
-per key, so that a call waits for a round trip of its own and not for the one before it too
-(pipelining over the pool's connections). Calls with different keys (claims for different
-queues; calls handed different ``now`` on a fake clock) never wait for each other. While the
-database is away, the calls waiting fail at once
+per key (ENQUEUE_WIDTH for enqueues), so that a call waits for a round trip of its own and not
+for the one before it too (pipelining over the pool's connections). Calls with different keys
+(claims for different queues; calls handed different ``now`` on a fake clock) never wait for
+each other. While the database is away, the calls waiting fail at once
 (:meth:`Grouped.fail_waiting`) rather than behind one that may not come back before its deadline.
 """
 
@@ -30,6 +30,9 @@ Y = TypeVar("Y")
 SLOW: Final = 0.004
 #: Groups in flight at once per key on a slow link (a share of the pool's connections).
 WIDTH: Final = 4
+#: The same for enqueues: every producer waiting for its answer has its batch in one of them, so
+#: on a slow link the enqueues in flight at once bound the rate (in flight / round trip).
+ENQUEUE_WIDTH: Final = 12
 
 
 class Grouped(Generic[X, K, Y]):

@@ -52,7 +52,9 @@ log = logging.getLogger("wqbroker.store.postgres")
 
 R = TypeVar("R")
 
-POOL_SIZE: Final = 8
+#: Connections for calls (opened as calls need them): enough for ENQUEUE_WIDTH enqueues side by
+#: side on a slow link (group.py), and a few calls of other kinds beside them.
+POOL_SIZE: Final = 16
 #: The longest a database call may take (-db-timeout-ms), by default: shorter than any client's
 #: own time-out (wqclient waits 30 s), long enough for the largest bulk call on a busy database.
 DEADLINE: Final = 5.0

@@ -68,7 +68,7 @@ from wqbroker.store import FinishedCallback
 from wqbroker.store.index import _MASK, PRIORITIES, _mix, hex_id, parse_id
 from wqbroker.store.postgres import dsn as dsns
 from wqbroker.store.postgres.dsn import redact
-from wqbroker.store.postgres.group import Grouped, split
+from wqbroker.store.postgres.group import ENQUEUE_WIDTH, Grouped, split
 from wqbroker.store.postgres.listener import FINISHED_AS, Listener
 from wqbroker.store.postgres.pool import (
     DEADLINE,
@@ -314,6 +314,9 @@ class PostgresStore:
         self._id_key = 0
         self._ids: list[int] = []  # numbers reserved for ids, not yet used (last first)
         self._ids_from: int | None = None  # the pool's generation they were reserved in
+        # How many numbers are kept reserved ahead of the calls (at least a group's need),
+        # doubled whenever a call found too few (at most _AHEAD_MOST).
+        self._ahead = 0
         self._reserving = asyncio.Lock()
         self._closed = False
         # How far the database's clock is ahead of the broker's (db_clock only): times from the
@@ -329,7 +332,7 @@ class PostgresStore:
         # Group commit: calls made while one of their kind is in flight go together in the next
         # transaction (a broker serving many clients one task at a time pays far fewer round
         # trips and commits).
-        self._enqueues = Grouped(self._enqueue_group)
+        self._enqueues = Grouped(self._enqueue_group, width=ENQUEUE_WIDTH)
         self._settles = Grouped(self._settle_group)
         self._claims = Grouped(self._claim_group, self._unclaim)
         self._settle_claims = Grouped(self._settle_claim_group, self._unclaim_settled)
@@ -606,13 +609,18 @@ class PostgresStore:
         comes after a skip by the broker that makes it, so past whatever the old one handed
         out (unless it ran more than 2^20 blocks ahead of its standby)."""
         if len(self._ids) < n or self._ids_from != self._pool.generation:
+            if self._ids_from == self._pool.generation:
+                # The stock ran out under the calls (groups side by side took more during a
+                # top-up's round trip than it kept ahead): keep twice as many ahead from now on.
+                self._ahead = min(max(2 * self._ahead, n, _ID_BLOCK), _AHEAD_MOST)
             async with self._reserving:  # (one reservation at a time: the next may need none)
-                await self._reserve(n, n)
+                await self._reserve(n, max(n, self._ahead))
         taken = [self._ids.pop() for _ in range(n)]
-        if len(self._ids) < n and not self._reserving.locked():
-            # Topped up beside the calls, so that the next group of this size takes its ids
-            # without a round trip first (on a distant database, one more round trip per group).
-            self._spawn(self._top_up(n))
+        ahead = max(n, self._ahead)
+        if len(self._ids) < ahead and not self._reserving.locked():
+            # Topped up beside the calls, so that the next groups take their ids without a
+            # round trip first (on a distant database, one more round trip per group).
+            self._spawn(self._top_up(ahead))
         return [_mix((x + self._id_key) & _MASK) for x in taken]
 
     async def _reserve(self, n: int, ahead: int) -> None:
@@ -1289,6 +1297,7 @@ class PostgresStore:
         await self._execute(Q.wipe)
         self._ids.clear()
         self._ids_from = None
+        self._ahead = 0
         self._queue_names.clear()
         self._held = 0
         self._keys.clear()
