@@ -145,6 +145,8 @@ def examples(count: int) -> int:
 
 
 SQLITE_HOT = 3
+#: Seconds a test store's database call may take before it fails (see make_store).
+TEST_DB_DEADLINE: Final = 30.0
 
 
 async def make_store(
@@ -166,8 +168,13 @@ async def make_store(
         # turn comes), so every test also runs that path.
         return await SqliteStore.open(path, backoff, rng, sync="normal", hot_ready=SQLITE_HOT)
     if kind == "postgres":
-        # One database for the run (tests/pg.py), emptied for each store.
-        store = await PostgresStore.open(await pg.database(), backoff, rng, pool_size=4)
+        # One database for the run (tests/pg.py), emptied for each store. A longer deadline on
+        # database calls than a broker's (5 s): a test that is not about deadlines must not fail
+        # because the machine running the whole suite was busy for a moment (the deadline tests
+        # open stores of their own).
+        store = await PostgresStore.open(
+            await pg.database(), backoff, rng, pool_size=4, deadline=TEST_DB_DEADLINE
+        )
         await store.wipe()
         return store
     raise ValueError(kind)
