@@ -50,6 +50,7 @@ from wqbroker.models import (
     Outcome,
     QueueReport,
     QueueStats,
+    Released,
     Stats,
     SweepResult,
     Task,
@@ -488,14 +489,13 @@ class Service:
         )
         self._events.settled((lid,), ())
         await self._dispatch.finished((lid,), later=self._later)
-        await self._released()
+        released = self._store.take_released()
+        if released is not None:
+            await self._released(released)
 
-    async def _released(self) -> None:
+    async def _released(self, released: Released) -> None:
         """Children released by the acks just made (docs/design/results.md): feed consumers
         of their queues, wake the sweeper for the delayed."""
-        released = self._store.take_released()
-        if released is None:
-            return
         if released.earliest is not None:
             self._sweeper.wake_by(released.earliest)
         if released.queues:
@@ -601,7 +601,9 @@ class Service:
             await self._dispatch.finished(ended, later=self._later)
         else:
             await self._dispatch.refilled(refill, ended, claimed, later=self._later)
-        await self._released()
+        released = self._store.take_released()
+        if released is not None:
+            await self._released(released)
         nack_outcomes = [r if isinstance(r, WqError) else None for r in nacked]
         return _fill(ack_errors, acked), _fill(nack_errors, nack_outcomes)
 

@@ -73,7 +73,8 @@ class MemoryStore:
         self, *, lease: float, now: float, queues: Sequence[str] = (DEFAULT_QUEUE,)
     ) -> Delivery | None:
         record = self._index.claim(queues, lease, now)
-        self._tell()  # (tasks met at their expiry)
+        if self._index.ended:  # (tasks met at their expiry)
+            self._tell()
         if record is None:
             return None
         self.transactions += 1
@@ -92,7 +93,8 @@ class MemoryStore:
             out.append(delivery(record))
         if out:
             self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return out
 
     async def ack(
@@ -100,7 +102,8 @@ class MemoryStore:
     ) -> None:
         self._index.ack(task_id, lease_id, now, result)
         self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
 
     async def nack(
         self,
@@ -114,7 +117,8 @@ class MemoryStore:
     ) -> Failure:
         failure = self._index.nack(task_id, lease_id, error, now, delay=delay, terminal=terminal)
         self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return failure
 
     async def extend(
@@ -135,7 +139,8 @@ class MemoryStore:
         if result is None:
             raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
         self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return result
 
     async def list_tasks(
@@ -153,7 +158,8 @@ class MemoryStore:
         if n is None:
             raise NotFound(f"queue {quoted(queue)} does not exist")
         self.transactions += n > 0
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return n
 
     async def delete_queue(self, queue: str) -> None:
@@ -171,7 +177,8 @@ class MemoryStore:
         acked, nacked = self._index.settle(acks, nacks, now, results)
         if acked.count(None) or any(isinstance(n, Failure) for n in nacked):
             self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return acked, nacked
 
     async def settle_claim(
@@ -193,20 +200,23 @@ class MemoryStore:
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         failure = self._index.reclaim(task_id, lease_id, error, now)
         self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return failure
 
     async def release(self, task_id: str, lease_id: str) -> bool:
         released = self._index.release(task_id, lease_id)
         self.transactions += released
-        self._tell()  # (a cancelling one: gone)
+        if self._index.ended:  # (a cancelling one: gone)
+            self._tell()
         return released
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
         result = self._index.sweep(now)
         if result.reclaimed or result.promoted or result.expired or result.pruned:
             self.transactions += 1
-        self._tell()
+        if self._index.ended:  # (a watched task ended: docs/design/results.md)
+            self._tell()
         return result, self._index.next_due()
 
     async def requeue(self, task_id: str, *, now: float) -> str:
@@ -253,7 +263,10 @@ class MemoryStore:
         self._finished = callback
 
     def take_released(self) -> Released | None:
-        return self._index.take_released()
+        index = self._index
+        if index.released is None:  # (the usual: nothing released; this runs for every ack)
+            return None
+        return index.take_released()
 
     async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
         return self._index.children(task_id, limit)
