@@ -961,10 +961,17 @@ class StoreMachine(RuleBasedStateMachine):
                 "delayed": [t.id for t in delayed],
                 "handed_out": [t.id for t in handed],
                 "waiting": [i for i, t in self.waiting.items() if t.queue == name],
-                "succeeded": [i for i, t in self.succeeded.items() if t.queue == name],
             }
             for state, ids in expected.items():
                 assert self.listed(name, state, size) == ids, (name, state)
+            # succeeded by finish time; tasks that finished at the same moment (one settle, on
+            # the fake clock) in the store's order (PostgreSQL: the order they were enqueued)
+            listed = self.listed(name, "succeeded", size)
+            mine = [t for t in self.succeeded.values() if t.queue == name]
+            assert [self.succeeded[i].finished_at for i in listed if i in self.succeeded] == [
+                t.finished_at for t in mine
+            ], (name, "succeeded")
+            assert sorted(listed) == sorted(t.id for t in mine), (name, "succeeded")
             assert self.canonical(self.listed(name, "dead", size)) == self.canonical(dead)
 
     def listed(self, queue: str, state: str, size: int) -> list[str]:
