@@ -51,6 +51,9 @@ class Task:
     result_ttl: float | None = None  # seconds, as given at enqueue (None: the broker's default)
     after: tuple[str, ...] | None = None  # its parents' ids, in order (None: no parents)
     waiting_for: int = 0  # parents not yet succeeded, while waiting
+    # docs/design/schedules.md: the schedule that enqueued it, and the time of that fire.
+    schedule: str | None = None
+    scheduled_for: float | None = None  # epoch seconds
 
 
 @dataclass(slots=True)
@@ -93,6 +96,9 @@ class NewTask:
     after: tuple[str | int, ...] = ()
     result_ttl: float = 3600.0
     result_ttl_given: bool = False
+    # docs/design/schedules.md: the schedule firing it and the fire's scheduled time.
+    schedule: str | None = None
+    scheduled_for: float | None = None
 
 
 @dataclass(slots=True)
@@ -169,6 +175,10 @@ class QueueStats:
     paused: bool
     waiting: int = 0  # docs/design/results.md
     succeeded: int = 0
+    # docs/design/schedules.md: its limits (None: none set), and the rate tokens available now
+    # (None: no rate limit). The concurrency in use is ``handed_out``.
+    limits: Limits | None = None
+    tokens: float | None = None
 
 
 @dataclass(slots=True)
@@ -274,3 +284,58 @@ class Released:
 
     queues: set[str] = field(default_factory=set)
     earliest: float | None = None
+
+
+@dataclass(slots=True)
+class RateLimit:
+    """At most ``tasks`` hand-outs per ``per`` seconds, from a token bucket holding up to
+    ``burst`` tokens (docs/design/schedules.md)."""
+
+    tasks: int
+    per: float  # seconds
+    burst: int
+
+
+@dataclass(slots=True)
+class Limits:
+    """A queue's limits: None means no limit of that kind."""
+
+    rate: RateLimit | None = None
+    concurrency: int | None = None
+
+    def empty(self) -> bool:
+        return self.rate is None and self.concurrency is None
+
+
+@dataclass(slots=True)
+class ScheduleTask:
+    """The task a schedule enqueues at each fire (the enqueue members; seconds for times)."""
+
+    payload: bytes  # JSON text
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    max_attempts: int = 3
+    expires_in: float | None = None  # seconds after the fire (None: never)
+    timeout: float | None = None  # seconds (None: no time limit)
+    result_ttl: float | None = None  # seconds (None: the broker's default)
+
+
+@dataclass(slots=True)
+class Schedule:
+    """A named schedule: ``cron`` (five fields or a macro, in ``timezone``) or ``every``
+    (seconds), exactly one of them, and the task each fire enqueues. ``next_fire_at`` is the
+    scheduled time of its next fire (epoch seconds); ``last_fire_at`` that of its last one, and
+    ``last_task_id`` the task it enqueued; ``fires`` counts them."""
+
+    name: str
+    task: ScheduleTask
+    cron: str | None = None
+    timezone: str = "UTC"
+    every: float | None = None
+    paused: bool = False
+    created_at: float = 0.0
+    updated_at: float = 0.0
+    next_fire_at: float | None = None
+    last_fire_at: float | None = None
+    last_task_id: str | None = None
+    fires: int = 0

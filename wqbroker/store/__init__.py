@@ -86,6 +86,15 @@ Results and workflows (docs/design/results.md says it in full; the contract suit
   that ends (on any broker of a shared store).
 - ``ready + handed_out + delayed + dead + waiting == enqueued - acked - purged - cancelled -
   expired``.
+
+Schedules and limits (docs/design/schedules.md says it in full; the contract suite checks it):
+
+- schedules are rows by name; ``fire_schedule`` enqueues a schedule's task and moves its
+  ``next_fire_at`` in one transaction, only if ``next_fire_at`` is still the one expected and the
+  schedule is not paused (a compare-and-set: each fire enqueues exactly one task, whichever
+  broker and however many try).
+- ``set_limits``: a claim hands out from a queue no more than its token bucket holds (``rate``)
+  and never more than ``concurrency`` tasks of it at once, over every broker of a shared store.
 """
 
 from __future__ import annotations
@@ -103,8 +112,10 @@ from wqbroker.models import (
     NackItem,
     NewTask,
     QueueReport,
+    Limits,
     QueueStats,
     Released,
+    Schedule,
     Stats,
     SweepResult,
     Task,
@@ -328,6 +339,55 @@ class Operations(Protocol):
         """Why the store cannot work (it failed and refuses further work), or None if it can."""
         ...
 
+    # -- schedules and limits (docs/design/schedules.md) -----------------------------------
+
+    async def put_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        """Insert or replace the schedule of that name (a replace keeps ``created_at``,
+        ``fires``, ``last_fire_at`` and ``last_task_id``); returns it as stored."""
+        ...
+
+    async def get_schedule(self, name: str) -> Schedule | None: ...
+
+    async def list_schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        ...
+
+    async def delete_schedule(self, name: str) -> bool:
+        """Delete a schedule: False if there was none of that name."""
+        ...
+
+    async def set_schedule_paused(
+        self, name: str, paused: bool, next_fire_at: float | None, *, now: float
+    ) -> Schedule | None:
+        """Pause or resume a schedule, setting its ``next_fire_at``; None if there is none."""
+        ...
+
+    async def due_schedules(self, now: float) -> tuple[float, list[Schedule], float | None]:
+        """The store's now (``now``, or the database's clock), the schedules not paused whose
+        ``next_fire_at`` is at or before it, and the earliest ``next_fire_at`` of the others
+        (None: none)."""
+        ...
+
+    async def fire_schedule(
+        self,
+        name: str,
+        expected: float,
+        scheduled_for: float,
+        next_fire_at: float,
+        task: NewTask,
+        *,
+        now: float,
+    ) -> Enqueued | None:
+        """If the schedule exists, is not paused and its ``next_fire_at`` is ``expected``:
+        enqueue ``task`` and set ``next_fire_at``, ``last_fire_at = scheduled_for``,
+        ``last_task_id`` and ``fires + 1``, in one transaction. Else nothing (None)."""
+        ...
+
+    async def set_limits(self, queue: str, limits: Limits | None, *, now: float) -> None:
+        """Set (None or empty: clear) a queue's limits, creating the queue if unknown; a rate
+        bucket starts full."""
+        ...
+
 
 class Hints(Protocol):
     """What a store can tell without any I/O: each answers None when the store cannot tell."""
@@ -351,6 +411,12 @@ class Hints(Protocol):
         """Whether an enqueue with this idempotency key would be a duplicate in that queue (the
         key is in its window, or a unique key held by an active task), if the store can tell
         without any I/O (else None)."""
+        ...
+
+    def limit_hint(self, queues: Sequence[str], now: float) -> float | None:
+        """When a claim of ``queues`` that got nothing because of a rate limit may get a task
+        (the earliest time a limited queue with ready tasks has a token again), if the store can
+        tell without any I/O (else None: no such queue, or it cannot tell)."""
         ...
 
     def ready_hint(self) -> int | None:

@@ -75,6 +75,8 @@ class Task(_message.Message):
     RESULT_TTL_MS_FIELD_NUMBER: _builtins.int
     AFTER_FIELD_NUMBER: _builtins.int
     WAITING_FOR_FIELD_NUMBER: _builtins.int
+    SCHEDULE_FIELD_NUMBER: _builtins.int
+    SCHEDULED_FOR_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     payload: _builtins.bytes
     """The JSON payload, exactly as enqueued."""
@@ -105,6 +107,10 @@ class Task(_message.Message):
     """
     waiting_for: _builtins.int
     """How many of them have not yet succeeded, while it is waiting; 0 otherwise."""
+    schedule: _builtins.str
+    """docs/design/schedules.md: the schedule that enqueued it (unset: none), and the scheduled
+    time of that fire.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -123,6 +129,8 @@ class Task(_message.Message):
     def after(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The tasks it waits for (or waited for), in the order given (EnqueueRequest.after)."""
 
+    @_builtins.property
+    def scheduled_for(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -144,10 +152,12 @@ class Task(_message.Message):
         result_ttl_ms: _builtins.int | None = ...,
         after: _abc.Iterable[_builtins.str] | None = ...,
         waiting_for: _builtins.int = ...,
+        schedule: _builtins.str | None = ...,
+        scheduled_for: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "last_error", b"last_error", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_schedule", b"_schedule", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "last_error", b"last_error", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "schedule", b"schedule", "scheduled_for", b"scheduled_for", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "after", b"after", "attempts", b"attempts", "available_at", b"available_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "waiting_for", b"waiting_for"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_schedule", b"_schedule", "_timeout_ms", b"_timeout_ms", "after", b"after", "attempts", b"attempts", "available_at", b"available_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "schedule", b"schedule", "scheduled_for", b"scheduled_for", "timeout_ms", b"timeout_ms", "waiting_for", b"waiting_for"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_error: _TypeAlias = _typing.Literal["last_error"]  # noqa: Y015
     _WhichOneofArgType__last_error: _TypeAlias = _typing.Literal["_last_error", b"_last_error"]  # noqa: Y015
@@ -155,6 +165,8 @@ class Task(_message.Message):
     _WhichOneofArgType__result: _TypeAlias = _typing.Literal["_result", b"_result"]  # noqa: Y015
     _WhichOneofReturnType__result_ttl_ms: _TypeAlias = _typing.Literal["result_ttl_ms"]  # noqa: Y015
     _WhichOneofArgType__result_ttl_ms: _TypeAlias = _typing.Literal["_result_ttl_ms", b"_result_ttl_ms"]  # noqa: Y015
+    _WhichOneofReturnType__schedule: _TypeAlias = _typing.Literal["schedule"]  # noqa: Y015
+    _WhichOneofArgType__schedule: _TypeAlias = _typing.Literal["_schedule", b"_schedule"]  # noqa: Y015
     _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
     _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
     @_typing.overload
@@ -163,6 +175,8 @@ class Task(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__result) -> _WhichOneofReturnType__result | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__result_ttl_ms) -> _WhichOneofReturnType__result_ttl_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__schedule) -> _WhichOneofReturnType__schedule | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
 
@@ -1367,6 +1381,8 @@ class QueueInfo(_message.Message):
     OLDEST_READY_AT_FIELD_NUMBER: _builtins.int
     WAITING_FIELD_NUMBER: _builtins.int
     SUCCEEDED_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     ready: _builtins.int
     handed_out: _builtins.int
@@ -1375,10 +1391,17 @@ class QueueInfo(_message.Message):
     paused: _builtins.bool
     waiting: _builtins.int
     succeeded: _builtins.int
+    tokens: _builtins.float
     @_builtins.property
     def oldest_ready_at(self) -> _timestamp_pb2.Timestamp:
         """When the oldest ready task (the earliest among the heads of the queue's priority lanes)
         became ready; unset when none is ready.
+        """
+
+    @_builtins.property
+    def limits(self) -> Global___QueueLimits:
+        """docs/design/schedules.md: its limits (unset: none), and the rate tokens available now
+        (unset: no rate limit). The concurrency in use is handed_out.
         """
 
     def __init__(
@@ -1393,12 +1416,16 @@ class QueueInfo(_message.Message):
         oldest_ready_at: _timestamp_pb2.Timestamp | None = ...,
         waiting: _builtins.int = ...,
         succeeded: _builtins.int = ...,
+        limits: Global___QueueLimits | None = ...,
+        tokens: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["oldest_ready_at", b"oldest_ready_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_tokens", b"_tokens", "limits", b"limits", "oldest_ready_at", b"oldest_ready_at", "tokens", b"tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "name", b"name", "oldest_ready_at", b"oldest_ready_at", "paused", b"paused", "ready", b"ready", "succeeded", b"succeeded", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_tokens", b"_tokens", "dead", b"dead", "delayed", b"delayed", "handed_out", b"handed_out", "limits", b"limits", "name", b"name", "oldest_ready_at", b"oldest_ready_at", "paused", b"paused", "ready", b"ready", "succeeded", b"succeeded", "tokens", b"tokens", "waiting", b"waiting"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__tokens: _TypeAlias = _typing.Literal["tokens"]  # noqa: Y015
+    _WhichOneofArgType__tokens: _TypeAlias = _typing.Literal["_tokens", b"_tokens"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__tokens) -> _WhichOneofReturnType__tokens | None: ...
 
 Global___QueueInfo: _TypeAlias = QueueInfo  # noqa: Y015
 
@@ -1747,3 +1774,519 @@ class StreamJobsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StreamJobsResponse: _TypeAlias = StreamJobsResponse  # noqa: Y015
+
+@_typing.final
+class RateLimit(_message.Message):
+    """docs/design/schedules.md. At most `tasks` hand-outs per `per_ms`, from a token bucket of
+    `burst` tokens.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    PER_MS_FIELD_NUMBER: _builtins.int
+    BURST_FIELD_NUMBER: _builtins.int
+    tasks: _builtins.int
+    """1 to 1000000."""
+    per_ms: _builtins.int
+    """1 to 86400000."""
+    burst: _builtins.int
+    """1 to 1000000. Default (0 or unset): tasks."""
+    def __init__(
+        self,
+        *,
+        tasks: _builtins.int = ...,
+        per_ms: _builtins.int = ...,
+        burst: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["burst", b"burst", "per_ms", b"per_ms", "tasks", b"tasks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RateLimit: _TypeAlias = RateLimit  # noqa: Y015
+
+@_typing.final
+class QueueLimits(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RATE_FIELD_NUMBER: _builtins.int
+    CONCURRENCY_FIELD_NUMBER: _builtins.int
+    concurrency: _builtins.int
+    """1 to 1000000 tasks handed out at once. Unset: no limit."""
+    @_builtins.property
+    def rate(self) -> Global___RateLimit:
+        """Unset: no rate limit."""
+
+    def __init__(
+        self,
+        *,
+        rate: Global___RateLimit | None = ...,
+        concurrency: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_concurrency", b"_concurrency", "concurrency", b"concurrency", "rate", b"rate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_concurrency", b"_concurrency", "concurrency", b"concurrency", "rate", b"rate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__concurrency: _TypeAlias = _typing.Literal["concurrency"]  # noqa: Y015
+    _WhichOneofArgType__concurrency: _TypeAlias = _typing.Literal["_concurrency", b"_concurrency"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__concurrency) -> _WhichOneofReturnType__concurrency | None: ...
+
+Global___QueueLimits: _TypeAlias = QueueLimits  # noqa: Y015
+
+@_typing.final
+class SetQueueLimitsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    LIMITS_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    """Required: 1 to 64 characters of [A-Za-z0-9_.-]."""
+    @_builtins.property
+    def limits(self) -> Global___QueueLimits:
+        """Unset (or both members unset): clear the queue's limits."""
+
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+        limits: Global___QueueLimits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits", "queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetQueueLimitsRequest: _TypeAlias = SetQueueLimitsRequest  # noqa: Y015
+
+@_typing.final
+class SetQueueLimitsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMITS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def limits(self) -> Global___QueueLimits:
+        """The limits now in force (unset: none)."""
+
+    def __init__(
+        self,
+        *,
+        limits: Global___QueueLimits | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limits", b"limits"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetQueueLimitsResponse: _TypeAlias = SetQueueLimitsResponse  # noqa: Y015
+
+@_typing.final
+class Schedule(_message.Message):
+    """A schedule (HTTP: the body of GET /schedules/{name})."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CRON_FIELD_NUMBER: _builtins.int
+    TIMEZONE_FIELD_NUMBER: _builtins.int
+    EVERY_MS_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    RESULT_TTL_MS_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    NEXT_FIRE_AT_FIELD_NUMBER: _builtins.int
+    LAST_FIRE_AT_FIELD_NUMBER: _builtins.int
+    LAST_TASK_ID_FIELD_NUMBER: _builtins.int
+    FIRES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    cron: _builtins.str
+    """The cron rule as given (five fields or a macro); unset for an interval."""
+    timezone: _builtins.str
+    """The cron rule's IANA timezone; empty for an interval."""
+    every_ms: _builtins.int
+    """The interval; unset for a cron rule."""
+    payload: _builtins.bytes
+    """The task each fire enqueues (EnqueueRequest's members)."""
+    queue: _builtins.str
+    priority: _builtins.int
+    max_attempts: _builtins.int
+    expires_in_ms: _builtins.int
+    timeout_ms: _builtins.int
+    result_ttl_ms: _builtins.int
+    paused: _builtins.bool
+    last_task_id: _builtins.str
+    fires: _builtins.int
+    """Fires so far (by every broker)."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def next_fire_at(self) -> _timestamp_pb2.Timestamp:
+        """The scheduled time of the next fire (unset while paused)."""
+
+    @_builtins.property
+    def last_fire_at(self) -> _timestamp_pb2.Timestamp:
+        """The scheduled time of the last fire, and the task it enqueued (unset: none yet)."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        cron: _builtins.str | None = ...,
+        timezone: _builtins.str = ...,
+        every_ms: _builtins.int | None = ...,
+        payload: _builtins.bytes = ...,
+        queue: _builtins.str = ...,
+        priority: _builtins.int = ...,
+        max_attempts: _builtins.int = ...,
+        expires_in_ms: _builtins.int | None = ...,
+        timeout_ms: _builtins.int | None = ...,
+        result_ttl_ms: _builtins.int | None = ...,
+        paused: _builtins.bool = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+        next_fire_at: _timestamp_pb2.Timestamp | None = ...,
+        last_fire_at: _timestamp_pb2.Timestamp | None = ...,
+        last_task_id: _builtins.str = ...,
+        fires: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cron", b"_cron", "_every_ms", b"_every_ms", "_expires_in_ms", b"_expires_in_ms", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "created_at", b"created_at", "cron", b"cron", "every_ms", b"every_ms", "expires_in_ms", b"expires_in_ms", "last_fire_at", b"last_fire_at", "next_fire_at", b"next_fire_at", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cron", b"_cron", "_every_ms", b"_every_ms", "_expires_in_ms", b"_expires_in_ms", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "created_at", b"created_at", "cron", b"cron", "every_ms", b"every_ms", "expires_in_ms", b"expires_in_ms", "fires", b"fires", "last_fire_at", b"last_fire_at", "last_task_id", b"last_task_id", "max_attempts", b"max_attempts", "name", b"name", "next_fire_at", b"next_fire_at", "paused", b"paused", "payload", b"payload", "priority", b"priority", "queue", b"queue", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "timezone", b"timezone", "updated_at", b"updated_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cron: _TypeAlias = _typing.Literal["cron"]  # noqa: Y015
+    _WhichOneofArgType__cron: _TypeAlias = _typing.Literal["_cron", b"_cron"]  # noqa: Y015
+    _WhichOneofReturnType__every_ms: _TypeAlias = _typing.Literal["every_ms"]  # noqa: Y015
+    _WhichOneofArgType__every_ms: _TypeAlias = _typing.Literal["_every_ms", b"_every_ms"]  # noqa: Y015
+    _WhichOneofReturnType__expires_in_ms: _TypeAlias = _typing.Literal["expires_in_ms"]  # noqa: Y015
+    _WhichOneofArgType__expires_in_ms: _TypeAlias = _typing.Literal["_expires_in_ms", b"_expires_in_ms"]  # noqa: Y015
+    _WhichOneofReturnType__result_ttl_ms: _TypeAlias = _typing.Literal["result_ttl_ms"]  # noqa: Y015
+    _WhichOneofArgType__result_ttl_ms: _TypeAlias = _typing.Literal["_result_ttl_ms", b"_result_ttl_ms"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cron) -> _WhichOneofReturnType__cron | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__every_ms) -> _WhichOneofReturnType__every_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expires_in_ms) -> _WhichOneofReturnType__expires_in_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result_ttl_ms) -> _WhichOneofReturnType__result_ttl_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
+
+Global___Schedule: _TypeAlias = Schedule  # noqa: Y015
+
+@_typing.final
+class PutScheduleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CRON_FIELD_NUMBER: _builtins.int
+    TIMEZONE_FIELD_NUMBER: _builtins.int
+    EVERY_MS_FIELD_NUMBER: _builtins.int
+    PAYLOAD_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_MS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    RESULT_TTL_MS_FIELD_NUMBER: _builtins.int
+    PAUSED_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Required: 1 to 64 characters of [A-Za-z0-9_.-]."""
+    cron: _builtins.str
+    """Exactly one of cron and every_ms. cron: five fields or @yearly, @annually, @monthly,
+    @weekly, @daily, @midnight, @hourly.
+    """
+    timezone: _builtins.str
+    """An IANA name, with cron only. Default "UTC"."""
+    every_ms: _builtins.int
+    """1000 to 31536000000."""
+    payload: _builtins.bytes
+    """Required: one JSON value, as UTF-8 bytes."""
+    queue: _builtins.str
+    """As EnqueueRequest's."""
+    priority: _builtins.int
+    max_attempts: _builtins.int
+    expires_in_ms: _builtins.int
+    timeout_ms: _builtins.int
+    result_ttl_ms: _builtins.int
+    paused: _builtins.bool
+    """Put it paused (default false)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        cron: _builtins.str | None = ...,
+        timezone: _builtins.str | None = ...,
+        every_ms: _builtins.int | None = ...,
+        payload: _builtins.bytes = ...,
+        queue: _builtins.str = ...,
+        priority: _builtins.int | None = ...,
+        max_attempts: _builtins.int | None = ...,
+        expires_in_ms: _builtins.int | None = ...,
+        timeout_ms: _builtins.int | None = ...,
+        result_ttl_ms: _builtins.int | None = ...,
+        paused: _builtins.bool | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_cron", b"_cron", "_every_ms", b"_every_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_paused", b"_paused", "_priority", b"_priority", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "_timezone", b"_timezone", "cron", b"cron", "every_ms", b"every_ms", "expires_in_ms", b"expires_in_ms", "max_attempts", b"max_attempts", "paused", b"paused", "priority", b"priority", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "timezone", b"timezone"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_cron", b"_cron", "_every_ms", b"_every_ms", "_expires_in_ms", b"_expires_in_ms", "_max_attempts", b"_max_attempts", "_paused", b"_paused", "_priority", b"_priority", "_result_ttl_ms", b"_result_ttl_ms", "_timeout_ms", b"_timeout_ms", "_timezone", b"_timezone", "cron", b"cron", "every_ms", b"every_ms", "expires_in_ms", b"expires_in_ms", "max_attempts", b"max_attempts", "name", b"name", "paused", b"paused", "payload", b"payload", "priority", b"priority", "queue", b"queue", "result_ttl_ms", b"result_ttl_ms", "timeout_ms", b"timeout_ms", "timezone", b"timezone"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__cron: _TypeAlias = _typing.Literal["cron"]  # noqa: Y015
+    _WhichOneofArgType__cron: _TypeAlias = _typing.Literal["_cron", b"_cron"]  # noqa: Y015
+    _WhichOneofReturnType__every_ms: _TypeAlias = _typing.Literal["every_ms"]  # noqa: Y015
+    _WhichOneofArgType__every_ms: _TypeAlias = _typing.Literal["_every_ms", b"_every_ms"]  # noqa: Y015
+    _WhichOneofReturnType__expires_in_ms: _TypeAlias = _typing.Literal["expires_in_ms"]  # noqa: Y015
+    _WhichOneofArgType__expires_in_ms: _TypeAlias = _typing.Literal["_expires_in_ms", b"_expires_in_ms"]  # noqa: Y015
+    _WhichOneofReturnType__max_attempts: _TypeAlias = _typing.Literal["max_attempts"]  # noqa: Y015
+    _WhichOneofArgType__max_attempts: _TypeAlias = _typing.Literal["_max_attempts", b"_max_attempts"]  # noqa: Y015
+    _WhichOneofReturnType__paused: _TypeAlias = _typing.Literal["paused"]  # noqa: Y015
+    _WhichOneofArgType__paused: _TypeAlias = _typing.Literal["_paused", b"_paused"]  # noqa: Y015
+    _WhichOneofReturnType__priority: _TypeAlias = _typing.Literal["priority"]  # noqa: Y015
+    _WhichOneofArgType__priority: _TypeAlias = _typing.Literal["_priority", b"_priority"]  # noqa: Y015
+    _WhichOneofReturnType__result_ttl_ms: _TypeAlias = _typing.Literal["result_ttl_ms"]  # noqa: Y015
+    _WhichOneofArgType__result_ttl_ms: _TypeAlias = _typing.Literal["_result_ttl_ms", b"_result_ttl_ms"]  # noqa: Y015
+    _WhichOneofReturnType__timeout_ms: _TypeAlias = _typing.Literal["timeout_ms"]  # noqa: Y015
+    _WhichOneofArgType__timeout_ms: _TypeAlias = _typing.Literal["_timeout_ms", b"_timeout_ms"]  # noqa: Y015
+    _WhichOneofReturnType__timezone: _TypeAlias = _typing.Literal["timezone"]  # noqa: Y015
+    _WhichOneofArgType__timezone: _TypeAlias = _typing.Literal["_timezone", b"_timezone"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__cron) -> _WhichOneofReturnType__cron | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__every_ms) -> _WhichOneofReturnType__every_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__expires_in_ms) -> _WhichOneofReturnType__expires_in_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__max_attempts) -> _WhichOneofReturnType__max_attempts | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__paused) -> _WhichOneofReturnType__paused | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__priority) -> _WhichOneofReturnType__priority | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__result_ttl_ms) -> _WhichOneofReturnType__result_ttl_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_ms) -> _WhichOneofReturnType__timeout_ms | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timezone) -> _WhichOneofReturnType__timezone | None: ...
+
+Global___PutScheduleRequest: _TypeAlias = PutScheduleRequest  # noqa: Y015
+
+@_typing.final
+class PutScheduleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def schedule(self) -> Global___Schedule: ...
+    def __init__(
+        self,
+        *,
+        schedule: Global___Schedule | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PutScheduleResponse: _TypeAlias = PutScheduleResponse  # noqa: Y015
+
+@_typing.final
+class GetScheduleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetScheduleRequest: _TypeAlias = GetScheduleRequest  # noqa: Y015
+
+@_typing.final
+class GetScheduleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def schedule(self) -> Global___Schedule: ...
+    def __init__(
+        self,
+        *,
+        schedule: Global___Schedule | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetScheduleResponse: _TypeAlias = GetScheduleResponse  # noqa: Y015
+
+@_typing.final
+class ListSchedulesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSchedulesRequest: _TypeAlias = ListSchedulesRequest  # noqa: Y015
+
+@_typing.final
+class ListSchedulesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def schedules(self) -> _containers.RepeatedCompositeFieldContainer[Global___Schedule]:
+        """By name."""
+
+    def __init__(
+        self,
+        *,
+        schedules: _abc.Iterable[Global___Schedule] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedules", b"schedules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListSchedulesResponse: _TypeAlias = ListSchedulesResponse  # noqa: Y015
+
+@_typing.final
+class DeleteScheduleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteScheduleRequest: _TypeAlias = DeleteScheduleRequest  # noqa: Y015
+
+@_typing.final
+class DeleteScheduleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeleteScheduleResponse: _TypeAlias = DeleteScheduleResponse  # noqa: Y015
+
+@_typing.final
+class PauseScheduleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseScheduleRequest: _TypeAlias = PauseScheduleRequest  # noqa: Y015
+
+@_typing.final
+class PauseScheduleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def schedule(self) -> Global___Schedule: ...
+    def __init__(
+        self,
+        *,
+        schedule: Global___Schedule | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PauseScheduleResponse: _TypeAlias = PauseScheduleResponse  # noqa: Y015
+
+@_typing.final
+class ResumeScheduleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeScheduleRequest: _TypeAlias = ResumeScheduleRequest  # noqa: Y015
+
+@_typing.final
+class ResumeScheduleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SCHEDULE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def schedule(self) -> Global___Schedule: ...
+    def __init__(
+        self,
+        *,
+        schedule: Global___Schedule | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["schedule", b"schedule"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ResumeScheduleResponse: _TypeAlias = ResumeScheduleResponse  # noqa: Y015

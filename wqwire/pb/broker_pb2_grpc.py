@@ -144,6 +144,41 @@ class BrokerStub:
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
                 response_deserializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
                 _registered_method=True)
+        self.PutSchedule = channel.unary_unary(
+                '/wq.v1.Broker/PutSchedule',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.PutScheduleRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.PutScheduleResponse.FromString,
+                _registered_method=True)
+        self.GetSchedule = channel.unary_unary(
+                '/wq.v1.Broker/GetSchedule',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.GetScheduleRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.GetScheduleResponse.FromString,
+                _registered_method=True)
+        self.ListSchedules = channel.unary_unary(
+                '/wq.v1.Broker/ListSchedules',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ListSchedulesRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ListSchedulesResponse.FromString,
+                _registered_method=True)
+        self.DeleteSchedule = channel.unary_unary(
+                '/wq.v1.Broker/DeleteSchedule',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.DeleteScheduleRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.DeleteScheduleResponse.FromString,
+                _registered_method=True)
+        self.PauseSchedule = channel.unary_unary(
+                '/wq.v1.Broker/PauseSchedule',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.PauseScheduleRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.PauseScheduleResponse.FromString,
+                _registered_method=True)
+        self.ResumeSchedule = channel.unary_unary(
+                '/wq.v1.Broker/ResumeSchedule',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ResumeScheduleRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ResumeScheduleResponse.FromString,
+                _registered_method=True)
+        self.SetQueueLimits = channel.unary_unary(
+                '/wq.v1.Broker/SetQueueLimits',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.SetQueueLimitsRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.SetQueueLimitsResponse.FromString,
+                _registered_method=True)
 
 
 class BrokerServicer:
@@ -372,6 +407,61 @@ class BrokerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutSchedule(self, request, context):
+        """docs/design/schedules.md. Create or replace a schedule (HTTP: PUT /schedules/{name}): a
+        cron rule (five fields or a macro, in an IANA timezone) or a fixed interval, and the task
+        each fire enqueues. Each fire enqueues exactly one task, on any number of brokers; after
+        downtime a schedule fires once, for its most recent missed time. INVALID_ARGUMENT naming the
+        member for a rule that does not parse, an unknown timezone, or a bad task member.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSchedule(self, request, context):
+        """One schedule (HTTP: GET /schedules/{name}); NOT_FOUND if there is none of that name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSchedules(self, request, context):
+        """Every schedule, by name (HTTP: GET /schedules).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSchedule(self, request, context):
+        """Delete a schedule (HTTP: DELETE /schedules/{name}); tasks it fired stay. NOT_FOUND if none.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PauseSchedule(self, request, context):
+        """Stop a schedule's fires until it is resumed (HTTP: POST /schedules/{name}/pause).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ResumeSchedule(self, request, context):
+        """Fire again, from the next rule time after now (HTTP: POST /schedules/{name}/resume).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetQueueLimits(self, request, context):
+        """Set (or, with limits unset or both of its members unset, clear) a queue's rate and
+        concurrency limits (HTTP: PUT and DELETE /queues/{name}/limits). They hold over every
+        worker and every broker of a shared store. Creates the queue if it is unknown.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_BrokerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -484,6 +574,41 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.StreamJobs,
                     request_deserializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.FromString,
                     response_serializer=wqwire_dot_pb_dot_broker__pb2.StreamJobsResponse.SerializeToString,
+            ),
+            'PutSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.PutSchedule,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.PutScheduleRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.PutScheduleResponse.SerializeToString,
+            ),
+            'GetSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSchedule,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.GetScheduleRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.GetScheduleResponse.SerializeToString,
+            ),
+            'ListSchedules': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSchedules,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ListSchedulesRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ListSchedulesResponse.SerializeToString,
+            ),
+            'DeleteSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSchedule,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.DeleteScheduleRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.DeleteScheduleResponse.SerializeToString,
+            ),
+            'PauseSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.PauseSchedule,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.PauseScheduleRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.PauseScheduleResponse.SerializeToString,
+            ),
+            'ResumeSchedule': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResumeSchedule,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ResumeScheduleRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ResumeScheduleResponse.SerializeToString,
+            ),
+            'SetQueueLimits': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetQueueLimits,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.SetQueueLimitsRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.SetQueueLimitsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1080,6 +1205,195 @@ class Broker:
             '/wq.v1.Broker/StreamJobs',
             wqwire_dot_pb_dot_broker__pb2.StreamJobsRequest.SerializeToString,
             wqwire_dot_pb_dot_broker__pb2.StreamJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/PutSchedule',
+            wqwire_dot_pb_dot_broker__pb2.PutScheduleRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.PutScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/GetSchedule',
+            wqwire_dot_pb_dot_broker__pb2.GetScheduleRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.GetScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSchedules(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/ListSchedules',
+            wqwire_dot_pb_dot_broker__pb2.ListSchedulesRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ListSchedulesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/DeleteSchedule',
+            wqwire_dot_pb_dot_broker__pb2.DeleteScheduleRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.DeleteScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PauseSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/PauseSchedule',
+            wqwire_dot_pb_dot_broker__pb2.PauseScheduleRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.PauseScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResumeSchedule(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/ResumeSchedule',
+            wqwire_dot_pb_dot_broker__pb2.ResumeScheduleRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ResumeScheduleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetQueueLimits(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/SetQueueLimits',
+            wqwire_dot_pb_dot_broker__pb2.SetQueueLimitsRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.SetQueueLimitsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -192,6 +192,28 @@ class BrokerStub:
     the worker's last acks were on their way is then reclaimed: drain first.
     Streams and HTTP long-pollers share ready tasks fairly (round robin).
     """
+    PutSchedule: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PutScheduleRequest, _broker_pb2.PutScheduleResponse]
+    """docs/design/schedules.md. Create or replace a schedule (HTTP: PUT /schedules/{name}): a
+    cron rule (five fields or a macro, in an IANA timezone) or a fixed interval, and the task
+    each fire enqueues. Each fire enqueues exactly one task, on any number of brokers; after
+    downtime a schedule fires once, for its most recent missed time. INVALID_ARGUMENT naming the
+    member for a rule that does not parse, an unknown timezone, or a bad task member.
+    """
+    GetSchedule: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetScheduleRequest, _broker_pb2.GetScheduleResponse]
+    """One schedule (HTTP: GET /schedules/{name}); NOT_FOUND if there is none of that name."""
+    ListSchedules: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ListSchedulesRequest, _broker_pb2.ListSchedulesResponse]
+    """Every schedule, by name (HTTP: GET /schedules)."""
+    DeleteSchedule: _grpc.UnaryUnaryMultiCallable[_broker_pb2.DeleteScheduleRequest, _broker_pb2.DeleteScheduleResponse]
+    """Delete a schedule (HTTP: DELETE /schedules/{name}); tasks it fired stay. NOT_FOUND if none."""
+    PauseSchedule: _grpc.UnaryUnaryMultiCallable[_broker_pb2.PauseScheduleRequest, _broker_pb2.PauseScheduleResponse]
+    """Stop a schedule's fires until it is resumed (HTTP: POST /schedules/{name}/pause)."""
+    ResumeSchedule: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ResumeScheduleRequest, _broker_pb2.ResumeScheduleResponse]
+    """Fire again, from the next rule time after now (HTTP: POST /schedules/{name}/resume)."""
+    SetQueueLimits: _grpc.UnaryUnaryMultiCallable[_broker_pb2.SetQueueLimitsRequest, _broker_pb2.SetQueueLimitsResponse]
+    """Set (or, with limits unset or both of its members unset, clear) a queue's rate and
+    concurrency limits (HTTP: PUT and DELETE /queues/{name}/limits). They hold over every
+    worker and every broker of a shared store. Creates the queue if it is unknown.
+    """
 
 @_typing.type_check_only
 class BrokerAsyncStub(BrokerStub):
@@ -324,6 +346,28 @@ class BrokerAsyncStub(BrokerStub):
     ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
     the worker's last acks were on their way is then reclaimed: drain first.
     Streams and HTTP long-pollers share ready tasks fairly (round robin).
+    """
+    PutSchedule: _aio.UnaryUnaryMultiCallable[_broker_pb2.PutScheduleRequest, _broker_pb2.PutScheduleResponse]  # type: ignore[assignment]
+    """docs/design/schedules.md. Create or replace a schedule (HTTP: PUT /schedules/{name}): a
+    cron rule (five fields or a macro, in an IANA timezone) or a fixed interval, and the task
+    each fire enqueues. Each fire enqueues exactly one task, on any number of brokers; after
+    downtime a schedule fires once, for its most recent missed time. INVALID_ARGUMENT naming the
+    member for a rule that does not parse, an unknown timezone, or a bad task member.
+    """
+    GetSchedule: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetScheduleRequest, _broker_pb2.GetScheduleResponse]  # type: ignore[assignment]
+    """One schedule (HTTP: GET /schedules/{name}); NOT_FOUND if there is none of that name."""
+    ListSchedules: _aio.UnaryUnaryMultiCallable[_broker_pb2.ListSchedulesRequest, _broker_pb2.ListSchedulesResponse]  # type: ignore[assignment]
+    """Every schedule, by name (HTTP: GET /schedules)."""
+    DeleteSchedule: _aio.UnaryUnaryMultiCallable[_broker_pb2.DeleteScheduleRequest, _broker_pb2.DeleteScheduleResponse]  # type: ignore[assignment]
+    """Delete a schedule (HTTP: DELETE /schedules/{name}); tasks it fired stay. NOT_FOUND if none."""
+    PauseSchedule: _aio.UnaryUnaryMultiCallable[_broker_pb2.PauseScheduleRequest, _broker_pb2.PauseScheduleResponse]  # type: ignore[assignment]
+    """Stop a schedule's fires until it is resumed (HTTP: POST /schedules/{name}/pause)."""
+    ResumeSchedule: _aio.UnaryUnaryMultiCallable[_broker_pb2.ResumeScheduleRequest, _broker_pb2.ResumeScheduleResponse]  # type: ignore[assignment]
+    """Fire again, from the next rule time after now (HTTP: POST /schedules/{name}/resume)."""
+    SetQueueLimits: _aio.UnaryUnaryMultiCallable[_broker_pb2.SetQueueLimitsRequest, _broker_pb2.SetQueueLimitsResponse]  # type: ignore[assignment]
+    """Set (or, with limits unset or both of its members unset, clear) a queue's rate and
+    concurrency limits (HTTP: PUT and DELETE /queues/{name}/limits). They hold over every
+    worker and every broker of a shared store. Creates the queue if it is unknown.
     """
 
 class BrokerServicer(metaclass=_abc_1.ABCMeta):
@@ -586,6 +630,70 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         ready untouched. Half-closing without `drain` also stops the pushes, but a task pushed while
         the worker's last acks were on their way is then reclaimed: drain first.
         Streams and HTTP long-pollers share ready tasks fairly (round robin).
+        """
+
+    @_abc_1.abstractmethod
+    def PutSchedule(
+        self,
+        request: _broker_pb2.PutScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PutScheduleResponse, _abc.Awaitable[_broker_pb2.PutScheduleResponse]]:
+        """docs/design/schedules.md. Create or replace a schedule (HTTP: PUT /schedules/{name}): a
+        cron rule (five fields or a macro, in an IANA timezone) or a fixed interval, and the task
+        each fire enqueues. Each fire enqueues exactly one task, on any number of brokers; after
+        downtime a schedule fires once, for its most recent missed time. INVALID_ARGUMENT naming the
+        member for a rule that does not parse, an unknown timezone, or a bad task member.
+        """
+
+    @_abc_1.abstractmethod
+    def GetSchedule(
+        self,
+        request: _broker_pb2.GetScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.GetScheduleResponse, _abc.Awaitable[_broker_pb2.GetScheduleResponse]]:
+        """One schedule (HTTP: GET /schedules/{name}); NOT_FOUND if there is none of that name."""
+
+    @_abc_1.abstractmethod
+    def ListSchedules(
+        self,
+        request: _broker_pb2.ListSchedulesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ListSchedulesResponse, _abc.Awaitable[_broker_pb2.ListSchedulesResponse]]:
+        """Every schedule, by name (HTTP: GET /schedules)."""
+
+    @_abc_1.abstractmethod
+    def DeleteSchedule(
+        self,
+        request: _broker_pb2.DeleteScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.DeleteScheduleResponse, _abc.Awaitable[_broker_pb2.DeleteScheduleResponse]]:
+        """Delete a schedule (HTTP: DELETE /schedules/{name}); tasks it fired stay. NOT_FOUND if none."""
+
+    @_abc_1.abstractmethod
+    def PauseSchedule(
+        self,
+        request: _broker_pb2.PauseScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.PauseScheduleResponse, _abc.Awaitable[_broker_pb2.PauseScheduleResponse]]:
+        """Stop a schedule's fires until it is resumed (HTTP: POST /schedules/{name}/pause)."""
+
+    @_abc_1.abstractmethod
+    def ResumeSchedule(
+        self,
+        request: _broker_pb2.ResumeScheduleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ResumeScheduleResponse, _abc.Awaitable[_broker_pb2.ResumeScheduleResponse]]:
+        """Fire again, from the next rule time after now (HTTP: POST /schedules/{name}/resume)."""
+
+    @_abc_1.abstractmethod
+    def SetQueueLimits(
+        self,
+        request: _broker_pb2.SetQueueLimitsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.SetQueueLimitsResponse, _abc.Awaitable[_broker_pb2.SetQueueLimitsResponse]]:
+        """Set (or, with limits unset or both of its members unset, clear) a queue's rate and
+        concurrency limits (HTTP: PUT and DELETE /queues/{name}/limits). They hold over every
+        worker and every broker of a shared store. Creates the queue if it is unknown.
         """
 
 def add_BrokerServicer_to_server(servicer: BrokerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
