@@ -44,6 +44,7 @@ from wqbroker.models import (
     Delivery,
     Enqueued,
     Failure,
+    Limits,
     ListKey,
     NackItem,
     NewTask,
@@ -51,6 +52,7 @@ from wqbroker.models import (
     QueueReport,
     QueueStats,
     Released,
+    Schedule,
     Stats,
     SweepResult,
     Task,
@@ -85,6 +87,24 @@ class Submission:
     unique: object | None = None  # the key holds while the task is active
     after: object | None = None  # its parents (docs/design/results.md)
     result_ttl_ms: object | None = None  # how long its result is kept
+
+
+@dataclass(slots=True)
+class ScheduleSubmission:
+    """A schedule to put (docs/design/schedules.md), its members as the client sent them (None:
+    not given). ``payload``: the task's JSON text."""
+
+    payload: bytes | None
+    cron: object | None = None
+    timezone: object | None = None
+    every_ms: object | None = None
+    queue: object | None = None
+    priority: object | None = None
+    max_attempts: object | None = None
+    expires_in_ms: object | None = None
+    timeout_ms: object | None = None
+    result_ttl_ms: object | None = None
+    paused: object | None = None
 
 
 class _Awaited:
@@ -832,6 +852,43 @@ class Service:
             self._room_for_queues((name,))
         await timed(self._events, "pause", self._store.set_paused(name, False))
         await self._dispatch.pump((name,))
+
+    # -- schedules and limits (docs/design/schedules.md) -------------------------------------
+    # (Being built: the schedules' helper fills in the schedule calls, the limits' helper
+    # set_limits and clear_limits. The adapters call these signatures.)
+
+    async def put_schedule(self, name: object, sub: ScheduleSubmission) -> Schedule:
+        """Create or replace a schedule; InvalidArgument naming the member for a bad one."""
+        raise NotImplementedError
+
+    async def get_schedule(self, name: object) -> Schedule:
+        """NotFound if there is none of that name."""
+        raise NotImplementedError
+
+    async def list_schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        raise NotImplementedError
+
+    async def delete_schedule(self, name: object) -> None:
+        """NotFound if there is none of that name."""
+        raise NotImplementedError
+
+    async def pause_schedule(self, name: object) -> Schedule:
+        raise NotImplementedError
+
+    async def resume_schedule(self, name: object) -> Schedule:
+        raise NotImplementedError
+
+    async def set_limits(
+        self, queue: object, rate: object | None, concurrency: object | None
+    ) -> Limits | None:
+        """Set a queue's limits: ``rate`` the JSON object ``{"tasks", "per_ms", "burst"}`` as
+        received (None: no rate limit), ``concurrency`` an int (None: no limit). Both None
+        clears them. Returns the limits in force (None: none)."""
+        raise NotImplementedError
+
+    async def clear_limits(self, queue: object) -> None:
+        raise NotImplementedError
 
     def _ready_elsewhere(self, queues: Iterable[str] | None) -> None:
         """Tasks became ready in ``queues`` (None: any) without this broker's doing: feed the
