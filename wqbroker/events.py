@@ -40,6 +40,8 @@ Operation = Literal[
     "pause",
     "cancel",
     "queue",
+    "schedule",
+    "limits",
 ]
 OPERATIONS: Final[tuple[Operation, ...]] = get_args(Operation)
 
@@ -75,6 +77,10 @@ class Events:
         handed back (nobody saw the task). Possibly told before the store has answered, and for a
         lease the store then finds no longer current: a listener forgets them, no more."""
 
+    def fired(self, schedule: str, late: float, failed: bool = False) -> None:
+        """This broker fired a schedule (docs/design/schedules.md), ``late`` seconds after its
+        scheduled time; ``failed``: its enqueue was refused (the fire still counts as done)."""
+
     def store_call(self, operation: Operation, seconds: float) -> None:
         """A store call that changes something took this long (a commit, in a durable store);
         failed ones included, but a sweep only when it reclaimed or promoted something."""
@@ -103,6 +109,10 @@ class Fanout(Events):
     def leases_gone(self, lease_ids: Sequence[str]) -> None:
         for each in self._listeners:
             each.leases_gone(lease_ids)
+
+    def fired(self, schedule: str, late: float, failed: bool = False) -> None:
+        for each in self._listeners:
+            each.fired(schedule, late, failed)
 
     def store_call(self, operation: Operation, seconds: float) -> None:
         for each in self._timing:
