@@ -869,6 +869,97 @@ def workflows(q: bool) -> None:
             )
 
 
+# -- schedules: how late each fire is -------------------------------------------------------------
+
+
+def schedules(q: bool) -> None:
+    """N schedules firing every second (docs/design/schedules.md), from a -schedule-file, on a
+    broker of each store for a while: each fire's delay from its scheduled time to its task's
+    enqueue (created_at - scheduled_for), and that no time fired twice."""
+    n = 50 if q else 500
+    seconds = 5 if q else 20
+    print(f"Schedules: {n} firing every second for {seconds} s (fire delay, ms)", flush=True)
+    why = pg.unreachable()
+    found: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp, pg.scratch() as make:
+        path = f"{tmp}/schedules.json"
+        run_json("bench.schedules", "file", path, str(n))
+        stores: list[tuple[str, Callable[[str], tuple[str, ...]]]] = [
+            ("memory", lambda _: ()),
+            ("sqlite", lambda tag: ("-store", f"sqlite:{tmp}/{tag}.db")),
+        ]
+        if why is None:
+            stores.append(("postgres", lambda tag: ("-store", make(tag))))
+        for label, store in stores:
+            with broker(*store(f"sched_{label}"), "-schedule-file", path) as b:
+                time.sleep(seconds)
+                r = run_json("bench.schedules", "delays", b.http, timeout=600)
+            found[label] = r
+            add(
+                "schedules",
+                f"{label}: {n} schedules every second, {r['fires']:,} fires ({r['per_s']:,.0f}/s)",
+                f"p50 {r['p50_ms']:.1f}, p99 {r['p99_ms']:.1f}, max {r['max_ms']:.1f} ms; after "
+                f"the first second: p99 {r['warm_p99_ms']:.1f}, max {r['warm_max_ms']:.1f} ms"
+                + ("" if r["once"] else " (A TIME FIRED TWICE)"),
+            )
+    if why is not None:
+        add("schedules", "PostgreSQL", f"unreachable ({why}): skipped")
+    RESULTS["schedules"] = found
+
+
+def limits(q: bool) -> None:
+    """Limits per queue (docs/design/schedules.md) on a broker of each store: workers of the
+    public client (wqclient.Worker, over gRPC) asking for far more than a queue limited to 200 a
+    second (a burst of 20) and one limited to 8 at once allow, for a while (bench/limits.py):
+    the rate achieved after the burst and the most in any one-second window, against the
+    limit; the most tasks of the concurrency-limited queue held at once, against the limit."""
+    rate, burst, concurrency = 200, 20, 8
+    seconds = 4 if q else 10
+    print(f"Limits: {rate}/s (burst {burst}), {concurrency} at once, {seconds} s", flush=True)
+    why = pg.unreachable()
+    found: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="wq-bench-") as tmp, pg.scratch() as make:
+        stores: list[tuple[str, Callable[[str], tuple[str, ...]]]] = [
+            ("memory", lambda _: ()),
+            ("sqlite", lambda tag: ("-store", f"sqlite:{tmp}/{tag}.db")),
+        ]
+        if why is None:
+            stores.append(("postgres", lambda tag: ("-store", make(tag))))
+        for label, store in stores:
+            with broker(*store(f"limits_{label}")) as b:
+                r = run_json(
+                    "bench.limits",
+                    "run",
+                    f"grpc://{b.grpc}",
+                    str(seconds),
+                    str(rate),
+                    str(burst),
+                    str(concurrency),
+                    timeout=600,
+                )
+            found[label] = r
+            rr, cc = r["rate"], r["concurrency"]
+            add(
+                "limits",
+                f"{label}: a queue limited to {rate}/s (burst {burst}): rate after the burst; "
+                "most in any second",
+                f"{rr['steady_per_s']:.1f}/s; {rr['max_window']} (bound {rr['window_bound']})",
+                f"~{rate}/s, <= {rate + burst}",
+                rr["max_window"] <= rate + burst and rr["steady_per_s"] >= 0.9 * rate,
+            )
+            add(
+                "limits",
+                f"{label}: a queue limited to {concurrency} at once (5 ms tasks): most held "
+                "(broker / handlers); tasks a second",
+                f"{cc['max_held_broker']} / {cc['max_in_handlers']}; {cc['per_s']:.0f}/s",
+                f"{concurrency}",
+                cc["max_held_broker"] <= concurrency and cc["max_in_handlers"] <= concurrency,
+            )
+    if why is not None:
+        add("limits", "PostgreSQL", f"unreachable ({why}): skipped")
+    RESULTS["limits"] = found
+
+
 # -- a slow link to the database -------------------------------------------------------------------
 
 LINK_DELAY_MS: Final = 20  # each way
@@ -1247,6 +1338,8 @@ SECTIONS = {
     "slowlink": slow_link,
     "listing": listing,
     "workflows": workflows,
+    "schedules": schedules,
+    "limits": limits,
 }
 
 

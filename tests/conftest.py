@@ -63,8 +63,10 @@ POSTGRES_MODULES: Final = frozenset(
         "store/test_postgres.py",
         "store/test_postgres_control.py",
         "store/test_postgres_results.py",
+        "store/test_postgres_limits.py",
         "e2e/test_postgres_cluster.py",
         "e2e/test_postgres_failover.py",
+        "e2e/test_limits_several_brokers.py",
     }
 )
 NODE_MODULE: Final = "e2e/test_node_client.py"
@@ -74,6 +76,7 @@ SERIAL_MODULES: Final = frozenset(
         "e2e/test_sqlite_kill9.py",
         "e2e/test_postgres_cluster.py",
         "e2e/test_postgres_failover.py",
+        "e2e/test_limits_several_brokers.py",
         "ui/test_dashboard.py",
     }
 )

@@ -12,7 +12,10 @@ queues, progress, and the new enqueue options, kept on the task; and results and
 docs/design/results.md: acks with results kept as succeeded tasks, result waits (on a fake clock
 given as ``clock``, or real time), ``after`` with ids and a batch's indices, waiting tasks
 released when their parents succeed, buried or cancelled with them, parents' results on
-deliveries, children in lookups) and leave out time: delays and
+deliveries, children in lookups; and schedules and limits, docs/design/schedules.md: schedules
+kept by name, fired when a test says so (:meth:`FakeTransport.fire`, the task carrying its
+``schedule`` and ``scheduled_for``), paused and resumed, and queue limits kept and shown by
+``queues()``, though not applied to claims) and leave out time: delays and
 backoff are not honoured (a task nacked with ``delay_ms`` is ready at once, as after any nack),
 idempotency keys never expire, tasks never expire, time limits are not enforced (make extensions
 raise TimeLimitReached with :meth:`FakeTransport.fail`), and a lease never runs out unless a test
@@ -44,8 +47,10 @@ from wqclient import (
     EnqueueItem,
     InvalidArgument,
     LeaseLost,
+    Limits,
     NotFound,
     QueueInfo,
+    Schedule,
     Stats,
     StreamEnded,
     Task,
@@ -55,7 +60,7 @@ from wqclient import (
     WqError,
 )
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS, MAX_WAIT_MS
-from wqclient.models import DEFAULT_QUEUE, ParentResult, TaskResult
+from wqclient.models import DEFAULT_QUEUE, ParentResult, ScheduleSpec, TaskResult
 
 _QUEUE_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
@@ -121,6 +126,9 @@ class FakeTransport:
         self.children_of: dict[str, list[str]] = {}  # a parent's id -> its children, in order
         self.ended: dict[str, TaskResult] = {}  # how each task that ended did (for waiters)
         self.result_waits: list[tuple[str, int | None]] = []  # (id, wait_ms) of each wait
+        # Schedules and limits (docs/design/schedules.md).
+        self.schedules: dict[str, Schedule] = {}
+        self.limits: dict[str, Limits] = {}
         self._seq = itertools.count(1)  # positions, for listings (see _key)
         self.position: dict[str, int] = {}  # a task's place in its state, for listings
         self.closed = False
@@ -511,6 +519,8 @@ class FakeTransport:
             return sum(1 for task_id in ids if self.tasks[task_id].queue == name)
 
         paused = name in self.paused
+        limits = self.limits.get(name)
+        rate = None if limits is None else limits.rate
         return QueueInfo(
             name,
             count(self.ready),
@@ -520,6 +530,8 @@ class FakeTransport:
             paused,
             waiting=count(self.waiting),
             succeeded=count(self.succeeded),
+            limits=limits,
+            tokens=None if rate is None else float(rate.burst or rate.tasks),
         )
 
     def _totals(self) -> Totals:
@@ -608,6 +620,138 @@ class FakeTransport:
         self.known_queues.add(queue)
         self.paused.discard(queue)
         self.notify()
+
+    # -- schedules and limits (docs/design/schedules.md) ---------------------------------------
+
+    async def put_schedule(self, name: str, spec: ScheduleSpec) -> Schedule:
+        self._call("put_schedule")
+        self._check_queue(name, "name")
+        if (spec.cron is None) == (spec.every_ms is None):
+            raise InvalidArgument("give exactly one of cron and every_ms")
+        if spec.timezone is not None and spec.cron is None:
+            raise InvalidArgument("timezone goes with cron only")
+        if spec.every_ms is not None and not 1000 <= spec.every_ms <= 31_536_000_000:
+            raise InvalidArgument(f"every_ms must be from 1000 to 31536000000, got {spec.every_ms}")
+        if spec.cron is not None and len(spec.cron.split()) != 5 and not spec.cron.startswith("@"):
+            raise InvalidArgument(f"cron {spec.cron!r} is not a cron expression")
+        if spec.queue is not None:
+            self._check_queue(spec.queue, "queue")
+        now = datetime.now(UTC)
+        before = self.schedules.get(name)
+        every = spec.every_ms
+        schedule = Schedule(
+            name,
+            spec.payload_json,
+            cron=spec.cron,
+            timezone=None if spec.cron is None else spec.timezone or "UTC",
+            every_ms=every,
+            queue=spec.queue or DEFAULT_QUEUE,
+            priority=spec.priority or 0,
+            max_attempts=spec.max_attempts or 3,
+            expires_in_ms=spec.expires_in_ms,
+            timeout_ms=spec.timeout_ms,
+            result_ttl_ms=spec.result_ttl_ms,
+            paused=spec.paused,
+            created_at=now if before is None else before.created_at,
+            updated_at=now,
+            next_fire_at=None if spec.paused else self._next_fire(every, now),
+            last_fire_at=None if before is None else before.last_fire_at,
+            last_task_id=None if before is None else before.last_task_id,
+            fires=0 if before is None else before.fires,
+        )
+        self.schedules[name] = schedule
+        return schedule
+
+    @staticmethod
+    def _next_fire(every_ms: int | None, now: datetime) -> datetime:
+        """The next fire after ``now``: ``every_ms`` on, or (a cron rule: not computed here) the
+        next minute."""
+        if every_ms is not None:
+            return now + timedelta(milliseconds=every_ms)
+        return now.replace(second=0, microsecond=0) + timedelta(minutes=1)
+
+    def _schedule_named(self, name: str) -> Schedule:
+        schedule = self.schedules.get(name)
+        if schedule is None:
+            raise NotFound(f"schedule {name} not found")
+        return schedule
+
+    async def get_schedule(self, name: str) -> Schedule:
+        self._call("get_schedule")
+        return self._schedule_named(name)
+
+    async def list_schedules(self) -> list[Schedule]:
+        self._call("list_schedules")
+        return [self.schedules[name] for name in sorted(self.schedules)]
+
+    async def delete_schedule(self, name: str) -> None:
+        self._call("delete_schedule")
+        self._schedule_named(name)
+        del self.schedules[name]
+
+    async def pause_schedule(self, name: str) -> Schedule:
+        self._call("pause_schedule")
+        schedule = replace(self._schedule_named(name), paused=True, next_fire_at=None)
+        self.schedules[name] = schedule
+        return schedule
+
+    async def resume_schedule(self, name: str) -> Schedule:
+        self._call("resume_schedule")
+        schedule = self._schedule_named(name)
+        if schedule.paused:
+            now = datetime.now(UTC)
+            schedule = replace(
+                schedule, paused=False, next_fire_at=self._next_fire(schedule.every_ms, now)
+            )
+            self.schedules[name] = schedule
+        return schedule
+
+    def fire(self, name: str) -> str:
+        """Fire a schedule now, as the broker's sweeper would at its ``next_fire_at``: its task
+        enqueued (with ``schedule`` and ``scheduled_for``), its last fire and count moved on.
+        Returns the task's id."""
+        schedule = self.schedules[name]
+        when = schedule.next_fire_at or datetime.now(UTC)
+        task_id = self._add(
+            schedule.payload_json,
+            schedule.max_attempts,
+            schedule.queue,
+            schedule.priority,
+            timeout_ms=schedule.timeout_ms,
+            expires_in_ms=schedule.expires_in_ms,
+            result_ttl_ms=schedule.result_ttl_ms,
+        )
+        self.tasks[task_id] = replace(self.tasks[task_id], schedule=name, scheduled_for=when)
+        self.schedules[name] = replace(
+            schedule,
+            last_fire_at=when,
+            last_task_id=task_id,
+            fires=schedule.fires + 1,
+            next_fire_at=self._next_fire(schedule.every_ms, when),
+        )
+        return task_id
+
+    async def set_limits(self, queue: str, limits: Limits | None) -> Limits | None:
+        self._call("set_limits")
+        self._check_queue(queue, "queue")
+        self.known_queues.add(queue)
+        if limits is None or limits.empty:
+            self.limits.pop(queue, None)
+            return None
+        rate = limits.rate
+        if rate is not None:
+            if not 1 <= rate.tasks <= 1_000_000:
+                raise InvalidArgument(f"rate.tasks must be from 1 to 1000000, got {rate.tasks}")
+            if not 1 <= rate.per_ms <= 86_400_000:
+                raise InvalidArgument(f"rate.per_ms must be from 1 to 86400000, got {rate.per_ms}")
+            if rate.burst is None:  # (the broker's default: tasks)
+                limits = replace(limits, rate=replace(rate, burst=rate.tasks))
+        if limits.concurrency is not None and not 1 <= limits.concurrency <= 1_000_000:
+            raise InvalidArgument(
+                f"concurrency must be from 1 to 1000000, got {limits.concurrency}"
+            )
+        self.limits[queue] = limits
+        return limits
 
     async def close(self) -> None:
         self.calls.append(Call("close"))

@@ -87,6 +87,13 @@ SCOPES: Final[Mapping[str, Routes]] = {
             "DELETE /jobs/{id}",
             "POST /queues/{name}/empty",
             "DELETE /queues/{name}",
+            # docs/design/schedules.md: changing schedules and limits
+            "PUT /schedules/{name}",
+            "DELETE /schedules/{name}",
+            "POST /schedules/{name}/pause",
+            "POST /schedules/{name}/resume",
+            "PUT /queues/{name}/limits",
+            "DELETE /queues/{name}/limits",
         ),
         grpc=(
             _BROKER + "ListDead",
@@ -99,6 +106,11 @@ SCOPES: Final[Mapping[str, Routes]] = {
             _BROKER + "CancelTask",
             _BROKER + "EmptyQueue",
             _BROKER + "DeleteQueue",
+            _BROKER + "PutSchedule",
+            _BROKER + "DeleteSchedule",
+            _BROKER + "PauseSchedule",
+            _BROKER + "ResumeSchedule",
+            _BROKER + "SetQueueLimits",
         ),
     ),
     # Prometheus scrapes (the broker's -metrics-public opens it to callers without a token).
@@ -108,14 +120,24 @@ SCOPES: Final[Mapping[str, Routes]] = {
 # Routes open to any valid token, whatever its scopes. A task's lookup is here: a producer
 # follows the task it enqueued, a worker the one it holds (the DLQ listing, every dead task at
 # once, stays the admin's); and so is the wait for its result (docs/design/results.md): a
-# producer waits for what it enqueued.
+# producer waits for what it enqueued. Reading schedules (docs/design/schedules.md) is as reading
+# the queues: any token.
 ANY_TOKEN: Final = Routes(
-    http=("GET /stats", "GET /queues", "GET /jobs/{id}", "GET /jobs/{id}/result"),
+    http=(
+        "GET /stats",
+        "GET /queues",
+        "GET /jobs/{id}",
+        "GET /jobs/{id}/result",
+        "GET /schedules",
+        "GET /schedules/{name}",
+    ),
     grpc=(
         _BROKER + "Stats",
         _BROKER + "GetTask",
         _BROKER + "ListQueues",
         _BROKER + "WaitResult",
+        _BROKER + "GetSchedule",
+        _BROKER + "ListSchedules",
     ),
 )
 

@@ -25,7 +25,8 @@ from wqbroker.http import (
 )
 from wqbroker.metrics import Metrics
 from wqbroker.retry import Backoff
-from wqbroker.service import Service
+from wqbroker.schedulefile import ScheduleFileError, put_all, read_schedules
+from wqbroker.service import ScheduleSubmission, Service
 from wqbroker.store import Store
 from wqbroker.store.memory import MemoryStore
 from wqbroker.store.postgres import PostgresStore
@@ -144,6 +145,7 @@ class Broker:
                 self.tokens = Tokens.load(config.token_file)
         except (TLSError, TokenFileError) as e:
             raise StartupError(str(e)) from None
+        schedules = _schedule_file(config)
         if self._store is None:
             backoff = Backoff(config.backoff_base, config.backoff_cap, self._rng)
             self._store = await open_store(config, backoff, self._rng, self.clock)
@@ -161,6 +163,8 @@ class Broker:
             events=self.metrics,
         )
         self.metrics.watch(self._service)
+        if schedules:
+            await self._put_schedules(schedules)
         await self._service.start()
         try:
             if http_at is not None:
@@ -170,6 +174,15 @@ class Broker:
         except BaseException:
             await self.stop()
             raise
+
+    async def _put_schedules(self, schedules: list[tuple[str, ScheduleSubmission]]) -> None:
+        """The schedules of -schedule-file put (docs/design/schedules.md); a bad one stops the
+        broker, naming it and its member."""
+        try:
+            await put_all(self.service, self.config.schedule_file or "", schedules)
+        except ScheduleFileError as e:
+            await self.stop()
+            raise StartupError(str(e)) from None
 
     async def _start_http(self, host: str | None, port: int) -> None:
         config = self.config
@@ -244,6 +257,16 @@ class Broker:
             await runner.cleanup()
         if self._store is not None:
             await self._store.close()
+
+
+def _schedule_file(config: Config) -> list[tuple[str, ScheduleSubmission]]:
+    """The schedules of -schedule-file (none without one), read before anything is opened."""
+    if not config.schedule_file:
+        return []
+    try:
+        return read_schedules(config.schedule_file)
+    except ScheduleFileError as e:
+        raise StartupError(str(e)) from None
 
 
 def _local(hostport: str) -> str:

@@ -250,6 +250,15 @@ class Config:
         flag="result-ttl-ms",
         parse=_result_ttl_ms,
     )
+    # docs/design/schedules.md: schedules put at start-up (wqbroker/schedulefile.py).
+    schedule_file: str | None = setting(
+        None,
+        "put these schedules at start-up: a TOML file ([schedules.NAME] tables, if named .toml) "
+        'or JSON ({"schedules": {NAME: {...}}}), each with the members of PUT '
+        "/schedules/{name}; a schedule of that name is replaced (one unchanged keeps its next "
+        "fire time), others are left alone",
+        metavar="FILE",
+    )
     token_file: str | None = setting(
         None,
         "require bearer tokens: a file of lines TOKEN SCOPE[,SCOPE...] (scopes produce, "

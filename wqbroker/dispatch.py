@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Awaitable, Callable, Coroutine, Iterable
 from typing import Any, Final, TypeVar
 
-from wqbroker.clock import Clock
+from wqbroker.clock import Clock, TimerHandle
 from wqbroker.errors import Overloaded, WqError
 from wqbroker.events import Events, timed
 from wqbroker.followthrough import Background
@@ -339,6 +339,12 @@ class Dispatcher:
         self._max_waiters = max_waiters  # parked long-polls and open streams (0: no limit)
         self._others = others
         self._parked = 0  # long-polls waiting now
+        # Limits per queue (docs/design/schedules.md): lines whose consumers a rate limit kept
+        # from ready tasks, and when a token comes for them (the store's limit_hint); one timer,
+        # at the earliest, pumps those lines whose token has come.
+        self._token_lines: dict[Queues, float] = {}
+        self._token_timer: TimerHandle | None = None
+        self._token_at = math.inf
 
     @property
     def waiting(self) -> int:
@@ -362,6 +368,10 @@ class Dispatcher:
     async def close(self) -> None:
         """Answer every parked long-poll (with nothing) and end every stream."""
         self._closing = True
+        if self._token_timer is not None:
+            self._token_timer.cancel()
+            self._token_timer = None
+        self._token_lines.clear()
         for line in list(self._lines.values()):
             for consumer in list(line):
                 consumer.shutdown()
@@ -430,9 +440,12 @@ class Dispatcher:
             self._room_for_a_waiter()
             future: asyncio.Future[Delivery | None] = asyncio.get_running_loop().create_future()
             poller = Poller(lease, future, queues)
+            claimed = not queued_behind
             queued_behind = queues in self._lines
             self._join(poller)
             self._parked += 1
+            if claimed:
+                self._wait_for_token(queues)  # (a rate limit may be what kept it from a task)
             timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
             try:
                 await self._park_pumped(queues, queued_behind, asked)
@@ -485,6 +498,7 @@ class Dispatcher:
         queued_behind = queues in self._lines
         self._join(poller)
         self._parked += 1
+        self._wait_for_token(queues)  # (a rate limit may be what kept it from a task)
         timer = self._clock.call_at(self._clock.now() + wait, poller.shutdown)
         try:
             await self._park_pumped(queues, queued_behind, asked)
@@ -678,6 +692,7 @@ class Dispatcher:
                 continue
             if failure.retry_at is not None:
                 self._wake_by(failure.retry_at)
+        await self.take_released()  # (a slot of a concurrency-limited queue freed by a reclaim)
         if handed_back:
             await self.pump(handed_back)
 
@@ -896,8 +911,60 @@ class Dispatcher:
                 self._events.handed_out(deliveries)
             await self._hand_out(slots, deliveries)
             if len(deliveries) < len(slots):
-                return  # nothing more is ready
+                # Nothing more is ready, or the queues' limits allow no more now: a rate limit's
+                # next token pumps the line again.
+                self._wait_for_token(key)
+                return
             batch = min(batch * 8, _PUMP_BATCH)
+
+    # -- limits per queue (docs/design/schedules.md) -----------------------------------------
+
+    def _wait_for_token(self, key: Queues) -> None:
+        """A claim for the line ``key`` came back short: if a rate limit kept its consumers from
+        ready tasks, have the line pumped when the next token comes (the store says when: its
+        limit_hint). One timer for all lines, at the earliest; the pump then claims only what
+        the limits allow, for as many consumers as that serves (the others wait on)."""
+        when = self._store.limit_hint(key, self._clock.now())
+        if when is None:
+            return
+        known = self._token_lines.get(key)
+        if known is None or when < known:
+            self._token_lines[key] = when
+        if when < self._token_at:
+            if self._token_timer is not None:
+                self._token_timer.cancel()
+            self._token_at = when
+            self._token_timer = self._clock.call_at(when, self._token_due)
+
+    def _token_due(self) -> None:
+        """The timer of :meth:`_wait_for_token`: pump the lines whose token has come, and set
+        it again for the others."""
+        self._token_timer = None
+        self._token_at = math.inf
+        if self._closing:
+            return
+        now = self._clock.now()
+        due = {key for key, when in self._token_lines.items() if when <= now}
+        for key in due:
+            del self._token_lines[key]
+        if self._token_lines:
+            self._token_at = when = min(self._token_lines.values())
+            self._token_timer = self._clock.call_at(when, self._token_due)
+        wanted = {key for key in due if key in self._lines}
+        if wanted:
+            self._background.spawn(self._pump_lines(wanted))
+
+    async def take_released(self) -> None:
+        """What the store's last calls made claimable as a side effect (children released, a
+        concurrency slot freed: its ``take_released``): the sweeper woken for the delayed, the
+        consumers of those queues fed."""
+        released = self._store.take_released()
+        if released is None:
+            return
+        if released.earliest is not None:
+            self._wake_by(released.earliest)
+        if released.queues:
+            await self.pump(released.queues)
 
     async def _hand_out(self, slots: list[Consumer], deliveries: list[Delivery]) -> None:
         served: dict[Consumer, None] = {}

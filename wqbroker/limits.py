@@ -11,11 +11,11 @@ from __future__ import annotations
 import functools
 import re
 from collections.abc import Sequence
-from typing import Final
+from typing import Final, Protocol
 
 from wqbroker import codec
 from wqbroker.errors import InvalidArgument, PayloadTooLarge
-from wqbroker.models import DEFAULT_QUEUE, LIST_STATES
+from wqbroker.models import DEFAULT_QUEUE, LIST_STATES, Limits, RateLimit, Schedule, ScheduleTask
 
 # The spec's defaults and caps, and ours on what it leaves open, as the wire contract states them
 # (wqwire.defaults: the client reads the same figures).
@@ -61,6 +61,14 @@ MAX_KEY_CHARS: Final = 256
 DEFAULT_DEDUP_WINDOW_MS: Final = 300_000  # five minutes, as SQS FIFO
 _DEFAULT_QUEUES: Final = (DEFAULT_QUEUE,)
 _QUEUE_NAME: Final = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
+
+# Limits per queue (docs/design/schedules.md): a rate ({"tasks", "per_ms", "burst"}) and a
+# concurrency.
+MAX_RATE_TASKS: Final = 1_000_000
+MAX_RATE_PER_MS: Final = 86_400_000  # a day
+MAX_RATE_BURST: Final = 1_000_000
+MAX_CONCURRENCY: Final = 1_000_000
+RATE_MEMBERS: Final = ("tasks", "per_ms", "burst")
 
 # Backpressure (flags -max-tasks and -max-waiters; 0 means no limit).
 DEFAULT_MAX_TASKS: Final = 10_000_000  # tasks held: ready, delayed and handed out
@@ -428,3 +436,143 @@ def list_state_value(value: object | None) -> str:
     if value not in LIST_STATES:
         raise InvalidArgument(f"state {_quote(value)} is not one of {', '.join(LIST_STATES)}")
     return value
+
+
+# -- limits per queue (docs/design/schedules.md) ---------------------------------------------------
+
+
+def _ranged(name: str, value: object, high: int) -> int:
+    """A whole number from 1 to ``high``, InvalidArgument naming ``name`` otherwise."""
+    n = integer(name, value)
+    if not 1 <= n <= high:
+        raise InvalidArgument(f"{name} must be from 1 to {high}, got {n}")
+    return n
+
+
+def rate_value(value: object | None) -> RateLimit | None:
+    """A queue's rate limit, the JSON object ``{"tasks", "per_ms", "burst"}`` as received:
+    ``tasks`` 1 to MAX_RATE_TASKS hand-outs per ``per_ms`` 1 to MAX_RATE_PER_MS, from a bucket of
+    ``burst`` 1 to MAX_RATE_BURST tokens (``tasks`` when absent). None: no rate limit."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise InvalidArgument(
+            f"rate must be an object {{tasks, per_ms, burst}} (or null), got {describe(value)}"
+        )
+    unknown = [str(k) for k in value if k not in RATE_MEMBERS]
+    if unknown:
+        named = ", ".join(_quote(k) for k in unknown)
+        raise InvalidArgument(
+            f"rate has unknown member{'s' if len(unknown) > 1 else ''} {named} (it takes "
+            f"{', '.join(RATE_MEMBERS)})"
+        )
+    for member in ("tasks", "per_ms"):
+        if value.get(member) is None:
+            raise InvalidArgument(f"rate.{member} is required")
+    tasks = _ranged("rate.tasks", value["tasks"], MAX_RATE_TASKS)
+    per_ms = _ranged("rate.per_ms", value["per_ms"], MAX_RATE_PER_MS)
+    burst = value.get("burst")
+    burst_n = tasks if burst is None else _ranged("rate.burst", burst, MAX_RATE_BURST)
+    return RateLimit(tasks, per_ms / 1000.0, burst_n)
+
+
+def concurrency_value(value: object | None) -> int | None:
+    """A queue's concurrency limit: 1 to MAX_CONCURRENCY tasks handed out at once; None: none."""
+    if value is None:
+        return None
+    return _ranged("concurrency", value, MAX_CONCURRENCY)
+
+
+def limits_value(rate: object | None, concurrency: object | None) -> Limits | None:
+    """A queue's limits as received (see rate_value, concurrency_value); None when neither is
+    given (no limits)."""
+    limits = Limits(rate_value(rate), concurrency_value(concurrency))
+    return None if limits.empty() else limits
+
+
+# -- schedules (docs/design/schedules.md) ---------------------------------------------------------
+
+MIN_EVERY_MS: Final = 1000  # a second
+MAX_EVERY_MS: Final = MAX_DELAY_MS  # a year
+SCHEDULE_NAME_RULE: Final = QUEUE_NAME_RULE
+
+
+class ScheduleMembers(Protocol):
+    """A schedule's members as a client sent them (None: not given): the service's
+    ScheduleSubmission. ``payload``: the task's JSON text."""
+
+    @property
+    def payload(self) -> bytes | None: ...
+    @property
+    def cron(self) -> object | None: ...
+    @property
+    def timezone(self) -> object | None: ...
+    @property
+    def every_ms(self) -> object | None: ...
+    @property
+    def queue(self) -> object | None: ...
+    @property
+    def priority(self) -> object | None: ...
+    @property
+    def max_attempts(self) -> object | None: ...
+    @property
+    def expires_in_ms(self) -> object | None: ...
+    @property
+    def timeout_ms(self) -> object | None: ...
+    @property
+    def result_ttl_ms(self) -> object | None: ...
+    @property
+    def paused(self) -> object | None: ...
+
+
+def schedule_name_value(value: object | None) -> str:
+    """A schedule's name: as a queue's (SCHEDULE_NAME_RULE), required."""
+    if value is None or value == "":
+        raise InvalidArgument("name is required")
+    if not isinstance(value, str):
+        raise InvalidArgument(f"name must be a string, got {describe(value)}")
+    if not _is_queue_name(value):
+        raise InvalidArgument(f"name {_quote(value)} is not a schedule name ({SCHEDULE_NAME_RULE})")
+    return value
+
+
+def every_seconds(value: object) -> float:
+    """``every_ms``: a second to a year. Returns seconds."""
+    n = integer("every_ms", value)
+    if not MIN_EVERY_MS <= n <= MAX_EVERY_MS:
+        raise InvalidArgument(
+            f"every_ms must be from {MIN_EVERY_MS} (a second) to {MAX_EVERY_MS} (a year), got {n}"
+        )
+    return n / 1000.0
+
+
+def _text_member(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{name} must be a string, got {describe(value)}")
+    return text_value(name, value)
+
+
+def schedule_value(name: str, sub: ScheduleMembers, max_payload: int) -> Schedule:
+    """A schedule's members checked (as an enqueue's are, for its task): exactly one of
+    ``cron`` and ``every_ms``, ``timezone`` only with ``cron``, ``paused`` a boolean. The
+    rule's syntax and its zone are the rule's to check (wqbroker.schedules.Rule.parse); times
+    are left 0 and ``next_fire_at`` None, for the service to fill in."""
+    if sub.cron is None and sub.every_ms is None:
+        raise InvalidArgument("cron or every_ms is required (exactly one of them)")
+    if sub.cron is not None and sub.every_ms is not None:
+        raise InvalidArgument("cron and every_ms cannot both be given (exactly one of them)")
+    if sub.timezone is not None and sub.cron is None:
+        raise InvalidArgument("timezone goes only with cron (every_ms counts seconds)")
+    cron = None if sub.cron is None else _text_member("cron", sub.cron)
+    timezone = "UTC" if sub.timezone is None else _text_member("timezone", sub.timezone)
+    every = None if sub.every_ms is None else every_seconds(sub.every_ms)
+    task = ScheduleTask(
+        payload_value(sub.payload, max_payload),
+        queue_value(sub.queue),
+        priority_value(sub.priority),
+        max_attempts_value(sub.max_attempts),
+        expires_in_seconds(sub.expires_in_ms),
+        timeout_seconds(sub.timeout_ms),
+        None if sub.result_ttl_ms is None else result_ttl_seconds(sub.result_ttl_ms, 0.0),
+    )
+    return Schedule(name, task, cron, timezone, every, paused=flag_value("paused", sub.paused))

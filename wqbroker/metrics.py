@@ -9,12 +9,17 @@ task timings come from the service's events (``wqbroker.events``). What is measu
   stores keep counters; the oldest ready task is an index lookup per priority lane). The call is
   made before the registry is rendered, and the custom collector (:class:`_StateCollector`) only
   turns that snapshot into families. The dispatcher's parked long-polls and open streams, and the
-  service's result waits, are read at the same moment.
+  service's result waits, are read at the same moment. So are the schedules
+  (:meth:`Service.list_schedules`: their next and last fire times and their fires, every broker's,
+  as the store counts them) and each queue's limits (docs/design/schedules.md), which the
+  queue report carries.
 - Task timings and store latency are observed as they happen: :class:`Metrics` is the service's
   listener (an :class:`~wqbroker.events.Events`), told of each batch of hand-outs, settlements
   and leases gone, and of the time each store call that changes something took (a commit, in a
   durable store). From those: the wait of each task handed out (from when it became ready to its
-  hand-out), the time from each hand-out to its ack or nack, the store's latency by operation.
+  hand-out), the time from each hand-out to its ack or nack, the store's latency by operation;
+  how late each of this broker's schedule fires was, and how many were refused
+  (``Events.fired``).
 - HTTP requests by route and status: :meth:`Metrics.count_answer`, called by the application's
   one middleware (through ``wqbroker.http.metrics.count_http``) for every answer, refusals (auth,
   bodies) included, and by the fast lane (``wqbroker.http.fast``) for the requests it serves
@@ -49,7 +54,7 @@ from prometheus_client.core import (
 from wqbroker.clock import Clock
 from wqbroker.errors import WqError
 from wqbroker.events import OPERATIONS, Events, Operation
-from wqbroker.models import Delivery, QueueReport, Totals
+from wqbroker.models import Delivery, QueueReport, Schedule, Totals
 
 if TYPE_CHECKING:
     from wqbroker.service import Service
@@ -141,10 +146,26 @@ class Metrics(Events):
             _STORE_BUCKETS,
             ("operation",),
         )
+        # docs/design/schedules.md: this broker's fires.
+        self.fire_delay = _Histogram(
+            "wq_schedule_fire_delay_seconds",
+            "How late each schedule fire of this broker was: from its scheduled time to the "
+            "fire (refused ones included).",
+            _TASK_BUCKETS,
+        ).labels()
+        self.fire_errors = _Counts(
+            "wq_schedule_fire_errors",
+            "Schedule fires of this broker whose enqueue was refused (a limit, a payload over "
+            "the size limit); the schedule still moved on to its next time.",
+            (),
+        )
+        self.fire_errors.counts[()] = 0  # (shown from the start)
+        self.registry.register(self.fire_errors)
         histograms: list[_Histogram] = [
             self.task_wait.family,
             self.task_processing,
             self.store_latency,
+            self.fire_delay.family,
         ]
         for histogram in histograms:
             self.registry.register(histogram)
@@ -168,9 +189,11 @@ class Metrics(Events):
         may wait), then everything is rendered at once."""
         service = self._service
         reports: list[QueueReport] | None = None
+        schedules: list[Schedule] | None = None
         if service is not None:
             try:
                 reports = await service.queue_report()
+                schedules = await service.list_schedules()
             except WqError as e:  # the store is away: the rest is still worth reporting
                 log.debug("metrics without the store's state: %s", e.message)
             self._state.update(
@@ -179,6 +202,7 @@ class Metrics(Events):
                 service.parked_polls,
                 service.open_streams,
                 service.result_waiters,
+                schedules,
             )
         return generate_latest(self.registry)
 
@@ -219,6 +243,11 @@ class Metrics(Events):
         pop = self._handed_out.pop
         for lease_id in lease_ids:
             pop(lease_id, None)
+
+    def fired(self, schedule: str, late: float, failed: bool = False) -> None:
+        self.fire_delay.observe(max(0.0, late))
+        if failed:
+            self.fire_errors.add(())
 
     def store_call(self, operation: Operation, seconds: float) -> None:
         self._ops[operation].observe(seconds)
@@ -312,6 +341,7 @@ class _StateCollector:
         self._parked = 0
         self._streams = 0
         self._result_waiters = 0
+        self._schedules: list[Schedule] | None = None
         self._high: dict[tuple[str, str], int] = {}  # (total, queue) -> highest value reported
 
     def update(
@@ -321,9 +351,11 @@ class _StateCollector:
         parked: int,
         streams: int,
         result_waiters: int = 0,
+        schedules: list[Schedule] | None = None,
     ) -> None:
         self._reports, self._now, self._parked, self._streams = reports, now, parked, streams
         self._result_waiters = result_waiters
+        self._schedules = schedules
 
     def describe(self) -> Iterable[Metric]:
         return ()  # (nothing to check at registration: names are fixed here)
@@ -343,6 +375,9 @@ class _StateCollector:
         yield from (parked, streams, waiters, up)
         if self._reports is not None:
             yield from self._queues(self._reports)
+            yield from _limits(self._reports)
+        if self._schedules is not None:
+            yield from _schedules(self._schedules)
 
     def _queues(self, reports: Sequence[QueueReport]) -> Iterator[Metric]:
         gauges = {
@@ -386,3 +421,66 @@ class _StateCollector:
         yield from gauges.values()
         yield from (paused, age)
         yield from totals.values()
+
+
+def _limits(reports: Sequence[QueueReport]) -> Iterator[Metric]:
+    """Each queue's limits (docs/design/schedules.md), for the queues that have them: the rate
+    tokens available now and the rate, in tasks a second; the concurrency limit (the
+    concurrency in use is ``wq_queue_handed_out``)."""
+    tokens = GaugeMetricFamily(
+        "wq_queue_rate_limit_tokens",
+        "Rate-limit tokens a queue has now (hand-outs it may make at once), for queues with a "
+        "rate limit.",
+        labels=("queue",),
+    )
+    rate = GaugeMetricFamily(
+        "wq_queue_rate_limit_tasks_per_second",
+        "A queue's rate limit, in hand-outs a second (its bucket refills at this rate).",
+        labels=("queue",),
+    )
+    concurrency = GaugeMetricFamily(
+        "wq_queue_concurrency_limit",
+        "A queue's concurrency limit: the most of its tasks handed out at once (in use: "
+        "wq_queue_handed_out).",
+        labels=("queue",),
+    )
+    for report in reports:
+        row, label = report.queue, (report.queue.name,)
+        limits = row.limits
+        if row.tokens is not None:
+            tokens.add_metric(label, row.tokens)
+        if limits is None:
+            continue
+        if limits.rate is not None and limits.rate.per > 0:
+            rate.add_metric(label, limits.rate.tasks / limits.rate.per)
+        if limits.concurrency is not None:
+            concurrency.add_metric(label, limits.concurrency)
+    yield from (tokens, rate, concurrency)
+
+
+def _schedules(schedules: Sequence[Schedule]) -> Iterator[Metric]:
+    """Each schedule's next and last fire times and its fires (every broker's, as the store
+    counts them; docs/design/schedules.md)."""
+    next_fire = GaugeMetricFamily(
+        "wq_schedule_next_fire_timestamp_seconds",
+        "When a schedule fires next (its scheduled time, Unix seconds); none while paused.",
+        labels=("schedule",),
+    )
+    last_fire = GaugeMetricFamily(
+        "wq_schedule_last_fire_timestamp_seconds",
+        "The scheduled time of a schedule's last fire (Unix seconds); none before its first.",
+        labels=("schedule",),
+    )
+    fires = CounterMetricFamily(
+        "wq_schedule_fires",
+        "Fires of a schedule, by every broker (each enqueued one task, or was refused).",
+        labels=("schedule",),
+    )
+    for schedule in schedules:
+        label = (schedule.name,)
+        if schedule.next_fire_at is not None:
+            next_fire.add_metric(label, schedule.next_fire_at)
+        if schedule.last_fire_at is not None:
+            last_fire.add_metric(label, schedule.last_fire_at)
+        fires.add_metric(label, schedule.fires)
+    yield from (next_fire, last_fire, fires)

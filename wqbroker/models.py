@@ -339,3 +339,7 @@ class Schedule:
     last_fire_at: float | None = None
     last_task_id: str | None = None
     fires: int = 0
+    # Changes so far, as a number the store draws from one increasing sequence at each put,
+    # pause or resume (not at a fire): a fire's compare-and-set checks it, so a fire computed
+    # from a schedule read before a change does nothing.
+    revision: int = 0

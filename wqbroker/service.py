@@ -18,6 +18,7 @@ import logging
 import math
 from collections.abc import Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final, TypeVar
 
 from wqbroker import limits
@@ -58,6 +59,7 @@ from wqbroker.models import (
     Task,
     TaskState,
 )
+from wqbroker.schedules import Rule
 from wqbroker.store import CancelListener, ReadyListener, Store
 from wqbroker.sweeper import Sweeper
 
@@ -172,6 +174,18 @@ class Service:
         # Feed waiting consumers after an enqueue or an ack in the background rather than before
         # answering (a shared store: each hand-out is a round trip to the database).
         self._later = store.shared
+        # Schedules (docs/design/schedules.md): the earliest next fire time known (the broker's
+        # clock; the sweep looks for due ones then, and at its first tick), when it looks anyway
+        # (a shared store: another broker may put one sooner), the earliest next fire a change
+        # made here while a look was under way (kept by that look), the store's clock less the
+        # broker's at the last look (PostgreSQL: the database's), and the rules by what they
+        # are written as.
+        self._sweep_interval = sweep_interval
+        self._schedules_at = 0.0
+        self._schedules_poll = math.inf
+        self._schedules_changed = math.inf
+        self._schedule_skew = 0.0
+        self._rules: dict[tuple[str | None, str, float | None], Rule] = {}
 
     @property
     def store(self) -> Store:
@@ -553,6 +567,9 @@ class Service:
         if failure.retry_at is not None:
             self._sweeper.wake_by(failure.retry_at)
         await self._dispatch.finished((item.lease_id,), later=self._later)
+        released = self._store.take_released()  # (a concurrency slot freed: schedules.md)
+        if released is not None:
+            await self._released(released)
 
     @follow_through
     async def settle_many(
@@ -801,11 +818,12 @@ class Service:
         return await self._store.stats(name)
 
     async def queues(self) -> list[QueueStats]:
-        return await self._store.queues()
+        """Every queue known, by name (its limits and rate tokens now, if it has limits)."""
+        return await self._store.queues(now=self._clock.now())
 
     async def queue_report(self) -> list[QueueReport]:
         """Every queue with its gauges, totals and oldest ready task (for monitoring)."""
-        return await self._store.queue_report()
+        return await self._store.queue_report(now=self._clock.now())
 
     async def dead_letters(
         self, limit: object | None = None, *, queue: object | None = None
@@ -854,41 +872,241 @@ class Service:
         await self._dispatch.pump((name,))
 
     # -- schedules and limits (docs/design/schedules.md) -------------------------------------
-    # (Being built: the schedules' helper fills in the schedule calls, the limits' helper
-    # set_limits and clear_limits. The adapters call these signatures.)
 
+    @follow_through
     async def put_schedule(self, name: object, sub: ScheduleSubmission) -> Schedule:
-        """Create or replace a schedule; InvalidArgument naming the member for a bad one."""
-        raise NotImplementedError
+        """Create or replace a schedule; InvalidArgument naming the member for a bad one. A new
+        one (or one put with another rule, or resumed by the put) fires first at its rule's
+        first time after now; one put with the same rule keeps its next fire time; one the
+        same as stored (rule, task, paused) is left as it stands."""
+        checked = limits.schedule_value(limits.schedule_name_value(name), sub, self.max_payload)
+        rule = self._rule(checked.cron, checked.timezone, checked.every)
+        now = self._clock.now()
+        checked.created_at = checked.updated_at = now
+        if not checked.paused:
+            checked.next_fire_at = rule.next_after(now + self._schedule_skew)
+        stored = await timed(self._events, "schedule", self._store.put_schedule(checked, now=now))
+        self._schedule_changed(stored)
+        return stored
 
     async def get_schedule(self, name: object) -> Schedule:
         """NotFound if there is none of that name."""
-        raise NotImplementedError
+        checked = limits.schedule_name_value(name)
+        found = await self._store.get_schedule(checked)
+        if found is None:
+            raise _no_schedule(checked)
+        return found
 
     async def list_schedules(self) -> list[Schedule]:
         """Every schedule, by name."""
-        raise NotImplementedError
+        return await self._store.list_schedules()
 
+    @follow_through
     async def delete_schedule(self, name: object) -> None:
         """NotFound if there is none of that name."""
-        raise NotImplementedError
+        checked = limits.schedule_name_value(name)
+        if not await timed(self._events, "schedule", self._store.delete_schedule(checked)):
+            raise _no_schedule(checked)
 
+    @follow_through
     async def pause_schedule(self, name: object) -> Schedule:
-        raise NotImplementedError
+        """No fire until it is resumed (its next fire time is forgotten). NotFound if there is
+        none of that name; one paused already is left as it stands."""
+        checked = limits.schedule_name_value(name)
+        now = self._clock.now()
+        paused = await timed(
+            self._events,
+            "schedule",
+            self._store.set_schedule_paused(checked, True, None, now=now),
+        )
+        if paused is None:
+            raise _no_schedule(checked)
+        return paused
 
+    @follow_through
     async def resume_schedule(self, name: object) -> Schedule:
-        raise NotImplementedError
+        """Fire again, first at the rule's first time after now (the times it was paused over
+        are not fired). NotFound if there is none of that name; one not paused is left as it
+        stands."""
+        checked = limits.schedule_name_value(name)
+        found = await self._store.get_schedule(checked)
+        if found is None:
+            raise _no_schedule(checked)
+        if not found.paused:
+            return found
+        now = self._clock.now()
+        rule = self._rule(found.cron, found.timezone, found.every)
+        resumed = await timed(
+            self._events,
+            "schedule",
+            self._store.set_schedule_paused(
+                checked, False, rule.next_after(now + self._schedule_skew), now=now
+            ),
+        )
+        if resumed is None:
+            raise _no_schedule(checked)
+        self._schedule_changed(resumed)
+        return resumed
 
+    def _rule(self, cron: str | None, timezone: str, every: float | None) -> Rule:
+        """The rule written so (parsed once: the sweep asks for it at every fire)."""
+        key = (cron, timezone, every)
+        rule = self._rules.get(key)
+        if rule is None:
+            if len(self._rules) >= _RULES_KEPT:
+                self._rules.clear()
+            rule = self._rules[key] = Rule.parse(cron, timezone, every)
+        return rule
+
+    def _schedule_changed(self, schedule: Schedule) -> None:
+        """A schedule was put or resumed here: the sweep looks for due ones by its next fire
+        time (also if a look is under way: see _fire_schedules)."""
+        if schedule.paused or schedule.next_fire_at is None:
+            return
+        at = schedule.next_fire_at - self._schedule_skew
+        self._schedules_changed = min(self._schedules_changed, at)
+        self._schedules_at = min(self._schedules_at, at)
+        self._sweeper.wake_by(at)  # (nothing if a tick is planned before it)
+
+    def _schedules_due(self, now: float) -> bool:
+        """Whether the sweep at ``now`` looks for due schedules."""
+        return now >= self._schedules_at or now >= self._schedules_poll
+
+    async def _fire_schedules(self, now: float) -> None:
+        """Fire the due schedules (docs/design/schedules.md): each a compare-and-set in the
+        store, together (a store that commits in groups commits them as one); then set when to
+        look next: at the earliest next fire time known (on a shared store, within a sweep
+        interval too: another broker may put one sooner). A fire that failed (the store away)
+        is tried again at the next tick, the others go on; the first error is raised once they
+        are done (the sweeper says it, once)."""
+        self._schedules_changed = math.inf
+        self._schedules_poll = now + self._sweep_interval if self._store.shared else math.inf
+        store_now, due, later = await self._store.due_schedules(now)
+        skew = self._schedule_skew = store_now - now
+        at = math.inf if later is None else later - skew
+        error: BaseException | None = None
+        for start in range(0, len(due), _FIRES_AT_ONCE):
+            chunk = due[start : start + _FIRES_AT_ONCE]
+            fired = await asyncio.gather(
+                *(self._fire(s, store_now, now) for s in chunk), return_exceptions=True
+            )
+            for outcome in fired:
+                if isinstance(outcome, asyncio.CancelledError):
+                    raise outcome
+                if isinstance(outcome, BaseException):
+                    error = error or outcome
+                    at = min(at, now + self._sweep_interval)  # (again at the next tick)
+                elif outcome is None:  # (changed meanwhile, or fired by another broker)
+                    self._schedules_poll = min(self._schedules_poll, now + self._sweep_interval)
+                else:
+                    at = min(at, outcome - skew)
+        self._schedules_at = min(at, self._schedules_changed)
+        if error is not None:
+            raise error
+
+    async def _fire(self, schedule: Schedule, store_now: float, now: float) -> float | None:
+        """One due schedule's fire: its task enqueued and its next fire time moved on, in one
+        compare-and-set (None: it was not as read, nothing done); the next fire time. A fire
+        whose task the broker's limits refuse (the task or queue limit, a payload larger than
+        -max-body allows now) only moves on, logged and told as failed."""
+        expected = schedule.next_fire_at
+        assert expected is not None
+        rule = self._rule(schedule.cron, schedule.timezone, schedule.every)
+        scheduled, following = rule.due(expected, store_now)
+        late = max(0.0, store_now - scheduled)
+        new = self._fired_task(schedule, scheduled, now)
+        store = self._store
+        try:
+            if len(new.payload) > self.max_payload:
+                raise PayloadTooLarge(
+                    f"payload is larger than the limit of {self.max_payload} bytes"
+                )
+            self._room_for((new,))
+        except WqError as e:
+            moved = await timed(
+                self._events,
+                "schedule",
+                store.skip_schedule(schedule.name, expected, following, revision=schedule.revision),
+            )
+            if not moved:
+                return None
+            log.warning(
+                "schedule %s: its fire for %s enqueued nothing: %s",
+                quoted(schedule.name),
+                _when(scheduled),
+                e.message,
+                extra={"schedule": schedule.name, "queue": new.queue},
+            )
+            self._events.fired(schedule.name, late, failed=True)
+            return following
+        done = await timed(
+            self._events,
+            "schedule",
+            store.fire_schedule(
+                schedule.name,
+                expected,
+                scheduled,
+                following,
+                new,
+                now=now,
+                revision=schedule.revision,
+            ),
+        )
+        if done is None:
+            return None
+        self._events.fired(schedule.name, late)
+        await self._placed((done,), (new,))
+        return following
+
+    def _fired_task(self, schedule: Schedule, scheduled: float, now: float) -> NewTask:
+        """The task a fire enqueues: the schedule's task members, as an enqueue would take
+        them (the broker's result TTL unless it gives one; its expiry counted from the fire)."""
+        task = schedule.task
+        new = NewTask(
+            task.payload,
+            task.max_attempts,
+            0.0,
+            task.queue,
+            task.priority,
+            result_ttl=self.result_ttl if task.result_ttl is None else task.result_ttl,
+            result_ttl_given=task.result_ttl is not None,
+            schedule=schedule.name,
+            scheduled_for=scheduled,
+        )
+        if task.expires_in is not None:
+            new.expires_at = now + task.expires_in
+        new.timeout = task.timeout
+        return new
+
+    @follow_through
     async def set_limits(
         self, queue: object, rate: object | None, concurrency: object | None
     ) -> Limits | None:
         """Set a queue's limits: ``rate`` the JSON object ``{"tasks", "per_ms", "burst"}`` as
         received (None: no rate limit), ``concurrency`` an int (None: no limit). Both None
-        clears them. Returns the limits in force (None: none)."""
-        raise NotImplementedError
+        clears them. Returns the limits in force (None: none). An unknown queue is created (as
+        a pause creates it: within -max-queues)."""
+        name = limits.queue_value(queue)
+        checked = limits.limits_value(rate, concurrency)
+        await self._put_limits(name, checked)
+        return checked
 
+    @follow_through
     async def clear_limits(self, queue: object) -> None:
-        raise NotImplementedError
+        """No limits on the queue from now on (an unknown queue is created, as by set_limits)."""
+        await self._put_limits(limits.queue_value(queue), None)
+
+    async def _put_limits(self, name: str, checked: Limits | None) -> None:
+        if self._store.queue_hint(name) is False:
+            self._room_for_queues((name,))
+        await timed(
+            self._events,
+            "queue",
+            self._store.set_limits(name, checked, now=self._clock.now()),
+        )
+        # A limit raised or cleared may let the consumers waiting for the queue take tasks now
+        # (one lowered: the pump finds nothing more to take).
+        await self._dispatch.pump((name,))
 
     def _ready_elsewhere(self, queues: Iterable[str] | None) -> None:
         """Tasks became ready in ``queues`` (None: any) without this broker's doing: feed the
@@ -898,8 +1116,9 @@ class Service:
 
     async def sweep(self) -> float | None:
         """One sweep: reclaim expired leases, promote due delayed tasks, feed waiting consumers
-        (on a shared store, also look for ready tasks now and then). Returns when the next thing
-        is due. The sweeper calls this; tests may call it directly."""
+        (on a shared store, also look for ready tasks now and then), fire the due schedules
+        when one may be due (docs/design/schedules.md). Returns when the next thing is due (a
+        schedule's next fire among them). The sweeper calls this; tests may call it directly."""
         now = self._clock.now()
         if self._store.shared and now >= self._next_poll:
             self._next_poll = now + self.poll_interval
@@ -912,9 +1131,29 @@ class Service:
             gone = [lease_id for _, lease_id in result.reclaimed]
             self._events.leases_gone(gone)
             await self._dispatch.finished(gone)
+            # (a lease of a concurrency-limited queue ran out: a slot is free again)
+            await self._dispatch.take_released()
         if result.ready_queues:
             await self._dispatch.pump(result.ready_queues)
+        if self._schedules_due(now):
+            await self._fire_schedules(now)
+        if self._schedules_at < math.inf and (next_due is None or self._schedules_at < next_due):
+            next_due = self._schedules_at
         return next_due
+
+
+# Schedules fired together (the store's calls under way at once), and rules kept parsed.
+_FIRES_AT_ONCE: Final = 64
+_RULES_KEPT: Final = 1024
+
+
+def _no_schedule(name: str) -> NotFound:
+    return NotFound(f"schedule {quoted(name)} does not exist")
+
+
+def _when(t: float) -> str:
+    """An epoch time in logs: RFC 3339, UTC, to the millisecond."""
+    return datetime.fromtimestamp(t, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
 def _swept_something(swept: tuple[SweepResult, float | None]) -> bool:

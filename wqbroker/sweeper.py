@@ -1,8 +1,10 @@
 """The sweeper: the broker's clock-driven half.
 
 It reclaims tasks whose lease ran out and promotes delayed tasks whose wait is over, then wakes
-any parked consumer so the retry happens promptly. It ticks every ``interval`` seconds (250 ms by
-default) as a safety net, and also exactly when the next thing is due: the service tells it
+any parked consumer so the retry happens promptly; and it fires the schedules that are due
+(docs/design/schedules.md: the service's tick says when the next one is). It ticks every
+``interval`` seconds (250 ms by default) as a safety net, and also exactly when the next thing is
+due: the service tells it
 (``wake_by``) each time it schedules something sooner than the planned tick, so a delayed task
 becomes claimable within a few milliseconds of its time rather than at the next tick.
 """

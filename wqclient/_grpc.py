@@ -47,14 +47,18 @@ from wqclient.models import (
     Delivery,
     Enqueued,
     EnqueueItem,
+    Limits,
     ParentResult,
     QueueInfo,
+    Schedule,
+    ScheduleSpec,
     Stats,
     Task,
     TaskPage,
     TaskResult,
     plain_task,
     with_parents,
+    with_schedule,
 )
 from wqwire.defaults import MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
 from wqwire.pb import broker_pb2 as pb
@@ -235,6 +239,9 @@ def _delivery(d: pb.Delivery) -> Delivery:
     # result_ttl_ms is left to lookups: reading it would cost every delivery a presence check.)
     if d.parents:
         task = with_parents(task, _parents(d.parents), tuple(t.after) or None)
+    if t.schedule:  # (a task a schedule fired: docs/design/schedules.md)
+        fired = _time_of(t.scheduled_for) if t.HasField("scheduled_for") else None
+        task = with_schedule(task, t.schedule, fired)
     return Delivery(task, d.lease_id, _time_of(d.deadline))
 
 
@@ -308,6 +315,43 @@ def _task(
     if children_count:
         fields["children_count"] = children_count
     return Task.from_mapping(fields)
+
+
+def _schedule_request(name: str, spec: ScheduleSpec) -> pb.PutScheduleRequest:
+    """PutSchedule's request: the members that are set (None leaves a field unset)."""
+    return pb.PutScheduleRequest(
+        name=name,
+        payload=spec.payload_json,
+        cron=spec.cron,
+        timezone=spec.timezone,
+        every_ms=spec.every_ms,
+        queue=spec.queue or "",
+        priority=spec.priority,
+        max_attempts=spec.max_attempts,
+        expires_in_ms=spec.expires_in_ms,
+        timeout_ms=spec.timeout_ms,
+        result_ttl_ms=spec.result_ttl_ms,
+        paused=True if spec.paused else None,
+    )
+
+
+def _schedule(response: Any) -> Schedule:
+    """The schedule of a response (ProtocolError if it has none)."""
+    if not response.HasField("schedule"):
+        raise ProtocolError("the broker's answer has no schedule")
+    return Schedule.from_mapping(_Fields(response.schedule))
+
+
+def _queue_limits(limits: Limits) -> pb.QueueLimits:
+    out = pb.QueueLimits()
+    if limits.rate is not None:
+        out.rate.tasks = limits.rate.tasks
+        out.rate.per_ms = limits.rate.per_ms
+        if limits.rate.burst is not None:
+            out.rate.burst = limits.rate.burst
+    if limits.concurrency is not None:
+        out.concurrency = limits.concurrency
+    return out
 
 
 def _outcome(outcome: pb.Settled) -> datetime | None:
@@ -1131,6 +1175,41 @@ class GrpcTransport:
             await self._unary(self._stub.DeleteQueue, pb.DeleteQueueRequest(queue=queue))
         except LeaseLost as e:  # (FAILED_PRECONDITION here: the queue holds tasks)
             raise Conflict(e.message) from None
+
+    # -- schedules and limits (docs/design/schedules.md) ------------------------------------
+
+    async def put_schedule(self, name: str, spec: ScheduleSpec) -> Schedule:
+        response = await self._unary(self._stub.PutSchedule, _schedule_request(name, spec))
+        return _schedule(response)
+
+    async def get_schedule(self, name: str) -> Schedule:
+        response = await self._unary(self._stub.GetSchedule, pb.GetScheduleRequest(name=name))
+        return _schedule(response)
+
+    async def list_schedules(self) -> list[Schedule]:
+        response = await self._unary(self._stub.ListSchedules, pb.ListSchedulesRequest())
+        return [Schedule.from_mapping(_Fields(s)) for s in response.schedules]
+
+    async def delete_schedule(self, name: str) -> None:
+        await self._unary(self._stub.DeleteSchedule, pb.DeleteScheduleRequest(name=name))
+
+    async def pause_schedule(self, name: str) -> Schedule:
+        response = await self._unary(self._stub.PauseSchedule, pb.PauseScheduleRequest(name=name))
+        return _schedule(response)
+
+    async def resume_schedule(self, name: str) -> Schedule:
+        request = pb.ResumeScheduleRequest(name=name)
+        return _schedule(await self._unary(self._stub.ResumeSchedule, request))
+
+    async def set_limits(self, queue: str, limits: Limits | None) -> Limits | None:
+        request = pb.SetQueueLimitsRequest(queue=queue)
+        if limits is not None and not limits.empty:
+            request.limits.CopyFrom(_queue_limits(limits))
+        response = await self._unary(self._stub.SetQueueLimits, request)
+        if not response.HasField("limits"):
+            return None
+        found = Limits.from_mapping(_Fields(response.limits))
+        return None if found.empty else found
 
     async def stream(
         self, prefetch: int, lease_ms: int | None, queues: Sequence[str] | None = None

@@ -42,7 +42,10 @@ from wqclient.models import (
     Delivery,
     Enqueued,
     EnqueueItem,
+    Limits,
     QueueInfo,
+    Schedule,
+    ScheduleSpec,
     Stats,
     Task,
     TaskPage,
@@ -850,6 +853,64 @@ class HttpTransport:
         except LeaseLost as e:  # (409 here: the queue holds tasks)
             raise Conflict(e.message) from None
 
+    # -- schedules and limits (docs/design/schedules.md) ------------------------------------
+
+    async def put_schedule(self, name: str, spec: ScheduleSpec) -> Schedule:
+        """PUT /schedules/{name}: the schedule as stored."""
+        _, data = await self._call("PUT", _schedule_path(name), body=_schedule_body(spec))
+        return self._schedule(data)
+
+    async def get_schedule(self, name: str) -> Schedule:
+        _, data = await self._call("GET", _schedule_path(name))
+        return self._schedule(data)
+
+    async def list_schedules(self) -> list[Schedule]:
+        _, data = await self._call("GET", "/schedules")
+        answer = _loads(data)
+        rows = answer.get("schedules") if isinstance(answer, dict) else None
+        if not isinstance(rows, list):
+            raise ProtocolError(f"the broker's list of schedules is not one: {data[:200]!r}")
+        return [Schedule.from_mapping(row) for row in rows]
+
+    async def delete_schedule(self, name: str) -> None:
+        await self._call("DELETE", _schedule_path(name))
+
+    async def pause_schedule(self, name: str) -> Schedule:
+        _, data = await self._call("POST", _schedule_path(name) + "/pause")
+        return self._schedule(data)
+
+    async def resume_schedule(self, name: str) -> Schedule:
+        _, data = await self._call("POST", _schedule_path(name) + "/resume")
+        return self._schedule(data)
+
+    @staticmethod
+    def _schedule(data: bytes) -> Schedule:
+        answer = _loads(data)
+        if not isinstance(answer, dict):
+            raise ProtocolError(f"the broker's schedule is not one: {data[:200]!r}")
+        return Schedule.from_mapping(answer)
+
+    async def set_limits(self, queue: str, limits: Limits | None) -> Limits | None:
+        """PUT /queues/{name}/limits (DELETE for none): the limits in force."""
+        path = f"/queues/{_q(queue)}/limits"
+        if limits is None or limits.empty:
+            await self._call("DELETE", path)
+            return None
+        _, data = await self._call("PUT", path, body=_limits_body(limits))
+        answer = self._json(data)
+        try:
+            given = answer["limits"]
+        except (KeyError, TypeError):
+            raise ProtocolError(
+                f"the broker's answer to setting limits has no limits: {data[:200]!r}"
+            ) from None
+        if given is None:
+            return None
+        if not isinstance(given, dict):
+            raise ProtocolError(f"the broker's limits are not an object: {data[:200]!r}")
+        found = Limits.from_mapping(given)
+        return None if found.empty else found
+
     async def close(self) -> None:
         if self._settling:  # (the settlements on their way are let land)
             await asyncio.gather(*self._settling, return_exceptions=True)
@@ -872,6 +933,51 @@ def _results_members(item: EnqueueItem) -> bytes:
     if item.result_ttl_ms is not None:
         out += b',"result_ttl_ms":%d' % item.result_ttl_ms
     return out
+
+
+def _schedule_path(name: str) -> str:
+    """/schedules/{name}, the name percent-encoded (an empty one is refused here: a path cannot
+    carry it)."""
+    if not name:
+        raise InvalidArgument("a schedule's name must not be empty")
+    return f"/schedules/{_q(name)}"
+
+
+def _schedule_body(spec: ScheduleSpec) -> bytes:
+    """PUT /schedules/{name}'s body: the members that are set, the payload's text as it is."""
+    members: dict[str, object] = {}
+    for name in _SCHEDULE_MEMBERS:
+        value = getattr(spec, name)
+        if value is not None:
+            members[name] = value
+    if spec.paused:
+        members["paused"] = True
+    rest = json.dumps(members, separators=(",", ":")).encode()
+    return b'{"payload":' + spec.payload_json + (b"," + rest[1:] if members else b"}")
+
+
+_SCHEDULE_MEMBERS: Final = (
+    "cron",
+    "timezone",
+    "every_ms",
+    "queue",
+    "priority",
+    "max_attempts",
+    "expires_in_ms",
+    "timeout_ms",
+    "result_ttl_ms",
+)
+
+
+def _limits_body(limits: Limits) -> bytes:
+    """PUT /queues/{name}/limits's body (a kind not set: null)."""
+    rate: dict[str, int] | None = None
+    if limits.rate is not None:
+        rate = {"tasks": limits.rate.tasks, "per_ms": limits.rate.per_ms}
+        if limits.rate.burst is not None:
+            rate["burst"] = limits.rate.burst
+    body = {"rate": rate, "concurrency": limits.concurrency}
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 def _answer(future: asyncio.Future[None], outcome: WqError | None) -> None:

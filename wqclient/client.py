@@ -38,7 +38,11 @@ from wqclient.models import (
     Delivery,
     Enqueued,
     EnqueueItem,
+    Limits,
     QueueInfo,
+    RateLimit,
+    Schedule,
+    ScheduleSpec,
     Stats,
     Task,
     TaskPage,
@@ -307,6 +311,28 @@ def _ipv4_address(text: str) -> bool:
     except ValueError:
         return False
     return port.isdigit()
+
+
+def _name(what: str, value: str) -> str:
+    """A schedule's or queue's name (a string: the broker checks the rest and says why)."""
+    if not isinstance(value, str):
+        raise InvalidArgument(f"{what} must be a string, got {type(value).__name__}")
+    return value
+
+
+def _rate(value: RateLimit | None) -> RateLimit | None:
+    """A rate limit as given to set_limits, its figures checked as the wire needs."""
+    if value is None:
+        return None
+    if not isinstance(value, RateLimit):
+        raise InvalidArgument(
+            f"rate must be a RateLimit (RateLimit(tasks, per_ms, burst)), got "
+            f"{type(value).__name__}"
+        )
+    _option("rate.tasks", value.tasks)
+    _option("rate.per_ms", value.per_ms)
+    _option("rate.burst", value.burst)
+    return value
 
 
 def _ids(task: Delivery | str, lease_id: str | None) -> tuple[str, str]:
@@ -743,6 +769,98 @@ class AsyncClient:
         holds tasks, NotFound for a queue never seen."""
         await self._transport.delete_queue(_text("queue", queue) or "")
 
+    # -- schedules and limits (docs/design/schedules.md) ------------------------------------
+
+    async def put_schedule(
+        self,
+        name: str,
+        *,
+        payload: Any,
+        cron: str | None = None,
+        every_ms: int | None = None,
+        timezone: str | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        result_ttl_ms: int | None = None,
+        paused: bool = False,
+    ) -> Schedule:
+        """Create or replace the schedule ``name`` (1-64 characters of ``[A-Za-z0-9_.-]``) and
+        return it as the broker stores it (with its ``next_fire_at``).
+
+        Its rule, exactly one of: ``cron``, five fields (minute hour day-of-month month
+        day-of-week: ``"*/5 * * * *"``, ``"0 9 * * MON-FRI"``) or a macro (``@hourly``,
+        ``@daily``, ``@weekly``, ``@monthly``, ``@yearly``), in ``timezone`` (an IANA name such
+        as ``"Europe/Paris"``; default UTC; daylight-saving changes are handled as cron does);
+        or ``every_ms``, a fixed interval (1,000 ms to a year; the first fire comes that long
+        after the put). Each fire enqueues one task: ``payload`` (any JSON value, or JSON
+        bytes) with ``queue``, ``priority``, ``max_attempts``, ``expires_in_ms`` (counted
+        from the fire), ``timeout_ms`` and ``result_ttl_ms``, as :meth:`enqueue` takes them;
+        the task's ``schedule`` and ``scheduled_for`` say which schedule fired it, for which
+        time. ``paused``: put it paused (it fires once resumed).
+
+        A replace keeps the schedule's ``created_at``, ``fires`` and last fire. Each
+        scheduled time enqueues exactly one task, however many brokers share the store; after
+        downtime a schedule fires once, for its most recent missed time. InvalidArgument
+        (naming the member) for a rule that does not parse, an unknown timezone, both rules
+        or neither, or a bad task member."""
+        spec = ScheduleSpec(
+            encode_payload(payload),
+            cron=_text("cron", cron),
+            timezone=_text("timezone", timezone),
+            every_ms=_option("every_ms", every_ms),
+            queue=_text("queue", queue),
+            priority=_option("priority", priority),
+            max_attempts=_option("max_attempts", max_attempts),
+            expires_in_ms=_option("expires_in_ms", expires_in_ms),
+            timeout_ms=_option("timeout_ms", timeout_ms),
+            result_ttl_ms=_option("result_ttl_ms", result_ttl_ms),
+            paused=_flag("paused", paused),
+        )
+        return await self._transport.put_schedule(_name("name", name), spec)
+
+    async def get_schedule(self, name: str) -> Schedule:
+        """One schedule, with its next and last fires; NotFound if there is none of that
+        name."""
+        return await self._transport.get_schedule(_name("name", name))
+
+    async def list_schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        return await self._transport.list_schedules()
+
+    async def delete_schedule(self, name: str) -> None:
+        """Delete a schedule (the tasks it fired stay); NotFound if there is none."""
+        await self._transport.delete_schedule(_name("name", name))
+
+    async def pause_schedule(self, name: str) -> Schedule:
+        """Stop a schedule's fires until it is resumed (its ``next_fire_at`` is then None);
+        returns it. NotFound if there is none."""
+        return await self._transport.pause_schedule(_name("name", name))
+
+    async def resume_schedule(self, name: str) -> Schedule:
+        """Fire a paused schedule again, from its next rule time after now (the times missed
+        while it was paused are not fired); returns it. NotFound if there is none."""
+        return await self._transport.resume_schedule(_name("name", name))
+
+    async def set_limits(
+        self, queue: str, *, rate: RateLimit | None = None, concurrency: int | None = None
+    ) -> Limits | None:
+        """Set a queue's limits, replacing those it had: ``rate``, at most ``rate.tasks``
+        hand-outs per ``rate.per_ms`` (a token bucket of ``rate.burst`` tokens, default
+        ``tasks``: ``RateLimit(20, 1000)`` is 20 a second), and ``concurrency``, at most that
+        many of its tasks handed out at once; None: no limit of that kind (neither: no limits,
+        as :meth:`clear_limits`). They hold over every worker and every broker of a shared
+        store; a queue not known yet is created. Returns the limits in force (None: none);
+        :meth:`queues` shows them, with the rate tokens available now."""
+        limits = Limits(_rate(rate), _option("concurrency", concurrency))
+        return await self._transport.set_limits(_name("queue", queue), limits)
+
+    async def clear_limits(self, queue: str) -> None:
+        """Take a queue's limits away (both kinds)."""
+        await self._transport.set_limits(_name("queue", queue), None)
+
     async def stream(
         self,
         *,
@@ -1151,6 +1269,69 @@ class Client:
         """Forget a queue that holds nothing; Conflict if it holds tasks (see
         AsyncClient.delete_queue)."""
         self._run(self._client.delete_queue, queue)
+
+    def put_schedule(
+        self,
+        name: str,
+        *,
+        payload: Any,
+        cron: str | None = None,
+        every_ms: int | None = None,
+        timezone: str | None = None,
+        queue: str | None = None,
+        priority: int | None = None,
+        max_attempts: int | None = None,
+        expires_in_ms: int | None = None,
+        timeout_ms: int | None = None,
+        result_ttl_ms: int | None = None,
+        paused: bool = False,
+    ) -> Schedule:
+        """Create or replace a schedule (see AsyncClient.put_schedule)."""
+        return self._run(
+            self._client.put_schedule,
+            name,
+            payload=payload,
+            cron=cron,
+            every_ms=every_ms,
+            timezone=timezone,
+            queue=queue,
+            priority=priority,
+            max_attempts=max_attempts,
+            expires_in_ms=expires_in_ms,
+            timeout_ms=timeout_ms,
+            result_ttl_ms=result_ttl_ms,
+            paused=paused,
+        )
+
+    def get_schedule(self, name: str) -> Schedule:
+        """One schedule (see AsyncClient.get_schedule)."""
+        return self._run(self._client.get_schedule, name)
+
+    def list_schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        return self._run(self._client.list_schedules)
+
+    def delete_schedule(self, name: str) -> None:
+        """Delete a schedule (see AsyncClient.delete_schedule)."""
+        self._run(self._client.delete_schedule, name)
+
+    def pause_schedule(self, name: str) -> Schedule:
+        """Stop a schedule's fires until resumed (see AsyncClient.pause_schedule)."""
+        return self._run(self._client.pause_schedule, name)
+
+    def resume_schedule(self, name: str) -> Schedule:
+        """Fire a paused schedule again (see AsyncClient.resume_schedule)."""
+        return self._run(self._client.resume_schedule, name)
+
+    def set_limits(
+        self, queue: str, *, rate: RateLimit | None = None, concurrency: int | None = None
+    ) -> Limits | None:
+        """Set a queue's rate and concurrency limits (see AsyncClient.set_limits)."""
+        return self._run(self._client.set_limits, queue, rate=rate, concurrency=concurrency)
+
+    def clear_limits(self, queue: str) -> None:
+        """Take a queue's limits away (see AsyncClient.clear_limits)."""
+        self._run(self._client.clear_limits, queue)
 
     def stream(
         self,

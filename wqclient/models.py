@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
 from wqclient.errors import ProtocolError, WqError
+from wqwire.defaults import DEFAULT_MAX_ATTEMPTS
 from wqwire.defaults import DEFAULT_QUEUE as DEFAULT_QUEUE
 
 # What reading a field that is missing or of the wrong kind raises: reported as the broker's fault.
@@ -133,6 +134,10 @@ class Task(_Controlled):
     # A delivered task's (one with ``after``): its parents, in that order, each with its result
     # if one is held; None for a task without parents (or one that was not delivered).
     parents: tuple[ParentResult, ...] | None = None
+    # Schedules (docs/design/schedules.md): the schedule that enqueued it (None: none), and the
+    # scheduled time of that fire.
+    schedule: str | None = None
+    scheduled_for: datetime | None = None
 
     if not TYPE_CHECKING:
 
@@ -199,8 +204,9 @@ class Task(_Controlled):
         JSON text) and ``cancelling`` may be absent (or empty, as a protobuf field left unset
         is). So may those of results and workflows: ``result`` (the JSON text),
         ``finished_at``, ``result_ttl_ms``, ``after``, ``waiting_for``, ``children``,
-        ``children_count`` and ``parents`` (mappings of ``id`` and ``result``). Raises
-        ProtocolError if a field is missing or unreadable."""
+        ``children_count`` and ``parents`` (mappings of ``id`` and ``result``); and those of
+        schedules: ``schedule`` and ``scheduled_for``. Raises ProtocolError if a field is missing
+        or unreadable."""
         try:
             if _EXTENSIONS.isdisjoint(data):  # (the usual: a delivery's task, none of them set)
                 return plain_task(
@@ -250,6 +256,8 @@ class Task(_Controlled):
         ttl = data.get("result_ttl_ms")
         children = data.get("children")
         parents = data.get("parents")
+        schedule = data.get("schedule")
+        scheduled_for = data.get("scheduled_for")
         return cls(
             id=data["id"],
             payload_json=bytes(data["payload"]),
@@ -273,7 +281,18 @@ class Task(_Controlled):
             children=_ids(children),
             children_count=int(data.get("children_count") or 0),
             parents=None if not parents else parents_from(parents),
+            schedule=_schedule_name(schedule),
+            scheduled_for=None if scheduled_for is None else _when(scheduled_for),
         )
+
+
+def _schedule_name(value: Any) -> str | None:
+    """A task's ``schedule`` from the wire (absent, null or empty: None)."""
+    if not value:
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"schedule is a {type(value).__name__}")
+    return value
 
 
 def _ids(value: Any) -> tuple[str, ...] | None:
@@ -453,10 +472,15 @@ _LATER_DEFAULTS: Final[dict[str, Any]] = {
     "children": None,
     "children_count": 0,
     "parents": None,
+    "schedule": None,
+    "scheduled_for": None,
 }
 _set_parents: Final = Task.__dict__["parents"].__set__
 _set_after: Final = Task.__dict__["after"].__set__
-# The members of a task's view beyond a delivered task's usual ones.
+_set_schedule: Final = Task.__dict__["schedule"].__set__
+_set_scheduled_for: Final = Task.__dict__["scheduled_for"].__set__
+# The members of a task's view beyond a delivered task's usual ones (those of results and
+# workflows, and of schedules).
 _RESULT_FIELDS: Final = frozenset(_LATER_DEFAULTS) | {"result"}
 _EXTENSIONS: Final = (
     frozenset({"state", "expires_at", "timeout_ms", "progress", "cancelling"}) | _RESULT_FIELDS
@@ -471,6 +495,14 @@ def with_parents(
     _set_parents(task, parents)
     if after is not None:
         _set_after(task, after)
+    return task
+
+
+def with_schedule(task: Task, schedule: str, scheduled_for: datetime | None) -> Task:
+    """``task`` (just made, not yet shared) given the schedule that fired it and the fire's
+    scheduled time (docs/design/schedules.md)."""
+    _set_schedule(task, schedule)
+    _set_scheduled_for(task, scheduled_for)
     return task
 
 
@@ -623,26 +655,230 @@ class QueueInfo:
     # Tasks waiting for parents, and results held (docs/design/results.md).
     waiting: int = 0
     succeeded: int = 0
+    # Its rate and concurrency limits (docs/design/schedules.md; None: none), and the rate
+    # tokens available now (None: no rate limit). The concurrency in use is ``handed_out``.
+    limits: Limits | None = None
+    tokens: float | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> QueueInfo:
         """A queue from the wire's fields: ``name``, the gauges (absent counts 0),
-        ``paused`` (absent: false) and ``oldest_ready_at`` (absent or null: None). Raises
-        ProtocolError if one is unreadable."""
+        ``paused`` (absent: false), ``oldest_ready_at`` (absent or null: None), ``limits`` (a
+        mapping, see Limits.from_mapping; absent or null: None) and ``tokens`` (absent or null:
+        None). Raises ProtocolError if one is unreadable."""
         try:
             name = data["name"]
             if not isinstance(name, str):
                 raise TypeError(f"name is a {type(name).__name__}")
             gauges = {f: int(data.get(f, 0)) for f in _QUEUE_GAUGES}
             oldest = data.get("oldest_ready_at")
+            limits = None if data.get("limits") is None else Limits.from_mapping(data["limits"])
+            tokens = data.get("tokens")
             return cls(
                 name=name,
                 paused=bool(data.get("paused", False)),
                 oldest_ready_at=None if oldest is None else _when(oldest),
+                limits=None if limits is None or limits.empty else limits,
+                tokens=None if tokens is None else _number("tokens", tokens),
                 **gauges,
             )
         except _UNREADABLE as e:
             raise _unreadable("a queue", e) from None
+
+
+def _number(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} is a {type(value).__name__}")
+    return float(value)
+
+
+def _count(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} is a {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class RateLimit:
+    """A queue's rate limit (docs/design/schedules.md): at most ``tasks`` hand-outs per
+    ``per_ms`` milliseconds, from a token bucket holding up to ``burst`` tokens (None: the
+    broker's default, ``tasks``). ``RateLimit(20, 1000)``: 20 a second.
+
+    The broker checks the ranges (``tasks`` and ``burst`` 1 to 1,000,000, ``per_ms`` 1 to
+    86,400,000) and says why."""
+
+    tasks: int
+    per_ms: int = 1000
+    burst: int | None = None
+
+    @property
+    def per_second(self) -> float:
+        """The refill rate, in tasks a second."""
+        return self.tasks * 1000 / self.per_ms
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> RateLimit:
+        """From the wire's fields: ``tasks``, ``per_ms``, ``burst`` (absent, null or 0: None)."""
+        try:
+            burst = data.get("burst")
+            return cls(
+                _count("tasks", data["tasks"]),
+                _count("per_ms", data["per_ms"]),
+                None if not burst else _count("burst", burst),
+            )
+        except _UNREADABLE as e:
+            raise _unreadable("a rate limit", e) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A queue's limits (docs/design/schedules.md): ``rate`` (a :class:`RateLimit`) and
+    ``concurrency`` (at most that many of its tasks handed out at once); None: no limit of that
+    kind. They hold over every worker, and every broker of a shared store."""
+
+    rate: RateLimit | None = None
+    concurrency: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        """No limit of either kind."""
+        return self.rate is None and self.concurrency is None
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Limits:
+        """From the wire's fields: ``rate`` (a mapping; absent or null: None) and
+        ``concurrency`` (absent or null: None)."""
+        try:
+            rate = data.get("rate")
+            concurrency = data.get("concurrency")
+            return cls(
+                None if rate is None else RateLimit.from_mapping(rate),
+                None if concurrency is None else _count("concurrency", concurrency),
+            )
+        except _UNREADABLE as e:
+            raise _unreadable("a queue's limits", e) from None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduleSpec:
+    """What :meth:`~wqclient.AsyncClient.put_schedule` sends (the members of ``PUT
+    /schedules/{name}``; None: not given, the broker's default): the rule (``cron`` in
+    ``timezone``, or ``every_ms``) and the task each fire enqueues."""
+
+    payload_json: bytes  # the payload's JSON text
+    cron: str | None = None
+    timezone: str | None = None
+    every_ms: int | None = None
+    queue: str | None = None
+    priority: int | None = None
+    max_attempts: int | None = None
+    expires_in_ms: int | None = None
+    timeout_ms: int | None = None
+    result_ttl_ms: int | None = None
+    paused: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A schedule, as the broker reports it (docs/design/schedules.md).
+
+    Its rule: ``cron`` (five fields or a macro such as ``@hourly``, as given) in ``timezone``
+    (an IANA name), or ``every_ms``, a fixed interval (``timezone`` None then). The task each
+    fire enqueues: ``payload_json`` (its JSON text; :attr:`payload` decoded), ``queue``,
+    ``priority``, ``max_attempts``, ``expires_in_ms`` (counted from the fire),
+    ``timeout_ms``, ``result_ttl_ms`` (None: not set). ``next_fire_at``: the scheduled time of
+    its next fire (None while paused); ``last_fire_at``: that of its last one, and
+    ``last_task_id`` the task it enqueued (None: none yet); ``fires``: how many so far, by
+    every broker."""
+
+    name: str
+    payload_json: bytes
+    cron: str | None = None
+    timezone: str | None = None
+    every_ms: int | None = None
+    queue: str = DEFAULT_QUEUE
+    priority: int = 0
+    max_attempts: int = DEFAULT_MAX_ATTEMPTS
+    expires_in_ms: int | None = None
+    timeout_ms: int | None = None
+    result_ttl_ms: int | None = None
+    paused: bool = False
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+    next_fire_at: datetime | None = None
+    last_fire_at: datetime | None = None
+    last_task_id: str | None = None
+    fires: int = 0
+
+    @property
+    def payload(self) -> Any:
+        """The payload each fire enqueues, decoded from JSON."""
+        return json.loads(self.payload_json)
+
+    @property
+    def rule(self) -> str:
+        """The rule in words: the cron expression (with its timezone when it is not UTC), or
+        ``every N ms``."""
+        if self.cron is not None:
+            zone = self.timezone or "UTC"
+            return self.cron if zone == "UTC" else f"{self.cron} ({zone})"
+        return f"every {self.every_ms} ms"
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> Schedule:
+        """From the wire's fields: ``name``, ``payload`` (JSON text), ``cron``, ``timezone``
+        and ``every_ms`` (absent, null or empty where not set), the task's members,
+        ``paused``, the times (datetimes or RFC 3339 text; absent or null: None),
+        ``last_task_id`` (absent, null or empty: None) and ``fires``. Raises ProtocolError if
+        one is missing or unreadable."""
+        try:
+            name = data["name"]
+            if not isinstance(name, str):
+                raise TypeError(f"name is a {type(name).__name__}")
+            priority = data.get("priority")
+            max_attempts = data.get("max_attempts")
+            return cls(
+                name=name,
+                payload_json=bytes(data["payload"]),
+                cron=_text_or_none("cron", data.get("cron")),
+                timezone=_text_or_none("timezone", data.get("timezone")),
+                every_ms=_int_or_none("every_ms", data.get("every_ms")),
+                queue=_text_or_none("queue", data.get("queue")) or DEFAULT_QUEUE,
+                priority=0 if priority is None else _count("priority", priority),
+                max_attempts=(
+                    DEFAULT_MAX_ATTEMPTS
+                    if not max_attempts
+                    else _count("max_attempts", max_attempts)
+                ),
+                expires_in_ms=_int_or_none("expires_in_ms", data.get("expires_in_ms")),
+                timeout_ms=_int_or_none("timeout_ms", data.get("timeout_ms")),
+                result_ttl_ms=_int_or_none("result_ttl_ms", data.get("result_ttl_ms")),
+                paused=data.get("paused") is True,
+                created_at=_when_or_none(data.get("created_at")),
+                updated_at=_when_or_none(data.get("updated_at")),
+                next_fire_at=_when_or_none(data.get("next_fire_at")),
+                last_fire_at=_when_or_none(data.get("last_fire_at")),
+                last_task_id=_text_or_none("last_task_id", data.get("last_task_id")),
+                fires=int(data.get("fires") or 0),
+            )
+        except _UNREADABLE as e:
+            raise _unreadable("a schedule", e) from None
+
+
+def _text_or_none(name: str, value: Any) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"{name} is a {type(value).__name__}")
+    return value
+
+
+def _int_or_none(name: str, value: Any) -> int | None:
+    return None if value is None else _count(name, value)
+
+
+def _when_or_none(value: Any) -> datetime | None:
+    return None if value is None else _when(value)
 
 
 _QUEUE_GAUGES: Final = ("ready", "handed_out", "delayed", "dead", WAITING, SUCCEEDED)

@@ -13,7 +13,9 @@ options added since the first version (queues, priorities, idempotency keys, nac
 passed by keyword and only when set, so a transport written before them still serves the calls
 that leave them unset (the same goes for those of task control: ``expires_in_ms``, ``timeout_ms``,
 ``unique``, an extension's ``progress``; and for those of results and workflows: an enqueue's
-``after`` and ``result_ttl_ms``, an ack's ``result``, docs/design/results.md).
+``after`` and ``result_ttl_ms``, an ack's ``result``, docs/design/results.md). The schedules and
+a queue's limits (docs/design/schedules.md) are calls of their own: ``put_schedule`` takes a
+:class:`~wqclient.models.ScheduleSpec`, ``set_limits`` a :class:`~wqclient.models.Limits`.
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ from wqclient.models import (
     Delivery,
     Enqueued,
     EnqueueItem,
+    Limits,
     QueueInfo,
+    Schedule,
+    ScheduleSpec,
     Stats,
     Task,
     TaskPage,
@@ -204,6 +209,33 @@ class Transport(Protocol):
         ...
 
     async def resume(self, queue: str) -> None: ...
+
+    # -- schedules and limits (docs/design/schedules.md) ------------------------------------
+
+    async def put_schedule(self, name: str, spec: ScheduleSpec) -> Schedule:
+        """Create or replace a schedule; returns it as the broker stores it."""
+        ...
+
+    async def get_schedule(self, name: str) -> Schedule:
+        """NotFound if there is none of that name."""
+        ...
+
+    async def list_schedules(self) -> list[Schedule]:
+        """Every schedule, by name."""
+        ...
+
+    async def delete_schedule(self, name: str) -> None:
+        """NotFound if there is none of that name."""
+        ...
+
+    async def pause_schedule(self, name: str) -> Schedule: ...
+
+    async def resume_schedule(self, name: str) -> Schedule: ...
+
+    async def set_limits(self, queue: str, limits: Limits | None) -> Limits | None:
+        """Set a queue's limits (None, or both kinds None: clear them); returns those in force
+        (None: none)."""
+        ...
 
     async def close(self) -> None:
         """Release connections. The transport is not used again."""

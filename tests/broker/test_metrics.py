@@ -397,10 +397,10 @@ class _StoreAway(MemoryStore):
 
     away = False
 
-    async def queue_report(self) -> list[QueueReport]:
+    async def queue_report(self, *, now: float | None = None) -> list[QueueReport]:
         if self.away:
             raise StoreError("the database is unreachable: connection refused")
-        return await super().queue_report()
+        return await super().queue_report(now=now)
 
 
 async def test_a_scrape_while_the_store_is_away_says_so() -> None:

@@ -340,6 +340,13 @@ class HttpCall:
     async def path(self, root: Http) -> str:
         """The concrete path, after setting the scene the call needs with ``root``."""
         if "{name}" in self.route:
+            if self.route.startswith("/schedules/") and self.method != "PUT":
+                # (docs/design/schedules.md: a schedule to read, pause, resume or delete)
+                body = {"every_ms": 60_000, "payload": 1}
+                assert (await root.request("PUT", "/schedules/mail", json=body))[0] == 200
+            if self.route == "/queues/{name}/limits" and self.method == "DELETE":
+                body = {"concurrency": 1}
+                assert (await root.request("PUT", "/queues/mail/limits", json=body))[0] == 200
             if self.route in ("/queues/{name}", "/queues/{name}/empty"):
                 # (a queue known and empty: emptied or deleted, either answers at once)
                 assert (await root.request("POST", "/queues/known/pause"))[0] == 204
@@ -390,6 +397,15 @@ HTTP_CALLS = [
     HttpCall("DELETE", "/queues/{name}", 204),
     # results (docs/design/results.md): a held task's result, still pending
     HttpCall("GET", "/jobs/{id}/result", 204),
+    # schedules and limits (docs/design/schedules.md)
+    HttpCall("GET", "/schedules", 200),
+    HttpCall("PUT", "/schedules/{name}", 200, {"every_ms": 60_000, "payload": {"n": 1}}),
+    HttpCall("GET", "/schedules/{name}", 200),
+    HttpCall("DELETE", "/schedules/{name}", 204),
+    HttpCall("POST", "/schedules/{name}/pause", 200),
+    HttpCall("POST", "/schedules/{name}/resume", 200),
+    HttpCall("PUT", "/queues/{name}/limits", 200, {"concurrency": 2}),
+    HttpCall("DELETE", "/queues/{name}/limits", 204),
 ]
 
 
@@ -417,6 +433,22 @@ def test_control_over_tasks_is_the_admin_s_and_listing_a_worker_s_too() -> None:
         assert GRPC_RULES[f"/wq.v1.Broker/{method}"] == "admin", method
     assert GRPC_RULES["/wq.v1.Broker/ListTasks"] == ("consume", "admin")
     assert describe_rule(("consume", "admin")) == "the consume or admin scope"
+
+
+def test_schedules_are_read_with_any_token_and_changed_with_admin() -> None:
+    # docs/design/schedules.md: reading schedules as reading the queues; changing schedules and
+    # a queue's limits, the admin's.
+    for route in ("GET /schedules", "GET /schedules/{name}"):
+        assert HTTP_RULES[route] is Access.ANY is HTTP_RULES["GET /queues"], route
+    for route in (
+        "PUT /schedules/{name}",
+        "DELETE /schedules/{name}",
+        "POST /schedules/{name}/pause",
+        "POST /schedules/{name}/resume",
+        "PUT /queues/{name}/limits",
+        "DELETE /queues/{name}/limits",
+    ):
+        assert HTTP_RULES[route] == "admin", route
 
 
 def test_a_route_under_several_scopes_is_opened_by_any_of_them() -> None:
@@ -654,6 +686,17 @@ async def _delete_queue_request(stub: pb_grpc.BrokerAsyncStub) -> pb.DeleteQueue
     return pb.DeleteQueueRequest(queue="known")
 
 
+def _scheduled(message: Callable[..., Any]) -> Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]:
+    """A request naming a schedule that exists (put with every scope)."""
+
+    async def scene(stub: pb_grpc.BrokerAsyncStub) -> Any:
+        put = pb.PutScheduleRequest(name="s", every_ms=60_000, payload=b"1")
+        await stub.PutSchedule(put, metadata=metadata(ROOT))
+        return message(name="s")
+
+    return scene
+
+
 GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "Enqueue": _const(pb.EnqueueRequest(payload=b"1")),
     "EnqueueBatch": _const(pb.EnqueueBatchRequest(tasks=[pb.EnqueueRequest(payload=b"1")])),
@@ -677,6 +720,16 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "EmptyQueue": _empty_queue_request,
     "DeleteQueue": _delete_queue_request,
     "WaitResult": _wait_result_request,
+    # docs/design/schedules.md
+    "PutSchedule": _const(pb.PutScheduleRequest(name="s", every_ms=60_000, payload=b"1")),
+    "GetSchedule": _scheduled(pb.GetScheduleRequest),
+    "ListSchedules": _const(pb.ListSchedulesRequest()),
+    "DeleteSchedule": _scheduled(pb.DeleteScheduleRequest),
+    "PauseSchedule": _scheduled(pb.PauseScheduleRequest),
+    "ResumeSchedule": _scheduled(pb.ResumeScheduleRequest),
+    "SetQueueLimits": _const(
+        pb.SetQueueLimitsRequest(queue="q", limits=pb.QueueLimits(concurrency=2))
+    ),
 }
 
 
@@ -691,6 +744,15 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
         ("ResumeQueue", "admin"),
         ("RequeueAll", "admin"),
         ("PurgeDead", "admin"),
+        # docs/design/schedules.md: reading schedules is as reading the queues; changing them
+        # and limits, the admin's.
+        ("GetSchedule", Access.ANY),
+        ("ListSchedules", Access.ANY),
+        ("PutSchedule", "admin"),
+        ("DeleteSchedule", "admin"),
+        ("PauseSchedule", "admin"),
+        ("ResumeSchedule", "admin"),
+        ("SetQueueLimits", "admin"),
     ],
 )
 def test_the_rules_of_the_extension_grpc_methods(name: str, rule: Rule) -> None:

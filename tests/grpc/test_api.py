@@ -909,6 +909,14 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "EmptyQueue",
         "DeleteQueue",
         "WaitResult",  # docs/design/results.md
+        # docs/design/schedules.md
+        "PutSchedule",
+        "GetSchedule",
+        "ListSchedules",
+        "DeleteSchedule",
+        "PauseSchedule",
+        "ResumeSchedule",
+        "SetQueueLimits",
     }
     assert methods["StreamJobs"].client_streaming
     assert methods["StreamJobs"].server_streaming

@@ -216,6 +216,8 @@ def integers_as_integers(case: Case) -> None:
     refuses it (as the document says in words): a body's integers are sent as integers."""
     if isinstance(case.body, dict):
         body = _integral(case.body)
+        if isinstance(body.get("rate"), dict):  # (PUT /queues/{name}/limits)
+            body["rate"] = _integral(body["rate"])
         # POST /jobs/batch: each task's too; POST /jobs/settle: each nack's.
         for name in ("tasks", "nacks"):
             items = body.get(name)
@@ -311,6 +313,25 @@ def parents_the_broker_knows(case: Case) -> None:
     case.body = body
 
 
+def rules_that_parse(case: Case) -> None:
+    """A schedule's ``cron`` parses and its ``timezone`` is an IANA name (a schema cannot say
+    so): in a valid body, a generated one is replaced by one that does (the rules are tested in
+    tests/http/test_schedules.py). A valid body's schedule is put paused: a live one would fire
+    into the queues the other calls use."""
+    if case.operation.path != "/schedules/{name}" or not isinstance(case.body, dict):
+        return
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive:
+        return
+    body = dict(case.body)
+    if isinstance(body.get("cron"), str):
+        body["cron"] = "*/5 * * * *"
+    if isinstance(body.get("timezone"), str):
+        body["timezone"] = "Europe/Paris"
+    body["paused"] = True
+    case.body = body
+
+
 def prepare(case: Case) -> None:
     integers_as_integers(case)
     not_another_operation(case)
@@ -318,6 +339,7 @@ def prepare(case: Case) -> None:
     unique_with_a_key(case)
     cursors_the_broker_gave(case)
     parents_the_broker_knows(case)
+    rules_that_parse(case)
 
 
 # -- every answer a generated request never gets, checked against the document ------------------
@@ -500,6 +522,51 @@ def test_results_and_workflows_answer_as_documented(live_broker: str) -> None:
     assert (stats["waiting"], stats["succeeded"]) == (0, 2)
     row = [r for r in api("GET", "/queues", 200) if r["name"] == q["queue"]]
     assert (row[0]["waiting"], row[0]["succeeded"]) == (0, 2)
+
+
+def test_schedules_and_limits_answer_as_documented(live_broker: str) -> None:
+    api = Api(live_broker)
+    name: dict[str, Any] = {"path_parameters": {"name": "openapi-schedule"}}
+    body = {"cron": "0 3 * * *", "timezone": "Europe/Paris", "payload": {"n": 1}, "paused": True}
+    view = api("PUT", "/schedules/{name}", 200, body=body, **name)
+    assert (view["cron"], view["next_fire_at"]) == ("0 3 * * *", None)
+    interval = {"every_ms": 3_600_000, "payload": None, "queue": "openapi-schedules"}
+    view = api("PUT", "/schedules/{name}", 200, body=interval, **name)
+    assert (view["cron"], view["timezone"], view["every_ms"]) == (None, None, 3_600_000)
+    assert api("GET", "/schedules/{name}", 200, **name) == view
+    names = [s["name"] for s in api("GET", "/schedules", 200)["schedules"]]
+    assert "openapi-schedule" in names
+    assert api("POST", "/schedules/{name}/pause", 200, **name)["paused"] is True
+    assert api("POST", "/schedules/{name}/resume", 200, **name)["paused"] is False
+    api("PUT", "/schedules/{name}", 400, body={"cron": "61 * * * *", "payload": 1}, **name)
+    api(
+        "PUT",
+        "/schedules/{name}",
+        400,
+        body={"every_ms": 1000, "cron": "@daily", "payload": 1},
+        **name,
+    )
+    api("PUT", "/schedules/{name}", 400, data=b'{"every_ms": 1000, "payload": "\xff"}', **name)
+    api("DELETE", "/schedules/{name}", 204, **name)
+    for method, path in (
+        ("GET", "/schedules/{name}"),
+        ("DELETE", "/schedules/{name}"),
+        ("POST", "/schedules/{name}/pause"),
+        ("POST", "/schedules/{name}/resume"),
+    ):
+        api(method, path, 404, **name)
+    queue: dict[str, Any] = {"path_parameters": {"name": "openapi-limits"}}
+    limits = {"rate": {"tasks": 5, "per_ms": 1000, "burst": 2}, "concurrency": 3}
+    answer = api("PUT", "/queues/{name}/limits", 200, body=limits, **queue)
+    assert answer == {"queue": "openapi-limits", "limits": limits}
+    row = [r for r in api("GET", "/queues", 200) if r["name"] == "openapi-limits"]
+    assert (row[0]["limits"], row[0]["tokens"]) == (limits, 2)
+    api("PUT", "/queues/{name}/limits", 400, body={"concurrency": 0}, **queue)
+    assert api("PUT", "/queues/{name}/limits", 200, body={}, **queue)["limits"] is None
+    api("DELETE", "/queues/{name}/limits", 204, **queue)
+    api("PUT", "/schedules/{name}", 403, token=ONLY["produce"], body=interval, **name)
+    api("PUT", "/queues/{name}/limits", 403, token=ONLY["consume"], body=limits, **queue)
+    api("GET", "/schedules", 200, token=ONLY["produce"])
 
 
 def test_refusals_answer_as_documented(tmp_path: Path) -> None:

@@ -45,6 +45,8 @@ QUEUE_ROW = [
     "succeeded",
     "paused",
     "oldest_ready_at",
+    "limits",  # docs/design/schedules.md
+    "tokens",
 ]
 # /stats: the spec's gauges in its order, the two of docs/design/results.md, the totals last.
 STATS_KEYS = ["ready", "handed_out", "delayed", "dead", "waiting", "succeeded", "totals"]
@@ -238,6 +240,8 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
         "succeeded": 0,
         "paused": False,
         "oldest_ready_at": None,  # nothing ready
+        "limits": None,
+        "tokens": None,
     }
     _, ready = await http.request("GET", f"/jobs/{ready_id}")
     assert rows["zeta"] == {
@@ -250,6 +254,8 @@ async def test_get_queues_lists_every_queue_by_name_with_its_gauges(http: Http) 
         "succeeded": 0,
         "paused": False,
         "oldest_ready_at": ready["available_at"],
+        "limits": None,
+        "tokens": None,
     }
 
 
@@ -366,6 +372,8 @@ async def test_pause_and_resume_are_idempotent_and_create_an_unknown_queue(http:
         "succeeded": 0,
         "paused": True,
         "oldest_ready_at": None,
+        "limits": None,
+        "tokens": None,
     } in rows
     for _ in range(2):
         assert (await http.request("POST", "/queues/fresh/resume"))[0] == 204

@@ -812,6 +812,8 @@ async def test_a_client_that_sends_none_of_it_sees_nothing_new(http: Http) -> No
     assert set(rows[0]) == {"name", "paused", "oldest_ready_at"} | OLD_GAUGES | {
         "waiting",
         "succeeded",
+        "limits",  # (docs/design/schedules.md: null without limits)
+        "tokens",
     }
 
 

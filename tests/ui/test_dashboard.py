@@ -30,11 +30,11 @@ import pytest
 from multidict import CIMultiDict
 
 from tests.authkit import ONLY, ROOT, UNKNOWN, bearer, write_token_file
-from tests.helpers import Http, http_client, running_broker
+from tests.helpers import Http, http_client, running_broker, wait_until
 from wqbroker.auth import NO_TOKEN
 from wqbroker.broker import Broker
 from wqbroker.http.dashboard import ASSETS, CONTENT_SECURITY_POLICY, ROUTES
-from wqclient import AsyncClient, EnqueueItem, Unavailable
+from wqclient import AsyncClient, EnqueueItem, RateLimit, Unavailable
 
 try:
     from playwright.async_api import Browser, Page, async_playwright, expect
@@ -933,6 +933,198 @@ async def test_the_page_fits_a_phone(broker: Broker, http: Http, browser: Browse
         cell = page.locator("#dlq-table tbody tr").first.locator("td").nth(2)
         label = await cell.evaluate("e => getComputedStyle(e, '::before').content")
         assert label == '"Attempts"'
+        console.check()
+
+
+# -- schedules and limits (docs/design/schedules.md) -----------------------------------------
+
+
+async def set_schedules(broker: Broker) -> str:
+    """``tick`` (every second, to the queue ticks) once it has fired, and ``nightly`` (02:00 in
+    Paris, paused); returns the task tick fired last."""
+    async with AsyncClient(broker.http_url) as client:
+        await client.put_schedule("tick", every_ms=1000, payload={"tick": True}, queue="ticks")
+        await client.put_schedule(
+            "nightly",
+            cron="0 2 * * *",
+            timezone="Europe/Paris",
+            payload={"report": "daily"},
+            queue="reports",
+            paused=True,
+        )
+        tick = await wait_until(
+            lambda: client.get_schedule("tick"), lambda s: s.fires >= 1, what="the first fire"
+        )
+    assert tick.last_task_id is not None
+    return tick.last_task_id
+
+
+async def test_the_schedules_page_pauses_resumes_and_leads_to_the_tasks(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    await set_schedules(broker)
+
+    async def schedule(name: str) -> Any:
+        status, body = await http.request("GET", f"/schedules/{name}")
+        assert status == 200
+        return body
+
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "schedules")
+        await expect(page.locator("#tab-schedules")).to_have_attribute("aria-current", "page")
+        rows = page.locator("#schedules-table tbody tr")
+        await expect(rows).to_have_count(2)
+        await expect(rows.first).to_have_attribute("data-schedule", "nightly")  # (by name)
+        await expect(page.locator("#schedules-summary")).to_have_text("2 schedules, 1 paused")
+        nightly = page.locator('#schedules-table tr[data-schedule="nightly"]')
+        await expect(nightly.locator(".badge")).to_have_text("Paused")
+        await expect(nightly.locator("td.rule")).to_contain_text("0 2 * * *")
+        await expect(nightly.locator("td.rule")).to_contain_text("Europe/Paris")
+        await expect(nightly.locator("td.next-fire")).to_have_text(NO_FIGURE)
+        await expect(nightly.locator("td.last-task")).to_have_text(NO_FIGURE)
+        await expect(nightly.locator('td[data-field="fires"]')).to_have_text("0")
+        tick = page.locator('#schedules-table tr[data-schedule="tick"]')
+        await expect(tick.locator(".badge")).to_have_text("Active")
+        await expect(tick.locator("td.rule")).to_have_text("every 1 s")
+        await expect(tick.locator("td.next-fire")).not_to_have_attribute("data-at", "")
+        await expect(tick.locator('td[data-field="fires"]')).to_have_attribute(
+            "data-value", re.compile(r"^[1-9]\d*$")
+        )
+        await expect(tick.locator("td.last-task a")).to_have_count(1)
+        await expect(tick.locator("a.queue-name")).to_have_text("ticks")
+        await screenshot(page, "schedules-laptop.png")
+
+        # Pause tick: the page and the broker say paused, and it fires no more.
+        await tick.locator("button.pause").click()
+        await expect(tick.locator(".badge")).to_have_text("Paused")
+        await expect(page.locator("#toasts")).to_contain_text("Paused schedule tick")
+        await expect(tick.locator("td.next-fire")).to_have_text(NO_FIGURE)
+        await expect(page.locator("#schedules-summary")).to_have_text("2 schedules, 2 paused")
+        paused = await schedule("tick")
+        assert (paused["paused"], paused["next_fire_at"]) == (True, None)
+        await expect(tick.locator('td[data-field="fires"]')).to_have_attribute(
+            "data-value", str(paused["fires"])
+        )
+
+        # Its last task, by the link: the task's page names the schedule and the time.
+        last = paused["last_task_id"]
+        await expect(tick.locator("td.last-task a")).to_have_text(last)
+        await tick.locator("td.last-task a").click()
+        await expect(page).to_have_url(re.compile(f"#/task/{last}$"))
+        await expect(page.locator("#task-schedule")).to_have_text("tick")
+        await expect(page.locator("#task-scheduled-for")).to_have_attribute(
+            "data-at", paused["last_fire_at"]
+        )
+        await expect(page.locator("#task-card")).to_contain_text("ticks")
+        await screenshot(page, "task-scheduled.png")
+
+        # Back by the schedule's link: its row is the one highlighted; resume it there.
+        await page.locator("#task-schedule").click()
+        await expect(page).to_have_url(re.compile(r"#/schedules\?name=tick$"))
+        await expect(tick).to_have_class(re.compile(r"\bfocus\b"))
+        await expect(nightly).not_to_have_class(re.compile(r"\bfocus\b"))
+        await tick.locator("button.resume").click()
+        await expect(tick.locator(".badge")).to_have_text("Active")
+        await expect(page.locator("#toasts")).to_contain_text("Resumed schedule tick")
+        assert (await schedule("tick"))["paused"] is False
+        await nightly.locator("button.resume").click()
+        await expect(nightly.locator(".badge")).to_have_text("Active")
+        await expect(nightly.locator("td.next-fire")).not_to_have_attribute("data-at", "")
+        resumed = await schedule("nightly")
+        assert resumed["paused"] is False
+        await expect(nightly.locator("td.next-fire")).to_have_attribute(
+            "data-at", resumed["next_fire_at"]
+        )
+        console.check()
+
+    # At phone width: the rows are cards, nothing wider than the screen.
+    async with open_page(browser, PHONE) as (page, console):
+        await goto(page, broker, "schedules")
+        await expect(page.locator("#schedules-table tbody tr")).to_have_count(2)
+        width = await page.evaluate("document.documentElement.scrollWidth")
+        assert width <= PHONE["width"], width
+        await screenshot(page, "schedules-phone.png")
+        console.check()
+
+
+async def test_no_schedules_is_said_so(broker: Broker, browser: Browser) -> None:
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "schedules")
+        await expect(page.locator("#schedules-empty")).to_be_visible()
+        await expect(page.locator("#schedules-table tbody tr")).to_have_count(0)
+        await expect(page.locator("#schedules-summary")).to_have_text("")
+        console.check()
+
+
+async def test_pausing_a_schedule_needs_the_admin_scope(tmp_path: Path, browser: Browser) -> None:
+    async with (
+        running_broker(token_file=str(write_token_file(tmp_path))) as broker,
+        open_page(browser) as (page, console),
+    ):
+        async with AsyncClient(broker.http_url, token=ROOT) as client:
+            await client.put_schedule("hourly", cron="@hourly", payload=1)
+        await goto(page, broker, "schedules")
+        await page.locator("#token-input").fill(ONLY["consume"])  # (reads: any token)
+        await page.locator("#token-ok").click()
+        row = page.locator('#schedules-table tr[data-schedule="hourly"]')
+        await expect(row.locator(".badge")).to_have_text("Active")
+        await row.locator("button.pause").click()
+        alert = page.locator("#alert-action")
+        await expect(alert).to_contain_text("needs a token with the “admin” scope")
+        await expect(alert).to_have_attribute("data-status", "403")
+        await expect(row.locator(".badge")).to_have_text("Active")
+        async with AsyncClient(broker.http_url, token=ROOT) as client:
+            assert not (await client.get_schedule("hourly")).paused
+        console.check()
+
+
+async def test_the_queues_page_shows_each_queue_s_limits(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    async with AsyncClient(broker.http_url) as client:
+        await client.enqueue_many([{"n": n} for n in range(3)], queue="paced")
+        await client.enqueue(1, queue="free")
+        await client.set_limits("paced", rate=RateLimit(20, 1000, burst=40), concurrency=2)
+        await client.set_limits("slow", rate=RateLimit(5, 500))
+        held = await client.claim(queues="paced", wait_ms=0)
+        assert held is not None
+    async with open_page(browser) as (page, console):
+        await goto(page, broker, "queues")
+        await expect(page.locator("#queues-table tbody tr")).to_have_count(3)
+        headers = page.locator("#queues-table th.col-limits")
+        await expect(headers).to_have_text(["Rate limit", "Tokens", "Concurrency"])
+        await expect(headers.first).to_be_visible()
+        paced = page.locator('#queues-table tr[data-queue="paced"]')
+        await expect(paced.locator('td[data-field="rate"]')).to_have_text("20/s (burst 40)")
+        await expect(paced.locator('td[data-field="rate"]')).to_have_attribute(
+            "data-value", "20/1000"
+        )
+        await expect(paced.locator('td[data-field="tokens"]')).to_have_text(
+            re.compile(r"^(39(\.\d)?|40)$")  # one spent, refilling at 20 a second
+        )
+        concurrency = paced.locator('td[data-field="concurrency"]')
+        await expect(concurrency).to_have_text("1 / 2")
+        await expect(concurrency).to_have_attribute("data-value", "1/2")
+        slow = page.locator('#queues-table tr[data-queue="slow"]')
+        await expect(slow.locator('td[data-field="rate"]')).to_have_text("5 per 500 ms")
+        await expect(slow.locator('td[data-field="tokens"]')).to_have_text("5")
+        await expect(slow.locator('td[data-field="concurrency"]')).to_have_text(NO_FIGURE)
+        free = page.locator('#queues-table tr[data-queue="free"]')
+        for key in ("rate", "tokens", "concurrency"):
+            await expect(free.locator(f'td[data-field="{key}"]')).to_have_text(NO_FIGURE)
+        await screenshot(page, "queues-limits.png")
+
+        # A second hand-out reaches the limit: the page follows (the cell says it is full).
+        status, _ = await http.request("GET", "/jobs/next?queue=paced&wait_ms=0")
+        assert status == 200
+        await expect(concurrency).to_have_text("2 / 2")
+        await expect(concurrency).to_have_class(re.compile(r"\bat-limit\b"))
+        # Limits taken away: the columns go, as before any queue had limits.
+        for name in ("paced", "slow"):
+            status, _ = await http.request("DELETE", f"/queues/{name}/limits")
+            assert status == 204
+        await expect(headers.first).to_be_hidden()
+        await expect(paced.locator('td[data-field="rate"]')).to_have_count(0)
         console.check()
 
 

@@ -40,12 +40,14 @@ from wqbroker.models import (
     SUCCEEDED,
     Delivery,
     Enqueued,
+    Limits,
     Outcome,
     QueueStats,
+    Schedule,
     Task,
     TaskState,
 )
-from wqbroker.service import Service, Submission
+from wqbroker.service import ScheduleSubmission, Service, Submission
 from wqwire.defaults import CANCELLED_KEY, MAX_GRPC_MESSAGE, RETRY_AFTER_MS_KEY
 from wqwire.pb import broker_pb2 as pb
 from wqwire.pb import broker_pb2_grpc as pb_grpc
@@ -218,6 +220,10 @@ def _fill_task(out: pb.Task, task: Task) -> None:
         or task.after is not None
     ):
         _fill_extensions(out, task)
+    if task.schedule is not None:  # docs/design/schedules.md: fired by a schedule
+        out.schedule = task.schedule
+        if task.scheduled_for is not None:
+            _set_time(out.scheduled_for, task.scheduled_for)
 
 
 def _fill_extensions(out: pb.Task, task: Task) -> None:
@@ -284,6 +290,81 @@ def queue_pb(queue: QueueStats, oldest_ready: float | None = None) -> pb.QueueIn
         oldest_ready_at=None if oldest_ready is None else timestamp(oldest_ready),
         waiting=queue.waiting,
         succeeded=queue.succeeded,
+        limits=limits_pb(queue.limits),
+        tokens=queue.tokens,
+    )
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
+
+
+def limits_pb(limits: Limits | None) -> pb.QueueLimits | None:
+    """A queue's limits (docs/design/schedules.md); None (unset) when it has none."""
+    if limits is None or limits.empty():
+        return None
+    rate = limits.rate
+    return pb.QueueLimits(
+        rate=None
+        if rate is None
+        else pb.RateLimit(tasks=rate.tasks, per_ms=round(rate.per * 1000), burst=rate.burst),
+        concurrency=limits.concurrency,
+    )
+
+
+def _rate(message: pb.QueueLimits) -> dict[str, object] | None:
+    """A rate limit as the service takes it (the members of HTTP's ``rate`` object; a burst of 0
+    is unset: the default); None when unset."""
+    if not message.HasField("rate"):
+        return None
+    rate = message.rate
+    return {"tasks": rate.tasks, "per_ms": rate.per_ms, "burst": rate.burst or None}
+
+
+def schedule_pb(schedule: Schedule) -> pb.Schedule:
+    """A schedule as gRPC gives it (docs/design/schedules.md): ``cron`` and ``timezone`` for a
+    cron rule, ``every_ms`` for an interval; unset times and task members where none is set."""
+    task = schedule.task
+    out = pb.Schedule(
+        name=schedule.name,
+        cron=schedule.cron,
+        timezone=schedule.timezone if schedule.cron is not None else "",
+        every_ms=_ms(schedule.every),
+        payload=task.payload,
+        queue=task.queue,
+        priority=task.priority,
+        max_attempts=task.max_attempts,
+        expires_in_ms=_ms(task.expires_in),
+        timeout_ms=_ms(task.timeout),
+        result_ttl_ms=_ms(task.result_ttl),
+        paused=schedule.paused,
+        last_task_id=schedule.last_task_id or "",
+        fires=schedule.fires,
+    )
+    _set_time(out.created_at, schedule.created_at)
+    _set_time(out.updated_at, schedule.updated_at)
+    if schedule.next_fire_at is not None:
+        _set_time(out.next_fire_at, schedule.next_fire_at)
+    if schedule.last_fire_at is not None:
+        _set_time(out.last_fire_at, schedule.last_fire_at)
+    return out
+
+
+def _schedule_submission(request: pb.PutScheduleRequest) -> ScheduleSubmission:
+    """A PutSchedule request as the service takes it (None: not given)."""
+    has = request.HasField
+    return ScheduleSubmission(
+        request.payload,
+        cron=request.cron if has("cron") else None,
+        timezone=request.timezone if has("timezone") else None,
+        every_ms=request.every_ms if has("every_ms") else None,
+        queue=request.queue or None,
+        priority=request.priority if has("priority") else None,
+        max_attempts=request.max_attempts if has("max_attempts") else None,
+        expires_in_ms=request.expires_in_ms if has("expires_in_ms") else None,
+        timeout_ms=request.timeout_ms if has("timeout_ms") else None,
+        result_ttl_ms=request.result_ttl_ms if has("result_ttl_ms") else None,
+        paused=request.paused if has("paused") else None,
     )
 
 
@@ -758,6 +839,61 @@ class BrokerServicer(pb_grpc.BrokerServicer):
         async with _Errors(context):
             await self._service.delete_queue(request.queue)
             return pb.DeleteQueueResponse()
+
+    # -- schedules and limits (docs/design/schedules.md) ------------------------------------
+
+    async def PutSchedule(
+        self, request: pb.PutScheduleRequest, context: Context
+    ) -> pb.PutScheduleResponse:
+        async with _Errors(context):
+            schedule = await self._service.put_schedule(request.name, _schedule_submission(request))
+            return pb.PutScheduleResponse(schedule=schedule_pb(schedule))
+
+    async def GetSchedule(
+        self, request: pb.GetScheduleRequest, context: Context
+    ) -> pb.GetScheduleResponse:
+        async with _Errors(context):
+            schedule = await self._service.get_schedule(request.name)
+            return pb.GetScheduleResponse(schedule=schedule_pb(schedule))
+
+    async def ListSchedules(
+        self, request: pb.ListSchedulesRequest, context: Context
+    ) -> pb.ListSchedulesResponse:
+        async with _Errors(context):
+            schedules = await self._service.list_schedules()
+            return pb.ListSchedulesResponse(schedules=[schedule_pb(s) for s in schedules])
+
+    async def DeleteSchedule(
+        self, request: pb.DeleteScheduleRequest, context: Context
+    ) -> pb.DeleteScheduleResponse:
+        async with _Errors(context):
+            await self._service.delete_schedule(request.name)
+            return pb.DeleteScheduleResponse()
+
+    async def PauseSchedule(
+        self, request: pb.PauseScheduleRequest, context: Context
+    ) -> pb.PauseScheduleResponse:
+        async with _Errors(context):
+            schedule = await self._service.pause_schedule(request.name)
+            return pb.PauseScheduleResponse(schedule=schedule_pb(schedule))
+
+    async def ResumeSchedule(
+        self, request: pb.ResumeScheduleRequest, context: Context
+    ) -> pb.ResumeScheduleResponse:
+        async with _Errors(context):
+            schedule = await self._service.resume_schedule(request.name)
+            return pb.ResumeScheduleResponse(schedule=schedule_pb(schedule))
+
+    async def SetQueueLimits(
+        self, request: pb.SetQueueLimitsRequest, context: Context
+    ) -> pb.SetQueueLimitsResponse:
+        async with _Errors(context):
+            # Unset limits, or both of its members unset: none (the service clears them).
+            given = request.limits if request.HasField("limits") else None
+            rate = None if given is None else _rate(given)
+            concurrency = None if given is None else _optional(given, "concurrency")
+            limits = await self._service.set_limits(request.queue, rate, concurrency)
+            return pb.SetQueueLimitsResponse(limits=limits_pb(limits))
 
     async def StreamJobs(  # type: ignore[override]
         self, request_iterator: AsyncIterator[pb.StreamJobsRequest], context: Context

@@ -39,14 +39,16 @@ from wqbroker.models import (
     DEAD,
     SUCCEEDED,
     Delivery,
+    Limits,
     Outcome,
     ParentResult,
     QueueStats,
+    Schedule,
     Stats,
     Task,
     TaskState,
 )
-from wqbroker.service import Service, Submission
+from wqbroker.service import ScheduleSubmission, Service, Submission
 from wqwire import defaults
 
 # The one table from the error tree to HTTP status codes (a subclass maps as its parent).
@@ -99,14 +101,15 @@ def render_task(task: Task) -> bytes:
             or task.finished_at is not None
             or task.result_ttl is not None
             or task.after is not None
+            or task.schedule is not None
             else b"}",
         )
     )
 
 
 def _extensions(task: Task) -> bytes:
-    """The members of docs/design/control.md and docs/design/results.md a task view shows, each
-    only when set (a client that sends none of them sees the view it always saw), and the
+    """The members of docs/design/control.md, results.md and schedules.md a task view shows,
+    each only when set (a client that sends none of them sees the view it always saw), and the
     view's closing brace."""
     parts = []
     if task.expires_at is not None:
@@ -117,6 +120,15 @@ def _extensions(task: Task) -> bytes:
         parts.append(b',"progress":' + task.progress)
     if task.cancelling:
         parts.append(b',"cancelling":true')
+    _results(task, parts)
+    if task.schedule is not None:  # docs/design/schedules.md: fired by a schedule
+        parts.append(_fired(task.schedule, task.scheduled_for))
+    parts.append(b"}")
+    return b"".join(parts)
+
+
+def _results(task: Task, parts: list[bytes]) -> None:
+    """The members of docs/design/results.md a task view shows, each only when set."""
     if task.result is not None:
         parts.append(b',"result":' + task.result)  # (JSON text, as received)
     if task.finished_at is not None:
@@ -127,8 +139,12 @@ def _extensions(task: Task) -> bytes:
         parts.append(b',"after":' + codec.dumps(list(task.after)))
         if task.waiting_for:
             parts.append(f',"waiting_for":{task.waiting_for}'.encode())
-    parts.append(b"}")
-    return b"".join(parts)
+
+
+def _fired(schedule: str, scheduled_for: float | None) -> bytes:
+    """A fired task's ``"schedule"`` and ``"scheduled_for"`` (docs/design/schedules.md)."""
+    at = "null" if scheduled_for is None else f'"{codec.rfc3339(scheduled_for)}"'
+    return b',"schedule":' + codec.dumps(schedule) + f',"scheduled_for":{at}'.encode()
 
 
 def render_task_state(found: TaskState) -> bytes:
@@ -164,8 +180,77 @@ def render_queue(queue: QueueStats, oldest_ready: float | None = None) -> bytes:
             "paused": queue.paused,
             # When the oldest ready task (at the head of a priority lane) became ready.
             "oldest_ready_at": None if oldest_ready is None else codec.rfc3339(oldest_ready),
+            # docs/design/schedules.md: its limits, and the rate tokens available now.
+            "limits": limits_view(queue.limits),
+            "tokens": None if queue.tokens is None else round(queue.tokens, 3),
         }
     )
+
+
+def _ms(seconds: float | None) -> int | None:
+    return None if seconds is None else round(seconds * 1000)
+
+
+def _time(ts: float | None) -> str | None:
+    return None if ts is None else codec.rfc3339(ts)
+
+
+def limits_view(limits: Limits | None) -> dict[str, object] | None:
+    """A queue's limits as JSON: ``{"rate": {"tasks", "per_ms", "burst"} | null, "concurrency":
+    n | null}``; None (null) when it has none."""
+    if limits is None or limits.empty():
+        return None
+    rate = limits.rate
+    return {
+        "rate": None
+        if rate is None
+        else {"tasks": rate.tasks, "per_ms": round(rate.per * 1000), "burst": rate.burst},
+        "concurrency": limits.concurrency,
+    }
+
+
+def render_limits(queue: str, limits: Limits | None) -> bytes:
+    """The answer of PUT /queues/{name}/limits: ``{"queue", "limits"}``."""
+    return codec.dumps({"queue": queue, "limits": limits_view(limits)})
+
+
+def render_schedule(schedule: Schedule) -> bytes:
+    """A schedule's view (docs/design/schedules.md): its rule (``cron`` and ``timezone``, or
+    ``every_ms``; the other null), its task's members (the payload as its text, null where
+    not set), whether it is paused, and its times (as the task views give them)."""
+    task = schedule.task
+    cron = schedule.cron
+    head = codec.dumps(
+        {
+            "name": schedule.name,
+            "cron": cron,
+            "timezone": None if cron is None else schedule.timezone,
+            "every_ms": _ms(schedule.every),
+            "queue": task.queue,
+        }
+    )
+    tail = codec.dumps(
+        {
+            "priority": task.priority,
+            "max_attempts": task.max_attempts,
+            "expires_in_ms": _ms(task.expires_in),
+            "timeout_ms": _ms(task.timeout),
+            "result_ttl_ms": _ms(task.result_ttl),
+            "paused": schedule.paused,
+            "created_at": _time(schedule.created_at),
+            "updated_at": _time(schedule.updated_at),
+            "next_fire_at": _time(schedule.next_fire_at),
+            "last_fire_at": _time(schedule.last_fire_at),
+            "last_task_id": schedule.last_task_id,
+            "fires": schedule.fires,
+        }
+    )
+    return b"".join((head[:-1], b',"payload":', task.payload, b",", tail[1:]))
+
+
+def render_schedules(schedules: Sequence[Schedule]) -> bytes:
+    """GET /schedules: ``{"schedules": [...]}``."""
+    return b'{"schedules":[' + b",".join(render_schedule(s) for s in schedules) + b"]}"
 
 
 def render_delivery(delivery: Delivery) -> bytes:
@@ -635,6 +720,70 @@ async def delete_queue(service: Service, request: Request) -> Answer:
     return NO_CONTENT
 
 
+# -- schedules and limits (docs/design/schedules.md) --------------------------------------------
+
+_SCHEDULE_RAW: Final = frozenset({"payload"})  # kept as its text, as an enqueue's
+
+
+async def put_schedule(service: Service, request: Request) -> Answer:
+    """PUT /schedules/{name}: create or replace a schedule (the body: its rule and the members
+    of its task, as POST /jobs takes them); 200, its view."""
+    name = request.match("name")
+    fields = codec.parse_object(await request.body(), _SCHEDULE_RAW)
+    schedule = await service.put_schedule(
+        name,
+        ScheduleSubmission(
+            fields.get("payload"),  # (JsonText; absent: None, which the service refuses)
+            cron=fields.get("cron"),
+            timezone=fields.get("timezone"),
+            every_ms=fields.get("every_ms"),
+            queue=fields.get("queue"),
+            priority=fields.get("priority"),
+            max_attempts=fields.get("max_attempts"),
+            expires_in_ms=fields.get("expires_in_ms"),
+            timeout_ms=fields.get("timeout_ms"),
+            result_ttl_ms=fields.get("result_ttl_ms"),
+            paused=fields.get("paused"),
+        ),
+    )
+    return 200, render_schedule(schedule)
+
+
+async def get_schedule(service: Service, request: Request) -> Answer:
+    return 200, render_schedule(await service.get_schedule(request.match("name")))
+
+
+async def list_schedules(service: Service, request: Request) -> Answer:
+    return 200, render_schedules(await service.list_schedules())
+
+
+async def delete_schedule(service: Service, request: Request) -> Answer:
+    await service.delete_schedule(request.match("name"))
+    return NO_CONTENT
+
+
+async def pause_schedule(service: Service, request: Request) -> Answer:
+    return 200, render_schedule(await service.pause_schedule(request.match("name")))
+
+
+async def resume_schedule(service: Service, request: Request) -> Answer:
+    return 200, render_schedule(await service.resume_schedule(request.match("name")))
+
+
+async def set_limits(service: Service, request: Request) -> Answer:
+    """PUT /queues/{name}/limits: ``{"rate": {...} | null, "concurrency": n | null}`` (absent
+    as null; both null: none); 200 ``{"queue", "limits"}``, the limits in force."""
+    queue = request.match("name")
+    fields = codec.parse_object(await request.body())
+    limits = await service.set_limits(queue, fields.get("rate"), fields.get("concurrency"))
+    return 200, render_limits(queue, limits)
+
+
+async def clear_limits(service: Service, request: Request) -> Answer:
+    await service.clear_limits(request.match("name"))
+    return NO_CONTENT
+
+
 async def dlq(service: Service, request: Request) -> Answer:
     tasks = await service.dead_letters(_query_int(request, "limit"), queue=_query(request, "queue"))
     return 200, b"[" + b",".join(render_task(t) for t in tasks) + b"]"
@@ -729,6 +878,14 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("POST", "/queues/{name}/pause", pause),
     Route("POST", "/queues/{name}/resume", resume),
     Route("POST", "/queues/{name}/empty", empty_queue),
+    Route("PUT", "/queues/{name}/limits", set_limits, reads_body=True),
+    Route("DELETE", "/queues/{name}/limits", clear_limits),
+    Route("GET", "/schedules", list_schedules, head=True),
+    Route("PUT", "/schedules/{name}", put_schedule, reads_body=True),
+    Route("GET", "/schedules/{name}", get_schedule, head=True),
+    Route("DELETE", "/schedules/{name}", delete_schedule),
+    Route("POST", "/schedules/{name}/pause", pause_schedule),
+    Route("POST", "/schedules/{name}/resume", resume_schedule),
     Route("GET", "/dlq", dlq, head=True),
     Route("POST", "/dlq/requeue", requeue_all),
     Route("POST", "/dlq/{id}/requeue", requeue),

@@ -154,6 +154,18 @@ _TASK_RESULTS: Final[Json] = {
     },
 }
 
+# docs/design/schedules.md: only for a task a schedule enqueued, as those above.
+_TASK_SCHEDULES: Final[Json] = {
+    "schedule": {
+        **_ref("schemas", "ScheduleName"),
+        "description": "Only for a task a schedule enqueued: the schedule's name.",
+    },
+    "scheduled_for": {
+        **_ref("schemas", "Timestamp"),
+        "description": "Only with `schedule`: the scheduled time of the fire that enqueued it.",
+    },
+}
+
 _GAUGES: Final[Json] = {
     "ready": _count("Tasks waiting to be claimed."),
     "handed_out": _count("Tasks out with a worker, not yet settled."),
@@ -229,7 +241,7 @@ _SCHEMAS: Final[Json] = {
         "description": "Higher is served first (within a queue); 0 by default.",
     },
     "Task": _object(
-        {**_TASK_PROPERTIES, **_TASK_CONTROLS, **_TASK_RESULTS},
+        {**_TASK_PROPERTIES, **_TASK_CONTROLS, **_TASK_RESULTS, **_TASK_SCHEDULES},
         required=list(_TASK_PROPERTIES),
         description="A task as clients see it.",
     ),
@@ -239,6 +251,7 @@ _SCHEMAS: Final[Json] = {
             "state": {"type": "string", "enum": _STATES},
             **_TASK_CONTROLS,
             **_TASK_RESULTS,
+            **_TASK_SCHEDULES,
         },
         required=[*_TASK_PROPERTIES, "state"],
         description="A task and the state it is in (never its lease id).",
@@ -249,6 +262,7 @@ _SCHEMAS: Final[Json] = {
             "state": {"type": "string", "enum": _STATES},
             **_TASK_CONTROLS,
             **_TASK_RESULTS,
+            **_TASK_SCHEDULES,
             "children": {
                 "type": "array",
                 "items": {"type": "string", "minLength": 1},
@@ -370,6 +384,17 @@ _SCHEMAS: Final[Json] = {
                 "anyOf": [_schema("Timestamp"), {"type": "null"}],
                 "description": "When the oldest ready task (the earliest among the heads of "
                 "the queue's priority lanes) became ready; null when none is ready.",
+            },
+            "limits": {
+                "anyOf": [_schema("Limits"), {"type": "null"}],
+                "description": "Its rate and concurrency limits (`PUT /queues/{name}/limits`); "
+                "null when it has none. The concurrency in use is `handed_out`.",
+            },
+            "tokens": {
+                "type": ["number", "null"],
+                "minimum": 0,
+                "description": "The rate-limit tokens it has now (hand-outs it may make at "
+                "once); null without a rate limit.",
             },
         },
     ),
@@ -599,6 +624,199 @@ _SCHEMAS["Settled"] = _object(
     description="Each ack's and each nack's outcome, in the order they were sent.",
 )
 
+# -- schedules and limits (docs/design/schedules.md) ----------------------------------------------
+
+_MIN_EVERY_MS: Final = 1000
+_MAX_EVERY_MS: Final = 365 * 24 * 3600 * 1000  # a year
+_CRON_TEXT: Final = (
+    "A cron rule: five fields (minute hour day-of-month month day-of-week; ranges, steps, lists, "
+    "names such as `MON` and `JAN`, `L` and `#`) or a macro: `@yearly` (`@annually`), "
+    "`@monthly`, `@weekly`, `@daily` (`@midnight`), `@hourly`. Kept as given."
+)
+_TIMEZONE_TEXT: Final = (
+    "The cron rule's timezone, an IANA name (`Europe/Paris`); only with `cron`. A time in a "
+    "skipped hour (daylight saving) fires once just after it, a repeated hour fires once."
+)
+_EVERY_TEXT: Final = (
+    "A fixed interval: the first fire is this long after the schedule is put (or resumed), then "
+    "one every `every_ms` after the previous scheduled time."
+)
+_SCHEMAS["ScheduleName"] = {
+    "type": "string",
+    "pattern": _QUEUE_NAME_PATTERN,
+    "description": f"A schedule's name: {limits.QUEUE_NAME_RULE}.",
+    "examples": ["nightly-report"],
+}
+_SCHEDULE_TASK: Final[Json] = {
+    name: _SCHEMAS["EnqueueRequest"]["properties"][name]
+    for name in ("max_attempts", "queue", "priority", "timeout_ms", "result_ttl_ms")
+}
+_SCHEMAS["ScheduleRequest"] = {
+    "type": "object",
+    "required": ["payload"],
+    "description": "A schedule: exactly one of `cron` and `every_ms` (a 400 names the member "
+    "that is wrong: a rule that does not parse, an unknown timezone, both or neither), and the "
+    "task each fire enqueues, as `POST /jobs` takes it. " + _MEMBERS,
+    "properties": {
+        "cron": {"type": ["string", "null"], "minLength": 1, "description": _CRON_TEXT},
+        "timezone": {
+            "type": ["string", "null"],
+            "minLength": 1,
+            "default": "UTC",
+            "description": _TIMEZONE_TEXT,
+        },
+        "every_ms": {
+            "type": ["integer", "null"],
+            "minimum": _MIN_EVERY_MS,
+            "maximum": _MAX_EVERY_MS,
+            "description": _EVERY_TEXT,
+        },
+        "payload": {
+            "description": "The payload of each task it enqueues: any JSON value (null too), "
+            "kept byte for byte."
+        },
+        **_SCHEDULE_TASK,
+        "expires_in_ms": {
+            **_SCHEMAS["EnqueueRequest"]["properties"]["expires_in_ms"],
+            "description": "Drop each task it enqueues (counted `expired`) if it is not handed "
+            "out within this long of its fire. Default: never.",
+        },
+        "paused": {
+            "type": ["boolean", "null"],
+            "default": False,
+            "description": "Put it paused: it does not fire until resumed.",
+        },
+    },
+    "oneOf": [
+        {
+            "required": ["cron"],
+            "properties": {"cron": {"type": "string"}, "every_ms": {"type": "null"}},
+        },
+        {
+            "required": ["every_ms"],
+            "properties": {
+                "every_ms": {"type": "integer"},
+                "cron": {"type": "null"},
+                "timezone": {"enum": [None, "UTC"]},  # (UTC: the default, said again)
+            },
+        },
+    ],
+    "examples": [
+        {"cron": "0 3 * * *", "timezone": "Europe/Paris", "payload": {"report": "nightly"}},
+        {"every_ms": 60000, "payload": None, "queue": "ticks"},
+    ],
+}
+_NULLABLE_MS: Final = {"type": ["integer", "null"], "minimum": 0}
+_SCHEMAS["Schedule"] = _object(
+    {
+        "name": _schema("ScheduleName"),
+        "cron": {"type": ["string", "null"], "description": "The cron rule; null for an interval."},
+        "timezone": {
+            "type": ["string", "null"],
+            "description": "The cron rule's timezone; null for an interval.",
+        },
+        "every_ms": {
+            "type": ["integer", "null"],
+            "minimum": _MIN_EVERY_MS,
+            "maximum": _MAX_EVERY_MS,
+            "description": "The interval; null for a cron rule.",
+        },
+        "queue": _schema("QueueName"),
+        "payload": {"description": "The payload of each task it enqueues, exactly as put."},
+        "priority": _schema("Priority"),
+        "max_attempts": {"type": "integer", "minimum": 1, "maximum": limits.MAX_MAX_ATTEMPTS},
+        "expires_in_ms": {**_NULLABLE_MS, "description": "As put; null: not set."},
+        "timeout_ms": {**_NULLABLE_MS, "description": "As put; null: not set."},
+        "result_ttl_ms": {**_NULLABLE_MS, "description": "As put; null: the broker's default."},
+        "paused": {"type": "boolean"},
+        "created_at": _schema("Timestamp"),
+        "updated_at": _schema("Timestamp"),
+        "next_fire_at": {
+            "anyOf": [_schema("Timestamp"), {"type": "null"}],
+            "description": "The scheduled time of its next fire; null while paused.",
+        },
+        "last_fire_at": {
+            "anyOf": [_schema("Timestamp"), {"type": "null"}],
+            "description": "The scheduled time of its last fire; null before the first.",
+        },
+        "last_task_id": {
+            "type": ["string", "null"],
+            "description": "The task its last fire enqueued; null before the first (or when "
+            "that fire's enqueue was refused).",
+        },
+        "fires": _count("Its fires so far, by every broker."),
+    },
+    description="A schedule (cron rule or interval) and the task each fire enqueues. Each "
+    "fire enqueues exactly one task, on any number of brokers; after downtime it fires once, "
+    "for its most recent missed time. A task it enqueued has `schedule` and `scheduled_for`.",
+)
+_SCHEMAS["Schedules"] = _object(
+    {"schedules": {"type": "array", "items": _schema("Schedule")}},
+    description="Every schedule, by name.",
+)
+_RATE_MEMBERS: Final[Json] = {
+    "tasks": {"type": "integer", "minimum": 1, "maximum": limits.MAX_RATE_TASKS},
+    "per_ms": {"type": "integer", "minimum": 1, "maximum": limits.MAX_RATE_PER_MS},
+    "burst": {
+        "type": "integer",
+        "minimum": 1,
+        "maximum": limits.MAX_RATE_BURST,
+        "description": "The bucket's capacity: hand-outs it may make at once. Default: `tasks`.",
+    },
+}
+_CONCURRENCY: Final[Json] = {
+    "type": ["integer", "null"],
+    "minimum": 1,
+    "maximum": limits.MAX_CONCURRENCY,
+    "description": "At most this many of the queue's tasks handed out at once; null: no limit.",
+}
+_SCHEMAS["RateLimit"] = _object(
+    _RATE_MEMBERS,
+    description="At most `tasks` hand-outs per `per_ms`, from a token bucket of `burst` tokens.",
+)
+_SCHEMAS["Limits"] = _object(
+    {
+        "rate": {"anyOf": [_schema("RateLimit"), {"type": "null"}]},
+        "concurrency": _CONCURRENCY,
+    },
+    description="A queue's limits; null for a kind it has none of.",
+)
+_SCHEMAS["LimitsRequest"] = {
+    "type": "object",
+    "description": "A queue's limits: `rate` and `concurrency`, each null or absent for none "
+    "of that kind (both: the queue has no limits). " + _MEMBERS,
+    "properties": {
+        "rate": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "required": ["tasks", "per_ms"],
+                    "additionalProperties": False,
+                    "properties": {
+                        **_RATE_MEMBERS,
+                        "burst": {**_RATE_MEMBERS["burst"], "type": ["integer", "null"]},
+                    },
+                },
+                {"type": "null"},
+            ],
+            "description": "A token bucket per queue, refilled at `tasks` per `per_ms`; each "
+            "hand-out takes a token. It starts full. Members other than these three are "
+            "refused (400).",
+        },
+        "concurrency": _CONCURRENCY,
+    },
+    "examples": [{"rate": {"tasks": 20, "per_ms": 1000, "burst": 20}, "concurrency": 4}],
+}
+_SCHEMAS["QueueLimits"] = _object(
+    {
+        "queue": _schema("QueueName"),
+        "limits": {
+            "anyOf": [_schema("Limits"), {"type": "null"}],
+            "description": "The limits in force; null: none.",
+        },
+    }
+)
+
 # -- responses ----------------------------------------------------------------------------------
 
 _ERROR: Final = _schema("Error")
@@ -743,7 +961,7 @@ _SCOPE_TEXT: Final = {
     "produce": "enqueue",
     "consume": "claim, ack, nack and extend; list a queue's tasks",
     "admin": "the dead-letter queue; pausing, emptying and deleting queues; cancelling tasks; "
-    "listing a queue's tasks",
+    "listing a queue's tasks; changing schedules and queue limits",
     "metrics": "scrape `GET /metrics` (unless the broker runs with `-metrics-public`)",
 }
 
@@ -1227,6 +1445,8 @@ def _paths(public: Collection[str]) -> Json:
             ),
         },
     )
+    _limits(add)
+    _schedules(add)
     add(
         "get",
         "/dlq",
@@ -1331,6 +1551,130 @@ def _paths(public: Collection[str]) -> Json:
     return paths
 
 
+def _limits(add: Callable[..., None]) -> None:
+    """``PUT`` and ``DELETE /queues/{name}/limits`` (docs/design/schedules.md)."""
+    name = [_path("name", "The queue's name.", _schema("QueueName"))]
+    add(
+        "put",
+        "/queues/{name}/limits",
+        summary="setLimits",
+        tag="queues",
+        description=(
+            "Set a queue's rate and concurrency limits (replacing those it had; a queue never "
+            "seen is created). They hold over every worker, and every broker of a shared store: "
+            "a claim takes from a limited queue at most what its limits allow, then moves on to "
+            "the next queue it names. Both null or absent: no limits (as `DELETE`)."
+        ),
+        parameters=name,
+        body={"required": True, "content": {JSON: {"schema": _schema("LimitsRequest")}}},
+        answers={
+            "200": _json(_schema("QueueLimits"), "The limits in force."),
+            "400": _json(
+                _ERROR,
+                "Not a queue name, or a bad body, named: invalid JSON or UTF-8, not an object, "
+                "a `rate` that is not an object or lacks `tasks` or `per_ms`, a member of the "
+                "wrong type or out of range (or malformed HTTP).",
+            ),
+            "413": _response("PayloadTooLarge"),
+            "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "delete",
+        "/queues/{name}/limits",
+        summary="clearLimits",
+        tag="queues",
+        description="Remove a queue's limits (it hands out as fast and as many as asked).",
+        parameters=name,
+        answers={
+            "204": _empty("It has no limits."),
+            "400": _json(_ERROR, "Not a queue name (or malformed HTTP)."),
+            "404": _json(_ERROR, "No queue of that name was ever seen (or no such path)."),
+        },
+    )
+
+
+def _schedules(add: Callable[..., None]) -> None:
+    """The routes of schedules (docs/design/schedules.md)."""
+    name = [_path("name", "The schedule's name.", _schema("ScheduleName"))]
+    bad_name = _json(_ERROR, "Not a schedule name (or malformed HTTP).")
+    unknown = _json(_ERROR, "No schedule of that name (or no such path).")
+    add(
+        "get",
+        "/schedules",
+        summary="listSchedules",
+        tag="schedules",
+        description="Every schedule, by name. `HEAD` too.",
+        answers={"200": _json(_schema("Schedules"), "The schedules.")},
+    )
+    add(
+        "put",
+        "/schedules/{name}",
+        summary="putSchedule",
+        tag="schedules",
+        description=(
+            "Create or replace a schedule. A replaced one keeps its creation time, its fires "
+            "and its last fire; its next fire is the first time of its rule after now (an "
+            "interval's: `every_ms` from now). The task each fire enqueues has `schedule` (the "
+            "name) and `scheduled_for` (the fire's time) in its view; its `expires_in_ms` runs "
+            "from the fire."
+        ),
+        parameters=name,
+        body={"required": True, "content": {JSON: {"schema": _schema("ScheduleRequest")}}},
+        answers={
+            "200": _json(_schema("Schedule"), "The schedule, as put."),
+            "400": _json(
+                _ERROR,
+                "Not a schedule name, or a bad body, named: invalid JSON or UTF-8, not an "
+                "object, no `payload`, both `cron` and `every_ms` or neither, a cron rule that "
+                "does not parse, an unknown timezone, a member of the wrong type or out of "
+                "range (or malformed HTTP).",
+            ),
+            "413": _response("PayloadTooLarge"),
+            "429": _response("TooManyRequests"),
+        },
+    )
+    add(
+        "get",
+        "/schedules/{name}",
+        summary="getSchedule",
+        tag="schedules",
+        description="One schedule. `HEAD` too.",
+        parameters=name,
+        answers={
+            "200": _json(_schema("Schedule"), "The schedule."),
+            "400": bad_name,
+            "404": unknown,
+        },
+    )
+    add(
+        "delete",
+        "/schedules/{name}",
+        summary="deleteSchedule",
+        tag="schedules",
+        description="Delete a schedule: it fires no more (the tasks it enqueued stay).",
+        parameters=name,
+        answers={"204": _empty("Deleted."), "400": bad_name, "404": unknown},
+    )
+    for verb, what in (
+        ("pause", "Stop a schedule's fires until it is resumed (idempotent)"),
+        ("resume", "Fire again, from the first time of its rule after now (idempotent)"),
+    ):
+        add(
+            "post",
+            f"/schedules/{{name}}/{verb}",
+            summary=f"{verb}Schedule",
+            tag="schedules",
+            description=f"{what}. A body, if any, is ignored.",
+            parameters=name,
+            answers={
+                "200": _json(_schema("Schedule"), "The schedule."),
+                "400": bad_name,
+                "404": unknown,
+            },
+        )
+
+
 # The dashboard's files, by the types it serves (wqbroker.http.dashboard).
 _ASSET_TYPES: Final = (
     "text/html",
@@ -1429,8 +1773,15 @@ def build(*, metrics_public: bool = False) -> Json:
         },
         "tags": [
             {"name": "tasks", "description": "Enqueue, claim, settle, look up."},
-            {"name": "queues", "description": "Named queues: pausing, emptying, deleting them."},
+            {
+                "name": "queues",
+                "description": "Named queues: pausing, emptying, deleting them; their limits.",
+            },
             {"name": "dead letters", "description": "Tasks that ran out of attempts."},
+            {
+                "name": "schedules",
+                "description": "Tasks enqueued on a cron rule or at a fixed interval.",
+            },
             {"name": "broker", "description": "Counters, health, metrics and this document."},
             {"name": "dashboard", "description": "The web dashboard's static files."},
         ],

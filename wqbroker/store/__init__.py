@@ -90,9 +90,9 @@ Results and workflows (docs/design/results.md says it in full; the contract suit
 Schedules and limits (docs/design/schedules.md says it in full; the contract suite checks it):
 
 - schedules are rows by name; ``fire_schedule`` enqueues a schedule's task and moves its
-  ``next_fire_at`` in one transaction, only if ``next_fire_at`` is still the one expected and the
-  schedule is not paused (a compare-and-set: each fire enqueues exactly one task, whichever
-  broker and however many try).
+  ``next_fire_at`` in one transaction, only if ``next_fire_at`` and ``revision`` are still the
+  ones expected and the schedule is not paused (a compare-and-set: each fire enqueues exactly one
+  task, whichever broker and however many try). ``due_schedules`` costs what is due.
 - ``set_limits``: a claim hands out from a queue no more than its token bucket holds (``rate``)
   and never more than ``concurrency`` tasks of it at once, over every broker of a shared store.
 """
@@ -109,10 +109,10 @@ from wqbroker.models import (
     Delivery,
     Enqueued,
     Failure,
+    Limits,
     NackItem,
     NewTask,
     QueueReport,
-    Limits,
     QueueStats,
     Released,
     Schedule,
@@ -275,7 +275,10 @@ class Operations(Protocol):
     def take_released(self) -> Released | None:
         """What became ready or delayed as a side effect of the calls since the last
         ``take_released`` (children released by their last parent's ack): the queues, and the
-        earliest due time of those delayed; None if nothing was. No I/O."""
+        earliest due time of those delayed; None if nothing was. The queues also name those
+        whose tasks may be claimed again though none became ready: a queue at its concurrency
+        limit (docs/design/schedules.md) one of whose tasks was acked, nacked or reclaimed. No
+        I/O."""
         ...
 
     async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
@@ -300,11 +303,12 @@ class Operations(Protocol):
         """The gauges and totals of the whole store, or of one queue (zeros if unknown)."""
         ...
 
-    async def queues(self) -> list[QueueStats]:
-        """Every queue known, by name."""
+    async def queues(self, *, now: float | None = None) -> list[QueueStats]:
+        """Every queue known, by name; a rate-limited queue's tokens as of ``now`` (None: as
+        its last claim left them; PostgreSQL with the database's clock: its clock)."""
         ...
 
-    async def queue_report(self) -> list[QueueReport]:
+    async def queue_report(self, *, now: float | None = None) -> list[QueueReport]:
         """Every queue known, by name, with its gauges, its totals and when its oldest ready
         task became ready (for ``/metrics``): one snapshot, at a cost in the number of queues
         and priorities, never in the number of tasks (the oldest ready task of a queue is the
@@ -343,7 +347,11 @@ class Operations(Protocol):
 
     async def put_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
         """Insert or replace the schedule of that name (a replace keeps ``created_at``,
-        ``fires``, ``last_fire_at`` and ``last_task_id``); returns it as stored."""
+        ``fires``, ``last_fire_at`` and ``last_task_id``); returns it as stored. A replace
+        also keeps the stored ``next_fire_at`` when both are not paused and have the same
+        rule (``cron``, ``timezone``, ``every``): the one given is for a new rule. One the
+        same as stored (rule, task, ``paused``) is left as it stands; any other write draws a
+        new ``revision``, and sets ``updated_at`` to ``now``."""
         ...
 
     async def get_schedule(self, name: str) -> Schedule | None: ...
@@ -359,7 +367,9 @@ class Operations(Protocol):
     async def set_schedule_paused(
         self, name: str, paused: bool, next_fire_at: float | None, *, now: float
     ) -> Schedule | None:
-        """Pause or resume a schedule, setting its ``next_fire_at``; None if there is none."""
+        """Pause or resume a schedule, setting its ``next_fire_at`` (None to pause) and drawing
+        a new ``revision``; one already paused (or not) is left as it stands. None if there is
+        none."""
         ...
 
     async def due_schedules(self, now: float) -> tuple[float, list[Schedule], float | None]:
@@ -377,10 +387,22 @@ class Operations(Protocol):
         task: NewTask,
         *,
         now: float,
+        revision: int,
     ) -> Enqueued | None:
-        """If the schedule exists, is not paused and its ``next_fire_at`` is ``expected``:
-        enqueue ``task`` and set ``next_fire_at``, ``last_fire_at = scheduled_for``,
-        ``last_task_id`` and ``fires + 1``, in one transaction. Else nothing (None)."""
+        """If the schedule exists, is not paused, and its ``next_fire_at`` is ``expected`` and
+        its ``revision`` is ``revision`` (it is as it was read): enqueue ``task`` (as
+        ``enqueue_many`` would, with its ``schedule`` and ``scheduled_for``, which its views
+        show) and set ``next_fire_at``, ``last_fire_at = scheduled_for``, ``last_task_id`` and
+        ``fires + 1``, in one transaction. Else nothing (None). PostgreSQL: a row another
+        transaction holds is skipped (None), not waited for."""
+        ...
+
+    async def skip_schedule(
+        self, name: str, expected: float, next_fire_at: float, *, revision: int
+    ) -> bool:
+        """A fire the broker refused (its task would break the broker's limits): as
+        ``fire_schedule``'s compare-and-set, but only ``next_fire_at`` moves (nothing is
+        enqueued, nothing counted). Whether it moved."""
         ...
 
     async def set_limits(self, queue: str, limits: Limits | None, *, now: float) -> None:
@@ -415,8 +437,9 @@ class Hints(Protocol):
 
     def limit_hint(self, queues: Sequence[str], now: float) -> float | None:
         """When a claim of ``queues`` that got nothing because of a rate limit may get a task
-        (the earliest time a limited queue with ready tasks has a token again), if the store can
-        tell without any I/O (else None: no such queue, or it cannot tell)."""
+        (the earliest time a limited queue with ready tasks has a token again; ``now`` or
+        before if it has one already), if the store can tell without any I/O (else None: no
+        such queue, or it cannot tell). The dispatcher pumps the claim's line then."""
         ...
 
     def ready_hint(self) -> int | None:

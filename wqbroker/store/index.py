@@ -8,7 +8,9 @@ Queues and priorities: every named queue is a :class:`Queue` holding up to ten :
 one per priority, each a deque of its ready tasks, oldest first. A bit mask says which lanes hold
 anything, so a claim finds the highest non-empty lane of a queue in O(1) (``mask.bit_length()``),
 and a claim on a list of queues looks at each listed queue once: the cost of a claim does not grow
-with the number of queues, priorities or tasks. A paused queue is skipped by claims.
+with the number of queues, priorities or tasks. A paused queue is skipped by claims, and so is a
+queue whose limits (docs/design/schedules.md: a :class:`Limiter`, its rate bucket and its
+concurrency) allow no hand-out now.
 
 Every other operation is O(1) or O(log n):
 
@@ -94,6 +96,7 @@ from wqbroker.models import (
     CancelResult,
     Enqueued,
     Failure,
+    Limits,
     ListKey,
     NackItem,
     NewTask,
@@ -173,10 +176,20 @@ def parse_id(task_id: str) -> int | None:
 
 
 class Control:
-    """The part of a task that control over it sets (docs/design/control.md), made only for a
-    task that uses some of it: most tasks never do, and their records carry None instead."""
+    """The part of a task that control over it sets (docs/design/control.md), and the schedule
+    that enqueued it (docs/design/schedules.md), made only for a task that uses some of it: most
+    tasks never do, and their records carry None instead."""
 
-    __slots__ = ("expires_at", "timeout", "handed_at", "progress", "cancelling", "ukey")
+    __slots__ = (
+        "expires_at",
+        "timeout",
+        "handed_at",
+        "progress",
+        "cancelling",
+        "ukey",
+        "schedule",
+        "scheduled_for",
+    )
 
     def __init__(self) -> None:
         self.expires_at: float | None = None  # never handed out at or after it
@@ -185,6 +198,9 @@ class Control:
         self.progress: bytes | None = None  # JSON text its holder reported (while handed out)
         self.cancelling = False  # handed out, and cancelled: it will not be retried
         self.ukey: str | None = None  # the unique key it holds while active
+        # docs/design/schedules.md: the schedule that enqueued it, and that fire's time.
+        self.schedule: str | None = None
+        self.scheduled_for: float | None = None
 
 
 class Flow:
@@ -382,6 +398,7 @@ class Record:
             task.timeout = ctl.timeout
             task.progress = ctl.progress  # (set only while handed out)
             task.cancelling = ctl.cancelling
+            task.schedule, task.scheduled_for = ctl.schedule, ctl.scheduled_for
         flow = self.flow
         if flow is not None:
             flow_view(task, self, flow)
@@ -611,6 +628,75 @@ def _first(entry: tuple[int, Record]) -> int:
     return entry[0]
 
 
+# A rate bucket holding a little less than a token has one: what it refills in a microsecond (an
+# epoch time in seconds is a float of about that precision), at least 1e-9 and at most 1e-3 of a
+# token. (Never a whole one: within any period the hand-outs stay at most tasks + burst.)
+_TOKEN_TIME: Final = 1e-6
+_SLACK_LEAST: Final = 1e-9
+_SLACK_MOST: Final = 1e-3
+
+
+class Limiter:
+    """A queue's limits (docs/design/schedules.md): at most ``concurrency`` of its tasks handed
+    out at once, and a token bucket of ``burst`` tokens refilled at ``rate`` tokens a second,
+    one taken per hand-out. The bucket is brought up to date lazily, when a claim (or a look)
+    meets it: no timer refills it. A queue without limits has no Limiter (None), and the claim
+    path only looks at that."""
+
+    __slots__ = ("limits", "concurrency", "rate", "burst", "tokens", "at", "slack")
+
+    def __init__(self, limits: Limits, now: float) -> None:
+        self.limits = limits
+        self.concurrency = limits.concurrency
+        rate = limits.rate
+        self.rate = 0.0 if rate is None else rate.tasks / rate.per  # tokens a second (0: none)
+        self.burst = 0.0 if rate is None else float(rate.burst)
+        self.tokens = self.burst  # full when set
+        self.at = now  # when ``tokens`` was brought up to date
+        self.slack = min(_SLACK_MOST, max(_SLACK_LEAST, self.rate * _TOKEN_TIME))
+
+    def refill(self, now: float) -> float:
+        """The tokens in the bucket at ``now`` (kept: the bucket is brought up to date)."""
+        if now > self.at:
+            self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
+            self.at = now
+        return self.tokens
+
+    def room(self, held: int, now: float) -> bool:
+        """Whether one more task of the queue may be handed out now (``held``: its tasks
+        handed out)."""
+        if self.concurrency is not None and held >= self.concurrency:
+            return False
+        return not self.rate or self.refill(now) >= 1.0 - self.slack
+
+    def took(self) -> None:
+        """A task was handed out: one token less."""
+        if self.rate:
+            self.tokens -= 1.0
+
+    def next_token(self, held: int, now: float) -> float | None:
+        """When the bucket holds a token again (``now`` if it holds one already: a claim made
+        a moment ago, by a store that waits for its commits, found none), if the rate is what
+        keeps the queue's tasks from being handed out (None: it has no rate, or its concurrency
+        is full: a freed slot says when)."""
+        if not self.rate or (self.concurrency is not None and held >= self.concurrency):
+            return None
+        tokens = self.refill(now)
+        if tokens >= 1.0 - self.slack:
+            return now
+        return self.at + (1.0 - tokens) / self.rate
+
+    def tokens_at(self, now: float | None) -> float | None:
+        """The rate tokens available at ``now`` (None: as last brought up to date), or None
+        without a rate limit."""
+        if not self.rate:
+            return None
+        return self.tokens if now is None else self.refill(now)
+
+    def same_rate(self, limits: Limits) -> bool:
+        return self.limits.rate == limits.rate
+
+
 class Queue:
     """A named queue: its lanes, its gauges, its dead tasks, its totals, whether it is paused."""
 
@@ -630,6 +716,7 @@ class Queue:
         "waits",
         "succeeded",
         "results",
+        "limiter",
     )
 
     def __init__(self, name: str) -> None:
@@ -651,6 +738,8 @@ class Queue:
         self.waits = Log(WAITING)
         self.succeeded = 0
         self.results = Log(SUCCEEDED)
+        # docs/design/schedules.md: its limits and rate bucket (None: no limits).
+        self.limiter: Limiter | None = None
 
     def lane(self, priority: int) -> Lane:
         lane = self.lanes[priority]
@@ -674,8 +763,10 @@ class Queue:
         """Its ready tasks (counted when asked: claims and enqueues do not keep a count)."""
         return sum(len(lane) for lane in self.lanes if lane is not None)
 
-    def row(self) -> QueueStats:
-        return QueueStats(
+    def row(self, now: float | None = None) -> QueueStats:
+        """Its gauges; its limits, and its rate tokens at ``now`` (None: as last brought up to
+        date)."""
+        row = QueueStats(
             self.name,
             self.ready,
             self.held,
@@ -685,6 +776,10 @@ class Queue:
             self.blocked,
             self.succeeded,
         )
+        limiter = self.limiter
+        if limiter is not None:
+            row.limits, row.tokens = limiter.limits, limiter.tokens_at(now)
+        return row
 
 
 def _due(record: Record) -> tuple[float, int]:
@@ -791,6 +886,8 @@ class Index:
         self.totals = Totals()
         # The totals of the queues deleted (the broker's totals keep what they counted).
         self._deleted_totals = Totals()
+        # docs/design/schedules.md: how many queues have limits (none: no hint to give).
+        self._limited = 0
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -829,11 +926,13 @@ class Index:
     def has_queue(self, name: str) -> bool:
         return name in self._queues
 
-    def queue_rows(self) -> list[QueueStats]:
-        """Every queue known, by name."""
-        return [self._queues[name].row() for name in sorted(self._queues)]
+    def queue_rows(self, now: float | None = None) -> list[QueueStats]:
+        """Every queue known, by name (rate tokens as of ``now``)."""
+        return [self._queues[name].row(now) for name in sorted(self._queues)]
 
-    def queue_report(self) -> tuple[list[QueueReport], list[tuple[QueueReport, int]]]:
+    def queue_report(
+        self, now: float | None = None
+    ) -> tuple[list[QueueReport], list[tuple[QueueReport, int]]]:
         """Every queue known, by name, with its totals and when the oldest ready task at the
         head of its lanes became ready (ten lanes a queue at most; no task is visited). A lane
         whose head is cold has no time here: the second list pairs each such head's id with its
@@ -842,7 +941,7 @@ class Index:
         cold: list[tuple[QueueReport, int]] = []
         for name in sorted(self._queues):
             q = self._queues[name]
-            report = QueueReport(q.row(), q.totals.copy())
+            report = QueueReport(q.row(now), q.totals.copy())
             for lane in q.lanes if q.mask else ():
                 if lane is None:
                     continue
@@ -993,7 +1092,7 @@ class Index:
         must warm it first); None if that task is hot or nothing is ready."""
         if self._delayed and self._delayed[0][0] <= now:
             self._promote(now)
-        q = self._pick(queues)
+        q = self._pick(queues, now)
         if q is None:
             return None
         lane = q.lanes[q.mask.bit_length() - 1]
@@ -1344,8 +1443,9 @@ class Index:
     ) -> Record | None:
         """Hand out the next ready task of the first of ``queues`` (by name) that has one:
         its highest priority, oldest first (promoting due delayed tasks first; a task met at or
-        after its expiry is dropped, counted expired). None if nothing is ready, or if that
-        task is cold (a store with cold tasks warms them first)."""
+        after its expiry is dropped, counted expired). A queue whose limits allow no hand-out now
+        (docs/design/schedules.md) is passed over as a paused one is. None if nothing is ready,
+        or if that task is cold (a store with cold tasks warms them first)."""
         if self._delayed and self._delayed[0][0] <= now:
             self._promote(now)
         known = self._queues
@@ -1353,7 +1453,9 @@ class Index:
             for name in queues:  # (_pick, inlined: this runs for every task)
                 q = known.get(name)
                 if q is not None and q.mask and not q.paused:
-                    break
+                    limiter = q.limiter
+                    if limiter is None or limiter.room(q.held, now):
+                        break
             else:
                 return None
             priority = q.mask.bit_length() - 1
@@ -1384,6 +1486,8 @@ class Index:
             if ctl is None or ctl.expires_at is None or now < ctl.expires_at:
                 break
             self._expired(record)
+        if limiter is not None:
+            limiter.took()
         q.held += 1
         self._held += 1
         record.state = HANDED_OUT
@@ -1905,15 +2009,76 @@ class Index:
                 field,
                 getattr(self._deleted_totals, field) + getattr(q.totals, field),
             )
+        if q.limiter is not None:
+            self._limited -= 1
         if self._journal is not None:
             self._journal.queue_deleted(q)
 
+    # -- limits per queue (docs/design/schedules.md) -----------------------------------------
+
+    def set_limits(self, name: str, limits: Limits | None, now: float) -> bool:
+        """Set (None or empty: clear) a queue's limits, creating it if new. A rate bucket
+        starts full when the rate is set or changed (not when only the concurrency changes).
+        True if that changed anything."""
+        q = self.queue(name)
+        limiter = q.limiter
+        if limits is None or limits.empty():
+            if limiter is None:
+                return False
+            q.limiter = None
+            self._limited -= 1
+        else:
+            if limiter is not None and limiter.limits == limits:
+                return False
+            new = Limiter(limits, now)
+            if limiter is None:
+                self._limited += 1
+            elif limiter.same_rate(limits):  # (the bucket goes on as it stood)
+                new.tokens, new.at = limiter.tokens, limiter.at
+            q.limiter = new
+        if self._journal is not None:
+            self._journal.queue_changed(q)
+        return True
+
+    def limit_hint(self, queues: Sequence[str], now: float) -> float | None:
+        """When a claim of ``queues`` that a rate limit kept from a ready task may get one: the
+        earliest time a token comes (``now``: it has come) to a listed rate-limited queue that
+        has ready tasks, is not paused and has room under its concurrency limit (None: no such
+        queue)."""
+        if not self._limited:
+            return None
+        known = self._queues
+        when: float | None = None
+        for name in queues:
+            q = known.get(name)
+            if q is None or q.limiter is None or not q.mask or q.paused:
+                continue
+            at = q.limiter.next_token(q.held, now)
+            if at is not None and (when is None or at < when):
+                when = at
+        return when
+
+    def _made_claimable(self, q: Queue) -> None:
+        """Tasks of ``q`` may be claimed again without having become ready (a concurrency slot
+        freed): told as released, so that its consumers are pumped."""
+        released = self.released
+        if released is None:
+            released = self.released = Released()
+        released.queues.add(q.name)
+
     # -- restoring (a durable store rebuilding its index at start) ---------------------------
 
-    def restore_queue(self, name: str, paused: bool, totals: Totals) -> None:
+    def restore_queue(
+        self, name: str, paused: bool, totals: Totals, limits: Limits | None = None
+    ) -> None:
+        """A queue as stored; its limits' rate bucket starts full (it is not stored)."""
         q = self._restored_queue(name)
         q.paused = paused
         q.totals = totals
+        if limits is not None and not limits.empty():
+            if q.limiter is None:
+                self._limited += 1
+            q.limiter = Limiter(limits, 0.0)
 
     def restore_ready(self, rows: Iterable[tuple[int, str, int, int, float | None]]) -> None:
         """The ready tasks as (id, queue, priority, seq, expires_at), in order: they come back
@@ -2062,13 +2227,16 @@ class Index:
 
     # -- helpers -----------------------------------------------------------------------------
 
-    def _pick(self, queues: Sequence[str]) -> Queue | None:
-        """The first of ``queues`` that has a ready task and is not paused."""
+    def _pick(self, queues: Sequence[str], now: float) -> Queue | None:
+        """The first of ``queues`` that has a ready task, is not paused, and whose limits allow
+        a hand-out now."""
         known = self._queues
         for name in queues:
             q = known.get(name)
             if q is not None and q.mask and not q.paused:
-                return q
+                limiter = q.limiter
+                if limiter is None or limiter.room(q.held, now):
+                    return q
         return None
 
     def _new_id(self) -> int:
@@ -2132,6 +2300,10 @@ class Index:
             record.ctl.progress = None
         q = record.lane.queue
         q.held -= 1
+        if q.limiter is not None and q.held + 1 == q.limiter.concurrency and q.mask:
+            # A slot of a queue at its concurrency limit is free again, and it has ready tasks:
+            # its consumers may take one (take_released tells; docs/design/schedules.md).
+            self._made_claimable(q)
         del q.out[record.id]
         self._held -= 1
         if not in_heap:
@@ -2438,6 +2610,7 @@ class Index:
         assert len(self._live) == len(hot) + len(delayed_ids) + len(held), "live dict off"
         assert sum(len(q.dead) for q in self._queues.values()) == len(self._dead)
         assert sum(q.held for q in self._queues.values()) == self._held
+        assert sum(q.limiter is not None for q in self._queues.values()) == self._limited
         assert sum(q.delayed for q in self._queues.values()) == self._delayed_n
         if self._hot_max is None:
             assert not cold, "cold tasks in an index that never goes cold"

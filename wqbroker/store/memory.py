@@ -17,12 +17,14 @@ from wqbroker.models import (
     Delivery,
     Enqueued,
     Failure,
+    Limits,
     ListKey,
     NackItem,
     NewTask,
     QueueReport,
     QueueStats,
     Released,
+    Schedule,
     Stats,
     SweepResult,
     Task,
@@ -31,6 +33,7 @@ from wqbroker.models import (
 )
 from wqbroker.retry import Backoff
 from wqbroker.store import FinishedCallback
+from wqbroker.store.book import Book, enqueue_fired
 from wqbroker.store.index import PENDING, STATE_NAMES, Index, Record
 
 
@@ -48,6 +51,7 @@ class MemoryStore:
         self._index = Index(backoff.delay, rng)
         self.transactions = 0
         self._finished: FinishedCallback = _ignore
+        self._book = Book()  # the schedules (docs/design/schedules.md)
 
     def _delivery(self, record: Record) -> Delivery:
         assert record.lease_id is not None
@@ -239,11 +243,14 @@ class MemoryStore:
     async def stats(self, queue: str | None = None) -> Stats:
         return self._index.stats(queue)
 
-    async def queues(self) -> list[QueueStats]:
-        return self._index.queue_rows()
+    async def queues(self, *, now: float | None = None) -> list[QueueStats]:
+        return self._index.queue_rows(now)
 
-    async def queue_report(self) -> list[QueueReport]:
-        return self._index.queue_report()[0]  # (nothing is ever cold here)
+    async def queue_report(self, *, now: float | None = None) -> list[QueueReport]:
+        return self._index.queue_report(now)[0]  # (nothing is ever cold here)
+
+    async def set_limits(self, queue: str, limits: Limits | None, *, now: float) -> None:
+        self.transactions += self._index.set_limits(queue, limits, now)
 
     async def lookup(self, task_id: str) -> TaskState | None:
         record = self._index.find(task_id)
@@ -293,6 +300,64 @@ class MemoryStore:
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
+
+    def limit_hint(self, queues: Sequence[str], now: float) -> float | None:
+        return self._index.limit_hint(queues, now)
+
+    # -- schedules (docs/design/schedules.md) ------------------------------------------------
+
+    async def put_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        stored, changed = self._book.put(schedule, now)
+        self.transactions += changed
+        return stored
+
+    async def get_schedule(self, name: str) -> Schedule | None:
+        return self._book.get(name)
+
+    async def list_schedules(self) -> list[Schedule]:
+        return self._book.all()
+
+    async def delete_schedule(self, name: str) -> bool:
+        deleted = self._book.delete(name)
+        self.transactions += deleted
+        return deleted
+
+    async def set_schedule_paused(
+        self, name: str, paused: bool, next_fire_at: float | None, *, now: float
+    ) -> Schedule | None:
+        stored, changed = self._book.set_paused(name, paused, next_fire_at, now)
+        self.transactions += changed
+        return stored
+
+    async def due_schedules(self, now: float) -> tuple[float, list[Schedule], float | None]:
+        due, later = self._book.due(now)
+        return now, due, later
+
+    async def fire_schedule(
+        self,
+        name: str,
+        expected: float,
+        scheduled_for: float,
+        next_fire_at: float,
+        task: NewTask,
+        *,
+        now: float,
+        revision: int,
+    ) -> Enqueued | None:
+        book = self._book
+        if not book.firable(name, expected, revision):
+            return None
+        _, done = enqueue_fired(self._index, task, now)
+        book.fire(name, expected, revision, scheduled_for, next_fire_at, done.id)
+        self.transactions += 1
+        return done
+
+    async def skip_schedule(
+        self, name: str, expected: float, next_fire_at: float, *, revision: int
+    ) -> bool:
+        moved = self._book.fire(name, expected, revision, expected, next_fire_at, None)
+        self.transactions += moved is not None
+        return moved is not None
 
     async def close(self) -> None:
         return None

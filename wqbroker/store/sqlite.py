@@ -27,9 +27,10 @@ acknowledged is lost even on power loss. With NORMAL, commits survive a crash of
 
 Schema: the numbered files of ``sqlite_migrations/`` (``001`` the first schema, ``002`` payloads
 kept apart, ``003`` queues, priorities and keys, ``004`` control over tasks, ``005`` results and
-workflows), run at open by the runner both SQL stores share
-(wqbroker/store/migrate.py) inside the ``BEGIN IMMEDIATE`` transaction that takes the file's lock;
-a file of a newer version, or not wq's, is refused.
+workflows, ``006`` schedules, ``007`` limits per queue), run at open by the runner both SQL
+stores share (wqbroker/store/migrate.py) inside the ``BEGIN IMMEDIATE`` transaction that takes the
+file's lock; a file of a newer version, or not wq's, is refused. A queue's limits are kept in its
+row; its rate bucket is not (it starts full after a restart: docs/design/schedules.md).
 
 Results and workflows (docs/design/results.md): results are kept beside payloads and read back
 the same way (for a lookup, a listing, the parents of a task handed out); a task's parents are
@@ -67,13 +68,17 @@ from wqbroker.models import (
     Delivery,
     Enqueued,
     Failure,
+    Limits,
     ListKey,
     NackItem,
     NewTask,
     ParentResult,
     QueueReport,
     QueueStats,
+    RateLimit,
     Released,
+    Schedule,
+    ScheduleTask,
     Stats,
     SweepResult,
     Task,
@@ -83,6 +88,7 @@ from wqbroker.models import (
 )
 from wqbroker.retry import Backoff
 from wqbroker.store import FinishedCallback
+from wqbroker.store.book import Book, enqueue_fired
 from wqbroker.store.index import (
     DEAD,
     DEFAULT_RESULT_TTL,
@@ -139,14 +145,28 @@ _INSERT_EDGE = "INSERT INTO edges (child, parent) VALUES (?, ?)"
 _DELETE_EDGES = "DELETE FROM edges WHERE child = ?"
 _SET_FINISHED = "UPDATE tasks SET finished_at = ? WHERE id = ?"
 _SET_RESULT = "UPDATE bodies SET result = ? WHERE id = ?"
+# docs/design/schedules.md: a fired task's schedule (set once, after its insert), and the
+# schedules' rows.
+_SET_SCHEDULE = "UPDATE tasks SET schedule = ?, scheduled_for = ? WHERE id = ?"
+_SCHEDULE_COLUMNS = (
+    "name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout, "
+    "result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires, "
+    "revision"
+)
+_PUT_SCHEDULE = (
+    f"INSERT OR REPLACE INTO schedules ({_SCHEDULE_COLUMNS}) "
+    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_DELETE_SCHEDULE = "DELETE FROM schedules WHERE name = ?"
+_LOAD_SCHEDULES = f"SELECT {_SCHEDULE_COLUMNS} FROM schedules"
 _TOTALS = (
     "UPDATE totals SET enqueued = ?, delivered = ?, acked = ?, nacked = ?, reclaimed = ?, "
     "retried = ?, buried = ?, requeued = ?, purged = ?, cancelled = ?, expired = ? WHERE id = 1"
 )
 _QUEUE = (
     "INSERT OR REPLACE INTO queues (name, paused, enqueued, delivered, acked, nacked, reclaimed, "
-    "retried, buried, requeued, purged, cancelled, expired) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "retried, buried, requeued, purged, cancelled, expired, rate_tasks, rate_per, rate_burst, "
+    "concurrency) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _DROP_QUEUE = "DELETE FROM queues WHERE name = ?"
 _KEY = "INSERT OR REPLACE INTO keys VALUES (?, ?, ?, ?)"
@@ -156,10 +176,11 @@ _UNKEY = "DELETE FROM keys WHERE queue = ? AND key = ?"
 _LOAD_READY = "SELECT id, queue, priority, ord, expires_at FROM tasks WHERE state = 0 ORDER BY ord"
 _CONTROL_COLUMNS = "expires_at, timeout, handed_at, progress, cancelling, ukey"
 _FLOW_COLUMNS = "result_ttl, ttl_given, finished_at, delay"
+_SCHEDULED_COLUMNS = "schedule, scheduled_for"
 _LOAD_OTHERS = (
     "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
     "CASE WHEN state = 3 THEN NULL ELSE last_error END, priority, queue, "
-    f"{_CONTROL_COLUMNS}, {_FLOW_COLUMNS} FROM tasks WHERE state != 0"
+    f"{_CONTROL_COLUMNS}, {_FLOW_COLUMNS}, {_SCHEDULED_COLUMNS} FROM tasks WHERE state != 0"
 )
 # Every edge, in the order made, with the state of its parent (NULL: the parent is gone).
 _LOAD_EDGES = (
@@ -168,18 +189,20 @@ _LOAD_EDGES = (
 )
 _LOAD_QUEUES = (
     "SELECT name, paused, enqueued, delivered, acked, nacked, reclaimed, retried, buried, "
-    "requeued, purged, cancelled, expired FROM queues"
+    "requeued, purged, cancelled, expired, rate_tasks, rate_per, rate_burst, concurrency "
+    "FROM queues"
 )
 _LOAD_UNIQUE = "SELECT queue, ukey, id FROM tasks WHERE ukey IS NOT NULL AND state IN (0, 1, 2, 5)"
 _LOAD_KEYS = "SELECT queue, key, task_id, until FROM keys"
 # Cold ready tasks read back, with their payloads.
 _WARM = (
     "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, "
-    f"ord, last_error, priority, queue, {_CONTROL_COLUMNS}, {_FLOW_COLUMNS}, payload, created_at "
+    f"ord, last_error, priority, queue, {_CONTROL_COLUMNS}, {_FLOW_COLUMNS}, "
+    f"{_SCHEDULED_COLUMNS}, payload, created_at "
     "FROM tasks JOIN bodies USING (id) WHERE id IN ({})"
 )
 # Where a _WARM row has its payload (and its creation time next).
-_PAYLOAD_AT: Final = 21
+_PAYLOAD_AT: Final = 23
 _READ = (
     "SELECT b.id, b.payload, b.created_at, t.last_error, b.result FROM bodies b "
     "JOIN tasks t ON t.id = b.id WHERE b.id IN ({})"
@@ -192,7 +215,7 @@ _READ_PARENTS = "SELECT id, state, queue, priority, ord, last_error FROM tasks W
 _LOOKUP = (
     "SELECT t.attempts, t.max_attempts, t.available_at, t.state, t.last_error, t.queue, "
     "t.priority, b.payload, b.created_at, t.expires_at, t.timeout, t.progress, t.cancelling, "
-    "t.ord, b.result, t.finished_at, t.result_ttl, t.ttl_given "
+    "t.ord, b.result, t.finished_at, t.result_ttl, t.ttl_given, t.schedule, t.scheduled_for "
     "FROM tasks t JOIN bodies b ON t.id = b.id WHERE t.id = ?"
 )
 _OFFSET: Final = 2**63
@@ -258,7 +281,31 @@ def _record(row: Sequence[Any]) -> tuple[Record, str, int]:
             flow.ttl_given = bool(ttl_given)
             flow.finished_at = finished_at or _NO_TIME
             flow.delay = delay or 0.0
+        schedule = row[21]
+        if schedule is not None:  # (docs/design/schedules.md: a fired task)
+            ctl = record.control()
+            ctl.schedule, ctl.scheduled_for = schedule, row[22]
     return record, row[10], row[9]
+
+
+def _limit_columns(q: Queue) -> tuple[int | None, float | None, int | None, int | None]:
+    """A queue's limits as its row keeps them (docs/design/schedules.md): rate_tasks,
+    rate_per (seconds), rate_burst, concurrency; NULL where there is none. Its rate bucket is not
+    kept: it starts full after a restart."""
+    limiter = q.limiter
+    if limiter is None:
+        return None, None, None, None
+    rate = limiter.limits.rate
+    if rate is None:
+        return None, None, None, limiter.concurrency
+    return rate.tasks, rate.per, rate.burst, limiter.concurrency
+
+
+def _limits_of(tasks: Any, per: Any, burst: Any, concurrency: Any) -> Limits | None:
+    """A queue's limits from its row (see _limit_columns)."""
+    rate = None if tasks is None else RateLimit(int(tasks), float(per), int(burst))
+    limits = Limits(rate, None if concurrency is None else int(concurrency))
+    return None if limits.empty() else limits
 
 
 def _blob(value: Any) -> bytes | None:
@@ -351,6 +398,62 @@ def _flow_columns(record: Record, flow: Flow) -> tuple[int, float | None, float 
     return int(flow.ttl_given), finished_at, flow.delay if record.state == WAITING else None
 
 
+def _fired_columns(record: Record) -> tuple[str | None, float | None, int]:
+    """A fired task's schedule and scheduled time, as _SET_SCHEDULE writes them."""
+    ctl = record.ctl
+    assert ctl is not None
+    return ctl.schedule, ctl.scheduled_for, _key(record.id)
+
+
+def _schedule_columns(s: Schedule) -> tuple[Any, ...]:
+    """A schedule's row (_SCHEDULE_COLUMNS)."""
+    t = s.task
+    return (
+        s.name,
+        s.cron,
+        s.timezone,
+        s.every,
+        t.queue,
+        t.payload,
+        t.priority,
+        t.max_attempts,
+        t.expires_in,
+        t.timeout,
+        t.result_ttl,
+        int(s.paused),
+        s.created_at,
+        s.updated_at,
+        s.next_fire_at,
+        s.last_fire_at,
+        s.last_task_id,
+        s.fires,
+        s.revision,
+    )
+
+
+def _schedule(row: Sequence[Any]) -> Schedule:
+    """A schedule from its row (_SCHEDULE_COLUMNS)."""
+    payload, priority, max_attempts, expires_in, timeout, result_ttl = row[5:11]
+    task = ScheduleTask(
+        _blob(payload) or b"", row[4], priority, max_attempts, expires_in, timeout, result_ttl
+    )
+    return Schedule(
+        row[0],
+        task,
+        row[1],
+        row[2],
+        row[3],
+        bool(row[11]),
+        row[12],
+        row[13],
+        row[14],
+        row[15],
+        row[16],
+        row[17],
+        row[18],
+    )
+
+
 class _Batch:
     """Changes made since the last seal, rows to read back once they are committed, and the
     future the commit resolves (with the rows read)."""
@@ -369,6 +472,8 @@ class _Batch:
         "results",
         "unlinks",
         "result_reads",
+        "fired",
+        "schedules",
     )
 
     def __init__(self, future: asyncio.Future[Reads]) -> None:
@@ -385,6 +490,10 @@ class _Batch:
         self.results: dict[int, bytes | None] = {}  # results to write (docs/design/results.md)
         self.unlinks: set[int] = set()  # tasks whose edges to delete
         self.result_reads: set[int] = set()  # keys whose results to read back after the commit
+        # docs/design/schedules.md (None until a batch has some): tasks fired by a schedule, and
+        # the schedules' rows to write by name (None: to delete).
+        self.fired: list[Record] | None = None
+        self.schedules: dict[str, Schedule | None] | None = None
 
 
 class _Cache:
@@ -483,6 +592,22 @@ class _Journal:
         batch.queues.discard(queue)
         batch.dropped_queues.add(queue)
 
+    # docs/design/schedules.md (not the index's: the store's own calls write these down)
+
+    def fired(self, record: Record) -> None:
+        """A task a schedule fired: its schedule columns are written after its insert."""
+        batch = self.open()
+        if batch.fired is None:
+            batch.fired = []
+        batch.fired.append(record)
+
+    def schedule_changed(self, name: str, schedule: Schedule | None) -> None:
+        """A schedule's row to write as it stands (None: to delete)."""
+        batch = self.open()
+        if batch.schedules is None:
+            batch.schedules = {}
+        batch.schedules[name] = schedule
+
 
 class _Rows:
     """What one batch writes, taken on the event loop at the seal."""
@@ -506,6 +631,9 @@ class _Rows:
         "results",
         "result_reads",
         "ended",
+        "fired",
+        "schedules",
+        "unschedules",
     )
 
     def __init__(self, batch: _Batch, totals: Totals, ended: list[tuple[str, str]]) -> None:
@@ -584,10 +712,24 @@ class _Rows:
         self.deletes = [(_key(task_id),) for task_id in batch.deleted]
         self.totals = astuple(totals)
         self.dropped_queues = [(q.name,) for q in batch.dropped_queues]
-        self.queues = [(q.name, int(q.paused), *astuple(q.totals)) for q in batch.queues]
+        self.queues = [
+            (q.name, int(q.paused), *astuple(q.totals), *_limit_columns(q)) for q in batch.queues
+        ]
         self.keys = [(q, k, _key(n), until) for (q, k), (n, until) in batch.keys.items()]
         self.unkeys = list(batch.unkeys)
         self.reads = list(batch.reads)
+        # docs/design/schedules.md: fired tasks' schedules, the schedules' rows.
+        self.fired: list[tuple[str | None, float | None, int]] = []
+        self.schedules: list[tuple[Any, ...]] = []
+        self.unschedules: list[tuple[str]] = []
+        if batch.fired is not None:
+            self.fired = [_fired_columns(r) for r in batch.fired]
+        if batch.schedules is not None:
+            for name, schedule in batch.schedules.items():
+                if schedule is None:
+                    self.unschedules.append((name,))
+                else:
+                    self.schedules.append(_schedule_columns(schedule))
         # The error of a dead task is kept by the file alone.
         for task_id in batch.errors:
             record = batch.moved.get(task_id) or batch.new.get(task_id, (None,))[0]
@@ -612,6 +754,9 @@ class _Rows:
             (_QUEUE, self.queues),
             (_UNKEY, self.unkeys),
             (_KEY, self.keys),
+            (_SET_SCHEDULE, self.fired),
+            (_DELETE_SCHEDULE, self.unschedules),
+            (_PUT_SCHEDULE, self.schedules),
         ]
 
 
@@ -647,6 +792,7 @@ class SqliteStore:
         self._failed: str | None = None
         self.transactions = 0
         self._finished: FinishedCallback | None = None
+        self._book = Book()  # the schedules (docs/design/schedules.md), loaded at open
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -735,7 +881,8 @@ class SqliteStore:
         only, in order); the others as records."""
         index = self._index
         for name, paused, *counts in conn.execute(_LOAD_QUEUES):
-            index.restore_queue(name, bool(paused), Totals(*counts))
+            limits = _limits_of(*counts[-4:])  # (docs/design/schedules.md)
+            index.restore_queue(name, bool(paused), Totals(*counts[:-4]), limits)
         index.restore_ready(
             (key + _OFFSET, queue, priority, seq, expires_at)
             for key, queue, priority, seq, expires_at in conn.execute(_LOAD_READY)
@@ -758,6 +905,7 @@ class SqliteStore:
         index.restored(
             Totals(*totals), first_seq=first or 0, last_seq=last or 0, id_key=int(id_key)
         )
+        self._book.load(_schedule(row) for row in conn.execute(_LOAD_SCHEDULES))
 
     # -- the contract ------------------------------------------------------------------------
 
@@ -942,9 +1090,11 @@ class SqliteStore:
             lane.queue.name,
             lane.priority,
         )
-        if record.controlled:
-            task.expires_at, task.timeout = record.expires_at, record.timeout
-            task.progress, task.cancelling = record.progress, record.cancelling
+        ctl = record.ctl
+        if ctl is not None:
+            task.expires_at, task.timeout = ctl.expires_at, ctl.timeout
+            task.progress, task.cancelling = ctl.progress, ctl.cancelling
+            task.schedule, task.scheduled_for = ctl.schedule, ctl.scheduled_for
         return Delivery(task, record.lease_id, record.deadline)
 
     @staticmethod
@@ -1101,20 +1251,25 @@ class SqliteStore:
     async def set_paused(self, queue: str, paused: bool) -> None:
         await self._change(lambda: self._index.set_paused(queue, paused))
 
+    async def set_limits(self, queue: str, limits: Limits | None, *, now: float) -> None:
+        """Kept in the queue's row; its rate bucket is not (docs/design/schedules.md): it
+        starts full when the limits are set, and again after a restart."""
+        await self._change(lambda: self._index.set_limits(queue, limits, now))
+
     async def stats(self, queue: str | None = None) -> Stats:
         self._check()
         await self._durable()  # never report what is not yet committed
         return self._index.stats(queue)
 
-    async def queues(self) -> list[QueueStats]:
+    async def queues(self, *, now: float | None = None) -> list[QueueStats]:
         self._check()
         await self._durable()
-        return self._index.queue_rows()
+        return self._index.queue_rows(now)
 
-    async def queue_report(self) -> list[QueueReport]:
+    async def queue_report(self, *, now: float | None = None) -> list[QueueReport]:
         self._check()
         await self._durable()
-        reports, cold = self._index.queue_report()
+        reports, cold = self._index.queue_report(now)
         if cold:  # lane heads held as ids: their times, by primary key
             loop = asyncio.get_running_loop()
             keys = [_key(n) for _, n in cold]
@@ -1170,6 +1325,8 @@ class SqliteStore:
             if state == HANDED_OUT:
                 task.progress = None if progress is None else bytes(progress)
                 task.cancelling = bool(cancelling)
+        if row[18] is not None:  # (docs/design/schedules.md: a fired task)
+            task.schedule, task.scheduled_for = row[18], row[19]
         self._flow_view(task, n, record, state, row)
         return TaskState(task, STATE_NAMES[state])
 
@@ -1266,6 +1423,86 @@ class SqliteStore:
 
     def ready_hint(self) -> int | None:
         return self._index.ready_count
+
+    def limit_hint(self, queues: Sequence[str], now: float) -> float | None:
+        return self._index.limit_hint(queues, now)
+
+    # -- schedules (docs/design/schedules.md): in a Book, each change written in the next commit
+
+    async def put_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        self._check()
+        stored, changed = self._book.put(schedule, now)
+        if changed:
+            self._journal.schedule_changed(stored.name, stored)
+        await self._durable()
+        return stored
+
+    async def get_schedule(self, name: str) -> Schedule | None:
+        self._check()
+        await self._durable()  # (never show what is not yet committed)
+        return self._book.get(name)
+
+    async def list_schedules(self) -> list[Schedule]:
+        self._check()
+        await self._durable()
+        return self._book.all()
+
+    async def delete_schedule(self, name: str) -> bool:
+        self._check()
+        deleted = self._book.delete(name)
+        if deleted:
+            self._journal.schedule_changed(name, None)
+        await self._durable()
+        return deleted
+
+    async def set_schedule_paused(
+        self, name: str, paused: bool, next_fire_at: float | None, *, now: float
+    ) -> Schedule | None:
+        self._check()
+        stored, changed = self._book.set_paused(name, paused, next_fire_at, now)
+        if stored is not None and changed:
+            self._journal.schedule_changed(name, stored)
+        await self._durable()
+        return stored
+
+    async def due_schedules(self, now: float) -> tuple[float, list[Schedule], float | None]:
+        self._check()
+        due, later = self._book.due(now)
+        return now, due, later
+
+    async def fire_schedule(
+        self,
+        name: str,
+        expected: float,
+        scheduled_for: float,
+        next_fire_at: float,
+        task: NewTask,
+        *,
+        now: float,
+        revision: int,
+    ) -> Enqueued | None:
+        """The task enqueued and the schedule moved in one step of the index and the book, so
+        in one commit."""
+        self._check()
+        book = self._book
+        if not book.firable(name, expected, revision):
+            return None
+        record, done = enqueue_fired(self._index, task, now)
+        stored = book.fire(name, expected, revision, scheduled_for, next_fire_at, done.id)
+        self._journal.fired(record)
+        self._journal.schedule_changed(name, stored)
+        await self._durable()
+        return done
+
+    async def skip_schedule(
+        self, name: str, expected: float, next_fire_at: float, *, revision: int
+    ) -> bool:
+        self._check()
+        stored = self._book.fire(name, expected, revision, expected, next_fire_at, None)
+        if stored is not None:
+            self._journal.schedule_changed(name, stored)
+        await self._durable()
+        return stored is not None
 
     async def close(self) -> None:
         if self._conn is None:

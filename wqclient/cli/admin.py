@@ -3,8 +3,10 @@
 ``wq stats``, ``wq queues``, ``wq dlq [list|requeue|purge]``, ``wq task ID``, ``wq tasks QUEUE``
 (a queue's tasks in one state, a page at a time), ``wq cancel ID``, ``wq result ID`` (how a task
 ended, waiting for it with ``-wait``: docs/design/results.md), ``wq enqueue JSON`` (``-after``:
-tasks it waits for), ``wq pause QUEUE``, ``wq resume QUEUE``, ``wq queue empty|delete NAME`` and
-``wq watch`` (a live view of the gauges and rates).
+tasks it waits for), ``wq pause QUEUE``, ``wq resume QUEUE``, ``wq queue empty|delete NAME``,
+``wq schedules`` and ``wq schedule set|get|delete|pause|resume NAME`` (cron and interval
+schedules), ``wq limits QUEUE`` (a queue's rate and concurrency limits: docs/design/schedules.md)
+and ``wq watch`` (a live view of the gauges and rates).
 Each prints a table for people (the ``rich`` library: colours only when standard output is a
 terminal) or, with ``-json``, one JSON document with the HTTP API's member names (``wq watch
 -json``: one document a line, a line per refresh).
@@ -50,7 +52,10 @@ from wqclient.models import (
     CANCELLED,
     CANCELLING,
     LIST_STATES,
+    Limits,
     QueueInfo,
+    RateLimit,
+    Schedule,
     Stats,
     Task,
     TaskResult,
@@ -65,7 +70,7 @@ PROG: Final = "wq"
 EXIT_OK: Final = 0
 EXIT_FAILED: Final = 1  # the broker refused the call for another reason (a queue not empty ...)
 EXIT_USAGE: Final = 2  # a bad command line: flags, a payload that is not JSON, a bad queue name
-EXIT_NOT_FOUND: Final = 3  # no such task (or not in the dead-letter queue)
+EXIT_NOT_FOUND: Final = 3  # no such task (or not in the dead-letter queue), queue or schedule
 EXIT_UNAVAILABLE: Final = 4  # the broker cannot be reached, is shutting down, or is at a limit
 EXIT_REFUSED: Final = 5  # the broker refused the token (missing, unknown, or lacking a scope)
 EXIT_PENDING: Final = 6  # `wq result`: the task was still pending when -wait ran out
@@ -77,7 +82,8 @@ EXIT_CODES: Final = {
     "still\n       holds tasks ...)",
     EXIT_USAGE: "usage: a bad flag or argument, a payload that is not JSON, a value the "
     "broker\n       rejects (a bad queue name ...)",
-    EXIT_NOT_FOUND: "not found: no such task (or not in the dead-letter queue), no such queue",
+    EXIT_NOT_FOUND: "not found: no such task (or not in the dead-letter queue), no such queue "
+    "or schedule",
     EXIT_UNAVAILABLE: "the broker cannot be reached (its TLS certificate failing verification "
     "included), is shutting down, or is at a limit (429)",
     EXIT_REFUSED: "the broker refused the token (none, unknown, or without the scope needed)",
@@ -141,6 +147,10 @@ def task_json(task: Task) -> dict[str, Any]:
         _results_json(view, task)
     elif task.result_ttl_ms is not None or task.children is not None or task.children_count:
         _results_json(view, task)
+    if task.schedule is not None:  # (a task a schedule fired: docs/design/schedules.md)
+        view["schedule"] = task.schedule
+        if task.scheduled_for is not None:
+            view["scheduled_for"] = rfc3339(task.scheduled_for)
     return view
 
 
@@ -191,6 +201,39 @@ def queue_json(queue: QueueInfo) -> dict[str, Any]:
     oldest = queue.oldest_ready_at
     view["oldest_ready_at"] = None if oldest is None else rfc3339(oldest)
     return view
+
+
+def schedule_json(schedule: Schedule) -> dict[str, Any]:
+    """A schedule as ``GET /schedules/{name}`` shows it (docs/design/schedules.md)."""
+
+    def when(value: datetime | None) -> str | None:
+        return None if value is None else rfc3339(value)
+
+    return {
+        "name": schedule.name,
+        "cron": schedule.cron,
+        "timezone": schedule.timezone,
+        "every_ms": schedule.every_ms,
+        "queue": schedule.queue,
+        "payload": json.loads(schedule.payload_json),
+        "priority": schedule.priority,
+        "max_attempts": schedule.max_attempts,
+        "expires_in_ms": schedule.expires_in_ms,
+        "timeout_ms": schedule.timeout_ms,
+        "result_ttl_ms": schedule.result_ttl_ms,
+        "paused": schedule.paused,
+        "created_at": when(schedule.created_at),
+        "updated_at": when(schedule.updated_at),
+        "next_fire_at": when(schedule.next_fire_at),
+        "last_fire_at": when(schedule.last_fire_at),
+        "last_task_id": schedule.last_task_id,
+        "fires": schedule.fires,
+    }
+
+
+def limits_json(limits: Limits | None) -> dict[str, Any] | None:
+    """A queue's limits as ``PUT /queues/{name}/limits`` and ``GET /queues`` show them."""
+    return None if limits is None else asdict(limits)
 
 
 def _dump(document: Any) -> str:
@@ -284,11 +327,19 @@ def _shown_gauges(queues: Sequence[QueueInfo]) -> tuple[str, ...]:
 
 
 def queues_table(queues: Sequence[QueueInfo]) -> Table:
+    """The queues: their gauges, and their limits (rate, tokens, concurrency in use of the
+    limit) once some queue has any (a broker whose queues have none shows the table it always
+    did)."""
     table = _table(f"queues: {len(queues)}")
     table.add_column("queue", no_wrap=True)
     shown = _shown_gauges(queues)
     for name in shown:
         table.add_column(_label(name), justify="right", no_wrap=True)
+    limited = any(q.limits is not None for q in queues)
+    if limited:
+        table.add_column("rate", justify="right", no_wrap=True)
+        table.add_column("tokens", justify="right", no_wrap=True)
+        table.add_column("concurrency", justify="right", no_wrap=True)
     table.add_column("state", no_wrap=True)
     for q in queues:
         state = Text("paused", style="bold yellow") if q.paused else Text("active", style="green")
@@ -296,8 +347,86 @@ def queues_table(queues: Sequence[QueueInfo]) -> Table:
             Text(_n(getattr(q, g)), style=_GAUGE_STYLE[g] if getattr(q, g) else "dim")
             for g in shown
         ]
+        if limited:
+            gauges.extend(_limit_cells(q))
         table.add_row(q.name, *gauges, state)
     return table
+
+
+def _limit_cells(q: QueueInfo) -> list[Text]:
+    """A queue's rate, its tokens now, and its concurrency (in use / limit); "-" for none."""
+    none = Text("-", style="dim")
+    limits = q.limits or Limits()
+    rate = none if limits.rate is None else Text(format_rate(limits.rate))
+    tokens = none if q.tokens is None else Text(_tokens(q.tokens))
+    if limits.concurrency is None:
+        concurrency = none
+    else:
+        full = q.handed_out >= limits.concurrency
+        concurrency = Text(
+            f"{_n(q.handed_out)}/{_n(limits.concurrency)}", style="bold yellow" if full else ""
+        )
+    return [rate, tokens, concurrency]
+
+
+def _tokens(value: float) -> str:
+    """Rate tokens as a person reads them: whole when they are, else to one decimal (down: a
+    token not all there cannot be taken)."""
+    whole = int(value)
+    return _n(whole) if value == whole else f"{int(value * 10) / 10:,.1f}"
+
+
+# -- durations and rates: -every 5m, -rate 20/s -------------------------------------------------
+
+_UNITS_MS: Final = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_DURATION_PART: Final = re.compile(r"(\d+(?:\.\d+)?)(ms|s|m|h|d)")
+
+
+def parse_duration_ms(text: str) -> int:
+    """A duration as the commands take it, in milliseconds: numbers with units, ``ms``, ``s``,
+    ``m``, ``h``, ``d`` (``30s``, ``5m``, ``1h30m``, ``1500ms``, ``1.5h``). Raises ValueError,
+    saying why, for anything else (a bare number too: its unit would be a guess)."""
+    spelled = text.strip().lower()
+    parts = list(_DURATION_PART.finditer(spelled))
+    if not parts or "".join(p.group(0) for p in parts) != spelled:
+        raise ValueError(f"{text!r} is not a duration (a number and a unit: 30s, 5m, 1h30m, 500ms)")
+    total = sum(float(p.group(1)) * _UNITS_MS[p.group(2)] for p in parts)
+    if total != int(total):
+        raise ValueError(f"{text!r} is not a whole number of milliseconds")
+    return int(total)
+
+
+def format_duration_ms(ms: int) -> str:
+    """Milliseconds as :func:`parse_duration_ms` reads them: in the largest unit that divides
+    them (``5m``, ``90s``, ``1500ms``)."""
+    for unit in ("d", "h", "m", "s"):
+        size = _UNITS_MS[unit]
+        if ms >= size and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
+def parse_rate(text: str) -> tuple[int, int]:
+    """``N/PERIOD``: N tasks per PERIOD, a duration or a unit alone (``20/s``, ``100/1m``,
+    ``5/500ms``, ``1000/h``). Returns (tasks, per_ms); raises ValueError saying why."""
+    count, slash, period = text.strip().partition("/")
+    if not slash or not count.strip().isdigit():
+        raise ValueError(f"{text!r} is not a rate (N/PERIOD: 20/s, 100/1m, 5/500ms)")
+    period = period.strip().lower()
+    per_ms = parse_duration_ms(period if period[:1].isdigit() else f"1{period}")
+    return int(count), per_ms
+
+
+def format_rate(rate: RateLimit) -> str:
+    """A rate limit as :func:`parse_rate` reads it (``20/s``, ``100/5m``), with its burst when
+    it is not the default (``20/s burst 50``)."""
+    period = format_duration_ms(rate.per_ms)
+    if period.startswith("1") and period[1:] in ("s", "m", "h", "d"):
+        period = period[1:]
+    text = f"{_n(rate.tasks)}/{period}"
+    if rate.burst is not None and rate.burst != rate.tasks:
+        text += f" burst {_n(rate.burst)}"
+    return text
 
 
 def _short(text: str, width: int = 48) -> str:
@@ -352,6 +481,10 @@ def task_table(task: Task) -> Table:
     if task.progress_json is not None:
         table.add_row("progress", _json_text(task.progress_json))
     _results_rows(table, task)
+    if task.schedule is not None:  # (fired by a schedule: docs/design/schedules.md)
+        table.add_row("schedule", task.schedule)
+        if task.scheduled_for is not None:
+            table.add_row("scheduled for", rfc3339(task.scheduled_for))
     payload = json.dumps(json.loads(task.payload_json), indent=2, ensure_ascii=False)
     table.add_row("payload", payload)
     return table
@@ -432,6 +565,94 @@ def _notes(task: Task) -> Text:
             text.append("; ")
         text.append(words, style=style)
     return text if parts else Text("-", style="dim")
+
+
+def _at(when: datetime | None) -> str:
+    """A time in a table of schedules: to the second, in UTC ("-" for none)."""
+    if when is None:
+        return "-"
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _rule(schedule: Schedule) -> str:
+    """A schedule's rule as the commands take it: the cron text, or ``every 5m``."""
+    if schedule.cron is not None:
+        return schedule.cron
+    return f"every {format_duration_ms(schedule.every_ms or 0)}"
+
+
+def _schedule_state(schedule: Schedule) -> Text:
+    return Text("paused", style="bold yellow") if schedule.paused else Text("active", style="green")
+
+
+def schedules_table(schedules: Sequence[Schedule]) -> Table:
+    """Every schedule: its rule, where its tasks go, its next and last fires."""
+    table = _table(f"schedules: {len(schedules)}")
+    table.add_column("name", no_wrap=True)
+    table.add_column("rule", no_wrap=True)
+    table.add_column("timezone", no_wrap=True)
+    table.add_column("queue", no_wrap=True)
+    table.add_column("next fire", no_wrap=True)
+    table.add_column("last fire", no_wrap=True)
+    table.add_column("fires", justify="right", no_wrap=True)
+    table.add_column("state", no_wrap=True)
+    for sc in schedules:
+        table.add_row(
+            sc.name,
+            _rule(sc),
+            sc.timezone or "-",
+            sc.queue,
+            Text(_at(sc.next_fire_at), style="dim" if sc.next_fire_at is None else ""),
+            Text(_at(sc.last_fire_at), style="dim" if sc.last_fire_at is None else ""),
+            _n(sc.fires),
+            _schedule_state(sc),
+        )
+    return table
+
+
+def schedule_table(schedule: Schedule) -> Table:
+    """One schedule, field by field."""
+    table = _table(f"schedule {schedule.name}")
+    table.add_column("field", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_row("rule", _rule(schedule))
+    if schedule.cron is not None:
+        table.add_row("timezone", schedule.timezone or "UTC")
+    table.add_row("state", _schedule_state(schedule))
+    next_fire = _full(schedule.next_fire_at)
+    table.add_row("next fire", next_fire if not schedule.paused else "- (paused)")
+    table.add_row("last fire", _full(schedule.last_fire_at))
+    table.add_row("last task", schedule.last_task_id or "-")
+    table.add_row("fires", _n(schedule.fires))
+    table.add_row("queue", schedule.queue)
+    table.add_row("priority", str(schedule.priority))
+    table.add_row("max attempts", str(schedule.max_attempts))
+    if schedule.expires_in_ms is not None:
+        table.add_row("expires in", f"{_n(schedule.expires_in_ms)} ms")
+    if schedule.timeout_ms is not None:
+        table.add_row("time limit", f"{_n(schedule.timeout_ms)} ms")
+    if schedule.result_ttl_ms is not None:
+        table.add_row("result kept", f"{_n(schedule.result_ttl_ms)} ms")
+    table.add_row("created at", _full(schedule.created_at))
+    table.add_row("updated at", _full(schedule.updated_at))
+    table.add_row("payload", _pretty(schedule.payload_json))
+    return table
+
+
+def _full(when: datetime | None) -> str:
+    return "-" if when is None else rfc3339(when)
+
+
+def limits_text(queue: str, limits: Limits | None) -> str:
+    """A queue's limits in a line: ``queue mail: rate 20/s, concurrency 4``."""
+    if limits is None or limits.empty:
+        return f"queue {queue}: no limits"
+    parts = []
+    if limits.rate is not None:
+        parts.append(f"rate {format_rate(limits.rate)}")
+    if limits.concurrency is not None:
+        parts.append(f"concurrency {_n(limits.concurrency)}")
+    return f"queue {queue}: " + ", ".join(parts)
 
 
 # -- the commands ---------------------------------------------------------------------------------
@@ -582,6 +803,135 @@ async def cmd_queue_delete(client: AsyncClient, args: argparse.Namespace, out: O
         out.json({"queue": args.queue_name, "deleted": True})
     else:
         out.show(f"deleted queue {args.queue_name}")
+    return EXIT_OK
+
+
+async def cmd_schedules(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    schedules = await client.list_schedules()
+    if out.as_json:
+        out.json({"schedules": [schedule_json(sc) for sc in schedules]})
+    elif not schedules:
+        out.show("no schedules (wq schedule set NAME -cron EXPR | -every DURATION -payload JSON)")
+    else:
+        out.show(schedules_table(schedules))
+    return EXIT_OK
+
+
+async def cmd_schedule_set(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    if (args.cron is None) == (args.every is None):
+        raise _Usage("give -cron EXPR or -every DURATION (one of them)")
+    if args.timezone is not None and args.cron is None:
+        raise _Usage("-timezone goes with -cron")
+    schedule = await client.put_schedule(
+        args.name,
+        payload=parse_payload(args.payload),
+        cron=args.cron,
+        every_ms=args.every,
+        timezone=args.timezone,
+        queue=args.queue,
+        priority=args.priority,
+        max_attempts=args.max_attempts,
+        expires_in_ms=args.expires_in_ms,
+        timeout_ms=args.timeout_ms,
+        result_ttl_ms=args.result_ttl_ms,
+        paused=args.paused,
+    )
+    if out.as_json:
+        out.json(schedule_json(schedule))
+    elif schedule.paused:
+        out.show(
+            f"schedule {schedule.name} set ({_rule(schedule)}), paused: no fires until resumed"
+        )
+    else:
+        when = _full(schedule.next_fire_at)
+        out.show(f"schedule {schedule.name} set ({_rule(schedule)}): next fire {when}")
+    return EXIT_OK
+
+
+async def cmd_schedule_get(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    schedule = await client.get_schedule(args.name)
+    if out.as_json:
+        out.json(schedule_json(schedule))
+    else:
+        out.show(schedule_table(schedule))
+    return EXIT_OK
+
+
+async def cmd_schedule_delete(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    await client.delete_schedule(args.name)
+    if out.as_json:
+        out.json({"schedule": args.name, "deleted": True})
+    else:
+        out.show(f"deleted schedule {args.name} (the tasks it fired stay)")
+    return EXIT_OK
+
+
+async def cmd_schedule_pause(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    schedule = await client.pause_schedule(args.name)
+    if out.as_json:
+        out.json(schedule_json(schedule))
+    else:
+        out.show(f"paused schedule {schedule.name}: no fires until it is resumed")
+    return EXIT_OK
+
+
+async def cmd_schedule_resume(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    schedule = await client.resume_schedule(args.name)
+    if out.as_json:
+        out.json(schedule_json(schedule))
+    else:
+        out.show(f"resumed schedule {schedule.name}: next fire {_full(schedule.next_fire_at)}")
+    return EXIT_OK
+
+
+async def cmd_limits(client: AsyncClient, args: argparse.Namespace, out: Output) -> int:
+    """Show a queue's limits (no flags), set them (-rate, -burst, -concurrency: those given
+    replace the queue's), or take them away (-clear)."""
+    queue = args.queue_name
+    setting = args.rate is not None or args.concurrency is not None
+    if args.burst is not None and args.rate is None:
+        raise _Usage("-burst goes with -rate")
+    if args.clear and setting:
+        raise _Usage("-clear takes the limits away: give it alone, without -rate or -concurrency")
+    if args.clear:
+        await client.clear_limits(queue)
+        if out.as_json:
+            out.json({"queue": queue, "limits": None})
+        else:
+            out.show(f"queue {queue}: limits cleared")
+        return EXIT_OK
+    if setting:
+        rate = None
+        if args.rate is not None:
+            rate = RateLimit(args.rate[0], args.rate[1], args.burst)
+        limits = await client.set_limits(queue, rate=rate, concurrency=args.concurrency)
+        if out.as_json:
+            out.json({"queue": queue, "limits": limits_json(limits)})
+        else:
+            out.show(limits_text(queue, limits))
+        return EXIT_OK
+    return await _show_limits(client, queue, out)
+
+
+async def _show_limits(client: AsyncClient, queue: str, out: Output) -> int:
+    """``wq limits QUEUE``: its limits, from /queues (with its tokens and the concurrency in
+    use)."""
+    found = next((q for q in await client.queues() if q.name == queue), None)
+    if found is None:
+        raise NotFound(f"queue {queue} not found")
+    if out.as_json:
+        out.json(
+            {
+                "queue": queue,
+                "limits": limits_json(found.limits),
+                "tokens": found.tokens,
+                "handed_out": found.handed_out,
+            }
+        )
+        return EXIT_OK
+    out.show(limits_text(queue, found.limits))
+    if found.limits is not None:
+        out.show(queues_table([found]))
     return EXIT_OK
 
 
@@ -795,7 +1145,7 @@ def _watch_trouble(
 
 # Flags given with no value that mean true (-json is -json=true): a switch never takes the next
 # argument as its value (``wq task -json ID``).
-_SWITCHES: Final = ("json", "all")
+_SWITCHES: Final = ("json", "all", "paused", "clear")
 
 _NUMBER = re.compile(r"^-\d+(\.\d*)?$")
 
@@ -994,6 +1344,142 @@ def _queue_name_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("queue_name", metavar="QUEUE", help="the queue's name")
 
 
+def _schedule_name_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", metavar="NAME", help="the schedule's name")
+
+
+def _duration_ms(text: str) -> int:
+    try:
+        value = parse_duration_ms(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be longer than 0, got {text}")
+    return value
+
+
+def _rate_flag(text: str) -> tuple[int, int]:
+    try:
+        return parse_rate(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _schedule_set_flags(p: argparse.ArgumentParser) -> None:
+    _schedule_name_flags(p)
+    p.add_argument(
+        "-cron",
+        "--cron",
+        default=None,
+        metavar="EXPR",
+        help="a cron rule: five fields, minute hour day-of-month month day-of-week ('*/5 * * * "
+        "*', '0 9 * * MON-FRI'), or @hourly, @daily, @weekly, @monthly, @yearly",
+    )
+    p.add_argument(
+        "-timezone",
+        "--timezone",
+        default=None,
+        metavar="TZ",
+        help="with -cron: the IANA timezone its times are in (Europe/Paris; default UTC)",
+    )
+    p.add_argument(
+        "-every",
+        "--every",
+        type=_duration_ms,
+        default=None,
+        metavar="DURATION",
+        help="instead of -cron: a fixed interval, 1s to a year (30s, 5m, 1h30m, 1d); the first "
+        "fire comes that long after the schedule is set",
+    )
+    p.add_argument(
+        "-payload",
+        "--payload",
+        required=True,
+        metavar="JSON",
+        help="the payload of the task each fire enqueues: any JSON value ('{\"report\": 1}')",
+    )
+    _queue_flag(p, 'the queue its tasks go to (default "default")')
+    p.add_argument(
+        "-priority",
+        "--priority",
+        type=priority,
+        default=None,
+        help="its tasks' priority, 0 to 9, higher served first (default 0)",
+    )
+    p.add_argument(
+        "-max-attempts",
+        "--max-attempts",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="attempts before a task is buried in the dead-letter queue (default 3)",
+    )
+    p.add_argument(
+        "-expires-in-ms",
+        "--expires-in-ms",
+        type=positive_int,
+        default=None,
+        metavar="MS",
+        help="a task not handed out this long after its fire is dropped (default: never)",
+    )
+    p.add_argument(
+        "-timeout-ms",
+        "--timeout-ms",
+        type=positive_int,
+        default=None,
+        metavar="MS",
+        help="the most one attempt of a task may run (default: no limit)",
+    )
+    p.add_argument(
+        "-result-ttl-ms",
+        "--result-ttl-ms",
+        type=non_negative_int,
+        default=None,
+        metavar="MS",
+        help="how long a task's result is kept once it is acked with one (default the broker's)",
+    )
+    _switch(p, "paused", "set it paused: it fires once resumed (wq schedule resume NAME)")
+    p.epilog = (
+        "a schedule of that name is replaced (its fires so far and last fire kept); each "
+        "scheduled time enqueues exactly one task, on any number of brokers"
+    )
+
+
+def _limits_flags(p: argparse.ArgumentParser) -> None:
+    _queue_name_flags(p)
+    p.add_argument(
+        "-rate",
+        "--rate",
+        type=_rate_flag,
+        default=None,
+        metavar="N/PERIOD",
+        help="hand out at most N tasks per PERIOD (20/s, 100/1m, 5/500ms, 1000/h), from a bucket "
+        "of -burst tokens",
+    )
+    p.add_argument(
+        "-burst",
+        "--burst",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with -rate: how many tasks may go at once after a quiet spell (default N)",
+    )
+    p.add_argument(
+        "-concurrency",
+        "--concurrency",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="at most N of its tasks handed out at once",
+    )
+    _switch(p, "clear", "take the queue's limits away")
+    p.epilog = (
+        "without flags: the queue's limits, its rate tokens now and the concurrency in use. "
+        "-rate and -concurrency replace the queue's limits (a kind not given: no limit of it); "
+        "they hold over every worker and broker"
+    )
+
+
 def _tasks_flags(p: argparse.ArgumentParser) -> None:
     _queue_name_flags(p)
     p.add_argument(
@@ -1108,6 +1594,48 @@ COMMANDS: Final = {
             _queue_name_flags,
         ),
         Command(
+            "limits",
+            "A queue's rate and concurrency limits: shown, set (-rate, -concurrency) or -clear.",
+            cmd_limits,
+            _limits_flags,
+        ),
+        Command(
+            "schedules",
+            "Every schedule: its rule, queue, next and last fires, fires so far.",
+            cmd_schedules,
+            _no_flags,
+        ),
+        Command(
+            "schedule set",
+            "Create or replace a schedule: -cron EXPR or -every DURATION, and -payload JSON.",
+            cmd_schedule_set,
+            _schedule_set_flags,
+        ),
+        Command(
+            "schedule get",
+            "One schedule: its rule, next and last fires, last task, the task it enqueues.",
+            cmd_schedule_get,
+            _schedule_name_flags,
+        ),
+        Command(
+            "schedule delete",
+            "Delete a schedule (the tasks it fired stay).",
+            cmd_schedule_delete,
+            _schedule_name_flags,
+        ),
+        Command(
+            "schedule pause",
+            "Stop a schedule's fires until it is resumed.",
+            cmd_schedule_pause,
+            _schedule_name_flags,
+        ),
+        Command(
+            "schedule resume",
+            "Fire a paused schedule again, from its next time after now.",
+            cmd_schedule_resume,
+            _schedule_name_flags,
+        ),
+        Command(
             "watch",
             "A live view of the gauges and rates, refreshed every -interval, until Ctrl-C.",
             cmd_watch,
@@ -1118,8 +1646,13 @@ COMMANDS: Final = {
 
 _DLQ_ACTIONS: Final = ("list", "requeue", "purge")
 _QUEUE_ACTIONS: Final = ("empty", "delete")
+_SCHEDULE_ACTIONS: Final = ("set", "get", "delete", "pause", "resume")
 # The commands of two words: the first word, and the second's default (None: one is needed).
-_TWO_WORDS: Final = {"dlq": ("list", _DLQ_ACTIONS), "queue": (None, _QUEUE_ACTIONS)}
+_TWO_WORDS: Final = {
+    "dlq": ("list", _DLQ_ACTIONS),
+    "queue": (None, _QUEUE_ACTIONS),
+    "schedule": (None, _SCHEDULE_ACTIONS),
+}
 
 
 def top_parser() -> FlagParser:
@@ -1171,7 +1704,7 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
         elif not words:
             words.append(arg)
         elif len(words) == 1 and words[0] in _TWO_WORDS:
-            words.append(arg)  # its action: dlq list, requeue or purge; queue empty or delete
+            words.append(arg)  # its action: dlq list, requeue or purge; queue empty ...
         else:
             rest.append(arg)
         i += 1

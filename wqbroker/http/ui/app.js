@@ -6,6 +6,10 @@
  * time, by cursor), and the admin calls (pause, resume, requeue, purge, cancel, empty, delete).
  * Results and workflows (docs/design/results.md): the gauges waiting and succeeded, those two
  * states in the tasks view, and a task's result, parents and children on its page.
+ * Schedules and limits (docs/design/schedules.md): GET /schedules on the Schedules page (next
+ * and last fires, the last task, pause and resume), each queue's limits on the Queues page
+ * (rate, tokens now, concurrency in use of the limit), and on a task's page the schedule that
+ * fired it and for which time.
  *
  * Tokens: a call answered 401 opens the token form (once, however many calls are waiting);
  * the token is kept in sessionStorage and sent as "Authorization: Bearer ..." with every call.
@@ -74,7 +78,14 @@
     acked: "#15803d",
     failed: "#b91c1c",
   };
-  const VIEWS = {overview: "Overview", queues: "Queues", tasks: "Tasks", dlq: "Dead letters", task: "Task"};
+  const VIEWS = {
+    overview: "Overview",
+    queues: "Queues",
+    tasks: "Tasks",
+    schedules: "Schedules",
+    dlq: "Dead letters",
+    task: "Task",
+  };
   // What the tasks view shows in its "when" column, by state.
   const WHEN = {
     ready: "Ready since",
@@ -126,6 +137,33 @@
     if (s < 3600) return `${Math.floor(s / 60)} min ${Math.round(s % 60)} s`;
     if (s < 86400) return `${Math.floor(s / 3600)} h ${Math.round((s % 3600) / 60)} min`;
     return `${intFmt.format(Math.floor(s / 86400))} d ${Math.round((s % 86400) / 3600)} h`;
+  }
+
+  // A whole number of milliseconds in the largest unit that divides it: "5 min", "90 s", "500 ms".
+  const UNITS = [
+    [86400000, "d"],
+    [3600000, "h"],
+    [60000, "min"],
+    [1000, "s"],
+  ];
+
+  function formatMs(ms) {
+    for (const [size, unit] of UNITS) {
+      if (ms >= size && ms % size === 0) return `${formatInt(ms / size)} ${unit}`;
+    }
+    return `${formatInt(ms)} ms`;
+  }
+
+  // A queue's rate limit: "20/s", "100/min", "5 per 500 ms", with its burst when not the default.
+  function formatRateLimit(rate) {
+    const per = formatMs(rate.per_ms);
+    const text = per.startsWith("1 ") ? `${formatInt(rate.tasks)}/${per.slice(2)}` : `${formatInt(rate.tasks)} per ${per}`;
+    return rate.burst != null && rate.burst !== rate.tasks ? `${text} (burst ${formatInt(rate.burst)})` : text;
+  }
+
+  // Rate tokens: whole when they are, else to one decimal, down (a token not all there is none).
+  function formatTokens(tokens) {
+    return Number.isInteger(tokens) ? formatInt(tokens) : rateFmt.format(Math.floor(tokens * 10) / 10);
   }
 
   function relative(date) {
@@ -368,6 +406,9 @@
     tasksQueue: "default",
     tasksState: "ready",
     tasksCursors: [""], // the cursor of each page up to the one shown (paging back)
+    schedules: null, // GET /schedules's list
+    schedulesKey: "",
+    schedulesFocus: "", // the schedule a link named (#/schedules?name=...), shown highlighted
     task: null, // {id, found: task | null, key}
     charts: null,
   };
@@ -451,6 +492,7 @@
     try {
       if (state.view === "queues") await loadQueues();
       else if (state.view === "tasks") await loadTasks();
+      else if (state.view === "schedules") await loadSchedules();
       else if (state.view === "dlq") await loadDlq();
       else if (state.view === "task" && state.task && state.task.found) await loadTask(state.task.id);
       clearError("view");
@@ -617,6 +659,9 @@
     // The gauges of results and workflows, once some queue has any.
     const withResults = rows.some((r) => count(r, "waiting") || count(r, "succeeded"));
     for (const th of document.querySelectorAll("#queues-table .col-results")) th.hidden = !withResults;
+    // Their limits (rate, tokens now, concurrency in use of the limit), once some queue has any.
+    const withLimits = rows.some((r) => r.limits != null);
+    for (const th of document.querySelectorAll("#queues-table .col-limits")) th.hidden = !withLimits;
     const deepest = Math.max(1, ...rows.map((r) => PENDING.reduce((n, k) => n + count(r, k), 0)));
     const tbody = $("#queues-table tbody");
     tbody.replaceChildren(
@@ -650,6 +695,7 @@
           withResults && cell("waiting"),
           withResults && cell("succeeded"),
           withAge && h("td", {class: "num", "data-label": "Oldest ready"}, age == null ? "–" : formatDuration(age)),
+          withLimits && limitCells(row),
           h("td", {class: "col-bar", "data-label": "Depth"}, bar),
           h(
             "td",
@@ -677,6 +723,35 @@
     $("#queues-summary").textContent = rows.length
       ? `${formatInt(rows.length)} ${rows.length === 1 ? "queue" : "queues"}${paused ? `, ${formatInt(paused)} paused` : ""}`
       : "";
+  }
+
+  // A queue's rate limit, its rate tokens now and its concurrency (in use / limit); "–": none.
+  function limitCells(row) {
+    const limits = row.limits || {};
+    const rate = limits.rate || null;
+    const concurrency = limits.concurrency == null ? null : limits.concurrency;
+    const inUse = count(row, "handed_out");
+    return [
+      h(
+        "td",
+        {class: "num limit", "data-label": "Rate limit", dataset: {field: "rate", value: rate ? `${rate.tasks}/${rate.per_ms}` : ""}},
+        rate ? formatRateLimit(rate) : "–",
+      ),
+      h(
+        "td",
+        {class: "num", "data-label": "Tokens", dataset: {field: "tokens", value: row.tokens == null ? "" : String(row.tokens)}},
+        row.tokens == null ? "–" : formatTokens(row.tokens),
+      ),
+      h(
+        "td",
+        {
+          class: `num limit${concurrency != null && inUse >= concurrency ? " at-limit" : ""}`,
+          "data-label": "Concurrency",
+          dataset: {field: "concurrency", value: concurrency == null ? "" : `${inUse}/${concurrency}`},
+        },
+        concurrency == null ? "–" : `${formatInt(inUse)} / ${formatInt(concurrency)}`,
+      ),
+    ];
   }
 
   async function pauseOrResume(button, name, pause) {
@@ -890,6 +965,110 @@
       () => `Deleted queue ${name}`,
     );
     if (deleted) location.hash = "#/queues";
+  }
+
+  // -- schedules -------------------------------------------------------------------------------
+
+  async function loadSchedules() {
+    const body = await api("GET", "/schedules");
+    const rows = (body && body.schedules) || [];
+    state.schedules = rows;
+    const key = JSON.stringify([rows, state.schedulesFocus]);
+    if (key !== state.schedulesKey) {
+      state.schedulesKey = key;
+      renderSchedules();
+    } else {
+      refreshScheduleTimes(); // (the same schedules: only "in 3 s" moves on)
+    }
+  }
+
+  function scheduleRule(schedule) {
+    if (schedule.cron != null) {
+      return h("span", {}, h("span", {class: "mono"}, schedule.cron), " ", h("span", {class: "hint"}, schedule.timezone || "UTC"));
+    }
+    return `every ${formatMs(schedule.every_ms)}`;
+  }
+
+  // A fire's time in a cell: how far from now (kept up to date), the date on hover.
+  function fireCell(label, field, at) {
+    return h(
+      "td",
+      {"data-label": label, class: field, title: at ? dateFmt.format(new Date(at)) : null, dataset: {at: at || ""}},
+      at ? relative(new Date(at)) : "–",
+    );
+  }
+
+  function refreshScheduleTimes() {
+    for (const cell of document.querySelectorAll("#schedules-table td.next-fire, #schedules-table td.last-fire")) {
+      if (cell.dataset.at) cell.textContent = relative(new Date(cell.dataset.at));
+    }
+  }
+
+  function renderSchedules() {
+    const rows = state.schedules || [];
+    const paused = rows.filter((s) => s.paused).length;
+    $("#schedules-summary").textContent = rows.length
+      ? `${formatInt(rows.length)} ${rows.length === 1 ? "schedule" : "schedules"}${paused ? `, ${formatInt(paused)} paused` : ""}`
+      : "";
+    $("#schedules-empty").hidden = rows.length > 0;
+    $("#schedules-table tbody").replaceChildren(
+      ...rows.map((schedule) =>
+        h(
+          "tr",
+          {
+            class: schedule.name === state.schedulesFocus ? "focus" : null,
+            dataset: {schedule: schedule.name, paused: String(schedule.paused)},
+          },
+          h("td", {"data-label": "Schedule"}, h("span", {class: "queue-name"}, schedule.name)),
+          h("td", {"data-label": "Rule", class: "rule"}, scheduleRule(schedule)),
+          h("td", {"data-label": "Queue"}, h("a", {class: "queue-name", href: tasksHash(schedule.queue, "ready")}, schedule.queue)),
+          fireCell("Next fire", "next-fire", schedule.paused ? null : schedule.next_fire_at),
+          fireCell("Last fire", "last-fire", schedule.last_fire_at),
+          h(
+            "td",
+            {"data-label": "Last task", class: "last-task"},
+            schedule.last_task_id
+              ? h("a", {class: "mono", href: `#/task/${encodeURIComponent(schedule.last_task_id)}`}, schedule.last_task_id)
+              : "–",
+          ),
+          h("td", {class: "num", "data-label": "Fires", dataset: {field: "fires", value: String(schedule.fires)}}, formatInt(schedule.fires)),
+          h(
+            "td",
+            {"data-label": "State"},
+            h("span", {class: `badge ${schedule.paused ? "badge-paused" : "badge-active"}`}, schedule.paused ? "Paused" : "Active"),
+          ),
+          h(
+            "td",
+            {class: "actions"},
+            h(
+              "button",
+              {
+                type: "button",
+                class: `btn btn-small ${schedule.paused ? "resume" : "pause"}`,
+                onclick: (event) => pauseOrResumeSchedule(event.currentTarget, schedule.name, !schedule.paused),
+              },
+              schedule.paused ? "Resume" : "Pause",
+            ),
+          ),
+        ),
+      ),
+    );
+  }
+
+  async function pauseOrResumeSchedule(button, name, pause) {
+    button.disabled = true;
+    try {
+      const schedule = await api("POST", `/schedules/${encodeURIComponent(name)}/${pause ? "pause" : "resume"}`);
+      clearError("action");
+      const next = schedule && schedule.next_fire_at ? `: next fire ${relative(new Date(schedule.next_fire_at))}` : "";
+      toast(pause ? `Paused schedule ${name}: no fires until it is resumed` : `Resumed schedule ${name}${next}`);
+    } catch (e) {
+      showError("action", e, `${pause ? "Pausing" : "Resuming"} schedule ${name}`);
+    } finally {
+      button.disabled = false;
+    }
+    state.schedulesKey = "";
+    await refreshNow();
   }
 
   // -- dead letters ----------------------------------------------------------------------------
@@ -1149,6 +1328,14 @@
             ),
           task.finished_at && fact("Finished", h("span", {id: "task-finished"}, dateFmt.format(new Date(task.finished_at))), h("span", {class: "hint"}, relative(new Date(task.finished_at)))),
           task.result_ttl_ms !== undefined && fact("Result kept", h("span", {id: "task-result-ttl"}, formatDuration(task.result_ttl_ms / 1000))),
+          task.schedule != null &&
+            fact("Schedule", h("a", {id: "task-schedule", href: `#/schedules?name=${encodeURIComponent(task.schedule)}`}, task.schedule)),
+          task.scheduled_for != null &&
+            fact(
+              "Scheduled for",
+              h("span", {id: "task-scheduled-for", dataset: {at: task.scheduled_for}}, dateFmt.format(new Date(task.scheduled_for))),
+              h("span", {class: "hint"}, relative(new Date(task.scheduled_for))),
+            ),
         ),
         task.after && h("div", {class: "section-label"}, `Parents (${formatInt(task.after.length)})`),
         task.after && taskLinks("task-parents", task.after, task.after.length),
@@ -1231,6 +1418,10 @@
       state.tasksQueue = queue;
       state.tasksState = taskState;
       state.tasksKey = "";
+      await refreshView();
+    } else if (view === "schedules") {
+      state.schedulesFocus = params.get("name") || "";
+      state.schedulesKey = "";
       await refreshView();
     } else if (view === "dlq") {
       state.dlqQueue = params.get("queue") || "";

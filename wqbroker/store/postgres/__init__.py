@@ -58,8 +58,18 @@ Tables (in the schema ``wq``; ``migrations/001_tables.sql`` describes their colu
   deleted leaves its totals in the row of no queue (``''``), so the broker's totals keep them; an
   enqueue holds a shared advisory lock on its queue until it commits, which ``wq.delete_queue``
   takes exclusively, so a queue is never forgotten while a task is being put in it.
-- ``queues`` (every queue known, and whether it is paused), ``keys`` (idempotency keys in their
-  window), ``meta`` (schema version, the key that scatters task ids).
+- ``queues`` (every queue known, and whether it is paused; its limits and rate bucket,
+  docs/design/schedules.md, ``migrations/006_limits.sql``: a claim locks the row of a queue with
+  limits, only that), ``keys`` (idempotency keys in their window), ``meta`` (schema version, the
+  key that scatters task ids).
+- ``schedules`` (docs/design/schedules.md, ``migrations/005_schedules.sql``): a schedule a row,
+  its due ones found through an index on ``next_fire_at``. A fire is one call of ``wq.fire``: a
+  compare-and-set on the row's ``(next_fire_at, revision)`` that takes it ``FOR UPDATE SKIP
+  LOCKED`` (brokers firing together never queue behind each other), enqueues the task through
+  ``wq.enqueue`` and moves the row on, in one transaction: each (schedule, scheduled time)
+  enqueues one task, whichever brokers try. ``due_schedules`` reads the database's clock (with
+  ``db_clock``), and a schedule's times are compared with it as they are (they are the rule's
+  wall-clock times, never translated by the skew).
 
 Ids: each broker reserves blocks of 1024 numbers from the sequence ``wq.id_blocks`` and scatters
 them with the same bijection as the index (so they are unique across brokers and never repeat).

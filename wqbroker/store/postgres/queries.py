@@ -37,6 +37,15 @@ class Queries:
     requeue: str
     purge: str
     pause: str
+    set_limits: str
+    put_schedule: str
+    get_schedule: str
+    list_schedules: str
+    delete_schedule: str
+    pause_schedule: str
+    due_schedules: str
+    fire: str
+    skip_schedule: str
     stats: str
     queue_stats: str
     queues: str

@@ -30,6 +30,9 @@ MIGRATIONS: Final = Migrations("wqbroker.store.postgres", "migrations")
 # 2: set-based enqueue and acks, promotions reported by claims, fold, an index of key expiries
 # 3: control over every task (cancel, listing, expiry, time limits, unique keys, progress)
 # 4: results and workflows (results kept, tasks waiting for others, watched tasks)
+# 5: schedules (wq.schedules, wq.fire; the schedule of a fired task)
+# 6: limits per queue (their columns on wq.queues: wq.claim takes from a limited queue what they
+#    allow, under its row's lock)
 SCHEMA_VERSION: Final = MIGRATIONS.latest
 # Any constant: the key of the advisory lock taken while the schema is checked or made.
 _LOCK_KEY: Final = 0x7771_0000_0001

@@ -50,12 +50,16 @@ from wqbroker.models import (
     Delivery,
     Enqueued,
     Failure,
+    Limits,
     NackItem,
     NewTask,
     ParentResult,
     QueueReport,
     QueueStats,
+    RateLimit,
     Released,
+    Schedule,
+    ScheduleTask,
     Stats,
     SweepResult,
     Task,
@@ -104,6 +108,10 @@ _VACUUM: Final = {
 }
 # How long after a claim that came back short its queues are looked at again.
 LOOK_AGAIN_AFTER: Final = 0.05
+# A rate-limited queue's next token is looked for at least this long after now (the database's
+# clock and the broker's agree only to within the skew measured: a hint a little early would
+# have claims find no token, again and again, until it comes).
+_TOKEN_AFTER: Final = 0.001
 _OFFSET: Final = 2**63
 # The states of the table's rows (sql/functions.sql), by number.
 _STATES: Final = (READY, HANDED_OUT, DELAYED, DEAD, WAITING, SUCCEEDED)
@@ -132,7 +140,7 @@ def _task(row: Any, skew: float) -> Task:
     expires = row[9]
     finished = row[14]
     after = row[16]
-    return Task(
+    return Task(  # (row[18], row[19]: docs/design/schedules.md, the schedule that fired it)
         _hex(row[0]),
         row[1],
         row[2],
@@ -151,13 +159,15 @@ def _task(row: Any, skew: float) -> Task:
         row[15],
         None if after is None else tuple(_hex(k) for k in after),
         row[17],
+        row[18],
+        row[19],
     )
 
 
 def _handed(row: Any, skew: float) -> Task:
     """A view from a claim's row (wq.claim's columns after o_rn: the first nine of lookup's,
     then the expiry and the time limit; and, after the deadline, the result TTL given and the
-    parents)."""
+    parents; after o_fin, the schedule that fired it and its scheduled time)."""
     error = row[6]
     if error is not None:
         error = bytes(error).decode("utf-8", "surrogatepass")
@@ -179,7 +189,44 @@ def _handed(row: Any, skew: float) -> Task:
         task.result_ttl = row[12]
     if row[13] is not None:
         task.after = tuple(_hex(k) for k in row[13])
+    if row[16] is not None:  # (docs/design/schedules.md)
+        task.schedule, task.scheduled_for = row[16], row[17]
     return task
+
+
+def _schedule(row: Any, at: int = 0) -> Schedule:
+    """A schedule from its columns (sql/queries.sql lists them), from column ``at`` of ``row``.
+    Its times are the rule's: never translated between clocks."""
+    name, cron, timezone, every, queue, payload, priority, max_attempts = row[at : at + 8]
+    expires_in, timeout, result_ttl, paused, created, updated = row[at + 8 : at + 14]
+    next_fire_at, last_fire_at, last_task, fires, revision = row[at + 14 : at + 19]
+    task = ScheduleTask(payload, queue, priority, max_attempts, expires_in, timeout, result_ttl)
+    return Schedule(
+        name,
+        task,
+        cron,
+        timezone,
+        every,
+        paused,
+        created,
+        updated,
+        next_fire_at,
+        last_fire_at,
+        None if last_task is None else _hex(last_task),
+        fires,
+        revision,
+    )
+
+
+def _limited(row: QueueStats, limits: Sequence[Any]) -> QueueStats:
+    """A queue's row with its limits (docs/design/schedules.md), from the columns rate_tasks,
+    rate_per, rate_burst, concurrency and the tokens available (sql/queries.sql)."""
+    tasks, per, burst, concurrency, tokens = limits
+    if tasks is not None or concurrency is not None:
+        rate = None if tasks is None else RateLimit(tasks, per, burst)
+        row.limits = Limits(rate, concurrency)
+        row.tokens = tokens
+    return row
 
 
 def _parents(after: Sequence[int], results: Sequence[bytes | None]) -> list[ParentResult]:
@@ -234,9 +281,13 @@ def _bad_cursor() -> InvalidArgument:
 
 
 def _count(result: SweepResult, kind: int, queue: str, n: int) -> None:
-    """A sweep's row of tasks promoted (1), expired (8) or results pruned (9), counted."""
+    """A sweep's row of tasks promoted (1), expired (8) or results pruned (9), counted; or of a
+    queue with a concurrency limit whose leases ran out (11: its consumers may take tasks
+    again, docs/design/schedules.md)."""
     if kind == 1:
         result.promoted += n
+        result.ready_queues.add(queue)
+    elif kind == 11:
         result.ready_queues.add(queue)
     elif kind == 8:
         result.expired += n
@@ -346,6 +397,9 @@ class PostgresStore:
         self.vacuums = 0  # tables vacuumed by this broker (for the tests)
         # What acks released since the last take_released (docs/design/results.md).
         self._released: Released | None = None
+        # docs/design/schedules.md: when the next token comes to each rate-limited queue that a
+        # claim of this broker's found short of one (in the broker's clock), for limit_hint.
+        self._token_at: dict[str, float] = {}
 
     @property
     def announcements(self) -> int:
@@ -686,6 +740,7 @@ class PostgresStore:
         got: dict[int, Delivery] = {}
         promoted: list[str] = []
         finished: list[tuple[int, int]] = []
+        limited: dict[str, tuple[bool, float | None]] = {}  # (cut short, next token)
         for row in rows:
             if offset:
                 row = row[offset:]
@@ -695,6 +750,8 @@ class PostgresStore:
                 if row[14] is not None:
                     d.parents = _parents(row[14], row[15])
                 got[i] = d
+            elif row[16] == -1:  # a limited queue's row (docs/design/schedules.md)
+                limited[row[8]] = (bool(row[3]), None if row[12] is None else row[12] - skew)
             elif row[16] is not None:
                 finished.append((row[1], row[16]))
             else:
@@ -705,14 +762,63 @@ class PostgresStore:
         if promoted:  # for the others, and for this broker's consumers of other queues
             self._wake.announce(promoted)
             self._wake.tell(promoted)
-        if len(got) < len(lease_ids):
-            self._spawn(self._look_again(queues))
+        self._claim_seen(queues, limited, short=len(got) < len(lease_ids))
         out: list[list[Delivery]] = []
         at = 0
         for size in sizes:
             out.append([got[i] for i in range(at, at + size) if i in got])
             at += size
         return out
+
+    def _claim_seen(
+        self,
+        queues: tuple[str, ...],
+        limited: dict[str, tuple[bool, float | None]],
+        *,
+        short: bool,
+    ) -> None:
+        """What a claim of ``queues`` saw of their limits (docs/design/schedules.md; ``limited``:
+        per limited queue, whether its limits cut the claim short and when its next token
+        comes): kept for limit_hint (forgotten for the queues it did not name). A claim that
+        came back ``short`` has its queues looked at again (_look_again), but those its limits
+        cut short: their tasks are not locked but held back, and a token or a freed slot says
+        when to look again."""
+        token_at = self._token_at
+        if limited or token_at:
+            for name in queues:
+                _, at = limited.get(name, (False, None))
+                if at is None:
+                    token_at.pop(name, None)
+                else:
+                    token_at[name] = at
+        if short:
+            look = tuple(q for q in queues if not (q in limited and limited[q][0]))
+            if look:
+                self._spawn(self._look_again(look))
+
+    def limit_hint(self, queues: Sequence[str], now: float) -> float | None:
+        """When the next token comes to one of ``queues``, as this broker's last claims of them
+        saw their rows (None: none was short of one). Another broker may take it first: then
+        the claim at that time sees when the next comes."""
+        token_at = self._token_at
+        if not token_at:
+            return None
+        when: float | None = None
+        for name in queues:
+            at = token_at.get(name)
+            if at is not None and (when is None or at < when):
+                when = at
+        return None if when is None else max(when, now + _TOKEN_AFTER)
+
+    def _freed(self, queues: Iterable[str]) -> None:
+        """Tasks of queues with a concurrency limit were settled or reclaimed: slots are free
+        again (docs/design/schedules.md). This broker's consumers are told (take_released), and
+        the other brokers' (announced as ready)."""
+        released = self._released
+        if released is None:
+            released = self._released = Released()
+        released.queues.update(queues)
+        self._wake.announce(queues)
 
     async def _look_again(self, queues: tuple[str, ...]) -> None:
         """After a claim that came back short: if ready tasks are left in its queues, they were
@@ -853,10 +959,8 @@ class PostgresStore:
                         self._held -= 1  # (forgotten; a result kept is held)
             elif kind == 1:
                 changed = self._nacked(plan, i, outcome, retry_at) or changed
-            elif kind == 2:
-                self._release(queue, outcome, retry_at)
-                if outcome:
-                    released.add(queue)
+            elif kind == 2 or kind == 4:
+                self._settled_queue(kind, queue, outcome, retry_at, released)
             else:
                 finished.append((key, outcome))
         if changed:
@@ -865,6 +969,19 @@ class PostgresStore:
             self._wake.announce(released)
         self._tell_finished(finished)
         return acked, plan.nacked
+
+    def _settled_queue(
+        self, kind: int, queue: str, ready: int, due: float | None, released: set[str]
+    ) -> None:
+        """A row of wq.settle about a queue: children released in it by an ack (2: ``ready``
+        of them ready, the earliest ``due`` of those delayed; ``released`` gathers the queues
+        to announce), or slots of its concurrency limit freed (4: docs/design/schedules.md)."""
+        if kind == 4:
+            self._freed((queue,))
+            return
+        self._release(queue, ready, due)
+        if ready:
+            released.add(queue)
 
     def _nacked(self, plan: _SettlePlan, i: int, outcome: int, retry_at: float | None) -> bool:
         """A nack's row of wq.settle (the ``i``-th sent) read into its outcome; whether it
@@ -1017,7 +1134,7 @@ class PostgresStore:
         if len(rows) <= limit:
             return TaskPage(tasks, None)
         last = rows[limit - 1]
-        key: tuple[float, ...] = (last[19],) if state in _ONE_NUMBER else (last[18], last[19])
+        key: tuple[float, ...] = (last[21],) if state in _ONE_NUMBER else (last[20], last[21])
         return TaskPage(tasks, key)
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
@@ -1111,7 +1228,7 @@ class PostgresStore:
                 self._wake.counted(n, started)
             elif kind == 10:
                 finished.append((key, n))
-            elif kind in (1, 8, 9):
+            elif kind in (1, 8, 9, 11):
                 _count(result, kind, queue, n)
             else:
                 self._hint(kind, queue, n, at, names, dirty)
@@ -1190,6 +1307,26 @@ class PostgresStore:
             if not paused:
                 self._wake.announce((queue,))
 
+    async def set_limits(self, queue: str, limits: Limits | None, *, now: float) -> None:
+        """Kept in the queue's row, with its rate bucket (docs/design/schedules.md); the other
+        brokers' consumers of the queue look again (a limit raised or cleared)."""
+        rate = None if limits is None else limits.rate
+        concurrency = None if limits is None else limits.concurrency
+        status = await self._execute(
+            Q.set_limits,
+            queue,
+            None if rate is None else rate.tasks,
+            None if rate is None else rate.per,
+            None if rate is None else rate.burst,
+            concurrency,
+            self._now(now),
+        )
+        self._queue_names.add(queue)
+        self._token_at.pop(queue, None)
+        if not status.endswith(" 0"):
+            self.transactions += 1
+            self._wake.announce((queue,))
+
     async def stats(self, queue: str | None = None) -> Stats:
         if queue is None:
             row = await self._fetchrow(Q.stats)
@@ -1203,21 +1340,33 @@ class PostgresStore:
             ready, handed_out, delayed, dead, Totals(*totals), waiting=waiting, succeeded=succeeded
         )
 
-    async def queues(self) -> list[QueueStats]:
-        rows = await self._fetch(Q.queues)
-        out = [QueueStats(r[0], r[2], r[3], r[4], r[5], r[1], r[6], r[7]) for r in rows]
+    def _tokens_now(self, now: float | None) -> tuple[float | None, bool]:
+        """The arguments by which the statements queues and report give the tokens of a
+        rate-limited queue: at ``now`` (None: as left by its last claim), or at the database's
+        clock (db_clock)."""
+        if now is None:
+            return None, False
+        return self._now(now), self.db_clock
+
+    async def queues(self, *, now: float | None = None) -> list[QueueStats]:
+        rows = await self._fetch(Q.queues, *self._tokens_now(now))
+        out = [
+            _limited(QueueStats(r[0], r[2], r[3], r[4], r[5], r[1], r[6], r[7]), r[8:13])
+            for r in rows
+        ]
         out.sort(key=lambda q: q.name)
         self._queue_names = {q.name for q in out}
         return out
 
-    async def queue_report(self) -> list[QueueReport]:
+    async def queue_report(self, *, now: float | None = None) -> list[QueueReport]:
         out = []
-        rows = await self._fetch(Q.report, PRIORITIES)
+        rows = await self._fetch(Q.report, PRIORITIES, *self._tokens_now(now))
         for name, paused, ready, handed_out, delayed, dead, *rest in rows:
-            *totals, waiting, succeeded, oldest = rest
+            *totals, waiting, succeeded, oldest = rest[:-5]
+            row = QueueStats(name, ready, handed_out, delayed, dead, paused, waiting, succeeded)
             out.append(
                 QueueReport(
-                    QueueStats(name, ready, handed_out, delayed, dead, paused, waiting, succeeded),
+                    _limited(row, rest[-5:]),
                     Totals(*totals),
                     None if oldest is None else oldest - self.skew,
                 )
@@ -1232,7 +1381,7 @@ class PostgresStore:
         row = await self._fetchrow(Q.lookup, _key(n))
         if row is None:
             return None
-        return TaskState(_task(row, self.skew), _STATES[row[18]])
+        return TaskState(_task(row, self.skew), _STATES[row[20]])
 
     async def watch(self, task_id: str) -> TaskState:
         """One statement (wq.watch): the task marked watched if it is pending, then read."""
@@ -1240,7 +1389,7 @@ class PostgresStore:
         row = None if n is None else await self._fetchrow(Q.watch, _key(n))
         if row is None:
             raise NotFound(f"task {quoted(task_id)} does not exist")
-        return TaskState(_task(row, self.skew), _STATES[row[18]])
+        return TaskState(_task(row, self.skew), _STATES[row[20]])
 
     async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
         n = parse_id(task_id)
@@ -1259,6 +1408,104 @@ class PostgresStore:
 
     def problem(self) -> str | None:
         return self._pool.problem()
+
+    # -- schedules (docs/design/schedules.md): rows of wq.schedules, a fire one call of wq.fire
+
+    async def put_schedule(self, schedule: Schedule, *, now: float) -> Schedule:
+        t = schedule.task
+        row = await self._fetchrow(
+            Q.put_schedule,
+            schedule.name,
+            schedule.cron,
+            schedule.timezone,
+            schedule.every,
+            t.queue,
+            t.payload,
+            t.priority,
+            t.max_attempts,
+            t.expires_in,
+            t.timeout,
+            t.result_ttl,
+            schedule.paused,
+            now,
+            None if schedule.paused else schedule.next_fire_at,
+        )
+        assert row is not None
+        self.transactions += 1
+        return _schedule(row)
+
+    async def get_schedule(self, name: str) -> Schedule | None:
+        row = await self._fetchrow(Q.get_schedule, name)
+        return None if row is None else _schedule(row)
+
+    async def list_schedules(self) -> list[Schedule]:
+        return [_schedule(row) for row in await self._fetch(Q.list_schedules)]
+
+    async def delete_schedule(self, name: str) -> bool:
+        deleted = not (await self._execute(Q.delete_schedule, name)).endswith(" 0")
+        self.transactions += deleted
+        return deleted
+
+    async def set_schedule_paused(
+        self, name: str, paused: bool, next_fire_at: float | None, *, now: float
+    ) -> Schedule | None:
+        row = await self._fetchrow(
+            Q.pause_schedule, name, paused, None if paused else next_fire_at, now
+        )
+        if row is None:
+            return None
+        self.transactions += 1
+        return _schedule(row)
+
+    async def due_schedules(self, now: float) -> tuple[float, list[Schedule], float | None]:
+        """One statement: the time (the database's, with ``db_clock``: a schedule's times are
+        wall-clock times, compared with the database's clock as they are), the due schedules
+        and the earliest next fire of the others."""
+        rows = await self._fetch(Q.due_schedules, self._now(now))
+        first = rows[0]
+        due = [_schedule(row, 2) for row in rows if row[2] is not None]
+        return float(first[0]), due, first[1]
+
+    async def fire_schedule(
+        self,
+        name: str,
+        expected: float,
+        scheduled_for: float,
+        next_fire_at: float,
+        task: NewTask,
+        *,
+        now: float,
+        revision: int,
+    ) -> Enqueued | None:
+        """One call of wq.fire: the compare-and-set, the enqueue (wq.enqueue's own) and the
+        move, in one transaction (not grouped: each fire is its own compare-and-set)."""
+        items = (task,)
+        ids = await self._new_ids(1)
+        args, _ = self._enqueue_args(items, ids, now, None)
+        try:
+            rows = await self._fetch(
+                Q.fire, name, expected, revision, scheduled_for, next_fire_at, *args[:16]
+            )
+        except asyncpg.PostgresError as e:
+            raise _refused(e, items) from None
+        if not rows:
+            return None
+        out, ready = self._enqueued(items, rows, {})
+        done = out[0]
+        assert done.task is not None
+        done.task.schedule, done.task.scheduled_for = task.schedule, task.scheduled_for
+        self.transactions += 1
+        if ready:
+            self._wake.announce(ready)
+        return done
+
+    async def skip_schedule(
+        self, name: str, expected: float, next_fire_at: float, *, revision: int
+    ) -> bool:
+        status = await self._execute(Q.skip_schedule, name, expected, revision, next_fire_at)
+        moved = not status.endswith(" 0")
+        self.transactions += moved
+        return moved
 
     # Hints (for the service's -max-tasks and -max-queues): the database is shared with other
     # brokers, so they are this broker's view as of its last sweep (a fraction of a second old)

@@ -578,6 +578,38 @@ BEGIN
     END IF;
 END $$;
 
+-- A schedule's fire (docs/design/schedules.md), a compare-and-set: if schedule p_name is not
+-- paused and its next_fire_at and revision are p_expected and p_revision (the row as the broker
+-- read it), its task is enqueued as any (wq.enqueue, with the rest of the arguments: one task, no
+-- key, no parents), marked with the schedule and p_scheduled (its scheduled time), and the row
+-- moved on: next_fire_at p_next, last_fire_at p_scheduled, last_task_id, fires + 1; wq.enqueue's
+-- row comes back. Else nothing (no row). A schedule row another transaction holds (another broker
+-- firing it, a put) is skipped, not waited for: that one fires it, or changes it.
+CREATE FUNCTION wq.fire(p_name text, p_expected float8, p_revision bigint, p_scheduled float8,
+    p_next float8, p_now float8, p_ids bigint[], p_queues text[], p_prios int[],
+    p_payloads bytea[], p_max int[], p_delays float8[], p_keys text[], p_untils float8[],
+    p_notify text, p_expires float8[], p_timeouts float8[], p_uniques boolean[],
+    p_ttl float8, p_ttls float8[], p_given boolean[])
+RETURNS TABLE (o_i int, o_id bigint, o_dup boolean, o_at float8, o_available float8,
+    o_state int, o_waiting int, o_error bytea)
+LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM 1 FROM wq.schedules s
+        WHERE s.name = p_name AND s.next_fire_at = p_expected AND s.revision = p_revision
+        AND NOT s.paused
+        FOR UPDATE SKIP LOCKED;
+    IF NOT FOUND THEN
+        RETURN;
+    END IF;
+    RETURN QUERY SELECT * FROM wq.enqueue(p_now, p_ids, p_queues, p_prios, p_payloads, p_max,
+        p_delays, p_keys, p_untils, p_notify, p_expires, p_timeouts, p_uniques, p_ttl, p_ttls,
+        p_given, NULL, NULL, NULL, NULL);
+    UPDATE wq.tasks SET schedule = p_name, scheduled_for = p_scheduled WHERE id = p_ids[1];
+    UPDATE wq.schedules SET next_fire_at = p_next, last_fire_at = p_scheduled,
+        last_task_id = p_ids[1], fires = fires + 1
+        WHERE name = p_name;
+END $$;
+
 -- Delayed tasks due by now, to the tail of ready (in order of due time): per queue, how many.
 -- Rows another call is promoting are skipped, not waited for: that call announces them once it
 -- commits. (Waiting would be worse: a row that was waited for and found promoted by the other
@@ -665,13 +697,24 @@ END $$;
 -- or a waiter is left to the next wq.expire, which sees to them). A task with parents comes with
 -- them (o_after, in order) and the results they hold (o_results). Rows: first the queues in which
 -- delayed tasks were promoted (o_rn NULL, o_queue), and the watched tasks that expired (o_rn
--- NULL, o_id, o_fin: 5; announced with p_head), then the tasks handed out.
+-- NULL, o_id, o_fin: 5; announced with p_head), then the tasks handed out (a task a schedule
+-- fired with its schedule and scheduled time: o_schedule, o_scheduled).
+--
+-- Limits per queue (docs/design/schedules.md): the listed queues' rows are read once (a paused
+-- one is passed over); those with limits are locked (FOR UPDATE, in name order, so that claims
+-- over several of them never wait for each other in a cycle) until the transaction ends, and a
+-- claim takes from such a queue at most what its bucket holds (brought up to date at now_, the
+-- tokens taken written back) and what leaves it at most concurrency tasks handed out, then moves
+-- on to the next queue. So the limits hold over every broker; a queue without limits is never
+-- locked. For each limited queue it looked at, a row (o_rn NULL, o_fin -1, o_queue): o_attempts
+-- 1 if its limits cut the claim short (ready tasks may be left), and o_deadline when its next
+-- token comes, if the rate is what cut it (the broker's limit_hint).
 CREATE FUNCTION wq.claim(p_now float8, p_leases float8[], p_lease_ids text[], p_queues text[],
     p_head text)
 RETURNS TABLE (o_rn bigint, o_id bigint, o_payload bytea, o_attempts int, o_max int,
     o_created float8, o_available float8, o_error bytea, o_queue text, o_priority smallint,
     o_expires float8, o_timeout float8, o_deadline float8, o_ttl float8, o_after bigint[],
-    o_results bytea[], o_fin int)
+    o_results bytea[], o_fin int, o_schedule text, o_scheduled float8)
 LANGUAGE plpgsql AS $$
 DECLARE
     now_ float8 := wq.clock(p_now);
@@ -682,6 +725,19 @@ DECLARE
     q text;
     fin_ids bigint[];
     fin_sts int[];
+    paused text[];
+    limited text[];
+    ask int;
+    lim int;
+    r_tasks int;
+    r_per float8;
+    r_burst int;
+    conc int;
+    toks float8;
+    at_ float8;
+    held bigint;
+    cut boolean;
+    slack float8;
 BEGIN
     IF EXISTS (SELECT 1 FROM wq.tasks t
                WHERE t.state IN (0, 2) AND t.expires_at IS NOT NULL AND t.expires_at <= now_) THEN
@@ -692,7 +748,7 @@ BEGIN
             RETURN QUERY SELECT NULL::bigint, u.id, NULL::bytea, NULL::int, NULL::int,
                 NULL::float8, NULL::float8, NULL::bytea, NULL::text, NULL::smallint,
                 NULL::float8, NULL::float8, NULL::float8, NULL::float8, NULL::bigint[],
-                NULL::bytea[], u.st
+                NULL::bytea[], u.st, NULL::text, NULL::float8
                 FROM unnest(fin_ids, fin_sts) AS u (id, st);
         END IF;
     END IF;
@@ -700,19 +756,52 @@ BEGIN
     -- want them.
     RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::bytea, NULL::int, NULL::int,
         NULL::float8, NULL::float8, NULL::bytea, p.o_queue, NULL::smallint, NULL::float8,
-        NULL::float8, NULL::float8, NULL::float8, NULL::bigint[], NULL::bytea[], NULL::int
+        NULL::float8, NULL::float8, NULL::float8, NULL::bigint[], NULL::bytea[], NULL::int,
+        NULL::text, NULL::float8
         FROM wq.promote(now_) p;
     base := nextval('wq.ord') * 1048576;
+    SELECT array_agg(p.name) FILTER (WHERE p.paused),
+           array_agg(p.name) FILTER (WHERE NOT p.paused
+                                     AND (p.rate_tasks IS NOT NULL OR p.concurrency IS NOT NULL))
+        INTO paused, limited FROM wq.queues p WHERE p.name = ANY(p_queues);
+    IF limited IS NOT NULL THEN
+        PERFORM 1 FROM wq.queues p WHERE p.name = ANY(limited) ORDER BY p.name FOR UPDATE;
+        -- (The database's clock read again once the rows are this claim's: the claims of a
+        -- limited queue then take its tokens in the order of their times.)
+        now_ := wq.clock(p_now);
+    END IF;
     FOREACH q IN ARRAY p_queues LOOP
         EXIT WHEN got >= want;
-        CONTINUE WHEN EXISTS (SELECT 1 FROM wq.queues p WHERE p.name = q AND p.paused);
+        CONTINUE WHEN q = ANY(paused);
+        ask := want - got;
+        lim := ask;
+        IF q = ANY(limited) THEN
+            -- (read again: locked now, as the last claim from it left it)
+            SELECT p.rate_tasks, p.rate_per, p.rate_burst, p.concurrency, p.tokens, p.refilled_at
+                INTO r_tasks, r_per, r_burst, conc, toks, at_ FROM wq.queues p WHERE p.name = q;
+            IF r_tasks IS NOT NULL THEN
+                at_ := coalesce(at_, now_);
+                toks := least(r_burst::float8,
+                              coalesce(toks, r_burst) + greatest(now_ - at_, 0) * r_tasks / r_per);
+                at_ := greatest(at_, now_);
+                -- (a token less what refills in a microsecond counts as one: times are floats)
+                slack := least(1e-3, greatest(1e-9, r_tasks / r_per * 1e-6));
+                lim := least(lim, floor(toks + slack)::int);
+            END IF;
+            IF conc IS NOT NULL THEN
+                SELECT count(*) INTO held FROM (
+                    SELECT 1 FROM wq.tasks t WHERE t.state = 1 AND t.queue = q LIMIT conc) s;
+                lim := least(lim, greatest(conc - held, 0));
+            END IF;
+        END IF;
+        -- (LIMIT 0, for a limited queue that allows nothing now: no row is looked at)
         RETURN QUERY
         WITH cand AS (
             SELECT t.id, t.priority, t.ord, t.expires_at,
                 t.kids OR t.parents > 0 OR t.watched AS special
             FROM wq.tasks t
             WHERE t.state = 0 AND t.queue = q
-            ORDER BY t.priority DESC, t.ord LIMIT want - got
+            ORDER BY t.priority DESC, t.ord LIMIT lim
             FOR UPDATE SKIP LOCKED),
         live AS (
             SELECT c.id, got + row_number() OVER (ORDER BY c.priority DESC, c.ord) AS rn
@@ -739,7 +828,7 @@ BEGIN
                     SELECT array_agg(p.result ORDER BY e.pos) FROM wq.edges e
                     LEFT JOIN wq.tasks p ON p.id = e.parent AND p.state = 5
                     WHERE e.child = t.id) END,
-                NULL::int),
+                NULL::int, t.schedule, t.scheduled_for),
         bump AS (
             INSERT INTO wq.counters AS k (slot, queue, delivered, ready, handed_out, expired)
             SELECT pg_backend_pid(), q, u.n, -u.n - x.n, u.n, x.n
@@ -751,6 +840,21 @@ BEGIN
         SELECT * FROM upd ORDER BY 1;
         GET DIAGNOSTICS n = ROW_COUNT;
         got := got + n;
+        IF q = ANY(limited) THEN
+            IF r_tasks IS NOT NULL THEN
+                toks := toks - n;
+                UPDATE wq.queues p SET tokens = toks, refilled_at = at_ WHERE p.name = q;
+            END IF;
+            cut := lim < ask AND n >= lim AND (lim > 0 OR EXISTS (
+                SELECT 1 FROM wq.tasks t WHERE t.state = 0 AND t.queue = q));
+            RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::bytea, cut::int, NULL::int,
+                NULL::float8, NULL::float8, NULL::bytea, q, NULL::smallint, NULL::float8,
+                NULL::float8,
+                CASE WHEN cut AND r_tasks IS NOT NULL AND toks < 1 - slack
+                          AND (conc IS NULL OR held + n < conc)
+                     THEN at_ + (1 - toks) * r_per / r_tasks END,
+                NULL::float8, NULL::bigint[], NULL::bytea[], -1, NULL::text, NULL::float8;
+        END IF;
     END LOOP;
 END $$;
 
@@ -801,7 +905,9 @@ END $$;
 -- became ready (o_outcome) and the earliest due time of those delayed (o_retry_at). A nacked one
 -- buried, or dropped (it was cancelling), buries its waiting children (wq.ended). o_kind 3: a
 -- watched task that ended (o_id; o_outcome: 1 succeeded, 2 acked, 3 dead, 4 cancelled),
--- announced with p_head.
+-- announced with p_head. o_kind 4: a queue with a concurrency limit some of whose tasks were
+-- settled (o_queue): slots are free again (docs/design/schedules.md; one probe of its row per
+-- queue settled, in the statement that counts them).
 CREATE FUNCTION wq.settle(p_now float8, p_ack_ids bigint[], p_ack_leases text[],
     p_ids bigint[], p_leases text[], p_errors bytea[], p_delays float8[], p_terminal boolean[],
     p_us float8[], p_reclaim boolean, p_base float8, p_cap float8, p_results bytea[],
@@ -831,6 +937,10 @@ DECLARE
     x_gone boolean[];
     fin_ids bigint[] := '{}';
     fin_sts int[] := '{}';
+    -- Queues of tasks settled one by one, and those of them (or of the batch) that have a
+    -- concurrency limit.
+    touched text[];
+    freed text[];
 BEGIN
     IF (SELECT count(DISTINCT x) FROM unnest(p_ack_ids) x) = array_length(p_ack_ids, 1) THEN
         -- Acks of distinct tasks (the usual batch): as a set, counted once per queue.
@@ -852,8 +962,11 @@ BEGIN
                    array_agg(d.kids) FILTER (WHERE d.kids OR d.parents > 0 OR d.watched),
                    array_agg(d.parents) FILTER (WHERE d.kids OR d.parents > 0 OR d.watched),
                    array_agg(d.watched) FILTER (WHERE d.kids OR d.parents > 0 OR d.watched),
-                   array_agg(true) FILTER (WHERE d.kids OR d.parents > 0 OR d.watched)
-                INTO done, x_ids, x_kids, x_parents, x_watched, x_gone FROM d;
+                   array_agg(true) FILTER (WHERE d.kids OR d.parents > 0 OR d.watched),
+                   (SELECT array_agg(g.queue) FROM g WHERE EXISTS (
+                        SELECT 1 FROM wq.queues p WHERE p.name = g.queue
+                        AND p.concurrency IS NOT NULL))
+                INTO done, x_ids, x_kids, x_parents, x_watched, x_gone, freed FROM d;
         ELSE
             WITH a AS (
                 SELECT * FROM unnest(p_ack_ids, p_ack_leases, p_results)
@@ -885,8 +998,11 @@ BEGIN
                    array_agg(b.kids) FILTER (WHERE b.kids OR b.parents > 0 OR b.watched),
                    array_agg(b.parents) FILTER (WHERE b.kids OR b.parents > 0 OR b.watched),
                    array_agg(b.watched) FILTER (WHERE b.kids OR b.parents > 0 OR b.watched),
-                   array_agg(b.gone) FILTER (WHERE b.kids OR b.parents > 0 OR b.watched)
-                INTO done, x_ids, x_kids, x_parents, x_watched, x_gone FROM b;
+                   array_agg(b.gone) FILTER (WHERE b.kids OR b.parents > 0 OR b.watched),
+                   (SELECT array_agg(g.queue) FROM g WHERE EXISTS (
+                        SELECT 1 FROM wq.queues p WHERE p.name = g.queue
+                        AND p.concurrency IS NOT NULL))
+                INTO done, x_ids, x_kids, x_parents, x_watched, x_gone, freed FROM b;
         END IF;
         RETURN QUERY SELECT 0, a.i::int,
             CASE WHEN a.i = ANY(done) THEN 0 ELSE wq.miss(a.id) END, NULL::float8,
@@ -925,6 +1041,9 @@ BEGIN
             x_ids := x_ids || p_ack_ids[j]; x_kids := x_kids || kd; x_parents := x_parents || np;
             x_watched := x_watched || wt; x_gone := x_gone || NOT kept;
         END IF;
+        IF o_outcome = 0 THEN
+            touched := touched || q;
+        END IF;
         RETURN NEXT;
     END LOOP;
     IF x_ids IS NOT NULL THEN
@@ -949,6 +1068,7 @@ BEGIN
         IF FOUND AND c THEN
             PERFORM wq.drop(p_ids[j], q);
             o_outcome := 3;
+            touched := touched || q;
             IF kd OR np > 0 OR wt THEN
                 SELECT fin_ids || array_agg(e.o_id), fin_sts || array_agg(e.o_st)
                     INTO fin_ids, fin_sts
@@ -956,6 +1076,7 @@ BEGIN
             END IF;
         ELSIF FOUND THEN
             o_outcome := 0;
+            touched := touched || q;
             o_retry_at := wq.fail(p_ids[j], q, a, m, now_, p_errors[j], p_delays[j],
                 p_terminal[j], p_us[j], p_reclaim, p_base, p_cap, base + j);
             IF o_retry_at IS NULL AND (kd OR wt) THEN
@@ -969,6 +1090,14 @@ BEGIN
         END IF;
         RETURN NEXT;
     END LOOP;
+    IF touched IS NOT NULL THEN
+        freed := freed || ARRAY(SELECT p.name FROM wq.queues p
+                                WHERE p.name = ANY(touched) AND p.concurrency IS NOT NULL);
+    END IF;
+    IF cardinality(freed) > 0 THEN
+        RETURN QUERY SELECT DISTINCT 4, NULL::int, NULL::int, NULL::float8, NULL::bigint, u.q
+            FROM unnest(freed) AS u (q);
+    END IF;
     IF cardinality(fin_ids) > 0 THEN
         PERFORM wq.tell(p_head, fin_ids, fin_sts);
         RETURN QUERY SELECT 3, NULL::int, u.st, NULL::float8, u.id, NULL::text
@@ -1052,8 +1181,9 @@ END $$;
 -- live child still pins is looked at again a minute later, or as soon as that child leaves:
 -- wq.depart), forget expired keys. o_kind 0: a reclaimed task (o_id, o_lease); 1: promoted
 -- (o_queue, o_n); 8: expired (o_queue, o_n); 9: results pruned (o_n); 10: a watched task that
--- ended (o_id; o_n: 3 dead, 4 cancelled, 5 expired; announced with p_head); 2: when the next
--- thing is due (o_due, NULL if nothing is scheduled); then, for the broker's hints: 3: each
+-- ended (o_id; o_n: 3 dead, 4 cancelled, 5 expired; announced with p_head); 11: a queue with a
+-- concurrency limit one of whose leases ran out (o_queue: docs/design/schedules.md); 2: when the
+-- next thing is due (o_due, NULL if nothing is scheduled); then, for the broker's hints: 3: each
 -- queue known (o_queue; only if p_names); 4: how many tasks are held (o_n); 5: the database's
 -- clock (o_due).
 CREATE FUNCTION wq.sweep(p_now float8, p_us float8[], p_base float8, p_cap float8,
@@ -1070,6 +1200,7 @@ DECLARE
     fin_sts int[] := '{}';
     pruned bigint;
     unlink bigint[];
+    touched text[];
 BEGIN
     FOR r IN SELECT t.id, t.lease_id, t.queue, t.attempts, t.max_attempts, t.cancelling,
                     t.kids, t.parents, t.watched
@@ -1096,7 +1227,13 @@ BEGIN
         o_kind := 0; o_id := r.id; o_lease := r.lease_id; o_queue := r.queue; o_n := NULL;
         o_due := NULL;
         RETURN NEXT;
+        touched := touched || r.queue;
     END LOOP;
+    IF touched IS NOT NULL THEN
+        -- 11: a queue with a concurrency limit whose leases ran out: slots free again.
+        RETURN QUERY SELECT 11, NULL::bigint, NULL::text, p.name, NULL::bigint, NULL::float8
+            FROM wq.queues p WHERE p.name = ANY(touched) AND p.concurrency IS NOT NULL;
+    END IF;
     IF EXISTS (SELECT 1 FROM wq.tasks t
                WHERE t.state IN (0, 2, 4) AND t.expires_at IS NOT NULL
                AND t.expires_at <= now_) THEN

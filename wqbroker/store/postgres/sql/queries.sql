@@ -40,7 +40,7 @@ SELECT * FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, 
 SELECT 0 AS part, s.o_kind, s.o_i, s.o_outcome, s.o_retry_at, s.o_id, s.o_queue,
     NULL::bigint, NULL::bigint, NULL::bytea, NULL::int, NULL::int, NULL::float8, NULL::float8,
     NULL::bytea, NULL::text, NULL::smallint, NULL::float8, NULL::float8, NULL::float8,
-    NULL::float8, NULL::bigint[], NULL::bytea[], NULL::int
+    NULL::float8, NULL::bigint[], NULL::bytea[], NULL::int, NULL::text, NULL::float8
 FROM wq.settle($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) s
 UNION ALL
 SELECT 1, NULL, NULL, NULL, NULL, NULL, NULL, c.*
@@ -87,6 +87,134 @@ SELECT * FROM wq.delete_queue($1)
 INSERT INTO wq.queues AS q (name, paused) VALUES ($1, $2) ON CONFLICT (name) DO UPDATE
 SET paused = excluded.paused WHERE q.paused <> excluded.paused
 
+-- name: set_limits
+-- Queue $1's limits (docs/design/schedules.md; the queue made if new): $2 hand-outs per $3
+-- seconds from a bucket of $4 tokens, at most $5 handed out at once (NULL: no such limit). The
+-- bucket starts full at $6 (NULL: the database's clock) when the rate is set or changed, and goes
+-- on as it stood when only the concurrency changes. (Waits for the claims that hold the row.)
+INSERT INTO wq.queues AS q (name, rate_tasks, rate_per, rate_burst, concurrency, tokens,
+    refilled_at)
+VALUES ($1, $2::int, $3::float8, $4::int, $5::int, $4::int, wq.clock($6::float8))
+ON CONFLICT (name) DO UPDATE SET rate_tasks = excluded.rate_tasks,
+    rate_per = excluded.rate_per, rate_burst = excluded.rate_burst,
+    concurrency = excluded.concurrency,
+    tokens = CASE WHEN (q.rate_tasks, q.rate_per, q.rate_burst) IS NOT DISTINCT FROM
+                       (excluded.rate_tasks, excluded.rate_per, excluded.rate_burst)
+                  THEN q.tokens ELSE excluded.tokens END,
+    refilled_at = CASE WHEN (q.rate_tasks, q.rate_per, q.rate_burst) IS NOT DISTINCT FROM
+                            (excluded.rate_tasks, excluded.rate_per, excluded.rate_burst)
+                       THEN q.refilled_at ELSE excluded.refilled_at END
+WHERE (q.rate_tasks, q.rate_per, q.rate_burst, q.concurrency) IS DISTINCT FROM
+      (excluded.rate_tasks, excluded.rate_per, excluded.rate_burst, excluded.concurrency)
+
+-- == schedules (docs/design/schedules.md) ==
+-- A schedule's columns, in the order store.py's _schedule reads them: name, the rule (cron,
+-- timezone, every), the task (queue, payload, priority, max_attempts, expires_in, timeout,
+-- result_ttl), paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+-- revision.
+
+-- name: put_schedule
+-- Schedule $1 inserted, or replaced: a replace keeps created_at, fires, last_fire_at and
+-- last_task_id, and next_fire_at when both are not paused and the rule is the same ($14 is for a
+-- new rule; NULL for a paused one); one the same as stored (rule, task, paused) is left as it
+-- stands (the conflict's WHERE). Every write draws a revision. The row as it then stands.
+WITH put AS (
+    INSERT INTO wq.schedules AS s (name, cron, timezone, every, queue, payload, priority,
+        max_attempts, expires_in, timeout, result_ttl, paused, created_at, updated_at,
+        next_fire_at, last_fire_at, last_task_id, fires, revision)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $13, $14, NULL, NULL, 0,
+        nextval('wq.schedule_revisions'))
+    ON CONFLICT (name) DO UPDATE SET cron = excluded.cron, timezone = excluded.timezone,
+        every = excluded.every, queue = excluded.queue, payload = excluded.payload,
+        priority = excluded.priority, max_attempts = excluded.max_attempts,
+        expires_in = excluded.expires_in, timeout = excluded.timeout,
+        result_ttl = excluded.result_ttl, paused = excluded.paused,
+        updated_at = excluded.updated_at, revision = excluded.revision,
+        next_fire_at = CASE
+            WHEN NOT s.paused AND NOT excluded.paused AND s.cron IS NOT DISTINCT FROM excluded.cron
+                 AND s.timezone = excluded.timezone AND s.every IS NOT DISTINCT FROM excluded.every
+            THEN s.next_fire_at ELSE excluded.next_fire_at END
+    WHERE (s.cron, s.timezone, s.every, s.queue, s.payload, s.priority, s.max_attempts,
+           s.expires_in, s.timeout, s.result_ttl, s.paused)
+        IS DISTINCT FROM (excluded.cron, excluded.timezone, excluded.every, excluded.queue,
+           excluded.payload, excluded.priority, excluded.max_attempts, excluded.expires_in,
+           excluded.timeout, excluded.result_ttl, excluded.paused)
+    RETURNING name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in,
+        timeout, result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at,
+        last_task_id, fires, revision)
+SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
+       result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+       revision
+FROM put
+UNION ALL
+SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
+       result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+       revision
+FROM wq.schedules WHERE name = $1 AND NOT EXISTS (SELECT 1 FROM put)
+
+-- name: get_schedule
+SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
+       result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+       revision
+FROM wq.schedules WHERE name = $1
+
+-- name: list_schedules
+SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
+       result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+       revision
+FROM wq.schedules ORDER BY name
+
+-- name: delete_schedule
+DELETE FROM wq.schedules WHERE name = $1
+
+-- name: pause_schedule
+-- Schedule $1 paused ($2 true: next_fire_at $3 NULL) or resumed (next_fire_at $3), at $4; one
+-- already so is left as it stands. The row as it then stands (none: no such schedule).
+WITH up AS (
+    UPDATE wq.schedules SET paused = $2, next_fire_at = $3, updated_at = $4,
+        revision = nextval('wq.schedule_revisions')
+    WHERE name = $1 AND paused <> $2
+    RETURNING name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in,
+        timeout, result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at,
+        last_task_id, fires, revision)
+SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
+       result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+       revision
+FROM up
+UNION ALL
+SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
+       result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
+       revision
+FROM wq.schedules WHERE name = $1 AND NOT EXISTS (SELECT 1 FROM up)
+
+-- name: due_schedules
+-- The time: $1, or (NULL) the database's clock (as wq.clock, spelt out); the earliest next fire
+-- of the schedules not yet due (NULL: none); then the columns of each due schedule (not paused,
+-- next_fire_at at or before the time), earliest first (none due: one row, its columns NULL).
+-- Two probes of schedules_due: its cost is what is due.
+WITH c AS (SELECT coalesce($1, extract(epoch FROM clock_timestamp())::float8) AS t)
+SELECT c.t,
+       (SELECT min(x.next_fire_at) FROM wq.schedules x
+        WHERE NOT x.paused AND x.next_fire_at IS NOT NULL AND x.next_fire_at > c.t),
+       s.name, s.cron, s.timezone, s.every, s.queue, s.payload, s.priority, s.max_attempts,
+       s.expires_in, s.timeout, s.result_ttl, s.paused, s.created_at, s.updated_at,
+       s.next_fire_at, s.last_fire_at, s.last_task_id, s.fires, s.revision
+FROM c LEFT JOIN wq.schedules s
+ON NOT s.paused AND s.next_fire_at IS NOT NULL AND s.next_fire_at <= c.t
+ORDER BY s.next_fire_at
+
+-- name: fire
+-- A schedule's fire (wq.fire): $1 name, $2 the next_fire_at and $3 the revision expected, $4 its
+-- scheduled time, $5 the next one, then wq.enqueue's first sixteen arguments (one task).
+SELECT * FROM wq.fire($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16,
+    $17, $18, $19, $20, $21)
+
+-- name: skip_schedule
+-- A fire the broker refused: schedule $1 moved to $4 only if its next_fire_at is $2 and its
+-- revision $3, and it is not paused.
+UPDATE wq.schedules SET next_fire_at = $4
+WHERE name = $1 AND next_fire_at = $2 AND revision = $3 AND NOT paused
+
 -- == reads ==
 
 -- name: stats
@@ -114,15 +242,21 @@ SELECT coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
 FROM wq.counters WHERE queue = $1
 
 -- name: queues
+-- Then the limits (docs/design/schedules.md): rate_tasks, rate_per, rate_burst, concurrency, and
+-- the tokens available at $1 ($2: at the database's clock; neither: as the last claim left them).
 SELECT q.name, q.paused, coalesce(sum(c.ready), 0)::bigint, coalesce(sum(c.handed_out), 0)::bigint,
        coalesce(sum(c.delayed), 0)::bigint, coalesce(sum(c.dead), 0)::bigint,
-       coalesce(sum(c.waiting), 0)::bigint, coalesce(sum(c.succeeded), 0)::bigint
+       coalesce(sum(c.waiting), 0)::bigint, coalesce(sum(c.succeeded), 0)::bigint,
+       q.rate_tasks, q.rate_per, q.rate_burst, q.concurrency,
+       CASE WHEN q.rate_tasks IS NOT NULL THEN least(q.rate_burst::float8, q.tokens + greatest(
+           coalesce($1, CASE WHEN $2 THEN extract(epoch FROM clock_timestamp())::float8 END,
+                    q.refilled_at) - q.refilled_at, 0) * q.rate_tasks / q.rate_per) END
 FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
 
 -- name: report
 -- Every queue with its gauges and totals, and the earliest available_at among the heads of its
 -- priority lanes (0 .. $1 - 1; one probe of tasks_ready per priority, only for a queue with
--- ready tasks).
+-- ready tasks); then the limits and tokens, as the statement queues gives them (at $2, or $3).
 SELECT q.name, q.paused,
        coalesce(sum(ready), 0)::bigint, coalesce(sum(handed_out), 0)::bigint,
        coalesce(sum(delayed), 0)::bigint, coalesce(sum(dead), 0)::bigint,
@@ -138,20 +272,24 @@ SELECT q.name, q.paused,
            LATERAL (SELECT t.available_at FROM wq.tasks t
                     WHERE t.state = 0 AND t.queue = q.name AND t.priority = p.n
                     ORDER BY t.ord LIMIT 1) h
-       ) END
+       ) END,
+       q.rate_tasks, q.rate_per, q.rate_burst, q.concurrency,
+       CASE WHEN q.rate_tasks IS NOT NULL THEN least(q.rate_burst::float8, q.tokens + greatest(
+           coalesce($2, CASE WHEN $3 THEN extract(epoch FROM clock_timestamp())::float8 END,
+                    q.refilled_at) - q.refilled_at, 0) * q.rate_tasks / q.rate_per) END
 FROM wq.queues q LEFT JOIN wq.counters c ON c.queue = q.name GROUP BY q.name, q.paused
 
 -- name: lookup
 -- A task as store.py's _task reads it (its progress only while handed out; its result, finish
 -- time and parents waited for only in those states; its result TTL only if it was given; its
--- parents only if it has some), then its state.
+-- parents only if it has some; the schedule that fired it, if one did), then its state.
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
        expires_at, timeout, CASE WHEN state = 1 THEN progress END, cancelling,
        CASE WHEN state = 5 THEN result END, CASE WHEN state = 5 THEN finished_at END,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
                                    WHERE e.child = t.id) END,
-       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, state
+       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, schedule, scheduled_for, state
 FROM wq.tasks t WHERE id = $1
 
 -- name: watch
@@ -162,7 +300,7 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
                                    WHERE e.child = t.id) END,
-       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, state
+       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, schedule, scheduled_for, state
 FROM wq.watch($1) t
 
 -- name: children
@@ -178,7 +316,7 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = t.id) END, 0
+                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for
 FROM wq.tasks t WHERE state = 3 AND ($1::text IS NULL OR queue = $1) ORDER BY ord LIMIT $2
 
 -- == listings: a page of queue $1's tasks in one state, in its order, after the key given ==
@@ -194,16 +332,17 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = page.id) END, 0, k1, k2
+                                   WHERE e.child = page.id) END, 0, schedule, scheduled_for, k1, k2
 FROM (
     (SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue,
-            priority, expires_at, timeout, ttl_given, result_ttl, parents, priority AS k1,
-            ord AS k2
+            priority, expires_at, timeout, ttl_given, result_ttl, parents, schedule,
+            scheduled_for, priority AS k1, ord AS k2
      FROM wq.tasks WHERE state = 0 AND queue = $1 AND priority = $3 AND ord > $4
      ORDER BY ord LIMIT $2)
     UNION ALL
     (SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue,
-            priority, expires_at, timeout, ttl_given, result_ttl, parents, priority, ord
+            priority, expires_at, timeout, ttl_given, result_ttl, parents, schedule,
+            scheduled_for, priority, ord
      FROM wq.tasks WHERE state = 0 AND queue = $1 AND priority < $3
      ORDER BY priority DESC, ord LIMIT $2)
 ) page ORDER BY k1 DESC, k2 LIMIT $2
@@ -214,7 +353,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = t.id) END, 0, available_at, ord
+                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for,
+       available_at, ord
 FROM wq.tasks t WHERE state = 2 AND queue = $1 AND (available_at, ord) > ($3, $4)
 ORDER BY available_at, ord LIMIT $2
 
@@ -224,7 +364,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, progress, cancelling, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = t.id) END, 0, deadline, ord
+                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for,
+       deadline, ord
 FROM wq.tasks t WHERE state = 1 AND queue = $1 AND (deadline, ord) > ($3, $4)
 ORDER BY deadline, ord LIMIT $2
 
@@ -234,7 +375,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = t.id) END, 0, NULL::float8, ord
+                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for,
+       NULL::float8, ord
 FROM wq.tasks t WHERE state = 3 AND queue = $1 AND ord > $3
 ORDER BY ord LIMIT $2
 
@@ -244,7 +386,7 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e WHERE e.child = t.id),
-       waiting_for, NULL::float8, ord
+       waiting_for, schedule, scheduled_for, NULL::float8, ord
 FROM wq.tasks t WHERE state = 4 AND queue = $1 AND ord > $3
 ORDER BY ord LIMIT $2
 
@@ -254,7 +396,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, result, finished_at,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = t.id) END, 0, finished_at, ord
+                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for,
+       finished_at, ord
 FROM wq.tasks t WHERE state = 5 AND queue = $1 AND (finished_at, ord) > ($3, $4)
 ORDER BY finished_at, ord LIMIT $2
 
@@ -341,7 +484,7 @@ SELECT value FROM wq.meta WHERE key = 'id_key'
 
 -- name: wipe
 DELETE FROM wq.tasks; DELETE FROM wq.counters; DELETE FROM wq.queues; DELETE FROM wq.keys;
-DELETE FROM wq.edges;
+DELETE FROM wq.edges; DELETE FROM wq.schedules;
 ALTER SEQUENCE wq.ord RESTART; ALTER SEQUENCE wq.id_blocks RESTART
 
 -- name: check
