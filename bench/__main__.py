@@ -939,13 +939,17 @@ def limits(q: bool) -> None:
                 )
             found[label] = r
             rr, cc = r["rate"], r["concurrency"]
+            # (The window is measured where the handlers start, a delivery's jitter after the
+            # broker's hand-out: a task or two over the broker's bound is that jitter; the tests
+            # check the bound exactly, from the hand-out times the store keeps.)
+            slack = max(2, (rate + burst) // 100)
             add(
                 "limits",
                 f"{label}: a queue limited to {rate}/s (burst {burst}): rate after the burst; "
-                "most in any second",
+                "most in any second, at the handlers",
                 f"{rr['steady_per_s']:.1f}/s; {rr['max_window']} (bound {rr['window_bound']})",
-                f"~{rate}/s, <= {rate + burst}",
-                rr["max_window"] <= rate + burst and rr["steady_per_s"] >= 0.9 * rate,
+                f"~{rate}/s, <= {rate + burst} (+ jitter {slack})",
+                rr["max_window"] <= rate + burst + slack and rr["steady_per_s"] >= 0.9 * rate,
             )
             add(
                 "limits",

@@ -12,9 +12,10 @@ the concurrency queue's sleep 5 ms. Prints one JSON line:
 ``{"rate": {"limit", "burst", "handed", "steady_per_s", "max_window", "window_bound"},
 "concurrency": {"limit", "handled", "per_s", "max_held_broker", "max_in_handlers"}}``:
 ``steady_per_s`` is the rate after the first second (the burst spent), ``max_window`` the most
-hand-outs in any one-second window (at most RATE + BURST), ``max_held_broker`` the most tasks of
-the queue the broker counted handed out (its ``/queues``, every 10 ms), ``max_in_handlers`` the
-most handlers running at once over all workers.
+tasks that reached a handler in any one-second window (the broker hands out at most RATE + BURST
+in any second; the handlers see them a delivery's jitter later), ``max_held_broker`` the most
+tasks of the queue the broker counted handed out (its ``/queues``, every 10 ms),
+``max_in_handlers`` the most handlers running at once over all workers.
 """
 
 from __future__ import annotations
