@@ -1182,8 +1182,25 @@ class StoreMachine(RuleBasedStateMachine):
                 assert seen is not None, parent
                 theirs = seen.task.last_error
             why = f"is dead: {theirs}" if theirs else "is dead"
-        else:
+        elif parent in self.ended_why:
             why = self.ended_why[parent]
+        else:  # dead when the child was buried, and requeued since
+            assert (error or "").startswith(f"parent {parent} is dead"), error
+            return
+        if (error or "").startswith(f"parent {parent} is dead: parent ") and error != (
+            limits.error_value(f"parent {parent} {why}")
+        ):
+            # The parent died of one of its own parents too, in the same cascade: the reason its
+            # child gives may name another of them (the same rule, a generation up), and the
+            # parent may have been requeued, purged or cancelled since.
+            head = f"parent {parent} is dead: "
+            assert (error or "").startswith(head), (error, why)
+            nested = (error or "")[len(head) :]
+            found = re.match(r"parent ([0-9a-f]{16}) ", nested)
+            assert found is not None, (error, why)
+            if parent in self.tasks:  # (not purged since)
+                assert found.group(1) in self.tasks[parent].after, (error, why)
+            return
         assert error == limits.error_value(f"parent {parent} {why}"), (error, why)
 
     def canonical(self, ids: list[str]) -> list[str]:
