@@ -824,3 +824,30 @@ async def test_results_stay_in_the_file_not_in_memory(tmp_path: Path) -> None:
     finally:
         tracemalloc.stop()
         await store.close()
+
+
+async def test_a_call_that_comes_while_the_store_closes_is_refused_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A broker stopping with workers still acking: a change made after the store closed is
+    refused ("the store is closed"), not committed on a closed connection, and the store does not
+    call itself broken ("refuses further work")."""
+    store = await SqliteStore.open(str(tmp_path / "wq.db"), _backoff())
+    done = await store.enqueue_many([NewTask(b"1", 3, 0.0)] * 2, now=1.0)
+    delivery = await store.claim(lease=30.0, now=1.0)
+    assert delivery is not None
+    closing_ = asyncio.ensure_future(store.close())
+    await asyncio.sleep(0)  # close is under way
+    with pytest.raises(StoreError, match="closed"):
+        await store.ack(delivery.task.id, delivery.lease_id, now=2.0)
+    await closing_
+    with pytest.raises(StoreError, match="closed"):
+        await store.enqueue_many([NewTask(b"2", 3, 0.0)], now=3.0)
+    assert not [r for r in caplog.records if "refuses further work" in r.getMessage()]
+    reopened = await SqliteStore.open(str(tmp_path / "wq.db"), _backoff())
+    try:
+        stats = await reopened.stats()
+        assert (stats.ready, stats.handed_out) == (1, 1)  # the ack was refused: nothing lost
+        assert {d.id for d in done} >= {delivery.task.id}
+    finally:
+        await reopened.close()

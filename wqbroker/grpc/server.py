@@ -998,6 +998,8 @@ class _StreamCall:
         return responses
 
     async def _reader_ended(self, reader: asyncio.Task[None]) -> None:
+        if reader.cancelled():  # (the call is being torn down: the broker stops)
+            return
         error = reader.exception()
         if isinstance(error, WqError):
             await abort(self._context, error)

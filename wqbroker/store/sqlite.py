@@ -1537,6 +1537,8 @@ class SqliteStore:
             raise StoreError(f"the store is unavailable: {self._failed}")
         if self._conn is None:
             raise StoreError("the store is closed")
+        if self._conn is None:
+            raise StoreError("the store is closed")
 
     async def _durable(self) -> Reads:
         """Wait until every change made so far is committed; the rows (and results) the open
@@ -1567,7 +1569,10 @@ class SqliteStore:
             try:
                 read = await loop.run_in_executor(self._writer, self._write, rows)
             except Exception as e:
-                self._fail_stop(f"a commit to {self.path} failed: {e}")
+                if self._conn is None:  # closed meanwhile (a call that came during close)
+                    batch.future.set_exception(StoreError("the store is closed"))
+                    continue
+                self._fail_stop(f"a commit to {self.path} failed: {e!r}")
                 batch.future.set_exception(StoreError(self._failed or "commit failed"))
                 continue
             self.transactions += 1
