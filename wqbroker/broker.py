@@ -157,6 +157,7 @@ class Broker:
             max_payload=config.max_body,
             max_tasks=config.max_tasks,
             max_queues=config.max_queues,
+            max_schedules=config.max_schedules,
             max_waiters=config.max_waiters,
             dedup_window=config.dedup_window,
             result_ttl=config.result_ttl,

@@ -24,6 +24,7 @@ from wqbroker.limits import (
     DEFAULT_DEDUP_WINDOW_MS,
     DEFAULT_MAX_PAYLOAD,
     DEFAULT_MAX_QUEUES,
+    DEFAULT_MAX_SCHEDULES,
     DEFAULT_MAX_TASKS,
     DEFAULT_MAX_WAITERS,
     DEFAULT_POLL_INTERVAL,
@@ -231,6 +232,12 @@ class Config:
     max_queues: int = setting(
         DEFAULT_MAX_QUEUES,
         "named queues kept before an enqueue (or pause) to a new one gets 429; 0: no limit",
+        parse=non_negative_int,
+        metavar="N",
+    )
+    max_schedules: int = setting(
+        DEFAULT_MAX_SCHEDULES,
+        "schedules kept before a put of a new one gets 429; 0: no limit",
         parse=non_negative_int,
         metavar="N",
     )

@@ -73,6 +73,7 @@ RATE_MEMBERS: Final = ("tasks", "per_ms", "burst")
 # Backpressure (flags -max-tasks and -max-waiters; 0 means no limit).
 DEFAULT_MAX_TASKS: Final = 10_000_000  # tasks held: ready, delayed and handed out
 DEFAULT_MAX_QUEUES: Final = 10_000  # named queues (a queue is kept, with its totals, for good)
+DEFAULT_MAX_SCHEDULES: Final = 10_000  # schedules (each kept until deleted, its task with it)
 DEFAULT_MAX_WAITERS: Final = 50_000  # parked long-polls and open streams
 RETRY_AFTER: Final = 1.0  # seconds a refused client is told to wait
 

@@ -133,6 +133,7 @@ class Service:
         max_waiters: int = limits.DEFAULT_MAX_WAITERS,
         dedup_window: float = limits.DEFAULT_DEDUP_WINDOW_MS / 1000,
         max_queues: int = limits.DEFAULT_MAX_QUEUES,
+        max_schedules: int = limits.DEFAULT_MAX_SCHEDULES,
         result_ttl: float = limits.DEFAULT_RESULT_TTL_MS / 1000,
         events: Events | None = None,
     ) -> None:
@@ -144,6 +145,7 @@ class Service:
         self.max_payload = max_payload
         self.max_tasks = max_tasks  # 0: no limit
         self.max_queues = max_queues  # 0: no limit
+        self.max_schedules = max_schedules  # 0: no limit
         self.result_ttl = result_ttl  # seconds a result is kept, unless a task says
         self.max_waiters = max_waiters
         # Result waiters (docs/design/results.md), by task id.
@@ -885,6 +887,7 @@ class Service:
         checked.created_at = checked.updated_at = now
         if not checked.paused:
             checked.next_fire_at = rule.next_after(now + self._schedule_skew)
+        await self._room_for_schedule(checked.name)
         stored = await timed(self._events, "schedule", self._store.put_schedule(checked, now=now))
         self._schedule_changed(stored)
         return stored
@@ -947,6 +950,19 @@ class Service:
             raise _no_schedule(checked)
         self._schedule_changed(resumed)
         return resumed
+
+    async def _room_for_schedule(self, name: str) -> None:
+        """Refuse a new schedule past the broker's limit (a replace always has room). (Puts are
+        rare: the store is asked, rather than a count kept here that other brokers change.)"""
+        if not self.max_schedules or await self._store.get_schedule(name) is not None:
+            return
+        count = await self._store.schedule_count()
+        if count >= self.max_schedules:
+            raise Overloaded(
+                f"the broker keeps at most {self.max_schedules} schedules and has {count}: "
+                f"schedule {quoted(name)} would be a new one; delete one, or replace one",
+                retry_after=limits.RETRY_AFTER,
+            )
 
     def _rule(self, cron: str | None, timezone: str, every: float | None) -> Rule:
         """The rule written so (parsed once: the sweep asks for it at every fire)."""

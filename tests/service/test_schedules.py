@@ -20,7 +20,7 @@ import pytest
 from tests import pg
 from tests.helpers import make_store, wait_until
 from wqbroker.clock import FakeClock
-from wqbroker.errors import InvalidArgument, NotFound, StoreError
+from wqbroker.errors import InvalidArgument, NotFound, Overloaded, StoreError
 from wqbroker.events import Events
 from wqbroker.models import Schedule, Task
 from wqbroker.retry import Backoff
@@ -130,6 +130,23 @@ async def test_a_bad_schedule_is_refused_naming_the_member(
         await svc.put_schedule(name, sub)
     assert e.value.message.startswith(named)
     assert await svc.list_schedules() == []
+
+
+async def test_new_schedules_past_the_limit_are_refused_and_replaces_are_not(
+    svc: Service,
+) -> None:
+    svc.max_schedules = 2
+    await svc.put_schedule("a", every(1000))
+    await svc.put_schedule("b", every(1000))
+    with pytest.raises(Overloaded, match="at most 2 schedules and has 2"):
+        await svc.put_schedule("c", every(1000))
+    assert [s.name for s in await svc.list_schedules()] == ["a", "b"]
+    replaced = await svc.put_schedule("b", every(2000))  # a replace always has room
+    assert replaced.every == 2.0
+    await svc.delete_schedule("a")
+    await svc.put_schedule("c", every(1000))
+    assert [s.name for s in await svc.list_schedules()] == ["b", "c"]
+    assert await svc.store.schedule_count() == 2
 
 
 async def test_unknown_names_are_not_found(svc: Service) -> None:

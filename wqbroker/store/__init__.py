@@ -364,6 +364,10 @@ class Operations(Protocol):
         """Delete a schedule: False if there was none of that name."""
         ...
 
+    async def schedule_count(self) -> int:
+        """How many schedules there are (for the broker's limit on them)."""
+        ...
+
     async def set_schedule_paused(
         self, name: str, paused: bool, next_fire_at: float | None, *, now: float
     ) -> Schedule | None:

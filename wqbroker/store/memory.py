@@ -317,6 +317,9 @@ class MemoryStore:
     async def list_schedules(self) -> list[Schedule]:
         return self._book.all()
 
+    async def schedule_count(self) -> int:
+        return len(self._book)
+
     async def delete_schedule(self, name: str) -> bool:
         deleted = self._book.delete(name)
         self.transactions += deleted

@@ -1447,6 +1447,10 @@ class SqliteStore:
         await self._durable()
         return self._book.all()
 
+    async def schedule_count(self) -> int:
+        self._check()
+        return len(self._book)
+
     async def delete_schedule(self, name: str) -> bool:
         self._check()
         deleted = self._book.delete(name)

@@ -41,6 +41,7 @@ class Queries:
     put_schedule: str
     get_schedule: str
     list_schedules: str
+    schedule_count: str
     delete_schedule: str
     pause_schedule: str
     due_schedules: str

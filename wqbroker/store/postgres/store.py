@@ -1441,6 +1441,9 @@ class PostgresStore:
     async def list_schedules(self) -> list[Schedule]:
         return [_schedule(row) for row in await self._fetch(Q.list_schedules)]
 
+    async def schedule_count(self) -> int:
+        return int(await self._fetchval(Q.schedule_count))
+
     async def delete_schedule(self, name: str) -> bool:
         deleted = not (await self._execute(Q.delete_schedule, name)).endswith(" 0")
         self.transactions += deleted

@@ -158,6 +158,9 @@ SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expi
        revision
 FROM wq.schedules WHERE name = $1
 
+-- name: schedule_count
+SELECT count(*) FROM wq.schedules
+
 -- name: list_schedules
 SELECT name, cron, timezone, every, queue, payload, priority, max_attempts, expires_in, timeout,
        result_ttl, paused, created_at, updated_at, next_fire_at, last_fire_at, last_task_id, fires,
