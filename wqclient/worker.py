@@ -66,7 +66,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any, Final, Protocol
 
 from wqclient.client import AsyncClient, encode_progress
@@ -117,14 +117,25 @@ class TaskFailed(Exception):
 
 
 class Retry(Exception):
-    """Raise from a handler to nack the task with a retry after exactly ``delay_ms`` instead of
-    the broker's backoff (None: the backoff). It still counts an attempt: a task with none left
-    is buried. ``error`` is recorded as the task's last_error.
+    """Raise from a handler to nack the task with a retry after exactly ``delay`` seconds (an
+    int, a float or a ``timedelta``; or ``delay_ms`` milliseconds) instead of the broker's
+    backoff (neither: the backoff). It still counts an attempt: a task with none left is
+    buried. ``error`` is recorded as the task's last_error.
 
-    >>> raise Retry(delay_ms=60_000, error="rate limited")
+    >>> raise Retry(delay=60, error="rate limited")
     """
 
-    def __init__(self, delay_ms: int | None = None, error: str | None = None) -> None:
+    def __init__(
+        self,
+        delay_ms: int | None = None,
+        error: str | None = None,
+        *,
+        delay: float | timedelta | None = None,
+    ) -> None:
+        if delay is not None:
+            if delay_ms is not None:
+                raise ValueError("Retry: give delay or delay_ms, not both")
+            delay_ms = _delay_ms(delay)
         if delay_ms is not None and (
             isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0
         ):
@@ -132,6 +143,19 @@ class Retry(Exception):
         super().__init__(error or "")
         self.delay_ms = delay_ms
         self.error = error
+
+
+def _delay_ms(delay: object) -> int:
+    """Retry's ``delay`` (seconds, or a timedelta) in whole milliseconds."""
+    if isinstance(delay, timedelta):
+        seconds = delay.total_seconds()
+    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
+        seconds = float(delay)
+    else:
+        raise ValueError(f"Retry: delay must be seconds (a number) or a timedelta, got {delay!r}")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"Retry: delay must be a finite number of seconds from 0, got {delay!r}")
+    return round(seconds * 1000)
 
 
 class Fail(Exception):
