@@ -63,6 +63,7 @@ import inspect
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -90,6 +91,9 @@ from wqclient.models import Delivery, Task
 from wqclient.transport import AsyncStream
 
 log = logging.getLogger("wqclient.worker")
+#: The line per task (at INFO; its start at DEBUG): a logger of its own, so that a program can
+#: keep it quiet (``wq-worker`` does) and the rest of the worker's log as it is.
+task_log = logging.getLogger("wqclient.worker.tasks")
 
 Handler = Callable[[Task], Any]
 
@@ -404,6 +408,46 @@ _ENDED: Final = "the task's handler has ended: progress is reported while it run
 # Why a handler was stopped before it ended (_Lease.stop).
 _CANCELLED: Final = "cancelled"  # the broker said the task was cancelled
 _TIMED_OUT: Final = "timed out"  # it reached its time limit (the task's timeout_ms)
+_HANDED_BACK: Final = "handed back"  # the worker stopped past its grace (stop_now)
+
+#: The error of a task handed back because the worker stopped before its handler ended
+#: (:meth:`Worker.stop_now`, or :meth:`Worker.stop` past its grace): nacked with delay 0.
+HANDED_BACK_ERROR: Final = "the worker stopped: handed back"
+
+# What became of a task, as the per-task log line and ``on_task`` tell it.
+SUCCEEDED: Final = "succeeded"
+FAILED: Final = "failed"  # for good: buried (a Fail, no attempts left, a result refused)
+RETRIED: Final = "retried"  # nacked, to be tried again (the broker's backoff, or a Retry)
+CANCELLED: Final = "cancelled"
+TIMED_OUT: Final = "timed_out"
+HANDED_BACK: Final = "handed_back"
+DISCARDED: Final = "discarded"  # its lease was lost while the handler ran
+_OUTCOMES: Final = {_CANCELLED: CANCELLED, _TIMED_OUT: TIMED_OUT, _HANDED_BACK: HANDED_BACK}
+
+#: ``on_task(task, name, outcome, seconds)``: told of each task once it is settled: its name
+#: (the payload convention's ``task``, None if it has none), what became of it (SUCCEEDED ...)
+#: and the seconds from its handler's start to its settling.
+TaskObserver = Callable[[Task, str | None, str, float], None]
+
+# A payload of the convention, as wqclient.App writes it: {"task": "name", ...}.
+_NAME_FIRST: Final = re.compile(rb'\s*\{\s*"task"\s*:\s*"([^"\\]*)"')
+
+
+def task_name(task: Task) -> str | None:
+    """The task's name by the payload convention (docs/design/tasks.md): its payload's
+    ``task`` member, if it is a string; None otherwise. Cheap when the name comes first."""
+    data = task.payload_json
+    m = _NAME_FIRST.match(data)
+    if m is not None:
+        return m.group(1).decode("utf-8", "replace")
+    if b'"task"' not in data:
+        return None
+    try:
+        payload = json.loads(data)
+    except ValueError:
+        return None
+    name = payload.get("task") if isinstance(payload, dict) else None
+    return name if isinstance(name, str) else None
 
 
 class _Lease:
@@ -424,6 +468,8 @@ class _Lease:
     cancel_sent: bool = False  # runner.cancel() was called, and not yet taken back
     in_thread: bool = False  # a synchronous handler is running
     early: asyncio.Future[None] | None = None  # its nack, sent without waiting for the thread
+    thread: asyncio.Future[Any] | None = None  # a synchronous handler's run in the pool
+    abandoned: bool = False  # that run is waited for no more (stop_now): its thread runs on
     holders: dict[str, _Lease] | None = None  # where it is registered by lease id (a stream's)
     keeper: asyncio.Task[None] | None = None  # extending it, once half of it has gone by
     timer: Timer | None = None  # stops the handler at the time limit
@@ -648,7 +694,11 @@ class Worker:
     time half of it has gone by. ``queues``: the queues to take tasks from, in order of
     preference (a list, or ``"a,b"``; default the broker's, ``["default"]``). ``clock``: what
     lease extension and the prefetch's window measure time with (tests pass a fake; default
-    the system's).
+    the system's). ``on_task(task, name, outcome, seconds)``: told of each task once it is
+    settled (see :data:`TaskObserver`; it runs on the event loop, so it must be quick).
+
+    Each task settled is logged at INFO on the ``wqclient.worker.tasks`` logger (its name, id,
+    attempt, outcome and duration; its start at DEBUG), if that logger is enabled for it.
 
     ``run()`` raises :class:`~wqclient.Unauthenticated` or :class:`~wqclient.PermissionDenied`
     if the broker refuses the token, :class:`~wqclient.CertificateError` if its TLS certificate
@@ -666,6 +716,7 @@ class Worker:
         lease_ms: int = DEFAULT_LEASE_MS,
         queues: str | Sequence[str] | None = None,
         clock: Clock | None = None,
+        on_task: TaskObserver | None = None,
     ) -> None:
         if concurrency < 1:
             raise ValueError("concurrency must be at least 1")
@@ -712,6 +763,14 @@ class Worker:
         self.discarded = 0  # results thrown away because the lease was lost
         self.cancelled = 0  # tasks cancelled while held: handlers stopped, tasks nacked
         self.timed_out = 0  # handlers stopped at their task's time limit (counted failed too)
+        self.handed_back = 0  # tasks handed back unfinished when the worker stopped
+        self._on_task = on_task
+        # The leases of the tasks in hand whose handlers have not ended (running, or waiting
+        # for a slot), for stop_now() to hand back.
+        self._in_hand: dict[_Lease, None] = {}
+        self._handing_back = False  # stop_now(): every task in hand, or coming, is handed back
+        self._grace_timer: Timer | None = None
+        self._abandoned = False  # a synchronous handler's thread was let run on (stop_now)
 
     @property
     def client(self) -> AsyncClient:
@@ -723,15 +782,65 @@ class Worker:
         opens with it)."""
         return self._prefetch if self._window is None else self._window.size
 
-    def stop(self) -> None:
+    def stop(self, grace: float | None = None) -> None:
         """Stop claiming; tasks in hand finish and are settled. Safe to call more than once.
 
         A claim already on its way back is let finish (its task is then worked on, as one in
         hand): only claims still parked after a short grace are cancelled. Cancelling a claim at
-        the very moment the broker hands it a task would leave that task to its lease."""
+        the very moment the broker hands it a task would leave that task to its lease.
+
+        ``grace`` (seconds, on the worker's clock; None: no limit): the tasks still in hand
+        that long after are handed back, as :meth:`stop_now` does (0: at once). A later call
+        does not move a grace already set."""
         if not self._stopping.is_set():
-            log.info("stopping: finishing the tasks in hand")
+            if grace is None:
+                log.info("stopping: finishing the tasks in hand")
+            else:
+                log.info("stopping: finishing the tasks in hand (for up to %gs)", grace)
             self._halt()
+        if grace is None or self._handing_back or self._grace_timer is not None:
+            return
+        if grace <= 0:
+            self.stop_now()
+        else:
+            self._grace_timer = self._call_later(grace, self._grace_over)
+
+    def _grace_over(self) -> None:
+        self._grace_timer = None
+        if not self._handing_back and self._in_hand:
+            log.warning("the grace is over: handing back the tasks still in hand")
+        self.stop_now()
+
+    def stop_now(self) -> None:
+        """Stop claiming, and hand back every task in hand whose handler has not ended: an
+        asyncio handler is cancelled, a synchronous one abandoned (its thread runs on, its
+        result discarded; ``run()`` does not wait for it), and the task is nacked with delay 0
+        and the error :data:`HANDED_BACK_ERROR`, ready again at once (the nack counts an
+        attempt, as a lease that ran out would), as is a task still waiting for a handler, or
+        one that comes from a claim on its way back. ``run()`` returns once they are settled.
+        Safe to call more than once, and after :meth:`stop`."""
+        self._halt()
+        if self._handing_back:
+            return
+        self._handing_back = True
+        if self._grace_timer is not None:
+            self._grace_timer.cancel()
+            self._grace_timer = None
+        if self._in_hand:
+            log.info("handing back the %d task(s) in hand", len(self._in_hand))
+        for lease in list(self._in_hand):
+            self._hand_back(lease)
+
+    def _hand_back(self, lease: _Lease) -> None:
+        """Stop a task's handler for good, as stop_now() does (see :meth:`_interrupt`); a
+        synchronous handler's thread (this task's, or one stopped before and still running) is
+        waited for no more."""
+        self._interrupt(lease, _HANDED_BACK)
+        thread = lease.thread
+        if lease.in_thread and thread is not None and not thread.done():
+            lease.abandoned = True
+            self._abandoned = True
+            thread.cancel()  # (the future only: _process goes on; the thread runs on)
 
     def _halt(self) -> None:
         if not self._stopping.is_set():
@@ -770,9 +879,13 @@ class Worker:
             elif not self._client.claims_many or await self._run_batches():
                 await asyncio.gather(*(self._poll_loop() for _ in range(self.concurrency)))
         finally:
-            self._leases.close()  # (every handler has ended by now)
+            if self._grace_timer is not None:
+                self._grace_timer.cancel()
+                self._grace_timer = None
+            self._leases.close()  # (every handler has ended by now, or was abandoned)
             if self._executor is not None:
-                self._executor.shutdown(wait=True)
+                # (a thread abandoned by stop_now() is not waited for)
+                self._executor.shutdown(wait=not self._abandoned, cancel_futures=True)
             if self._own_client:
                 await self._client.close()
         if self._refusal is not None:
@@ -1027,11 +1140,22 @@ class Worker:
 
         # Watched, not a task that sleeps: most handlers end long before it would be time.
         self._leases.watch(lease, span / 2, keep)
+        in_hand = self._in_hand
+        in_hand[lease] = None
+        if self._handing_back:  # (a task that came after stop_now(): handed back at once)
+            self._hand_back(lease)
+        # Told at the end (the log line, on_task): only then is the handler timed.
+        told = self._on_task is not None or task_log.isEnabledFor(logging.INFO)
         error: Exception | None = None
         value: Any = None  # what the handler returned: the task's result, unless None
         try:
             await self._running.acquire()
-            started = self._clock.monotonic() if settler.window is not None else 0.0
+            if told or settler.window is not None:
+                started = self._clock.monotonic()
+                if told and task_log.isEnabledFor(logging.DEBUG):
+                    self._starting(delivery.task)
+            else:
+                started = 0.0
             try:  # (the handler is run here, not in a coroutine of its own: this is per task)
                 if self._is_async and lease.stop is None:  # (_start_handler's usual, inline)
                     lease.runner = lease.task or asyncio.current_task()
@@ -1053,6 +1177,7 @@ class Worker:
                     lease.in_thread = False
                     self._running.release()
         finally:
+            del in_hand[lease]
             if lease.keeper is None and lease.timer is None:  # (_ended's usual, inline)
                 lease.done = True
                 self._leases.drop(lease)
@@ -1067,10 +1192,13 @@ class Worker:
                 if value is None:
                     self.succeeded += 1
                     await self._settle(delivery, lease, lambda: settler.ack(delivery))
+                    outcome = SUCCEEDED
                 else:
-                    await self._ack_result(delivery, lease, settler, value)
+                    outcome = await self._ack_result(delivery, lease, settler, value)
             else:
-                await self._conclude(delivery, lease, settler, error)
+                outcome = await self._conclude(delivery, lease, settler, error)
+            if told:
+                self._finished(delivery.task, outcome, self._clock.monotonic() - started)
         finally:
             # The task lets go of its lease (which holds the task: neither waits for the garbage
             # collector, and a task kept holds nothing of the worker's), for a control that
@@ -1079,19 +1207,19 @@ class Worker:
 
     async def _ack_result(
         self, delivery: Delivery, lease: _Lease, settler: _Settler, value: Any
-    ) -> None:
+    ) -> str:
         """Ack a task with its handler's result (docs/design/results.md); nack it if JSON
-        cannot encode the result, or if the broker refuses it."""
+        cannot encode the result, or if the broker refuses it. What became of it."""
         try:
             data = _result_text(value)
         except (TypeError, ValueError, RecursionError) as e:
             self.failed += 1
             what = "nested too deeply" if isinstance(e, RecursionError) else str(e)
-            await self._settle_failure(
+            return await self._settle_failure(
                 delivery, lease, settler, Fail(f"result is not JSON: {what}")
             )
-            return
         self.succeeded += 1
+        outcome = [SUCCEEDED]
 
         async def ack() -> None:
             try:
@@ -1099,9 +1227,49 @@ class Worker:
             except InvalidArgument as e:  # (too large, say)
                 self.succeeded -= 1
                 self.failed += 1
+                outcome[0] = FAILED
                 await settler.nack(delivery, _refused_result(delivery, e), terminal=True)
 
         await self._settle(delivery, lease, ack)
+        return outcome[0]
+
+    def _starting(self, task: Task) -> None:
+        """Log a task's start (at DEBUG)."""
+        name = task_name(task)
+        fields = _fields(task, "started")
+        fields["task_name"] = name
+        task_log.debug(
+            "task %s%s started (attempt %d of %d)",
+            f"{name} " if name else "",
+            task.id,
+            task.attempts,
+            task.max_attempts,
+            extra=fields,
+        )
+
+    def _finished(self, task: Task, outcome: str, seconds: float) -> None:
+        """A task is settled: ``on_task`` is told, and a line logged at INFO."""
+        name = task_name(task)
+        on_task = self._on_task
+        if on_task is not None:
+            try:
+                on_task(task, name, outcome, seconds)
+            except Exception:
+                log.exception("on_task failed for task %s", task.id)
+        if task_log.isEnabledFor(logging.INFO):
+            fields = _fields(task, outcome)
+            fields["task_name"] = name
+            fields["duration_ms"] = round(seconds * 1000, 3)
+            task_log.info(
+                "task %s%s (attempt %d of %d): %s in %.1f ms",
+                f"{name} " if name else "",
+                task.id,
+                task.attempts,
+                task.max_attempts,
+                outcome,
+                seconds * 1000,
+                extra=fields,
+            )
 
     def _start_handler(self, task: Task, lease: _Lease) -> Awaitable[Any] | None:
         """The handler's run on ``task`` (None if it was stopped before it could start): an
@@ -1114,7 +1282,8 @@ class Worker:
             return self._handler(task)  # type: ignore[no-any-return]
         lease.in_thread = True
         loop = asyncio.get_running_loop()
-        return loop.run_in_executor(self._executor, self._handler, task)
+        thread = lease.thread = loop.run_in_executor(self._executor, self._handler, task)
+        return thread
 
     def _handler_ended(
         self, delivery: Delivery, settler: _Settler, lease: _Lease, started: float
@@ -1150,18 +1319,22 @@ class Worker:
 
     async def _conclude(
         self, delivery: Delivery, lease: _Lease, settler: _Settler, error: Exception | None
-    ) -> None:
-        """Settle a task whose handler failed, or was stopped, or whose lease was lost."""
+    ) -> str:
+        """Settle a task whose handler failed, or was stopped, or whose lease was lost; what
+        became of it."""
         if lease.stop is not None:
             if lease.early is not None:  # (nacked already, while its thread ran on)
                 await lease.early
             else:
                 await self._settle_stopped(delivery, lease, settler)
-        elif lease.lost:
+            return DISCARDED if lease.lost else _OUTCOMES[lease.stop]
+        if lease.lost:
             self._discard(delivery)
-        elif error is not None:
+            return DISCARDED
+        if error is not None:
             self.failed += 1
-            await self._settle_failure(delivery, lease, settler, error)
+            return await self._settle_failure(delivery, lease, settler, error)
+        return SUCCEEDED  # (not reached: a handler that neither failed nor was stopped)
 
     def _discard(self, delivery: Delivery) -> None:
         self.discarded += 1
@@ -1176,6 +1349,9 @@ class Worker:
         """Whether the CancelledError an asyncio handler ended with is the worker's stopping
         it (a cancel, its time limit), and that alone: the cancel it asked for is taken back.
         Another (the worker's own task cancelled) is let through."""
+        if lease.abandoned:  # (the thread's future, which stop_now() cancelled; not this task)
+            current = asyncio.current_task()
+            return current is None or current.cancelling() == 0
         runner = lease.runner
         if lease.stop is None or runner is None:
             return False
@@ -1186,12 +1362,13 @@ class Worker:
 
     def _interrupt(self, lease: _Lease, why: str) -> None:
         """Stop a task's handler: the broker said the task was cancelled (``_CANCELLED``), or
-        it reached its time limit (``_TIMED_OUT``). An asyncio handler is cancelled (the task
-        is nacked once it has unwound); a synchronous one sees ``task.cancelled`` (it cannot be
-        interrupted), and the task is nacked at once, the thread let run on (holding its
-        handler's slot until it returns); a task still waiting for a handler is nacked at once
-        and never handled. No extension is sent from now on. Nothing is done once the handler
-        has ended."""
+        it reached its time limit (``_TIMED_OUT``), or the worker is stopping now
+        (``_HANDED_BACK``: see :meth:`_hand_back` for threads). An asyncio handler is
+        cancelled (the task is nacked once it has unwound); a synchronous one sees
+        ``task.cancelled`` (it cannot be interrupted), and the task is nacked at once, the
+        thread let run on (holding its handler's slot until it returns); a task still waiting
+        for a handler is nacked at once and never handled. No extension is sent from now on.
+        Nothing is done once the handler has ended."""
         if lease.done or lease.stop is not None:
             return
         lease.stop = why
@@ -1222,6 +1399,20 @@ class Worker:
                 extra=_fields(task, "cancelled"),
             )
             message = "cancelled"
+        elif lease.stop == _HANDED_BACK:
+            self.handed_back += 1
+            log.warning(
+                "task %s handed back (attempt %d of %d): the worker stopped before its "
+                "handler ended",
+                task.id,
+                task.attempts,
+                task.max_attempts,
+                extra=_fields(task, "handed_back"),
+            )
+            await self._settle(
+                delivery, lease, lambda: settler.nack(delivery, HANDED_BACK_ERROR, delay_ms=0)
+            )
+            return
         else:
             self.failed += 1
             self.timed_out += 1
@@ -1275,7 +1466,8 @@ class Worker:
 
     async def _settle_failure(
         self, delivery: Delivery, lease: _Lease, settler: _Settler, error: Exception
-    ) -> None:
+    ) -> str:
+        """Nack a task whose handler raised; what became of it (RETRIED or FAILED)."""
         task = delivery.task
         message = describe(error)
         delay_ms = error.delay_ms if isinstance(error, Retry) else None
@@ -1302,9 +1494,10 @@ class Worker:
                 message,
                 extra=_fields(task, "nack"),
             )
+        outcome = FAILED if terminal or task.attempts >= task.max_attempts else RETRIED
         if delay_ms is None and not terminal:
             await self._settle(delivery, lease, lambda: settler.nack(delivery, message))
-            return
+            return outcome
 
         async def nack() -> None:
             try:
@@ -1322,6 +1515,7 @@ class Worker:
                 await settler.nack(delivery, message)
 
         await self._settle(delivery, lease, nack)
+        return outcome
 
     async def _keep(
         self, delivery: Delivery, settler: _Settler, lease: _Lease, expires: float
