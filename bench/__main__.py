@@ -1,6 +1,10 @@
 """``make bench``: start brokers, drive them from processes of their own, print one table.
 
-    python -m bench [--quick] [--json FILE]
+    python -m bench [--quick] [--json FILE] [SECTION ...]
+
+A SECTION alone runs that part only: ``python -m bench tasks`` (``make bench ARGS=tasks``) the
+task framework (``wq worker MODULE:APP``, ``-exec``) against the raw Worker and the same no-op task
+in Dramatiq and Celery (Redis at $WQ_BENCH_REDIS, default redis://127.0.0.1:6379/0).
 
 Every figure is measured on this machine, now; nothing here passes or fails a build. The targets
 column repeats the goals of the performance issue for comparison.
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from bench import pg
+from bench import tasks as task_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -1324,6 +1329,13 @@ def _report_users(
         )
 
 
+def tasks(q: bool) -> None:
+    """The task framework (``wq worker MODULE:APP``, ``-exec``) against the raw Worker, and the
+    same no-op task in Dramatiq and Celery on Redis, each started with its own command
+    (bench/tasks.py)."""
+    RESULTS["tasks"] = task_rows.section(q, broker, add)
+
+
 SECTIONS = {
     "users": users,
     "throughput": throughput,
@@ -1344,6 +1356,7 @@ SECTIONS = {
     "workflows": workflows,
     "schedules": schedules,
     "limits": limits,
+    "tasks": tasks,
 }
 
 
