@@ -771,6 +771,9 @@ class Worker:
         self._handing_back = False  # stop_now(): every task in hand, or coming, is handed back
         self._grace_timer: Timer | None = None
         self._abandoned = False  # a synchronous handler's thread was let run on (stop_now)
+        # The stream's drain, asked for now (so that stop_now() hands its tasks back only
+        # once the broker is to send no more: else they could come back on it at once).
+        self._drain_now: Callable[[], Awaitable[int]] | None = None
 
     @property
     def client(self) -> AsyncClient:
@@ -823,6 +826,8 @@ class Worker:
         if self._handing_back:
             return
         self._handing_back = True
+        if self._drain_now is not None:
+            self._drain_now()  # (asked for first: the hand-backs go on the stream after it)
         if self._grace_timer is not None:
             self._grace_timer.cancel()
             self._grace_timer = None
@@ -1043,12 +1048,21 @@ class Worker:
             await self._broker_down(error or StreamEnded("the broker ended the stream"), failures)
             failures += 1
 
-    async def _consume(self, stream: AsyncStream) -> WqError | None:
+    async def _consume(self, stream: AsyncStream) -> WqError | None:  # noqa: C901
         """Run one stream until stop() (returns None) or until it breaks (returns the error)."""
         in_flight: set[asyncio.Task[None]] = set()
 
         settler = _OnStream(stream, self._judge_ack, self._window, self._clock, self._refused)
         held = self._follow_cancels(stream)
+        drain: asyncio.Future[int] | None = None
+
+        def drain_now() -> asyncio.Future[int]:
+            nonlocal drain
+            if drain is None:
+                drain = asyncio.ensure_future(stream.drain())
+            return drain
+
+        self._drain_now = drain_now
 
         async def receive() -> WqError | None:
             create_task, process = asyncio.get_running_loop().create_task, self._process
@@ -1079,12 +1093,15 @@ class Worker:
                     raise error
                 return None  # the broker ended the stream (it is shutting down)
             # stop(): no new tasks; finish and settle the ones in hand, then end the stream.
-            coming = await stream.drain()
+            coming = await drain_now()
             log.debug("drained: %s deliveries unsettled", coming)
             while in_flight:
                 await asyncio.gather(*list(in_flight), return_exceptions=True)
             return None
         finally:
+            self._drain_now = None
+            if drain is not None and not drain.done():
+                drain.cancel()
             stopping.cancel()
             receiver.cancel()
             await stream.close()

@@ -201,6 +201,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.log_format,
         "%(asctime)s wq-worker %(levelname)s %(message)s",
     )
+    # The spec's worker logs no line per task (the Worker's, on a logger of its own).
+    logging.getLogger("wqclient.worker.tasks").setLevel(logging.WARNING)
     try:
         return asyncio.run(_main(args))
     except KeyboardInterrupt:
