@@ -66,7 +66,31 @@ from wqclient.workflow import (
 )
 
 if TYPE_CHECKING:
+    from wqclient.app import (
+        App,
+        Context,
+        ProgressSink,
+        SyncRunner,
+        TaskArgumentError,
+        TaskFunction,
+        ThreadRunner,
+        current_context,
+    )
     from wqclient.worker import Fail, Retry, TaskFailed, Worker
+
+# The task framework (docs/design/tasks.md), imported on first use as the worker runner is.
+_APP_NAMES = frozenset(
+    {
+        "App",
+        "Context",
+        "ProgressSink",
+        "SyncRunner",
+        "TaskArgumentError",
+        "TaskFunction",
+        "ThreadRunner",
+        "current_context",
+    }
+)
 
 
 def __getattr__(name: str) -> Any:
@@ -75,10 +99,15 @@ def __getattr__(name: str) -> Any:
         from wqclient import worker
 
         return getattr(worker, name)
+    if name in _APP_NAMES:
+        from wqclient import app
+
+        return getattr(app, name)
     raise AttributeError(f"module 'wqclient' has no attribute {name!r}")
 
 
 __all__ = [
+    "App",
     "AsyncChainHandle",
     "AsyncClient",
     "AsyncGroupHandle",
@@ -90,6 +119,7 @@ __all__ = [
     "ChainHandle",
     "Client",
     "Conflict",
+    "Context",
     "Delivery",
     "EnqueueItem",
     "Enqueued",
@@ -104,6 +134,7 @@ __all__ = [
     "ParentResult",
     "PayloadTooLarge",
     "PermissionDenied",
+    "ProgressSink",
     "ProtocolError",
     "QueueInfo",
     "RateLimit",
@@ -115,12 +146,16 @@ __all__ = [
     "Stream",
     "StreamEnded",
     "StreamingTransport",
+    "SyncRunner",
     "Task",
+    "TaskArgumentError",
     "TaskFailed",
+    "TaskFunction",
     "TaskHandle",
     "TaskNotSucceeded",
     "TaskPage",
     "TaskResult",
+    "ThreadRunner",
     "TimeLimitReached",
     "Totals",
     "Transport",
@@ -131,6 +166,7 @@ __all__ = [
     "WqError",
     "chain",
     "chord",
+    "current_context",
     "group",
     "signature",
 ]

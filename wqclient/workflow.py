@@ -45,13 +45,17 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Iterable, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, TypeAlias, TypeVar, overload
 
 from wqclient.client import AsyncClient, Client, after_refs, encode_payload
 from wqclient.errors import InvalidArgument, ResultTimeout, TaskNotSucceeded
-from wqclient.models import Enqueued, EnqueueItem, TaskResult
+from wqclient.models import Enqueued, EnqueueItem, Task, TaskResult
+
+#: What turns a task's result, decoded from JSON, into the value its function's return hint
+#: says (wqclient.codec; a task function's handles and signatures carry one).
+Decode: TypeAlias = Callable[[Any], Any]
 
 # -- the shapes ------------------------------------------------------------------------------------
 
@@ -97,15 +101,23 @@ class Workflow(Generic[H, AH]):
                 f"submit() takes a wqclient Client or AsyncClient, got {type(client).__name__}"
             )
         ids = client.enqueue_many(items)
-        handle: H = _handle(shape, ids, client)
+        handle: H = _handle(shape, ids, client, self._decoders())
         return handle
 
     async def _submit_async(
         self, client: AsyncClient, items: list[EnqueueItem], shape: _Shape
     ) -> AH:
         ids = await client.enqueue_many(items)
-        handle: AH = _async_handle(shape, ids, client)
+        handle: AH = _async_handle(shape, ids, client, self._decoders())
         return handle
+
+    def _leaves(self) -> Iterator[Signature]:
+        """Its signatures, in the order :meth:`_build` makes their items."""
+        raise NotImplementedError
+
+    def _decoders(self) -> list[Decode | None]:
+        """Each item's result decoder (a task function's signature has one), in order."""
+        return [leaf.decode for leaf in self._leaves()]
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +151,9 @@ class Signature(Workflow["TaskHandle", "AsyncTaskHandle"]):
     timeout_ms: int | None = None
     idempotency_key: str | None = None
     after: Sequence[Any] | None = None
+    # The result's decoder, for a task function's signature (``.s()``): its handle's result()
+    # is then the value the function's return hint says. Not part of what is sent.
+    decode: Decode | None = field(default=None, compare=False, repr=False)
 
     def set(self, **options: Any) -> Signature:
         """A copy with these options changed (``sig.set(queue="slow", priority=9)``)."""
@@ -167,6 +182,9 @@ class Signature(Workflow["TaskHandle", "AsyncTaskHandle"]):
         index = len(items)
         items.append(self.item(after))
         return index, [index]
+
+    def _leaves(self) -> Iterator[Signature]:
+        yield self
 
 
 def signature(payload: Any, **options: Any) -> Signature:
@@ -206,6 +224,10 @@ class Group(Workflow["GroupHandle", "AsyncGroupHandle"]):
             leaves.extend(last)
         return _Group(tuple(shapes)), leaves
 
+    def _leaves(self) -> Iterator[Signature]:
+        for member in self.members:
+            yield from member._leaves()
+
 
 class Chain(Workflow["ChainHandle", "AsyncChainHandle"]):
     """Steps one after the other: see :func:`chain` (and :func:`chord`, a chain of a group and
@@ -228,6 +250,10 @@ class Chain(Workflow["ChainHandle", "AsyncChainHandle"]):
             shape, leaves = step._build(items, tuple(leaves))
             shapes.append(shape)
         return _Chain(tuple(shapes)), leaves
+
+    def _leaves(self) -> Iterator[Signature]:
+        for step in self.steps:
+            yield from step._leaves()
 
 
 def chain(*steps: Step) -> Chain:
@@ -262,13 +288,18 @@ def chord(header: Group | Iterable[Step], callback: Step) -> Chain:
 # -- handles -------------------------------------------------------------------------------------
 
 
-def _value(task_id: str, answer: TaskResult | None, timeout: float | None) -> Any:
-    """A result wait's answer as a handle's ``result()`` gives it."""
+def _value(
+    task_id: str, answer: TaskResult | None, timeout: float | None, decode: Decode | None = None
+) -> Any:
+    """A result wait's answer as a handle's ``result()`` gives it (``decode``: the task
+    function's result decoder, if it has one)."""
     if answer is None:
         after = "" if timeout is None else f" after {timeout:g} s"
         raise ResultTimeout(f"task {task_id} is still pending{after}", task_id=task_id)
     if answer.succeeded:
-        return answer.result
+        if decode is None or answer.result_json is None:
+            return answer.result
+        return decode(answer.result)
     why = {"dead": "is dead", "cancelled": "was cancelled", "expired": "expired"}.get(
         answer.state, answer.state
     )
@@ -279,13 +310,16 @@ def _value(task_id: str, answer: TaskResult | None, timeout: float | None) -> An
 
 
 class TaskHandle:
-    """One submitted task, on a blocking client."""
+    """One submitted task, on a blocking client: its ``id``; :meth:`result` (decoded by
+    ``decode``, if given: a task function's handle decodes by its return hint), :meth:`wait`,
+    :meth:`cancel`, :meth:`status`."""
 
-    __slots__ = ("client", "id")
+    __slots__ = ("client", "decode", "id")
 
-    def __init__(self, client: Client, task_id: str) -> None:
+    def __init__(self, client: Client, task_id: str, decode: Decode | None = None) -> None:
         self.client = client
         self.id = task_id
+        self.decode = decode
 
     def __repr__(self) -> str:
         return f"TaskHandle({self.id!r})"
@@ -303,7 +337,16 @@ class TaskHandle:
         """The task's result, decoded (None for a task acked without one while this waited),
         waiting up to ``timeout`` seconds (None: as long as it takes). Raises
         TaskNotSucceeded, ResultTimeout or NotFound (see :mod:`wqclient.workflow`)."""
-        return _value(self.id, self.wait(timeout), timeout)
+        return _value(self.id, self.wait(timeout), timeout, self.decode)
+
+    def cancel(self) -> str:
+        """Cancel the task (see Client.cancel): ``"cancelled"``, ``"cancelling"`` (handed out:
+        its handler is stopped) or ``"purged"``."""
+        return self.client.cancel(self.id)
+
+    def status(self) -> Task:
+        """The task as the broker has it now (see Client.get_task)."""
+        return self.client.get_task(self.id)
 
 
 class GroupHandle:
@@ -364,13 +407,14 @@ Handle: TypeAlias = TaskHandle | GroupHandle | ChainHandle
 
 
 class AsyncTaskHandle:
-    """One submitted task, on an asyncio client."""
+    """One submitted task, on an asyncio client (see TaskHandle)."""
 
-    __slots__ = ("client", "id")
+    __slots__ = ("client", "decode", "id")
 
-    def __init__(self, client: AsyncClient, task_id: str) -> None:
+    def __init__(self, client: AsyncClient, task_id: str, decode: Decode | None = None) -> None:
         self.client = client
         self.id = task_id
+        self.decode = decode
 
     def __repr__(self) -> str:
         return f"AsyncTaskHandle({self.id!r})"
@@ -385,7 +429,15 @@ class AsyncTaskHandle:
 
     async def result(self, timeout: float | None = None) -> Any:
         """As TaskHandle.result."""
-        return _value(self.id, await self.wait(timeout), timeout)
+        return _value(self.id, await self.wait(timeout), timeout, self.decode)
+
+    async def cancel(self) -> str:
+        """As TaskHandle.cancel."""
+        return await self.client.cancel(self.id)
+
+    async def status(self) -> Task:
+        """As TaskHandle.status."""
+        return await self.client.get_task(self.id)
 
 
 class AsyncGroupHandle:
@@ -441,17 +493,21 @@ class AsyncChainHandle:
 AsyncHandle: TypeAlias = AsyncTaskHandle | AsyncGroupHandle | AsyncChainHandle
 
 
-def _handle(shape: _Shape, ids: Sequence[Enqueued], client: Client) -> Any:
+def _handle(
+    shape: _Shape, ids: Sequence[Enqueued], client: Client, decoders: Sequence[Decode | None]
+) -> Any:
     if isinstance(shape, int):
-        return TaskHandle(client, str(ids[shape]))
+        return TaskHandle(client, str(ids[shape]), decoders[shape])
     if isinstance(shape, _Group):
-        return GroupHandle([_handle(s, ids, client) for s in shape.members])
-    return ChainHandle([_handle(s, ids, client) for s in shape.steps])
+        return GroupHandle([_handle(s, ids, client, decoders) for s in shape.members])
+    return ChainHandle([_handle(s, ids, client, decoders) for s in shape.steps])
 
 
-def _async_handle(shape: _Shape, ids: Sequence[Enqueued], client: AsyncClient) -> Any:
+def _async_handle(
+    shape: _Shape, ids: Sequence[Enqueued], client: AsyncClient, decoders: Sequence[Decode | None]
+) -> Any:
     if isinstance(shape, int):
-        return AsyncTaskHandle(client, str(ids[shape]))
+        return AsyncTaskHandle(client, str(ids[shape]), decoders[shape])
     if isinstance(shape, _Group):
-        return AsyncGroupHandle([_async_handle(s, ids, client) for s in shape.members])
-    return AsyncChainHandle([_async_handle(s, ids, client) for s in shape.steps])
+        return AsyncGroupHandle([_async_handle(s, ids, client, decoders) for s in shape.members])
+    return AsyncChainHandle([_async_handle(s, ids, client, decoders) for s in shape.steps])
