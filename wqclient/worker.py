@@ -780,6 +780,12 @@ class Worker:
         return self._client
 
     @property
+    def in_hand(self) -> int:
+        """How many tasks the worker holds whose handlers have not ended (running, or waiting
+        for a free slot)."""
+        return len(self._in_hand)
+
+    @property
     def prefetch(self) -> int:
         """The stream's prefetch now: the one given, or where the window stands (a new stream
         opens with it)."""

@@ -1659,6 +1659,7 @@ def top_parser() -> FlagParser:
     """``wq -h``: the commands, the common flags and the exit codes."""
     width = max(len(name) for name in COMMANDS) + 2
     commands = "\n".join(f"  {name:<{width}}{c.summary}" for name, c in COMMANDS.items())
+    commands += f"\n  {'worker':<{width}}{WORKER_SUMMARY}"
     codes = "\n".join(f"  {code:<5}{meaning}" for code, meaning in EXIT_CODES.items())
     p = FlagParser(
         prog=PROG,
@@ -1747,7 +1748,24 @@ def resolve(words: list[str]) -> Command:
 
 
 def _command_words() -> list[str]:
-    return list(dict.fromkeys(name.split()[0] for name in COMMANDS))
+    return [*dict.fromkeys(name.split()[0] for name in COMMANDS), "worker"]
+
+
+# `wq worker` is a command of its own (wqclient.cli.run): its flags are its own.
+WORKER_SUMMARY: Final = (
+    "Run an App's tasks (MODULE:APP) or a program per task (-exec, or after --)."
+)
+
+
+def _worker_argv(argv: Sequence[str]) -> list[str] | None:
+    """The arguments of ``wq worker ...`` (all but its first ``worker``), or None if the
+    command is another."""
+    words, _ = split_command(argv)
+    if not words or words[0] != "worker":
+        return None
+    args = list(argv)
+    del args[args.index("worker")]
+    return args
 
 
 async def _run(command: Command, args: argparse.Namespace, out: Output) -> int:
@@ -1788,7 +1806,13 @@ def main(
     """Run ``wq`` with ``argv`` (default: the command line); returns the exit status.
     ``out``, ``err``: where to write (default: standard output and error)."""
     stderr = err or sys.stderr
-    parsed = parse(list(sys.argv[1:] if argv is None else argv), stderr)
+    given = list(sys.argv[1:] if argv is None else argv)
+    worker_argv = _worker_argv(given)
+    if worker_argv is not None:
+        from wqclient.cli import run
+
+        return run.main(worker_argv)
+    parsed = parse(given, stderr)
     if isinstance(parsed, int):
         return parsed
     command, args = parsed
