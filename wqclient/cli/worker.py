@@ -1,7 +1,9 @@
 """``wq-worker`` (``python -m wqclient.cli.worker``): the spec's cmd/worker. It claims tasks with a
 :class:`~wqclient.worker.Worker` and appends each to a log file as one JSON line; a payload with
-``"fail": true`` fails on purpose. SIGINT or SIGTERM stops it as ``Worker.stop()`` does: the tasks
-in hand finish and settle, then it exits 0.
+``"fail": true`` fails on purpose. Given a program after ``--`` (``wq-worker [flags] -- ./prog
+args``), it runs that program per task instead (:class:`~wqclient._exec.ExecHandler`: the
+payload on stdin; exit 0 acks, 100 fails for good, any other retries). SIGINT or SIGTERM stops
+it as ``Worker.stop()`` does: the tasks in hand finish and settle, then it exits 0.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from wqclient._exec import ExecHandler
 from wqclient.cli import add_auth_flags, quiet_grpc
 from wqclient.client import AsyncClient
 from wqclient.errors import CertificateError, PermissionDenied, Unauthenticated, WqError
@@ -141,20 +145,32 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-async def _main(args: argparse.Namespace) -> int:
-    try:
-        handler = LogFileHandler(args.log_file)
-    except OSError as e:
-        print(f"wq-worker: cannot open {args.log_file}: {e.strerror}", file=sys.stderr)
-        return 1
+async def _main(args: argparse.Namespace, program: list[str] | None = None) -> int:  # noqa: C901
+    handler: LogFileHandler | ExecHandler
+    if program is not None:  # `wq-worker [flags] -- ./prog args`: the program per task
+        try:
+            handler = ExecHandler(program)
+        except (OSError, ValueError) as e:
+            print(f"wq-worker: {e}", file=sys.stderr)
+            return 2
+        target = f"running {shlex.join(program)}"
+    else:
+        try:
+            handler = LogFileHandler(args.log_file)
+        except OSError as e:
+            print(f"wq-worker: cannot open {args.log_file}: {e.strerror}", file=sys.stderr)
+            return 1
+        target = f"logging to {args.log_file}"
     try:
         client = AsyncClient(args.broker, token=args.token, ca_file=args.ca_file)
     except WqError as e:
-        handler.close()
+        if isinstance(handler, LogFileHandler):
+            handler.close()
         print(f"wq-worker: {e.message}", file=sys.stderr)
         return 2
     if args.prefetch is not None and args.prefetch < args.concurrency:
-        handler.close()
+        if isinstance(handler, LogFileHandler):
+            handler.close()
         print("wq-worker: -prefetch must be at least -concurrency", file=sys.stderr)
         return 2
     worker = Worker(
@@ -171,12 +187,12 @@ async def _main(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, worker.stop)
     mode = "streaming" if client.can_stream else "long-polling"
     log.info(
-        "%d workers %s %s (queues %s), logging to %s",
+        "%d workers %s %s (queues %s), %s",
         args.concurrency,
         mode,
         args.broker,
         ",".join(args.queue),
-        args.log_file,
+        target,
     )
     try:
         await worker.run()
@@ -184,7 +200,8 @@ async def _main(args: argparse.Namespace) -> int:
         return 1  # the worker has said why
     finally:
         await client.close()
-        handler.close()
+        if isinstance(handler, LogFileHandler):
+            handler.close()
     log.info(
         "stopped: %d succeeded, %d failed, %d cancelled",
         worker.succeeded,
@@ -195,7 +212,15 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = list(sys.argv[1:] if argv is None else argv)
+    program: list[str] | None = None
+    if "--" in given:  # a program to run per task, instead of the log file
+        i = given.index("--")
+        given, program = given[:i], given[i + 1 :]
+    parser = build_parser()
+    args = parser.parse_args(given)
+    if program is not None and not program:
+        parser.error("no program after --")
     setup_logging(
         logging.WARNING if args.quiet else logging.INFO,
         args.log_format,
@@ -204,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The spec's worker logs no line per task (the Worker's, on a logger of its own).
     logging.getLogger("wqclient.worker.tasks").setLevel(logging.WARNING)
     try:
-        return asyncio.run(_main(args))
+        return asyncio.run(_main(args, program))
     except KeyboardInterrupt:
         return 130
 
