@@ -228,6 +228,7 @@ async def _enqueuer(
     payload by ``AsyncClient.enqueue``."""
     if kind == "app":
         module = importlib.import_module("bench_tasks")
+        stack.push_async_callback(module.app.aclose)
         task = getattr(module, os.environ.get("BENCH_TASK", "noop"))
         return task.enqueue  # type: ignore[no-any-return]
     from wqclient import AsyncClient

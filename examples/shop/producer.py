@@ -11,6 +11,11 @@ from wqclient import TaskNotSucceeded, chain, chord, signature
 
 
 async def main() -> None:
+    async with app:  # (closes its connection at the end)
+        await send_the_work()
+
+
+async def send_the_work() -> None:
     # One call, one task: enqueue() returns a handle at once; result() waits for the worker.
     receipt = await send_receipt.enqueue("ann@example.com", order_id="o-1001")
     print("receipt:", await receipt.result(timeout=30))

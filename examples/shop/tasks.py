@@ -47,7 +47,7 @@ def charge(amount: Decimal, card: str, ctx: Context) -> str:
     if card == DECLINED_CARD:
         raise Fail(f"card {card} declined")
     if card == FLAKY_CARD and ctx.attempt == 1:
-        raise Retry(delay=0.2)
+        raise Retry(delay=0.2, error="the bank timed out")
     return f"ch_{ctx.task_id}_{amount}"
 
 
