@@ -425,7 +425,7 @@ async def test_end_to_end_acked_with_a_result_buried_retried_and_cancelled(
     monkeypatch.chdir(tmp_path)
     handler = ExecHandler(python(tmp_path, E2E))
     async with AsyncClient(url_for(broker, transport)) as client:
-        worker = Worker(client, handler, concurrency=2, wait_ms=200)
+        worker = Worker(client, handler, concurrency=2, wait_ms=200, lease_ms=1000)
         running = asyncio.ensure_future(worker.run())
         try:
             ok = (await client.enqueue({"do": "ok", "n": 7}, result_ttl_ms=60_000)).id
