@@ -7,9 +7,10 @@ project directory of its own (the modules below, written where a user keeps them
 
 - raw ``Worker``: ``wqclient.Worker(url, handler)`` with a no-op handler (``python -m bench.tasks
   raw-worker``), the wq producer: what the framework is measured against;
-- ``wq worker bench_tasks:app``: ``@app.task async def noop()``, ``await noop.enqueue()``; the same
-  with a sync function (run in the worker's thread pool); ``wq worker -exec ./noop.sh`` (a
-  program per task: expected far slower, fewer tasks);
+- ``wq worker bench_tasks:app``: ``@app.task async def noop()``, ``await noop.enqueue()`` (and
+  with ``-quiet``: no log line per task); the same with a sync function (run in the worker's
+  thread pool); ``wq worker -exec ./noop.sh`` (a program per task: expected far slower, fewer
+  tasks); the async task over HTTP too;
 - Dramatiq (``dramatiq bench_dramatiq -p 1 -t C``, Redis broker, ``noop.send()`` from PRODUCERS
   threads) and Celery (``celery -A bench_celery worker --pool threads -c C``, Redis broker,
   ``noop.delay()`` from PRODUCERS threads): users' producers are synchronous.
@@ -172,7 +173,7 @@ def write_project(where: Path) -> None:
 
 def have_app() -> bool:
     """Whether the task framework (``wqclient.App``) is there to measure yet."""
-    return importlib.util.find_spec("wqclient.app") is not None
+    return importlib.util.find_spec("wqclient.cli.run") is not None  # (wq worker MODULE:APP)
 
 
 # -- the producer and the raw worker (processes of a row) -----------------------------------------
@@ -409,6 +410,7 @@ def run_row(spec: Spec, project: Path, url: str) -> float:
 RAW = "raw Worker, no-op handler (python -m bench.tasks raw-worker)"
 WQ_ASYNC = "wq worker bench_tasks:app: @app.task async def noop()"
 WQ_SYNC = "wq worker bench_tasks:app: @app.task def noop_sync() (thread pool)"
+WQ_QUIET = "wq worker -quiet bench_tasks:app: the same, no INFO line per task"
 WQ_EXEC = "wq worker -exec ./noop.sh (a bash program per task)"
 DRAMATIQ = f"Dramatiq (Redis): dramatiq bench_dramatiq -p 1 -t {CONCURRENCY}; actor.send()"
 CELERY = f"Celery (Redis): celery -A bench_celery worker --pool threads -c {CONCURRENCY}; .delay()"
@@ -429,6 +431,7 @@ def specs(quick: bool, app: bool) -> list[Spec]:
     if app:
         rows += [
             Spec(f"gRPC: {WQ_ASYNC}", _wq("bench_tasks:app"), "app", n),
+            Spec(f"gRPC: {WQ_QUIET}", _wq("-quiet", "bench_tasks:app"), "app", n),
             Spec(
                 f"gRPC: {WQ_SYNC}",
                 _wq("bench_tasks:app"),
@@ -502,6 +505,8 @@ def report(medians: dict[str, float], counts: dict[str, int], app: bool, add: Ad
             ratio = rate / raw[transport]
             value += f" = {ratio:.0%} of the raw Worker"
             target, ok = ">= 85% of the raw Worker", ratio >= 0.85
+        elif name.endswith(WQ_QUIET):
+            value += f" = {rate / raw[transport]:.0%} of the raw Worker"
         elif name.endswith(WQ_EXEC):
             value += f" = {rate / raw[transport]:.1%} of the raw Worker"
         elif name in (DRAMATIQ, CELERY):

@@ -39,7 +39,7 @@ pytestmark = [
     pytest.mark.xdist_group("serial"),  # (as tests/conftest.py groups the serial modules)
     pytest.mark.timeout(120),
     pytest.mark.skipif(
-        importlib.util.find_spec("wqclient.app") is None, reason="wqclient.App is not built yet"
+        importlib.util.find_spec("wqclient.cli.run") is None, reason="wq worker is not built yet"
     ),
 ]
 
