@@ -6,7 +6,8 @@ and run by a worker started, in another process, with its framework's own comman
 project directory of its own (the modules below, written where a user keeps them):
 
 - raw ``Worker``: ``wqclient.Worker(url, handler)`` with a no-op handler (``python -m bench.tasks
-  raw-worker``), the wq producer: what the framework is measured against;
+  raw-worker``), the same producer (``await noop.enqueue()``): what the framework is measured
+  against;
 - ``wq worker bench_tasks:app``: ``@app.task async def noop()``, ``await noop.enqueue()`` (and
   with ``-quiet``: no log line per task); the same with a sync function (run in the worker's
   thread pool); ``wq worker -exec ./noop.sh`` (a program per task: expected far slower, fewer
@@ -23,12 +24,12 @@ and awaited (the worker is up, the producer connected). Redis is ``$WQ_BENCH_RED
 
 The roles a row's processes play (run from the project directory)::
 
-    python -m bench.tasks produce KIND URL N PRODUCERS   KIND: app, client, dramatiq, celery
+    python -m bench.tasks produce KIND N PRODUCERS   KIND: app, dramatiq, celery
     python -m bench.tasks raw-worker URL CONCURRENCY
 
-(``$BENCH_REDIS``, ``$BENCH_KEY``, ``$BENCH_N``, ``$BENCH_QUEUE``, ``$BENCH_TASK`` say the rest.)
-``produce`` prints ``{"first", "last", "done", "n"}`` (``time.time()``); ``client`` enqueues the
-framework's payload with ``AsyncClient.enqueue`` (before ``wqclient.App`` exists).
+(``$WQ_BROKER``, ``$BENCH_REDIS``, ``$BENCH_KEY``, ``$BENCH_N``, ``$BENCH_QUEUE``, ``$BENCH_TASK``
+say the rest.)
+``produce`` prints ``{"first", "last", "done", "n"}`` (``time.time()``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib
-import importlib.util
 import json
 import os
 import secrets
@@ -48,7 +48,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +60,6 @@ BIN = Path(PY).parent
 REDIS = os.environ.get("WQ_BENCH_REDIS", "redis://127.0.0.1:6379/0")
 CONCURRENCY = 8  # the worker's (wq worker's default): threads, coroutines
 PRODUCERS = 8  # concurrent producers in the producer's one process
-TASK = "bench_tasks.noop"
 
 # -- the project directory: what a user writes ----------------------------------------------------
 
@@ -171,11 +170,6 @@ def write_project(where: Path) -> None:
     (where / "noop.sh").chmod(0o755)
 
 
-def have_app() -> bool:
-    """Whether the task framework (``wqclient.App``) is there to measure yet."""
-    return importlib.util.find_spec("wqclient.cli.run") is not None  # (wq worker MODULE:APP)
-
-
 # -- the producer and the raw worker (processes of a row) -----------------------------------------
 
 
@@ -204,11 +198,13 @@ def _wait_done(r: Any, key: str, n: int) -> float:
     return float(done)
 
 
-async def _produce_async(kind: str, url: str, n: int, producers: int) -> tuple[float, float]:
-    """Warm up with one task, then ``n`` enqueued one per call by ``producers`` coroutines."""
+async def _produce_async(n: int, producers: int) -> tuple[float, float]:
+    """Warm up with one task, then ``n`` enqueued one per call (``await noop.enqueue()``) by
+    ``producers`` coroutines."""
     r, key = _redis(), os.environ["BENCH_KEY"]
-    async with contextlib.AsyncExitStack() as stack:
-        enqueue = await _enqueuer(kind, url, stack)
+    module = importlib.import_module("bench_tasks")
+    async with module.app:
+        enqueue = getattr(module, os.environ.get("BENCH_TASK", "noop")).enqueue
         await enqueue()
         await asyncio.to_thread(_wait_count, r, key, 1, 120.0)
         counter = iter(range(n))
@@ -220,28 +216,6 @@ async def _produce_async(kind: str, url: str, n: int, producers: int) -> tuple[f
         first = time.time()
         await asyncio.gather(*(one() for _ in range(producers)))
         return first, time.time()
-
-
-async def _enqueuer(
-    kind: str, url: str, stack: contextlib.AsyncExitStack
-) -> Callable[[], Awaitable[object]]:
-    """One enqueue of the no-op task: the framework's ``noop.enqueue()``, or (``client``) its
-    payload by ``AsyncClient.enqueue``."""
-    if kind == "app":
-        module = importlib.import_module("bench_tasks")
-        stack.push_async_callback(module.app.aclose)
-        task = getattr(module, os.environ.get("BENCH_TASK", "noop"))
-        return task.enqueue  # type: ignore[no-any-return]
-    from wqclient import AsyncClient
-
-    client = await stack.enter_async_context(AsyncClient(url))
-    payload = json.dumps({"task": os.environ.get("BENCH_TASK_NAME", TASK)}).encode()
-    queue = os.environ["BENCH_QUEUE"]
-
-    async def enqueue() -> None:
-        await client.enqueue(payload, queue=queue)
-
-    return enqueue
 
 
 def _produce_threads(kind: str, n: int, producers: int) -> tuple[float, float]:
@@ -270,9 +244,10 @@ def _produce_threads(kind: str, n: int, producers: int) -> tuple[float, float]:
     return first, time.time()
 
 
-def produce(kind: str, url: str, n: int, producers: int) -> dict[str, Any]:
-    if kind in ("app", "client"):
-        first, last = asyncio.run(_produce_async(kind, url, n, producers))
+def produce(kind: str, n: int, producers: int) -> dict[str, Any]:
+    """The producer of a row (the broker: ``$WQ_BROKER``, or Redis for Dramatiq and Celery)."""
+    if kind == "app":
+        first, last = asyncio.run(_produce_async(n, producers))
     elif kind in ("dramatiq", "celery"):
         first, last = _produce_threads(kind, n, producers)
     else:
@@ -382,7 +357,7 @@ def run_row(spec: Spec, project: Path, url: str) -> float:
         )
     try:
         producer = subprocess.Popen(
-            [PY, "-m", "bench.tasks", "produce", spec.producer, url, str(spec.n), str(PRODUCERS)],
+            [PY, "-m", "bench.tasks", "produce", spec.producer, str(spec.n), str(PRODUCERS)],
             cwd=project,
             env=row_env,
             stdout=subprocess.PIPE,
@@ -422,30 +397,21 @@ def _wq(*args: str) -> list[str]:
     return [*prefix, "worker", "-broker", "{url}", "-concurrency", str(CONCURRENCY), *args]
 
 
-def specs(quick: bool, app: bool) -> list[Spec]:
+def specs(quick: bool) -> list[Spec]:
     n = 3_000 if quick else 10_000
     n_exec = 200 if quick else 1_000
-    producer = "app" if app else "client"
     raw = [PY, "-m", "bench.tasks", "raw-worker", "{url}", str(CONCURRENCY)]
-    rows = [Spec(f"gRPC: {RAW}", raw, producer, n)]
-    if app:
-        rows += [
-            Spec(f"gRPC: {WQ_ASYNC}", _wq("bench_tasks:app"), "app", n),
-            Spec(f"gRPC: {WQ_QUIET}", _wq("-quiet", "bench_tasks:app"), "app", n),
-            Spec(
-                f"gRPC: {WQ_SYNC}",
-                _wq("bench_tasks:app"),
-                "app",
-                n,
-                env={"BENCH_TASK": "noop_sync"},
-            ),
-            Spec(
-                f"gRPC: {WQ_EXEC}", _wq("-queues", "{queue}", "-exec", "./noop.sh"), "app", n_exec
-            ),
-        ]
-    rows.append(Spec(f"HTTP: {RAW}", raw, producer, n, transport="http"))
-    if app:
-        rows.append(Spec(f"HTTP: {WQ_ASYNC}", _wq("bench_tasks:app"), "app", n, transport="http"))
+    app = _wq("bench_tasks:app")
+    exec_ = _wq("-queues", "{queue}", "-exec", "./noop.sh")
+    rows = [
+        Spec(f"gRPC: {RAW}", raw, "app", n),
+        Spec(f"gRPC: {WQ_ASYNC}", app, "app", n),
+        Spec(f"gRPC: {WQ_QUIET}", _wq("-quiet", "bench_tasks:app"), "app", n),
+        Spec(f"gRPC: {WQ_SYNC}", app, "app", n, env={"BENCH_TASK": "noop_sync"}),
+        Spec(f"gRPC: {WQ_EXEC}", exec_, "app", n_exec),
+        Spec(f"HTTP: {RAW}", raw, "app", n, transport="http"),
+        Spec(f"HTTP: {WQ_ASYNC}", app, "app", n, transport="http"),
+    ]
     dramatiq = [str(BIN / "dramatiq"), "bench_dramatiq", "-p", "1", "-t", str(CONCURRENCY)]
     celery = [str(BIN / "celery"), "-A", "bench_celery", "worker", "--pool", "threads"]
     celery += ["-c", str(CONCURRENCY), "--loglevel", "WARNING"]
@@ -471,7 +437,6 @@ Add = Callable[..., None]
 
 def section(quick: bool, broker: Callable[[], AbstractContextManager[_Server]], add: Add) -> Any:
     """The rows, each once per round (1 quick, else 3), rounds in turn; each row's median."""
-    app = have_app()
     print(
         f"The task framework: a no-op task, {PRODUCERS} producers enqueueing one per call, "
         f"workers of {CONCURRENCY} (tasks/s)",
@@ -485,19 +450,19 @@ def section(quick: bool, broker: Callable[[], AbstractContextManager[_Server]], 
     with tempfile.TemporaryDirectory(prefix="wq-bench-tasks-") as tmp, broker() as b:
         project = Path(tmp)
         write_project(project)
-        rows = specs(quick, app)
+        rows = specs(quick)
         urls = {"grpc": f"grpc://{b.grpc}", "http": b.http, "redis": REDIS}
         for _ in range(1 if quick else 3):
             for spec in rows:
                 found.setdefault(spec.name, []).append(run_row(spec, project, urls[spec.transport]))
     medians = {name: statistics.median(rates) for name, rates in found.items()}
-    report(medians, {s.name: s.n for s in rows}, app, add)
+    report(medians, {s.name: s.n for s in rows}, add)
     return {"rates": found, "medians": medians}
 
 
-def report(medians: dict[str, float], counts: dict[str, int], app: bool, add: Add) -> None:
+def report(medians: dict[str, float], counts: dict[str, int], add: Add) -> None:
     raw = {t: medians[f"{t}: {RAW}"] for t in ("gRPC", "HTTP")}
-    wq = medians.get(f"gRPC: {WQ_ASYNC}")
+    wq = medians[f"gRPC: {WQ_ASYNC}"]
     for name, rate in medians.items():
         value, target, ok = f"{rate:,.0f}/s ({counts[name]:,} tasks)", "", None
         transport = name.split(":")[0]
@@ -510,11 +475,8 @@ def report(medians: dict[str, float], counts: dict[str, int], app: bool, add: Ad
         elif name.endswith(WQ_EXEC):
             value += f" = {rate / raw[transport]:.1%} of the raw Worker"
         elif name in (DRAMATIQ, CELERY):
-            base = wq if wq is not None else raw["gRPC"]
-            value += f" = {rate / base:.2f}x wq's {'async task' if wq else 'raw Worker'} (gRPC)"
+            value += f" = {rate / wq:.2f}x wq's async task (gRPC)"
         add("tasks", name, value, target, ok)
-    if not app:
-        add("tasks", "wq worker MODULE:APP", "wqclient.App not there yet: its rows skipped")
     add("tasks", "completions counted", "a Redis INCR by each task (every row), the last timed")
 
 
@@ -523,8 +485,8 @@ def report(medians: dict[str, float], counts: dict[str, int], app: bool, add: Ad
 
 def main(argv: list[str]) -> None:
     role = argv[0] if argv else ""
-    if role == "produce" and len(argv) == 5:
-        result = produce(argv[1], argv[2], int(argv[3]), int(argv[4]))
+    if role == "produce" and len(argv) == 4:
+        result = produce(argv[1], int(argv[2]), int(argv[3]))
         print(json.dumps(result), flush=True)
     elif role == "raw-worker" and len(argv) == 3:
         asyncio.run(raw_worker(argv[1], int(argv[2])))

@@ -14,7 +14,6 @@ a payload the shell handler cannot use).
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
 import shutil
 import signal
@@ -38,9 +37,6 @@ pytestmark = [
     pytest.mark.serial,
     pytest.mark.xdist_group("serial"),  # (as tests/conftest.py groups the serial modules)
     pytest.mark.timeout(120),
-    pytest.mark.skipif(
-        importlib.util.find_spec("wqclient.cli.run") is None, reason="wq worker is not built yet"
-    ),
 ]
 
 SHOP = ROOT / "examples" / "shop"
