@@ -145,6 +145,46 @@ class Context:
         self.sink.report_progress(value)
 
 
+class _TaskContext(Context):
+    """The Context of a task a Worker handed over: made for every task, so its fields are read
+    from the task when asked for, not copied."""
+
+    __slots__ = ("_task",)
+
+    def __init__(self, task: Task, name: str) -> None:  # (Context's fields: properties below)
+        self._task = task
+        self.name = name
+        self.sink = task
+
+    @property
+    def task_id(self) -> str:  # type: ignore[override]
+        return self._task.id
+
+    @property
+    def attempt(self) -> int:  # type: ignore[override]
+        return self._task.attempts
+
+    @property
+    def max_attempts(self) -> int:  # type: ignore[override]
+        return self._task.max_attempts
+
+    @property
+    def queue(self) -> str:  # type: ignore[override]
+        return self._task.queue
+
+    @property
+    def parents(self) -> tuple[ParentResult, ...]:  # type: ignore[override]
+        return self._task.parents or ()
+
+    @property
+    def schedule(self) -> str | None:  # type: ignore[override]
+        return self._task.schedule
+
+    @property
+    def scheduled_for(self) -> datetime | None:  # type: ignore[override]
+        return self._task.scheduled_for
+
+
 _current: contextvars.ContextVar[Context | None] = contextvars.ContextVar(
     "wqclient_context", default=None
 )
@@ -379,6 +419,11 @@ class _Compiled:
         if spec is None:
             spec = self.spec = _compile(self.fn)
         return spec
+
+    def required(self) -> bool:
+        """Whether the function has parameters that must be given."""
+        spec = self.get()
+        return bool(spec.required_positional or spec.required_named)
 
 
 # -- task functions ------------------------------------------------------------------------------
@@ -632,7 +677,7 @@ class TaskFunction(Generic[P, R]):
     def _with_context(
         self, args: list[Any], kwargs: dict[str, Any], ctx: Context
     ) -> tuple[list[Any], dict[str, Any]]:
-        spec = self._compiled.get()
+        spec = self._compiled.spec or self._compiled.get()
         if spec.context is None:
             return args, kwargs
         index = spec.context_index
@@ -776,21 +821,17 @@ class _Handler:
 
     async def __call__(self, task: Task) -> bytes | None:
         fn, args, kwargs = self._call(task)
-        args, kwargs = fn.decode_call(args, kwargs)
-        ctx = Context(
-            task_id=task.id,
-            name=fn.name,
-            attempt=task.attempts,
-            max_attempts=task.max_attempts,
-            queue=task.queue,
-            parents=task.parents or (),
-            schedule=task.schedule,
-            scheduled_for=task.scheduled_for,
-            sink=task,
-        )
+        if args or kwargs or fn._compiled.required():
+            args, kwargs = fn.decode_call(args, kwargs)
+        ctx = _TaskContext(task, fn.name)
         try:
-            if fn.is_async:
-                value = await fn.invoke(args, kwargs, ctx)
+            if fn.is_async:  # (invoke's, inline: no coroutine of its own per task)
+                args, kwargs = fn._with_context(args, kwargs, ctx)
+                token = _current.set(ctx)
+                try:
+                    value = await fn.fn(*args, **kwargs)
+                finally:
+                    _current.reset(token)
             else:
                 value = await self._sync_runner().run(fn, args, kwargs, ctx)
         except Exception as e:
@@ -802,13 +843,18 @@ class _Handler:
         except (TypeError, ValueError, RecursionError) as e:
             raise Fail(f"result of {fn.name} cannot be encoded: {e}") from None
 
-    def _call(self, task: Task) -> tuple[TaskFunction[Any, Any], list[Any], dict[str, Any]]:
+    def _call(  # noqa: C901 (one check a member of the convention)
+        self, task: Task
+    ) -> tuple[TaskFunction[Any, Any], list[Any], dict[str, Any]]:
         """The payload's task function and arguments (raw); Fail for a payload that is not a
         task call, UnknownTaskError for a task not registered here."""
         try:
-            call = json.loads(task.payload_json)
-        except ValueError:
-            raise Fail("the payload is not JSON") from None
+            call, _ = _scan(task.payload_json.decode(), 0)
+        except (StopIteration, ValueError, UnicodeDecodeError):  # (space first, say)
+            try:
+                call = json.loads(task.payload_json)
+            except ValueError:
+                raise Fail("the payload is not JSON") from None
         if type(call) is not dict:
             raise Fail(f'the payload is not a task call (an object with "task"), got {_kind(call)}')
         name = call.get("task")
@@ -853,6 +899,8 @@ class _Handler:
             await self._own.close()
 
 
+# The JSON scanner without json.loads' checks (the broker keeps only valid JSON).
+_scan: Final[Callable[[str, int], tuple[Any, int]]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
 _NO_ARGS: Final[list[Any]] = []
 _NO_KWARGS: Final[dict[str, Any]] = {}
 
