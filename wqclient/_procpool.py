@@ -38,51 +38,20 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
-from datetime import datetime
 from multiprocessing.connection import Connection
 from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
-from typing import Any, Final, Protocol
+from typing import TYPE_CHECKING, Any, Final
 
-from wqclient.models import ParentResult
 from wqclient.worker import Fail, Retry, describe
+
+if TYPE_CHECKING:
+    from wqclient.app import Context, TaskFunction
 
 log = logging.getLogger("wqclient.procpool")
 
 #: How long ``close()`` lets children end on their own (their pipe closed) before killing them.
 CLOSE_GRACE: Final = 5.0
-
-
-class TaskFunctionLike(Protocol):
-    """What the runner needs of a task function (``wqclient.app.TaskFunction``): its name, by
-    which the child finds its own copy in ``app.tasks``."""
-
-    @property
-    def name(self) -> str: ...
-
-
-class ContextLike(Protocol):
-    """What the runner reads of the parent's context (``wqclient.app.Context``): the fields it
-    copies into the child's, and where progress reports go."""
-
-    @property
-    def task_id(self) -> str: ...
-    @property
-    def name(self) -> str: ...
-    @property
-    def attempt(self) -> int: ...
-    @property
-    def max_attempts(self) -> int: ...
-    @property
-    def queue(self) -> str: ...
-    @property
-    def parents(self) -> tuple[ParentResult, ...]: ...
-    @property
-    def schedule(self) -> str | None: ...
-    @property
-    def scheduled_for(self) -> datetime | None: ...
-
-    async def progress(self, value: Any) -> None: ...
 
 
 # -- the messages -------------------------------------------------------------------------------
@@ -191,18 +160,24 @@ def _child_main(ref: str, conn: Connection, path: list[str], cwd: str) -> None:
         pass
     try:
         tasks = _load_app(ref).tasks
-        context = importlib.import_module("wqclient.app").Context
+        from wqclient.app import Context
     except BaseException as e:
-        conn.send((_BROKEN, "".join(traceback.format_exception(e)).rstrip()))
+        answer: tuple[Any, ...] = (_BROKEN, "".join(traceback.format_exception(e)).rstrip())
+    else:
+        answer = (_READY, os.getpid())
+    try:
+        conn.send(answer)
+    except OSError:
+        return  # (the parent has let it go: closed, or gone)
+    if answer[0] == _BROKEN:
         return
-    conn.send((_READY, os.getpid()))
     sink = _PipeSink(conn)
     while True:
         try:
             _kind, name, args, kwargs, fields = conn.recv()
         except (EOFError, OSError):
             return  # the parent closed the pipe (or is gone)
-        answer = _run_one(tasks, context, sink, name, args, kwargs, fields)
+        answer = _run_one(tasks, Context, sink, name, args, kwargs, fields)
         try:
             conn.send(answer)
         except OSError:
@@ -450,10 +425,10 @@ class ProcessRunner:
 
     async def run(
         self,
-        fn: TaskFunctionLike,
+        fn: TaskFunction[Any, Any],
         args: list[Any],
         kwargs: dict[str, Any],
-        ctx: ContextLike,
+        ctx: Context,
     ) -> Any:
         """Run ``fn(*args, **kwargs)`` in a child (waiting for a free one), its context a copy of
         ``ctx`` whose progress reports reach ``ctx``; its value, or its exception raised here."""
@@ -478,7 +453,7 @@ class ProcessRunner:
         return free
 
     async def _run_in(
-        self, slot: int, name: str, args: list[Any], kwargs: dict[str, Any], ctx: ContextLike
+        self, slot: int, name: str, args: list[Any], kwargs: dict[str, Any], ctx: Context
     ) -> Any:
         child = self._slots[slot]
         if child is None or child.dead:
@@ -543,7 +518,7 @@ class ProcessRunner:
             )
         child.ready = True
 
-    async def _outcome(self, child: _Child, ctx: ContextLike) -> Any:
+    async def _outcome(self, child: _Child, ctx: Context) -> Any:
         """The child's answer to the task sent, its progress reports forwarded meanwhile."""
         while True:
             message = await child.next()
