@@ -426,6 +426,22 @@ async def test_extensions_stop_at_the_time_limit_and_the_task_is_retried(store: 
     await store.sweep(now=NOW + 100)
     again = await claim(store, now=NOW + 100, lease=300.0)
     assert again.deadline == pytest.approx(NOW + 150)  # a fresh limit for the new attempt
+    # The lease ran out at the limit: the worker never said, the broker names the limit.
+    assert again.task.last_error == "timed out after 50000 ms"
+
+
+async def test_a_lease_that_ends_before_the_time_limit_is_only_expired(store: Store) -> None:
+    task_id = await submit(store, timeout=50.0, max_attempts=3)
+    d = await claim(store, lease=20.0)
+    swept, _ = await store.sweep(now=NOW + 21)  # the holder went silent long before its limit
+    assert swept.reclaimed == [(task_id, d.lease_id)]
+    await store.sweep(now=NOW + 100)
+    again = await claim(store, now=NOW + 100, lease=5.0)
+    assert again.task.last_error == "lease expired"
+    await store.sweep(now=NOW + 106)  # a 5 s lease under a 50 s limit: expired, not timed out
+    view = await store.lookup(task_id)
+    assert view is not None
+    assert view.task.last_error == "lease expired"
 
 
 async def test_without_a_time_limit_a_task_is_extended_as_long_as_asked(store: Store) -> None:

@@ -1860,7 +1860,7 @@ class Index:
                 continue
             self.totals.reclaimed += 1
             record.lane.queue.totals.reclaimed += 1
-            self._fail(record, "lease expired", now, lease_in_heap=False)
+            self._fail(record, _reclaimed_why(record, entry[0]), now, lease_in_heap=False)
         result.promoted = self._promote(now, result.ready_queues)
         if self._expiries and self._expiries[0][0] <= now:
             self._expire_due(now)
@@ -2705,3 +2705,13 @@ def _live_lease(entry: tuple[float, int, str, Record]) -> bool:
     entry: claims and extensions give the task a new ``seq``)."""
     record = entry[3]
     return record.lease_id == entry[2] and record.seq == entry[1]
+
+
+def _reclaimed_why(record: Record, deadline: float) -> str:
+    """The error of a lease that ran out: its attempt's time limit, if that is where the lease
+    ended (the worker did not report in time: the same words as a Worker that stopped it), else
+    ``lease expired``."""
+    ctl = record.ctl
+    if ctl is not None and ctl.timeout is not None and deadline >= ctl.handed_at + ctl.timeout:
+        return f"timed out after {round(ctl.timeout * 1000)} ms"
+    return "lease expired"

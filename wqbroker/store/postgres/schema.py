@@ -33,6 +33,8 @@ MIGRATIONS: Final = Migrations("wqbroker.store.postgres", "migrations")
 # 5: schedules (wq.schedules, wq.fire; the schedule of a fired task)
 # 6: limits per queue (their columns on wq.queues: wq.claim takes from a limited queue what they
 #    allow, under its row's lock)
+# 7: no table changes: wq.sweep names a lease that ran out at its time limit ("timed out after N
+#    ms"); the version makes an older database take the functions again
 SCHEMA_VERSION: Final = MIGRATIONS.latest
 # Any constant: the key of the advisory lock taken while the schema is checked or made.
 _LOCK_KEY: Final = 0x7771_0000_0001

@@ -1203,7 +1203,14 @@ DECLARE
     touched text[];
 BEGIN
     FOR r IN SELECT t.id, t.lease_id, t.queue, t.attempts, t.max_attempts, t.cancelling,
-                    t.kids, t.parents, t.watched
+                    t.kids, t.parents, t.watched,
+                    -- its attempt's time limit, if that is where the lease ended (the words of
+                    -- a Worker that stopped it), else 'lease expired'
+                    convert_to(CASE WHEN t.timeout IS NOT NULL
+                                         AND t.deadline >= t.handed_at + t.timeout
+                                    THEN format('timed out after %s ms',
+                                                round(t.timeout * 1000)::bigint)
+                                    ELSE 'lease expired' END, 'UTF8') AS why
              FROM wq.tasks t
              WHERE t.state = 1 AND t.deadline <= now_ ORDER BY t.deadline, t.ord
              LIMIT coalesce(array_length(p_us, 1), 0) FOR UPDATE SKIP LOCKED LOOP
@@ -1217,12 +1224,12 @@ BEGIN
                                   ARRAY[r.watched], NULL) x;
             END IF;
         ELSIF wq.fail(r.id, r.queue, r.attempts, r.max_attempts, now_,
-                convert_to('lease expired', 'UTF8'), NULL, false, p_us[j], true, p_base, p_cap,
+                r.why, NULL, false, p_us[j], true, p_base, p_cap,
                 base + j) IS NULL AND (r.kids OR r.watched) THEN
             SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
                 INTO fin_ids, fin_sts
                 FROM wq.ended(3, ARRAY[r.id], ARRAY[r.kids], ARRAY[r.parents], ARRAY[r.watched],
-                              ARRAY[convert_to('lease expired', 'UTF8')]) x;
+                              ARRAY[r.why]) x;
         END IF;
         o_kind := 0; o_id := r.id; o_lease := r.lease_id; o_queue := r.queue; o_n := NULL;
         o_due := NULL;
