@@ -437,9 +437,36 @@ class ProcessRunner:
         free = self._start()
         slot = await free.get()
         try:
+            if self._closed:  # (it waited for a child while the runner closed)
+                raise RuntimeError("the process runner was closed")
             return await self._run_in(slot, fn.name, args, kwargs, ctx)
         finally:
             free.put_nowait(slot)
+
+    async def start(self) -> None:
+        """Start the children now and wait until each has loaded the app (else the first
+        ``run()`` starts them, and a task waits for that); raises what a child could not load.
+        Optional: a worker may call it before it claims tasks, to fail fast."""
+        if self._closed:
+            raise RuntimeError("the process runner is closed")
+        free = self._start()
+        slots = [await free.get() for _ in range(self.size)]
+        try:
+            await asyncio.gather(*(self._ready_in(slot) for slot in slots))
+        finally:
+            for slot in slots:
+                free.put_nowait(slot)
+
+    async def _ready_in(self, slot: int) -> None:
+        child = self._slots[slot]
+        if child is None or child.dead:
+            child = self._slots[slot] = self._spawn(slot)
+        if not child.ready:
+            child.busy = True
+            try:
+                await self._until_ready(slot, child)
+            finally:
+                child.busy = False
 
     def _start(self) -> asyncio.Queue[int]:
         """The queue of free slots; at the first call, the children are started."""

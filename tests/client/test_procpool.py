@@ -215,6 +215,23 @@ async def test_a_task_the_childs_app_does_not_have_fails_naming_it(runner: Proce
         await runner.run(unknown, [], {}, context())
 
 
+async def test_start_waits_until_every_child_has_loaded_the_app() -> None:
+    runner = ProcessRunner(APP, 2)
+    try:
+        await runner.start()
+        assert len(runner.pids) == 2
+        assert all(child is not None and child.ready for child in runner._slots)
+        assert await runner.run(task("add"), [1, 2], {}, context()) == 3
+    finally:
+        await runner.close()
+    broken = ProcessRunner("tests.client.exec_programs.no_such_module:app", 1)
+    try:
+        with pytest.raises(RuntimeError, match="could not load the app"):
+            await broken.start()
+    finally:
+        await broken.close()
+
+
 async def test_an_app_that_does_not_load_fails_each_task_saying_why() -> None:
     runner = ProcessRunner("tests.client.exec_programs.no_such_module:app", 1)
     try:
@@ -341,11 +358,14 @@ async def test_close_ends_the_children(tmp_path: Path) -> None:
 async def test_close_kills_a_child_still_running_after_the_grace(tmp_path: Path) -> None:
     runner = ProcessRunner(APP, 1)
     run = asyncio.ensure_future(runner.run(task("stuck"), [str(tmp_path / "pid")], {}, context()))
+    queued = asyncio.ensure_future(runner.run(task("noop"), [], {}, context()))
     pid = await read_pid(tmp_path / "pid")
     await runner.close(grace=0.1)
     assert not alive(pid)
-    with pytest.raises(RuntimeError, match="the process runner was closed"):
-        await run
+    for waited in (run, queued):
+        with pytest.raises(RuntimeError, match="the process runner was closed"):
+            await waited
+    assert runner.pids == []
 
 
 async def test_an_unclosed_runners_children_end_with_their_parent(tmp_path: Path) -> None:
