@@ -653,10 +653,11 @@ class ProcessRunner:
         """At interpreter exit, a runner never closed: its children killed (multiprocessing
         would otherwise wait for them)."""
         for child in self._slots:
-            if child is not None and child.process.exitcode is None:
+            if child is not None:
                 try:
-                    child.process.kill()
-                except (OSError, ValueError):
+                    if child.process.exitcode is None:
+                        child.process.kill()
+                except (OSError, ValueError):  # (gone, or its process object closed)
                     pass
 
 
