@@ -552,6 +552,13 @@ async def _run(inv: Invocation) -> int:  # noqa: C901 (one branch per kind of wo
                 print(f"{PROG}: cannot serve metrics on {host}:{port}: {e}", file=sys.stderr)
                 return 1
             log.info("metrics at http://%s:%d/metrics", host, port)
+        start = getattr(runner, "start", None)
+        if start is not None:  # (a process pool: its children up, the app loaded, before tasks)
+            try:
+                await start()
+            except Exception as e:
+                print(f"{PROG}: the pool's processes could not start: {e}", file=sys.stderr)
+                return 1
         signals = [0]
 
         def signalled() -> None:
