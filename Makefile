@@ -35,19 +35,19 @@ worker: install-run
 producer: install-run
 	$(VENV)/bin/wq-producer $(ARGS)
 
-# ruff (lint, format) and mypy --strict over wqbroker, wqclient, wqwire, tests and bench (the files
-# are in pyproject.toml), as .pre-commit-config.yaml runs them; then import-linter: the layers and
-# the packages' independence (pyproject.toml's contracts). Needs no Node.js (node-deps is only for
-# the cross-language test in `make test`).
+# ruff (lint, format) and mypy --strict over wqbroker, wqclient, wqwire, tests, bench and examples
+# (the files are in pyproject.toml), as .pre-commit-config.yaml runs them; then import-linter: the
+# layers and the packages' independence (pyproject.toml's contracts). Needs no Node.js (node-deps
+# is only for the cross-language test in `make test`).
 lint: install
-	$(PY) -m ruff check wqbroker wqclient wqwire tests bench proto
-	$(PY) -m ruff format --check wqbroker wqclient wqwire tests bench proto
+	$(PY) -m ruff check wqbroker wqclient wqwire tests bench proto examples
+	$(PY) -m ruff format --check wqbroker wqclient wqwire tests bench proto examples
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
 
 format: install
-	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto
-	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto
+	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto examples
+	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto examples
 
 # The tests, in tiers (tests/conftest.py puts the markers on). `make test` runs them all, as CI
 # does: lint, then every test over four pytest-xdist workers (most tests wait on sockets and

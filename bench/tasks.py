@@ -1,26 +1,34 @@
 """The task framework as users run it (docs/design/tasks.md), next to the raw ``Worker`` and to
 Dramatiq and Celery: ``python -m bench tasks`` (``--quick`` for a smoke run).
 
-Every row is a no-op task enqueued one per call by PRODUCERS concurrent producers in one process
-and run by a worker started, in another process, with its framework's own command, from a
-project directory of its own (the modules below, written where a user keeps them):
+Every row is a no-op task enqueued one per call by concurrent producers in one process and run
+by a worker started, in another process, with its framework's own command, from a project
+directory of its own (the modules below, written where a user keeps them). Two parts:
+
+**The framework's cost** (wq alone): true no-ops (``nothing``), their completions counted by the
+broker (the queue's acked total, polled every 5 ms), and PURE_PRODUCERS producers, so that the
+worker, not the producer, sets the pace:
 
 - raw ``Worker``: ``wqclient.Worker(url, handler)`` with a no-op handler (``python -m bench.tasks
-  raw-worker``), the same producer (``await noop.enqueue()``): what the framework is measured
-  against;
-- ``wq worker bench_tasks:app``: ``@app.task async def noop()``, ``await noop.enqueue()`` (and
-  with ``-quiet``: no log line per task); the same with a sync function (run in the worker's
-  thread pool); ``wq worker -exec ./noop.sh`` (a program per task: expected far slower, fewer
-  tasks); the async task over HTTP too;
+  raw-worker``, on uvloop as ``wq worker`` is), the same producer (``await nothing.enqueue()``):
+  what the framework is measured against;
+- ``wq worker bench_tasks:app``: ``@app.task async def nothing()`` (and with ``-quiet``: no line
+  per task); the same with a sync function (run in the worker's thread pool); ``wq worker -exec
+  ./nothing.sh`` (a program per task: expected far slower, fewer tasks); the async task over HTTP.
+
+**Side by side** with the Python task queues users compare wq with: each task increments a Redis
+counter (one round trip; the one that brings it to N writes the time), the same work and the
+same count for every framework, PRODUCERS producers each:
+
+- ``wq worker bench_tasks:app`` with ``@app.task async def noop()``, ``await noop.enqueue()``;
 - Dramatiq (``dramatiq bench_dramatiq -p 1 -t C``, Redis broker, ``noop.send()`` from PRODUCERS
   threads) and Celery (``celery -A bench_celery worker --pool threads -c C``, Redis broker,
   ``noop.delay()`` from PRODUCERS threads): users' producers are synchronous.
 
-Completions are counted the same way in every row: the task (or handler, or program) increments
-a Redis counter, one round trip; the one that brings it to N writes the time. The figure is tasks/s
-from the first timed enqueue to that last completion. Before the clock starts, one task is sent
-and awaited (the worker is up, the producer connected). Redis is ``$WQ_BENCH_REDIS`` (default
-``redis://127.0.0.1:6379/0``); its keys are named after the run and deleted after it.
+The figure is tasks/s from the first timed enqueue to the last completion. Before the clock
+starts, one task is sent and awaited (the worker is up, the producer connected). Redis is
+``$WQ_BENCH_REDIS`` (default ``redis://127.0.0.1:6379/0``); its keys are named after the run and
+deleted after it.
 
 The roles a row's processes play (run from the project directory)::
 
@@ -91,6 +99,16 @@ async def noop() -> None:
 def noop_sync() -> None:
     if _redis.incr(KEY) == N:
         _redis.set(KEY + ":done", repr(time.time()))
+
+
+@app.task(queue=QUEUE)
+async def nothing() -> None:
+    """A true no-op: the broker counts it (acked)."""
+
+
+@app.task(queue=QUEUE)
+def nothing_sync() -> None:
+    """The same, in the thread pool."""
 '''
 
 DRAMATIQ_MODULE = '''\
@@ -156,7 +174,14 @@ if [ "${reply%$'\\r'}" = ":$BENCH_N" ]; then
 fi
 """
 
+# The true no-op for ``-exec``: reads nothing, writes nothing, exits 0.
+NOTHING_SCRIPT = """\
+#!/bin/sh
+exit 0
+"""
+
 FILES = {
+    "nothing.sh": NOTHING_SCRIPT,
     "bench_tasks.py": WQ_MODULE,
     "bench_dramatiq.py": DRAMATIQ_MODULE,
     "bench_celery.py": CELERY_MODULE,
@@ -168,6 +193,7 @@ def write_project(where: Path) -> None:
     for name, text in FILES.items():
         (where / name).write_text(text)
     (where / "noop.sh").chmod(0o755)
+    (where / "nothing.sh").chmod(0o755)
 
 
 # -- the producer and the raw worker (processes of a row) -----------------------------------------
@@ -198,15 +224,30 @@ def _wait_done(r: Any, key: str, n: int) -> float:
     return float(done)
 
 
-async def _produce_async(n: int, producers: int) -> tuple[float, float]:
+async def _acked(client: Any, queue: str, n: int, timeout: float) -> float:
+    """When the broker's count of the queue's acked tasks reached ``n`` (polled every 5 ms)."""
+    deadline = time.monotonic() + timeout
+    while (await client.stats(queue)).totals.acked < n:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"{queue}: fewer than {n} tasks acked in {timeout} s")
+        await asyncio.sleep(0.005)
+    return time.time()
+
+
+async def _produce_async(n: int, producers: int) -> tuple[float, float, float | None]:
     """Warm up with one task, then ``n`` enqueued one per call (``await noop.enqueue()``) by
-    ``producers`` coroutines."""
-    r, key = _redis(), os.environ["BENCH_KEY"]
+    ``producers`` coroutines. With ``$BENCH_PURE`` the tasks do nothing and the broker counts
+    them: the time the queue's acked count reached n + 1 (else None: Redis counts)."""
+    pure = bool(os.environ.get("BENCH_PURE"))
+    queue = os.environ["BENCH_QUEUE"]
     module = importlib.import_module("bench_tasks")
     async with module.app:
         enqueue = getattr(module, os.environ.get("BENCH_TASK", "noop")).enqueue
         await enqueue()
-        await asyncio.to_thread(_wait_count, r, key, 1, 120.0)
+        if pure:
+            await _acked(module.app.client, queue, 1, 120.0)
+        else:
+            await asyncio.to_thread(_wait_count, _redis(), os.environ["BENCH_KEY"], 1, 120.0)
         counter = iter(range(n))
 
         async def one() -> None:
@@ -215,7 +256,9 @@ async def _produce_async(n: int, producers: int) -> tuple[float, float]:
 
         first = time.time()
         await asyncio.gather(*(one() for _ in range(producers)))
-        return first, time.time()
+        last = time.time()
+        done = await _acked(module.app.client, queue, n + 1, max(120.0, n / 50)) if pure else None
+        return first, last, done
 
 
 def _produce_threads(kind: str, n: int, producers: int) -> tuple[float, float]:
@@ -246,13 +289,15 @@ def _produce_threads(kind: str, n: int, producers: int) -> tuple[float, float]:
 
 def produce(kind: str, n: int, producers: int) -> dict[str, Any]:
     """The producer of a row (the broker: ``$WQ_BROKER``, or Redis for Dramatiq and Celery)."""
+    done: float | None = None
     if kind == "app":
-        first, last = asyncio.run(_produce_async(n, producers))
+        first, last, done = asyncio.run(_produce_async(n, producers))
     elif kind in ("dramatiq", "celery"):
         first, last = _produce_threads(kind, n, producers)
     else:
         raise SystemExit(f"unknown producer kind {kind!r}")
-    done = _wait_done(_redis(), os.environ["BENCH_KEY"], n)
+    if done is None:
+        done = _wait_done(_redis(), os.environ["BENCH_KEY"], n)
     return {"first": first, "last": last, "done": done, "n": n}
 
 
@@ -268,6 +313,12 @@ async def raw_worker(url: str, concurrency: int) -> None:
     async def handler(_task: Task) -> None:
         if await r.incr(key) == n:
             await r.set(key + ":done", repr(time.time()))
+
+    async def nothing(_task: Task) -> None:
+        return None
+
+    if os.environ.get("BENCH_PURE"):
+        handler = nothing  # (the broker counts)
 
     worker = Worker(url, handler, concurrency=concurrency, queues=[os.environ["BENCH_QUEUE"]])
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, worker.stop)
@@ -292,6 +343,7 @@ class Spec:
     n: int
     transport: str = "grpc"  # or "http"; "redis" for Dramatiq and Celery
     env: dict[str, str] = field(default_factory=dict)
+    producers: int = PRODUCERS
 
 
 def _row_env(spec: Spec, url: str, queue: str, key: str) -> dict[str, str]:
@@ -357,7 +409,7 @@ def run_row(spec: Spec, project: Path, url: str) -> float:
         )
     try:
         producer = subprocess.Popen(
-            [PY, "-m", "bench.tasks", "produce", spec.producer, str(spec.n), str(PRODUCERS)],
+            [PY, "-m", "bench.tasks", "produce", spec.producer, str(spec.n), str(spec.producers)],
             cwd=project,
             env=row_env,
             stdout=subprocess.PIPE,
@@ -383,12 +435,17 @@ def run_row(spec: Spec, project: Path, url: str) -> float:
 # -- the section ----------------------------------------------------------------------------------
 
 RAW = "raw Worker, no-op handler (python -m bench.tasks raw-worker)"
-WQ_ASYNC = "wq worker bench_tasks:app: @app.task async def noop()"
-WQ_SYNC = "wq worker bench_tasks:app: @app.task def noop_sync() (thread pool)"
-WQ_QUIET = "wq worker -quiet bench_tasks:app: the same, no INFO line per task"
-WQ_EXEC = "wq worker -exec ./noop.sh (a bash program per task)"
+WQ_ASYNC = "wq worker bench_tasks:app: @app.task async def nothing()"
+WQ_SYNC = "wq worker bench_tasks:app: @app.task def nothing_sync() (thread pool)"
+WQ_QUIET = "wq worker -quiet bench_tasks:app: the same, no line per task"
+WQ_EXEC = "wq worker -exec ./nothing.sh (a program per task)"
+WQ_REDIS = "wq worker bench_tasks:app: @app.task async def noop()"
 DRAMATIQ = f"Dramatiq (Redis): dramatiq bench_dramatiq -p 1 -t {CONCURRENCY}; actor.send()"
 CELERY = f"Celery (Redis): celery -A bench_celery worker --pool threads -c {CONCURRENCY}; .delay()"
+#: The framework's own cost: true no-ops counted by the broker, and enough concurrent producers
+#: (the client's enqueues coalesce) that the worker, not the producer, sets the pace.
+PURE_PRODUCERS = 64
+PURE = {"BENCH_PURE": "1"}
 
 
 def _wq(*args: str) -> list[str]:
@@ -399,23 +456,30 @@ def _wq(*args: str) -> list[str]:
 
 def specs(quick: bool) -> list[Spec]:
     n = 3_000 if quick else 10_000
+    n_pure = 5_000 if quick else 20_000
     n_exec = 200 if quick else 1_000
     raw = [PY, "-m", "bench.tasks", "raw-worker", "{url}", str(CONCURRENCY)]
     app = _wq("bench_tasks:app")
-    exec_ = _wq("-queues", "{queue}", "-exec", "./noop.sh")
+    exec_ = _wq("-queues", "{queue}", "-exec", "./nothing.sh")
+
+    def pure(name: str, worker: list[str], count: int, transport: str, task: str) -> Spec:
+        env = {**PURE, "BENCH_TASK": task}
+        return Spec(name, worker, "app", count, transport, env, PURE_PRODUCERS)
+
     rows = [
-        Spec(f"gRPC: {RAW}", raw, "app", n),
-        Spec(f"gRPC: {WQ_ASYNC}", app, "app", n),
-        Spec(f"gRPC: {WQ_QUIET}", _wq("-quiet", "bench_tasks:app"), "app", n),
-        Spec(f"gRPC: {WQ_SYNC}", app, "app", n, env={"BENCH_TASK": "noop_sync"}),
-        Spec(f"gRPC: {WQ_EXEC}", exec_, "app", n_exec),
-        Spec(f"HTTP: {RAW}", raw, "app", n, transport="http"),
-        Spec(f"HTTP: {WQ_ASYNC}", app, "app", n, transport="http"),
+        pure(f"gRPC: {RAW}", raw, n_pure, "grpc", "nothing"),
+        pure(f"gRPC: {WQ_ASYNC}", app, n_pure, "grpc", "nothing"),
+        pure(f"gRPC: {WQ_QUIET}", _wq("-quiet", "bench_tasks:app"), n_pure, "grpc", "nothing"),
+        pure(f"gRPC: {WQ_SYNC}", app, n_pure, "grpc", "nothing_sync"),
+        pure(f"gRPC: {WQ_EXEC}", exec_, n_exec, "grpc", "nothing"),
+        pure(f"HTTP: {RAW}", raw, n_pure, "http", "nothing"),
+        pure(f"HTTP: {WQ_ASYNC}", app, n_pure, "http", "nothing"),
     ]
     dramatiq = [str(BIN / "dramatiq"), "bench_dramatiq", "-p", "1", "-t", str(CONCURRENCY)]
     celery = [str(BIN / "celery"), "-A", "bench_celery", "worker", "--pool", "threads"]
     celery += ["-c", str(CONCURRENCY), "--loglevel", "WARNING"]
     rows += [
+        Spec(f"gRPC: {WQ_REDIS}", app, "app", n),
         Spec(DRAMATIQ, dramatiq, "dramatiq", n, transport="redis"),
         # (Half as many: Celery's thread pool runs a few hundred a second here.)
         Spec(CELERY, celery, "celery", n // 2, transport="redis"),
@@ -439,8 +503,8 @@ Add = Callable[..., None]
 def section(quick: bool, broker: Callable[[], AbstractContextManager[_Server]], add: Add) -> Any:
     """The rows, each once per round (1 quick, else 3), rounds in turn; each row's median."""
     print(
-        f"The task framework: a no-op task, {PRODUCERS} producers enqueueing one per call, "
-        f"workers of {CONCURRENCY} (tasks/s)",
+        f"The task framework: a no-op task enqueued one per call, workers of {CONCURRENCY} "
+        "(tasks/s)",
         flush=True,
     )
     why = redis_unreachable()
@@ -463,22 +527,32 @@ def section(quick: bool, broker: Callable[[], AbstractContextManager[_Server]], 
 
 def report(medians: dict[str, float], counts: dict[str, int], add: Add) -> None:
     raw = {t: medians[f"{t}: {RAW}"] for t in ("gRPC", "HTTP")}
-    wq = medians[f"gRPC: {WQ_ASYNC}"]
+    wq = medians[f"gRPC: {WQ_REDIS}"]
+    add(
+        "tasks",
+        "the framework's cost",
+        f"true no-ops, counted by the broker (acked); {PURE_PRODUCERS} producers",
+    )
     for name, rate in medians.items():
         value, target, ok = f"{rate:,.0f}/s ({counts[name]:,} tasks)", "", None
         transport = name.split(":")[0]
-        if name.endswith(WQ_ASYNC) or name.endswith(WQ_SYNC):
+        if name.endswith(WQ_ASYNC):
             ratio = rate / raw[transport]
             value += f" = {ratio:.0%} of the raw Worker"
             target, ok = ">= 85% of the raw Worker", ratio >= 0.85
-        elif name.endswith(WQ_QUIET):
+        elif name.endswith(WQ_QUIET) or name.endswith(WQ_SYNC):
             value += f" = {rate / raw[transport]:.0%} of the raw Worker"
         elif name.endswith(WQ_EXEC):
             value += f" = {rate / raw[transport]:.1%} of the raw Worker"
+        elif name.endswith(WQ_REDIS):
+            add(
+                "tasks",
+                "side by side",
+                f"each task a Redis INCR (every framework the same); {PRODUCERS} producers",
+            )
         elif name in (DRAMATIQ, CELERY):
             value += f" = {rate / wq:.2f}x wq's async task (gRPC)"
         add("tasks", name, value, target, ok)
-    add("tasks", "completions counted", "a Redis INCR by each task (every row), the last timed")
 
 
 # -- the roles ------------------------------------------------------------------------------------
@@ -490,7 +564,9 @@ def main(argv: list[str]) -> None:
         result = produce(argv[1], int(argv[2]), int(argv[3]))
         print(json.dumps(result), flush=True)
     elif role == "raw-worker" and len(argv) == 3:
-        asyncio.run(raw_worker(argv[1], int(argv[2])))
+        import uvloop  # (the loop `wq worker` runs on: the framework's cost, not the loop's)
+
+        uvloop.run(raw_worker(argv[1], int(argv[2])))
     else:
         raise SystemExit(__doc__)
 

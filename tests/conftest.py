@@ -105,6 +105,8 @@ def _no_client_credentials_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     # the tests start): a shell that has them set must not change what a test sees.
     monkeypatch.delenv("WQ_TOKEN", raising=False)
     monkeypatch.delenv("WQ_CA_FILE", raising=False)
+    # (and wqclient.App, wq worker and the examples their broker from $WQ_BROKER)
+    monkeypatch.delenv("WQ_BROKER", raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

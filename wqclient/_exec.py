@@ -29,7 +29,7 @@ import shutil
 import signal
 import tempfile
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from wqclient.models import ParentResult, Task
 from wqclient.worker import Fail, TaskFailed
@@ -229,10 +229,11 @@ class _Output(asyncio.SubprocessProtocol):
 def _feed(transport: asyncio.SubprocessTransport, payload: bytes) -> None:
     """Write the payload to the program's stdin and close it (a program that does not read
     it, or is gone, is no error)."""
-    stdin = transport.get_pipe_transport(0)
-    if stdin is None:
+    pipe = transport.get_pipe_transport(0)
+    if pipe is None:
         return
-    assert isinstance(stdin, asyncio.WriteTransport)
+    # (a write transport, though not always of asyncio's class: uvloop's is its own)
+    stdin = cast(asyncio.WriteTransport, pipe)
     try:
         stdin.write(payload)
         stdin.write_eof()

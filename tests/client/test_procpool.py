@@ -446,3 +446,20 @@ async def test_end_to_end_through_a_worker(broker: Broker, transport: str, tmp_p
             worker.stop()
             await asyncio.wait_for(running, 30)
             await runner.close()
+
+
+def test_it_runs_on_uvloop_as_wq_worker_does() -> None:
+    # (`wq worker` runs on uvloop: the pipes' readers and the children's pidfds on its loop)
+    import uvloop
+
+    async def run() -> tuple[Any, Any]:
+        pool = ProcessRunner(APP, 1)
+        try:
+            added = await pool.run(task("add"), [2, 3], {}, context())
+            with pytest.raises(Fail):
+                await pool.run(task("raise_fail"), ["no"], {}, context())
+            return added, await pool.run(task("noop"), [], {}, context())
+        finally:
+            await pool.close()
+
+    assert uvloop.run(run()) == (5, None)

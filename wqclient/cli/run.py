@@ -31,11 +31,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from wqclient.cli import add_auth_flags, quiet_grpc
 from wqclient.client import AsyncClient
@@ -48,11 +48,14 @@ from wqwire.flags import LOG_FORMATS, FlagParser, bool_flag, positive_int, queue
 if TYPE_CHECKING:
     from wqclient.app import App
 
+T = TypeVar("T")
+
 PROG: Final = "wq worker"
 ENV_BROKER: Final = "WQ_BROKER"
 DEFAULT_CONCURRENCY: Final = 8
 DEFAULT_GRACE: Final = 30.0
 POOLS: Final = ("threads", "processes")
+LOOPS: Final = ("uvloop", "asyncio")
 # -reload: how often the files are looked at, and how long a child is given to stop beyond its
 # grace before it is killed.
 RELOAD_POLL: Final = 1.0
@@ -196,6 +199,14 @@ def build_parser() -> FlagParser:
         default="text",
         help="text: a line per record; json: one JSON object per line, with each record's "
         "fields (task_name, task_id, attempts, outcome, duration_ms ...) (default text)",
+    )
+    p.add_argument(
+        "-loop",
+        "--loop",
+        choices=LOOPS,
+        default="uvloop",
+        help="the event loop: uvloop (libuv, faster; the asyncio loop where it is not "
+        "installed) or asyncio (default uvloop)",
     )
     p.add_argument(
         "-quiet",
@@ -636,13 +647,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.reload:
         return supervise(inv)
     try:
-        code = asyncio.run(_run(inv))
+        code = run_loop(_run(inv), args.loop)
     except _Usage as e:
         print(f"{PROG}: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     return _exit_now_if_threads_run_on(code)
+
+
+def run_loop(main: Coroutine[Any, Any, T], loop: str) -> T:
+    """Run ``main`` on uvloop (libuv: less time in the loop for each task) unless told
+    otherwise, or where it is not installed (it comes with the ``cli`` extra, not on Windows)."""
+    if loop == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run(main)
+    return asyncio.run(main)
 
 
 # -- -reload ---------------------------------------------------------------------------------------
