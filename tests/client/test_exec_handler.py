@@ -472,19 +472,3 @@ async def test_end_to_end_acked_with_a_result_buried_retried_and_cancelled(
         finally:
             worker.stop()
             await asyncio.wait_for(running, 30)
-
-
-def test_it_runs_on_uvloop_as_wq_worker_does(tmp_path: Path) -> None:
-    # (`wq worker` runs on uvloop, whose pipe transports are not asyncio's classes)
-    import uvloop
-
-    echo = python(tmp_path, "import sys; sys.stdout.write(sys.stdin.read())")
-    fails = script(tmp_path, "fail.sh", "#!/bin/sh\necho 'no such order' >&2\nexit 100\n")
-
-    async def both() -> tuple[bytes | None, str]:
-        result = await ExecHandler(echo)(make_task(b'{"n": [1, 2]}'))
-        with pytest.raises(Fail) as e:
-            await ExecHandler([fails])(make_task())
-        return result, str(e.value)
-
-    assert uvloop.run(both()) == (b'{"n": [1, 2]}', "no such order")
