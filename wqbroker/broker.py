@@ -18,6 +18,7 @@ from wqbroker.config import Config, disabled, parse_addr
 from wqbroker.errors import StoreError
 from wqbroker.grpc.auth import AuthInterceptor
 from wqbroker.grpc.metrics import MetricsInterceptor
+from wqbroker.grpc.protected import LocalOnlyInterceptor
 from wqbroker.grpc.server import create_server, set_serving, watch_readiness
 from wqbroker.http import (
     create_app,
@@ -120,6 +121,12 @@ class Broker:
         return self._service
 
     @property
+    def local_only(self) -> bool:
+        """Protected mode (``wqbroker.protected``): no token file and no -public, so only
+        loopback clients are served."""
+        return self.tokens is None and not self.config.public
+
+    @property
     def http_url(self) -> str:
         """Base URL of the HTTP API (for clients on this machine)."""
         scheme = "https" if self._tls is not None else "http"
@@ -175,6 +182,23 @@ class Broker:
         except BaseException:
             await self.stop()
             raise
+        self._log_access()
+
+    def _log_access(self) -> None:
+        """Who may call: said at start-up, loudly when it is anyone at all."""
+        if self.tokens is not None:
+            return  # (__main__ says how many tokens)
+        if self.config.public:
+            log.warning(
+                "-public and no -token-file: serving clients from every address without "
+                "authentication; anyone who can reach the ports can enqueue, claim, purge, "
+                "requeue and pause. Give the broker -token-file to require tokens"
+            )
+        else:
+            log.info(
+                "no -token-file: serving only loopback clients (127.0.0.0/8, ::1); others are "
+                "refused (give -token-file, or -public to serve anyone without authentication)"
+            )
 
     async def _put_schedules(self, schedules: list[tuple[str, ScheduleSubmission]]) -> None:
         """The schedules of -schedule-file put (docs/design/schedules.md); a bad one stops the
@@ -201,6 +225,7 @@ class Broker:
             read_header_timeout=config.read_header_timeout,
             idle_timeout=config.idle_timeout,
             fast_lane=config.http_fast_lane,
+            local_only=self.local_only,
         )
         await runner.setup()
         self._runner = runner
@@ -220,6 +245,8 @@ class Broker:
         ]
         if self.tokens is not None:
             interceptors.append(AuthInterceptor(self.tokens))  # (inside: refusals are counted)
+        elif self.local_only:
+            interceptors.append(LocalOnlyInterceptor())  # (as is this one's)
         server, self._health = create_server(self.service, interceptors)
         self._grpc = server
         bind_host = "[::]" if host is None else (f"[{host}]" if ":" in host else host)

@@ -275,6 +275,13 @@ class Config:
     metrics_public: bool = setting(
         False, "GET /metrics needs no token even with -token-file (else: the metrics scope)"
     )
+    # wqbroker/protected.py: without a token file, only loopback clients, unless this.
+    public: bool = setting(
+        False,
+        "without -token-file, serve clients from every address (else only loopback ones: "
+        "127.0.0.0/8, ::1); anyone who can reach the ports can then enqueue, purge, requeue "
+        "and pause. With -token-file every address is served anyway (tokens protect it)",
+    )
     tls_cert: str | None = setting(
         None,
         "serve HTTPS and gRPC over TLS with this PEM certificate chain (with -tls-key)",

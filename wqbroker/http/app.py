@@ -231,9 +231,11 @@ def make_runner(
     read_header_timeout: float = DEFAULT_READ_HEADER_TIMEOUT,
     idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
     fast_lane: bool = True,
+    local_only: bool = False,
 ) -> web.AppRunner:
     """The runner serving ``app``; ``fast_lane=False`` serves every request aiohttp's way (as
-    does ``access_log``: aiohttp's access log sees only the requests it serves)."""
+    does ``access_log``: aiohttp's access log sees only the requests it serves). ``local_only``:
+    protected mode, only loopback peers are served (``wqbroker.protected``)."""
     return Runner(
         app,
         access_log=log if access_log else None,
@@ -241,4 +243,5 @@ def make_runner(
         idle_timeout=idle_timeout,
         shutdown_timeout=5.0,
         fast_lane=fast_lane,
+        local_only=local_only,
     )

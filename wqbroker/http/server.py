@@ -48,7 +48,14 @@ from aiohttp.streams import StreamReader
 
 from wqbroker.http.fast import FastProtocol
 from wqbroker.http.lane import LANE, Deadline, Lane
-from wqbroker.http.transport import error_response, header_timeout_answer
+from wqbroker.http.transport import (
+    BODY,
+    DEFAULT_MAX_BODY,
+    error_response,
+    finish_body,
+    header_timeout_answer,
+)
+from wqbroker.protected import PROBES, REFUSAL, RefusalLog, describe_peer, local_peer
 
 log = logging.getLogger("wqbroker.http")
 
@@ -172,6 +179,7 @@ class Protocol(web.RequestHandler):
         idle_timeout: float,
         reporter: _Reporter,
         lane: FastProtocol | None = None,
+        handler: RequestHandler | None = None,
         **kwargs: Any,
     ) -> None:
         # aiohttp's own keep-alive timer (from an answer until the next request is complete)
@@ -180,6 +188,8 @@ class Protocol(web.RequestHandler):
         backstop = 2 * (idle_timeout + read_header_timeout) + 1
         keepalive = backstop if lane is None else _NEVER
         super().__init__(manager, loop=loop, keepalive_timeout=keepalive, **kwargs)
+        if handler is not None:  # (a refused connection's: see _refusing)
+            self._request_handler = handler
         self._event_loop = loop
         self._reporter = reporter
         self._header_timeout = read_header_timeout
@@ -294,6 +304,8 @@ class _Server(web.Server):
         read_header_timeout: float,
         idle_timeout: float,
         lane: Lane | None = None,
+        local_only: bool = False,
+        max_body: int = DEFAULT_MAX_BODY,
         **protocol_kwargs: Any,
     ) -> None:
         def make_request(
@@ -337,11 +349,30 @@ class _Server(web.Server):
                 connections=self._fast,
             )
         )
+        # Protected mode (wqbroker/protected.py): each connection's peer is looked at once, when
+        # it is accepted (by a _Gate); one not on this machine gets a Protocol that refuses.
+        self._refusals = RefusalLog("HTTP") if local_only else None
+        self._refuse = _outermost(_refusing(handler, max_body))
 
     def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
+        if self._refusals is not None:
+            return _Gate(self)
+        return self._connection()
+
+    def _connection(self) -> asyncio.Protocol:
         if self._new_fast is not None:
             return self._new_fast()
         return self._new_protocol()
+
+    def admit(self, transport: asyncio.BaseTransport) -> asyncio.Protocol:
+        """The protocol of a new connection (protected mode): the usual one for a peer on this
+        machine, else one whose every request (but the probes) is refused."""
+        peer = transport.get_extra_info("peername")
+        if local_peer(peer):
+            return self._connection()
+        assert self._refusals is not None
+        self._refusals.refused(self._loop.time(), describe_peer(peer))
+        return self._new_protocol(handler=self._refuse)
 
     def pre_shutdown(self) -> None:
         """The server stops taking connections: each closes once the request it is answering is
@@ -356,9 +387,44 @@ class _Server(web.Server):
         )
 
 
+class _Gate(asyncio.Protocol):
+    """A connection's first protocol in protected mode: when the connection is made, it gives
+    the transport the protocol the server chooses for the peer (``_Server.admit``), and is gone
+    (the transport calls that one directly from then on)."""
+
+    __slots__ = ("_server",)
+
+    def __init__(self, server: _Server) -> None:
+        self._server = server
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        protocol = self._server.admit(transport)
+        transport.set_protocol(protocol)
+        protocol.connection_made(transport)
+
+
+_PROBE_PATHS: Final = frozenset(route.partition(" ")[2] for route in PROBES.http)  # (all GETs)
+
+
+def _refusing(application: RequestHandler, max_body: int) -> RequestHandler:
+    """The request handler of a refused connection: 403 with :data:`REFUSAL` to every request
+    but a probe's (given to ``application``); the connection is kept for the next request, as
+    after any answer (an unread body is skipped as the application's middleware skips one)."""
+
+    async def refuse(request: web.BaseRequest) -> web.StreamResponse:
+        if request.method in ("GET", "HEAD") and request.path in _PROBE_PATHS:
+            return await application(request)
+        response = error_response(403, REFUSAL)
+        if not request.content.is_eof() and isinstance(request, web.Request):
+            return await finish_body(request, response, max_body)
+        return response
+
+    return refuse
+
+
 class Runner(web.AppRunner):
     """An AppRunner serving its application with the transport's settings (and the fast lane,
-    unless ``fast_lane`` is false)."""
+    unless ``fast_lane`` is false). ``local_only``: protected mode (``wqbroker.protected``)."""
 
     def __init__(
         self,
@@ -369,8 +435,10 @@ class Runner(web.AppRunner):
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
         shutdown_timeout: float,
         fast_lane: bool = True,
+        local_only: bool = False,
     ) -> None:
         super().__init__(app, shutdown_timeout=shutdown_timeout)
+        self._local_only = local_only
         self._read_header_timeout = read_header_timeout
         self._idle_timeout = idle_timeout
         self._fast_lane = fast_lane
@@ -403,5 +471,7 @@ class Runner(web.AppRunner):
             read_header_timeout=self._read_header_timeout,
             idle_timeout=self._idle_timeout,
             lane=lane,
+            local_only=self._local_only,
+            max_body=rules.max_bytes if (rules := self.app.get(BODY)) else DEFAULT_MAX_BODY,
             **self._protocol_kwargs,
         )

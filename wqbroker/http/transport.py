@@ -278,11 +278,14 @@ async def _skip(payload: StreamReader, budget: int, until: float, idle: float) -
 _CLOSING: Final = {413: True, 415: True, 408: False, 417: False}
 
 
-async def finish_body(request: web.Request, response: web.StreamResponse) -> web.StreamResponse:
+async def finish_body(
+    request: web.Request, response: web.StreamResponse, max_bytes: int | None = None
+) -> web.StreamResponse:
     """After the answer to a request whose body was not read to its end: send the answer, then
     skip the rest of the body if it is small (the connection is kept), or else read and drop it
     within the lingering bounds and have aiohttp close the connection (it closes one whose answer
-    says so, or whose body is unfinished: it is run with ``lingering_time=0``)."""
+    says so, or whose body is unfinished: it is run with ``lingering_time=0``). ``max_bytes``:
+    what "small" is, for a request that never reached the application (else its body limit)."""
     linger = _CLOSING.get(response.status, True)
     if response.status in _CLOSING:
         response.force_close()
@@ -294,7 +297,8 @@ async def finish_body(request: web.Request, response: web.StreamResponse) -> web
     payload = request.content
     now = asyncio.get_running_loop().time()
     if response.keep_alive:
-        if await _skip(payload, request.app[BODY].max_bytes, now + SKIP_SECONDS, SKIP_SECONDS):
+        small = request.app[BODY].max_bytes if max_bytes is None else max_bytes
+        if await _skip(payload, small, now + SKIP_SECONDS, SKIP_SECONDS):
             return response  # (the connection is kept)
         response.force_close()  # (closed after the answer already sent, as ever)
     await _skip(payload, LINGER_BYTES, now + LINGER_SECONDS, LINGER_IDLE)
