@@ -26,6 +26,7 @@ from wqbroker.clock import Clock
 from wqbroker.dispatch import Dispatcher, HandOver, HandOverMany, Stream
 from wqbroker.errors import (
     InvalidArgument,
+    LeaseLost,
     NotFound,
     Overloaded,
     PayloadTooLarge,
@@ -490,7 +491,7 @@ class Service:
         return settled, await self._dispatch.claim(wait, lease, hand_over, names)
 
     @follow_through
-    async def release(self, delivery: Delivery) -> None:
+    async def give_back(self, delivery: Delivery) -> None:
         """Hand back a delivery that never reached a worker (its client disconnected)."""
         await self._dispatch.give_back(delivery)
 
@@ -569,6 +570,32 @@ class Service:
         if failure.retry_at is not None:
             self._sweeper.wake_by(failure.retry_at)
         await self._dispatch.finished((item.lease_id,), later=self._later)
+        released = self._store.take_released()  # (a concurrency slot freed: schedules.md)
+        if released is not None:
+            await self._released(released)
+
+    @follow_through
+    async def release(self, task_id: object, lease_id: object) -> None:
+        """Its holder hands a task back without counting the attempt (its worker is stopping):
+        the task is ready again at the head of its lane, ``attempts`` as before it was handed
+        out; a cancelling task is gone (counted cancelled). The store's ``release``, the one
+        that undoes a hand-out nobody saw, so its counters are the same: ``delivered`` -1 (it
+        counts attempts), nothing else. Refused as a nack is: NotFound, LeaseLost."""
+        tid, lid = _ack_item((task_id, lease_id))
+        if not await timed(self._events, "release", self._store.release(tid, lid)):
+            held = await self._store.lookup(tid)
+            if held is None or held.state != "handed_out":
+                raise NotFound(f"task {quoted(tid)} is not held by anyone")
+            raise LeaseLost(f"task {quoted(tid)} is held under a different lease")
+        self._events.leases_gone((lid,))
+        await self._dispatch.finished((lid,), later=self._later)
+        if self._dispatch.wants(None):  # (its queue, to feed a consumer waiting here for it)
+            back = await self._store.lookup(tid)
+            if back is not None and back.state == "ready":
+                if self._later:
+                    self._background.spawn(self._dispatch.pump((back.task.queue,)))
+                else:
+                    await self._dispatch.pump((back.task.queue,))
         released = self._store.take_released()  # (a concurrency slot freed: schedules.md)
         if released is not None:
             await self._released(released)

@@ -30,6 +30,7 @@ from wqclient.errors import (
     TimeLimitReached,
     Unauthenticated,
     Unavailable,
+    Unsupported,
     WqError,
 )
 from wqclient.models import (
@@ -161,6 +162,7 @@ __all__ = [
     "Transport",
     "Unauthenticated",
     "Unavailable",
+    "Unsupported",
     "Worker",
     "Workflow",
     "WqError",

@@ -38,6 +38,7 @@ from wqclient.errors import (
     TimeLimitReached,
     Unauthenticated,
     Unavailable,
+    Unsupported,
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
@@ -75,6 +76,7 @@ _CODES: dict[grpc.StatusCode, type[WqError]] = {
     grpc.StatusCode.CANCELLED: Unavailable,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.PERMISSION_DENIED: PermissionDenied,
+    grpc.StatusCode.UNIMPLEMENTED: Unsupported,  # (a method the broker does not have)
 }
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # (not in grpc-stubs)
 _BY_NUMBER: dict[int, type[WqError]] = {code.value[0]: kind for code, kind in _CODES.items()}
@@ -1099,6 +1101,11 @@ class GrpcTransport:
     ) -> None:
         request = _nack_request(task_id, lease_id, error, delay_ms, terminal)
         await self._unary(self._stub.Nack, request)
+
+    async def release(self, task_id: str, lease_id: str) -> None:
+        """Release: the task back without counting the attempt. Unsupported from a broker
+        without the method (UNIMPLEMENTED)."""
+        await self._unary(self._stub.Release, pb.ReleaseRequest(id=task_id, lease_id=lease_id))
 
     async def extend(
         self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None

@@ -32,6 +32,7 @@ from wqclient.errors import (
     TimeLimitReached,
     Unauthenticated,
     Unavailable,
+    Unsupported,
     WqError,
 )
 from wqclient.limits import DEFAULT_TIMEOUT, poll_timeout
@@ -242,6 +243,16 @@ def _claim_many_path(
 _JSON_BODY: Final = {"Content-Type": "application/json"}
 _SETTLE_GROUP: Final = 500  # acks, and as many nacks, per POST /jobs/settle (the cap: 10,000)
 _OLDER: Final = (404, 405)  # what a broker without an extension answers its route
+
+
+def _no_route(data: bytes) -> bool:
+    """Whether a 404 says the route is missing, not the task: anything but the broker's JSON
+    error, or its own word for a route it does not have."""
+    try:
+        message = json.loads(data)["error"]
+    except (ValueError, KeyError, TypeError):
+        return True
+    return not isinstance(message, str) or message.startswith("no such endpoint")
 
 
 class _Settlement:
@@ -739,6 +750,17 @@ class HttpTransport:
         body = json.dumps(fields).encode() if fields else None
         path = f"/jobs/{_q(str(task_id))}/nack?lease_id={_q(str(lease_id))}"
         await self._call("POST", path, body=body)
+
+    async def release(self, task_id: str, lease_id: str) -> None:
+        """POST /jobs/{id}/release: the task back without counting the attempt. Unsupported
+        from a broker without the route: 405, or a 404 that is not a task's (not the broker's
+        JSON answer, or its ``no such endpoint``)."""
+        path = f"/jobs/{_q(task_id)}/release{_query(lease_id=lease_id)}"
+        status, data = await self._call("POST", path, keep=_OLDER)
+        if status == 404 and not _no_route(data):
+            self._raise(status, data)
+        if status in _OLDER:
+            raise Unsupported(f"the broker has no release (HTTP {status} on POST {path})")
 
     async def extend(
         self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None

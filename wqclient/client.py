@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from wqclient._http import HttpTransport
 from wqclient._tls import check_token, env_default, ssl_context
 from wqclient.clock import Clock, SystemClock
-from wqclient.errors import InvalidArgument, Unavailable, WqError
+from wqclient.errors import InvalidArgument, Unavailable, Unsupported, WqError
 from wqclient.limits import DEFAULT_TIMEOUT, DEFAULT_URL, MAX_WAIT_MS
 from wqclient.models import (
     DEFAULT_QUEUE,
@@ -598,6 +598,18 @@ class AsyncClient:
             error,
             **_given(delay_ms=_option("delay_ms", delay_ms), terminal=_flag("terminal", terminal)),
         )
+
+    async def release(self, task: Delivery | str, lease_id: str | None = None) -> None:
+        """Hand a task you hold back without counting the attempt, as a worker that is stopping
+        does: it is ready again at the head of its queue, its ``attempts`` as before you got
+        it, and its ``last_error`` unchanged (a task cancelled while you held it is dropped, as
+        a nack would). Raises LeaseLost or NotFound as nack does, and
+        :class:`~wqclient.Unsupported` from a broker without the operation (an extension:
+        nack with ``delay_ms=0`` there, which counts the attempt)."""
+        release = getattr(self._transport, "release", None)
+        if release is None:
+            raise Unsupported("this client's transport has no release")
+        await release(*_ids(task, lease_id))
 
     async def extend(
         self,
@@ -1173,6 +1185,10 @@ class Client:
         self._run(
             self._client.nack, task, lease_id, error=error, delay_ms=delay_ms, terminal=terminal
         )
+
+    def release(self, task: Delivery | str, lease_id: str | None = None) -> None:
+        """Hand a task back without counting the attempt (see AsyncClient.release)."""
+        self._run(self._client.release, task, lease_id)
 
     def extend(
         self,

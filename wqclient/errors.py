@@ -68,6 +68,12 @@ class ProtocolError(WqError):
     """The broker answered something this client does not understand."""
 
 
+class Unsupported(WqError):
+    """The broker does not have this operation (an extension it predates, or a broker built to
+    the specification only): HTTP 404 or 405 on the operation's own route, gRPC UNIMPLEMENTED.
+    Nothing was done."""
+
+
 class Unauthenticated(WqError):
     """The broker wants a token and got none it knows (HTTP 401, gRPC UNAUTHENTICATED)."""
 

@@ -160,6 +160,11 @@ class Transport(Protocol):
         cancelled, TimeLimitReached once its lease is at its time limit."""
         ...
 
+    # ``release(task_id, lease_id) -> None`` (optional: the client asks ``getattr``, and a
+    # transport without it is taken as a broker without the operation): hand the task back
+    # without counting the attempt; NotFound / LeaseLost as a nack; Unsupported from a broker
+    # that does not have it (:class:`~wqclient.errors.Unsupported`).
+
     async def get_task(self, task_id: str) -> Task:
         """The task with its ``state`` set (and its ``children``, ``children_count``);
         NotFound once acked without a result (or never known)."""

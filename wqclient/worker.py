@@ -47,7 +47,9 @@ one with ``task.report_progress(value)``, which blocks): any JSON value, recorde
 an extension of its lease.
 
 ``stop()`` (or SIGINT/SIGTERM in the CLI) stops claiming, lets the tasks in hand finish and settle
-(those waiting for a handler too: at most ``prefetch - concurrency`` of them), and returns. A
+(those waiting for a handler too: at most ``prefetch - concurrency`` of them), and returns;
+``stop(grace)`` hands back those still in hand past the grace, and ``stop_now()`` at once: each
+is released, ready again at the head of its queue with its attempt not counted. A
 broker that is down or restarting is reported once and retried with backoff. A broker that
 refuses the worker's token (401/403, UNAUTHENTICATED/PERMISSION_DENIED) will not change
 its mind by being asked again, nor will a certificate that failed verification
@@ -84,6 +86,7 @@ from wqclient.errors import (
     TimeLimitReached,
     Unauthenticated,
     Unavailable,
+    Unsupported,
     WqError,
 )
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS, MAX_CLAIM_BATCH, MAX_LEASE_MS
@@ -108,6 +111,9 @@ _BACKOFF_START = 0.1
 _BACKOFF_MAX = 5.0
 # How long stop() lets open claims come back before cancelling the ones still parked.
 _STOP_GRACE = 0.25
+# How long a hand-back on a stream waits for the broker's answer to the stream's drain (so that
+# the task released is not pushed back on it), at most.
+_DRAIN_WAIT = 5.0
 # Retrying cannot help: the broker refused the token, or its certificate failed verification.
 _FATAL = (Unauthenticated, PermissionDenied, CertificateError)
 # The shortest wait before trying a failed lease extension again (or half the lease, if shorter).
@@ -411,7 +417,8 @@ _TIMED_OUT: Final = "timed out"  # it reached its time limit (the task's timeout
 _HANDED_BACK: Final = "handed back"  # the worker stopped past its grace (stop_now)
 
 #: The error of a task handed back because the worker stopped before its handler ended
-#: (:meth:`Worker.stop_now`, or :meth:`Worker.stop` past its grace): nacked with delay 0.
+#: (:meth:`Worker.stop_now`, or :meth:`Worker.stop` past its grace) to a broker without release:
+#: nacked with delay 0 there. (A release records no error.)
 HANDED_BACK_ERROR: Final = "the worker stopped: handed back"
 
 # What became of a task, as the per-task log line and ``on_task`` tell it.
@@ -769,6 +776,7 @@ class Worker:
         # for a slot), for stop_now() to hand back.
         self._in_hand: dict[_Lease, None] = {}
         self._handing_back = False  # stop_now(): every task in hand, or coming, is handed back
+        self._releases = True  # the broker releases tasks (until one said it has no release)
         self._grace_timer: Timer | None = None
         self._abandoned = False  # a synchronous handler's thread was let run on (stop_now)
         # The stream's drain, asked for now (so that stop_now() hands its tasks back only
@@ -823,11 +831,13 @@ class Worker:
     def stop_now(self) -> None:
         """Stop claiming, and hand back every task in hand whose handler has not ended: an
         asyncio handler is cancelled, a synchronous one abandoned (its thread runs on, its
-        result discarded; ``run()`` does not wait for it), and the task is nacked with delay 0
-        and the error :data:`HANDED_BACK_ERROR`, ready again at once (the nack counts an
-        attempt, as a lease that ran out would), as is a task still waiting for a handler, or
-        one that comes from a claim on its way back. ``run()`` returns once they are settled.
-        Safe to call more than once, and after :meth:`stop`."""
+        result discarded; ``run()`` does not wait for it), and the task is released
+        (:meth:`AsyncClient.release <wqclient.AsyncClient.release>`): ready again at once at
+        the head of its queue, its attempt not counted and no error recorded; so is a task
+        still waiting for a handler, or one that comes from a claim on its way back. (A broker
+        without release gets a nack with delay 0 and the error :data:`HANDED_BACK_ERROR`
+        instead, which counts the attempt, as a lease that ran out would.) ``run()`` returns
+        once they are handed back. Safe to call more than once, and after :meth:`stop`."""
         self._halt()
         if self._handing_back:
             return
@@ -1432,9 +1442,7 @@ class Worker:
                 task.max_attempts,
                 extra=_fields(task, "handed_back"),
             )
-            await self._settle(
-                delivery, lease, lambda: settler.nack(delivery, HANDED_BACK_ERROR, delay_ms=0)
-            )
+            await self._settle(delivery, lease, lambda: self._give_back(delivery, settler))
             return
         else:
             self.failed += 1
@@ -1454,6 +1462,29 @@ class Worker:
             lambda: settler.nack(delivery, message),
             quiet=lease.stop == _CANCELLED,
         )
+
+    async def _give_back(self, delivery: Delivery, settler: _Settler) -> None:
+        """Hand a task back unfinished: released, its attempt not counted (on a stream, once the
+        broker has answered its drain: it pushes the task back on it no more). A broker without
+        release is nacked with delay 0 and HANDED_BACK_ERROR (which counts the attempt), and
+        so from then on."""
+        if self._releases:
+            drain = self._drain_now
+            if drain is not None:
+                asked = asyncio.ensure_future(drain())
+                await asyncio.wait({asked}, timeout=_DRAIN_WAIT)  # (its failure is no matter)
+            try:
+                await self._client.release(delivery)
+                return
+            except Unsupported as e:
+                if self._releases:
+                    self._releases = False
+                    log.warning(
+                        "the broker has no release (%s): tasks are handed back with a nack, "
+                        "which counts an attempt",
+                        e.message,
+                    )
+        await settler.nack(delivery, HANDED_BACK_ERROR, delay_ms=0)
 
     async def _progress(
         self, lease: _Lease, delivery: Delivery, data: bytes, *, in_thread: bool

@@ -216,7 +216,7 @@ async def test_counters_never_go_down_across_scrapes(
     delivery = await broker.service.claim()  # a hand-out nobody sees
     assert delivery is not None
     before = await scrape(http)
-    await broker.service.release(delivery)  # undone: the store's delivered goes down by one
+    await broker.service.give_back(delivery)  # undone: the store's delivered goes down by one
     await http.enqueue({"n": 10})
     after = await scrape(http)
     stats = await ok(http, "GET", "/stats?queue=default", 200)

@@ -375,6 +375,7 @@ HTTP_CALLS = [
     HttpCall("POST", "/jobs/{id}/nack", 204, {"error": "bad"}),
     HttpCall("GET", "/stats", 200),
     HttpCall("POST", "/jobs/{id}/extend", 200),
+    HttpCall("POST", "/jobs/{id}/release", 204),  # (an extension: a stopping worker's hand-back)
     HttpCall("GET", "/jobs/{id}", 200),
     HttpCall("GET", "/dlq", 200),
     HttpCall("POST", "/dlq/{id}/requeue", 204),
@@ -413,6 +414,7 @@ def test_the_extension_routes_have_the_scopes_of_their_kin() -> None:
     # Extending a lease is settling business (as ack/nack); bulk DLQ operations and pausing are
     # the admin's; a lookup and the list of queues are open to any token (as /stats).
     assert HTTP_RULES["POST /jobs/{id}/extend"] == HTTP_RULES["POST /jobs/{id}/ack"] == "consume"
+    assert HTTP_RULES["POST /jobs/{id}/release"] == HTTP_RULES["POST /jobs/{id}/nack"]
     for route in (
         "POST /dlq/requeue",
         "DELETE /dlq/{id}",
@@ -648,6 +650,11 @@ async def _next_with_acks(stub: pb_grpc.BrokerAsyncStub) -> pb.NextJobRequest:
     return pb.NextJobRequest(wait_ms=0, acks=[pb.AckRequest(id=task_id, lease_id=lease_id)])
 
 
+async def _release_request(stub: pb_grpc.BrokerAsyncStub) -> pb.ReleaseRequest:
+    task_id, lease_id = await _held_pb(stub)
+    return pb.ReleaseRequest(id=task_id, lease_id=lease_id)
+
+
 async def _requeue_request(stub: pb_grpc.BrokerAsyncStub) -> pb.RequeueRequest:
     return pb.RequeueRequest(id=await _dead_pb(stub))
 
@@ -708,6 +715,7 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     "Requeue": _requeue_request,
     "StreamJobs": _nothing,
     "ExtendLease": _extend_request,
+    "Release": _release_request,
     "GetTask": _get_task_request,
     "ListQueues": _const(pb.ListQueuesRequest()),
     "PauseQueue": _const(pb.PauseQueueRequest(queue="q")),
@@ -737,6 +745,7 @@ GRPC_CALLS: dict[str, Callable[[pb_grpc.BrokerAsyncStub], Awaitable[Any]]] = {
     ("name", "rule"),
     [
         ("ExtendLease", "consume"),
+        ("Release", "consume"),  # a stopping worker's hand-back, as its nack
         ("GetTask", Access.ANY),
         ("ListQueues", Access.ANY),
         ("WaitResult", Access.ANY),  # a producer waits for what it enqueued

@@ -897,6 +897,7 @@ async def test_reflection_describes_the_broker_service(broker: Broker) -> None:
         "Requeue",
         "StreamJobs",
         "ExtendLease",
+        "Release",  # a stopping worker's hand-back, not counted as an attempt
         "GetTask",
         "ListQueues",
         "PauseQueue",

@@ -157,7 +157,7 @@ async def test_leases_that_end_unsettled_are_told_gone(
     first = await service.claim(wait_ms=0)
     assert first is not None
     recorder.taken()
-    await service.release(first)
+    await service.give_back(first)
     assert recorder.taken() == ([("leases_gone", first.lease_id)], ["release"])
     # Reclaimed when its stream ends.
     stream = await service.open_stream(1, None)

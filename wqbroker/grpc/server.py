@@ -699,7 +699,7 @@ class BrokerServicer(pb_grpc.BrokerServicer):
             if settled and _refused_for(response):
                 # A client with default limits would refuse the answer, for the outcomes it
                 # carries: nobody would see the task. It goes back.
-                await self._service.release(delivery)
+                await self._service.give_back(delivery)
                 return pb.NextJobResponse(settled=settled)
             return response
 
@@ -719,6 +719,11 @@ class BrokerServicer(pb_grpc.BrokerServicer):
                 terminal=_terminal(request),
             )
             return pb.NackResponse()
+
+    async def Release(self, request: pb.ReleaseRequest, context: Context) -> pb.ReleaseResponse:
+        async with _Errors(context):
+            await self._service.release(request.id, request.lease_id)
+            return pb.ReleaseResponse()
 
     async def ExtendLease(
         self, request: pb.ExtendLeaseRequest, context: Context

@@ -633,6 +633,13 @@ async def nack(service: Service, request: Request) -> Answer:
     return NO_CONTENT
 
 
+async def release(service: Service, request: Request) -> Answer:
+    """POST /jobs/{id}/release (an extension): the holder hands the task back to the head of its
+    queue without counting the attempt (its worker is stopping); 204. Refused as a nack is."""
+    await service.release(request.match("id"), _lease_id(request))
+    return NO_CONTENT
+
+
 async def extend(service: Service, request: Request) -> Answer:
     """POST /jobs/{id}/extend: the new deadline. An optional body ``{"progress": <any JSON>}``
     records how far the work has come (kept as sent; null: none)."""
@@ -872,6 +879,7 @@ ROUTES: Final[tuple[Route, ...]] = (
     Route("POST", "/jobs/{id}/ack", ack, reads_body=True, hot=True),
     Route("POST", "/jobs/{id}/nack", nack, reads_body=True, hot=True),
     Route("POST", "/jobs/{id}/extend", extend, reads_body=True, hot=True),
+    Route("POST", "/jobs/{id}/release", release),
     Route("GET", "/stats", stats, head=True),
     Route("GET", "/queues", queues, head=True),
     Route("DELETE", "/queues/{name}", delete_queue),

@@ -888,7 +888,7 @@ def _linked(answer: Json, **links: Json) -> Json:
     return answer
 
 
-# A delivery's task, held under its lease: what ack, nack and extend take.
+# A delivery's task, held under its lease: what ack, nack, extend and release take.
 _HELD: Final = {"id": "$response.body#/task/id", "lease_id": "$response.body#/lease_id"}
 
 
@@ -959,7 +959,7 @@ _ONE_QUEUE: Final = _query("queue", _schema("QueueName"), "Only this queue (defa
 
 _SCOPE_TEXT: Final = {
     "produce": "enqueue",
-    "consume": "claim, ack, nack and extend; list a queue's tasks",
+    "consume": "claim, ack, nack, extend and release; list a queue's tasks",
     "admin": "the dead-letter queue; pausing, emptying and deleting queues; cancelling tasks; "
     "listing a queue's tasks; changing schedules and queue limits",
     "metrics": "scrape `GET /metrics` (unless the broker runs with `-metrics-public`)",
@@ -1167,7 +1167,7 @@ def _paths(public: Collection[str]) -> Json:
         answers={
             "200": _linked(
                 _json(_schema("Delivery"), "A task, now yours until the deadline."),
-                **{op: _HELD for op in ("ack", "nack", "extend")},
+                **{op: _HELD for op in ("ack", "nack", "extend", "release")},
                 lookup={"id": "$response.body#/task/id"},
             ),
             "204": _empty("The wait elapsed with nothing available: ask again."),
@@ -1369,6 +1369,25 @@ def _paths(public: Collection[str]) -> Json:
                 "limit already (it runs out, and the task is retried or buried).",
             ),
             "413": _response("PayloadTooLarge"),
+        },
+    )
+    add(
+        "post",
+        "/jobs/{id}/release",
+        summary="release",
+        tag="tasks",
+        description=(
+            "An extension (not in the specification): hand the task back without counting the "
+            "attempt (a worker that is stopping): it is ready again at the head of its queue, "
+            "its `attempts` as before it was handed out (a cancelling task is gone, counted "
+            "`cancelled`). It counts no failure: `delivered` goes down by one, as the attempt "
+            "it gives back. A refused release changes nothing."
+        ),
+        parameters=settle,
+        answers={
+            "204": _empty("Released."),
+            "404": not_held,
+            "409": other_lease,
         },
     )
     add(

@@ -1025,6 +1025,43 @@ class ExtendLeaseResponse(_message.Message):
 Global___ExtendLeaseResponse: _TypeAlias = ExtendLeaseResponse  # noqa: Y015
 
 @_typing.final
+class ReleaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    LEASE_ID_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    lease_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        lease_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "lease_id", b"lease_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseRequest: _TypeAlias = ReleaseRequest  # noqa: Y015
+
+@_typing.final
+class ReleaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReleaseResponse: _TypeAlias = ReleaseResponse  # noqa: Y015
+
+@_typing.final
 class GetTaskRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

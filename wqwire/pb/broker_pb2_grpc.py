@@ -69,6 +69,11 @@ class BrokerStub:
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
                 response_deserializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/wq.v1.Broker/Release',
+                request_serializer=wqwire_dot_pb_dot_broker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=wqwire_dot_pb_dot_broker__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.GetTask = channel.unary_unary(
                 '/wq.v1.Broker/GetTask',
                 request_serializer=wqwire_dot_pb_dot_broker__pb2.GetTaskRequest.SerializeToString,
@@ -258,6 +263,17 @@ class BrokerServicer:
     def ExtendLease(self, request, context):
         """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
         NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Hand a task back without counting the attempt (HTTP: POST /jobs/{id}/release), as a worker
+        that is stopping does: it is ready again at the head of its queue, its attempts as before it
+        was handed out (a cancelling task is gone, counted cancelled). No failure is counted:
+        Totals.delivered goes down by one, the attempt it gives back. NOT_FOUND and
+        FAILED_PRECONDITION exactly as for Nack.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -499,6 +515,11 @@ def add_BrokerServicer_to_server(servicer, server):
                     servicer.ExtendLease,
                     request_deserializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseRequest.FromString,
                     response_serializer=wqwire_dot_pb_dot_broker__pb2.ExtendLeaseResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=wqwire_dot_pb_dot_broker__pb2.ReleaseRequest.FromString,
+                    response_serializer=wqwire_dot_pb_dot_broker__pb2.ReleaseResponse.SerializeToString,
             ),
             'GetTask': grpc.unary_unary_rpc_method_handler(
                     servicer.GetTask,
@@ -800,6 +821,33 @@ class Broker:
             '/wq.v1.Broker/ExtendLease',
             wqwire_dot_pb_dot_broker__pb2.ExtendLeaseRequest.SerializeToString,
             wqwire_dot_pb_dot_broker__pb2.ExtendLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/wq.v1.Broker/Release',
+            wqwire_dot_pb_dot_broker__pb2.ReleaseRequest.SerializeToString,
+            wqwire_dot_pb_dot_broker__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -113,6 +113,13 @@ class BrokerStub:
     """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
     NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
     """
+    Release: _grpc.UnaryUnaryMultiCallable[_broker_pb2.ReleaseRequest, _broker_pb2.ReleaseResponse]
+    """Hand a task back without counting the attempt (HTTP: POST /jobs/{id}/release), as a worker
+    that is stopping does: it is ready again at the head of its queue, its attempts as before it
+    was handed out (a cancelling task is gone, counted cancelled). No failure is counted:
+    Totals.delivered goes down by one, the attempt it gives back. NOT_FOUND and
+    FAILED_PRECONDITION exactly as for Nack.
+    """
     GetTask: _grpc.UnaryUnaryMultiCallable[_broker_pb2.GetTaskRequest, _broker_pb2.GetTaskResponse]
     """A task that is not yet acked, and its state (HTTP: GET /jobs/{id}). NOT_FOUND once acked or
     for an unknown id. Never shows a lease id.
@@ -267,6 +274,13 @@ class BrokerAsyncStub(BrokerStub):
     ExtendLease: _aio.UnaryUnaryMultiCallable[_broker_pb2.ExtendLeaseRequest, _broker_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
     """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
     NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+    """
+    Release: _aio.UnaryUnaryMultiCallable[_broker_pb2.ReleaseRequest, _broker_pb2.ReleaseResponse]  # type: ignore[assignment]
+    """Hand a task back without counting the attempt (HTTP: POST /jobs/{id}/release), as a worker
+    that is stopping does: it is ready again at the head of its queue, its attempts as before it
+    was handed out (a cancelling task is gone, counted cancelled). No failure is counted:
+    Totals.delivered goes down by one, the attempt it gives back. NOT_FOUND and
+    FAILED_PRECONDITION exactly as for Nack.
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_broker_pb2.GetTaskRequest, _broker_pb2.GetTaskResponse]  # type: ignore[assignment]
     """A task that is not yet acked, and its state (HTTP: GET /jobs/{id}). NOT_FOUND once acked or
@@ -461,6 +475,19 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_broker_pb2.ExtendLeaseResponse, _abc.Awaitable[_broker_pb2.ExtendLeaseResponse]]:
         """Keep a task longer (HTTP: POST /jobs/{id}/extend): its lease now runs out lease_ms from now.
         NOT_FOUND and FAILED_PRECONDITION exactly as for Ack.
+        """
+
+    @_abc_1.abstractmethod
+    def Release(
+        self,
+        request: _broker_pb2.ReleaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_broker_pb2.ReleaseResponse, _abc.Awaitable[_broker_pb2.ReleaseResponse]]:
+        """Hand a task back without counting the attempt (HTTP: POST /jobs/{id}/release), as a worker
+        that is stopping does: it is ready again at the head of its queue, its attempts as before it
+        was handed out (a cancelling task is gone, counted cancelled). No failure is counted:
+        Totals.delivered goes down by one, the attempt it gives back. NOT_FOUND and
+        FAILED_PRECONDITION exactly as for Nack.
         """
 
     @_abc_1.abstractmethod
