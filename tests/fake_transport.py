@@ -5,21 +5,22 @@
 Hand either to ``AsyncClient(transport=...)``. They keep the broker's rules that a client can
 notice (leases, attempts, burial after ``max_attempts``, prefetch, reclaiming a closed stream's
 tasks, named queues claimed in the order listed, priorities (higher first, then oldest), paused
-queues, idempotency keys, lease extension, nack options, lookups, the DLQ's bulk operations, and
-task control: cancels (a handed-out task becomes cancelling: its extensions are refused with
-Cancelled, its stream is told, its nack drops it), listings with cursors, emptying and deleting
-queues, progress, and the new enqueue options, kept on the task; and results and workflows,
-docs/design/results.md: acks with results kept as succeeded tasks, result waits (on a fake clock
-given as ``clock``, or real time), ``after`` with ids and a batch's indices, waiting tasks
-released when their parents succeed, buried or cancelled with them, parents' results on
-deliveries, children in lookups; and schedules and limits, docs/design/schedules.md: schedules
-kept by name, fired when a test says so (:meth:`FakeTransport.fire`, the task carrying its
-``schedule`` and ``scheduled_for``), paused and resumed, and queue limits kept and shown by
-``queues()``, though not applied to claims) and leave out time: delays and
-backoff are not honoured (a task nacked with ``delay_ms`` is ready at once, as after any nack),
-idempotency keys never expire, tasks never expire, time limits are not enforced (make extensions
-raise TimeLimitReached with :meth:`FakeTransport.fail`), and a lease never runs out unless a test
-says so (:meth:`FakeTransport.take_away`).
+queues, idempotency keys, lease extension, nack options, lookups, the DLQ's bulk operations,
+release (the task back at the head, its attempt given back; ``releases = False`` makes it
+Unsupported), and task control: cancels (a handed-out task becomes cancelling: its extensions are
+refused with Cancelled, its stream is told, its nack drops it), listings with cursors, emptying and
+deleting queues, progress, and the new enqueue options, kept on the task; and results and
+workflows, docs/design/results.md: acks with results kept as succeeded tasks, result waits (on a
+fake clock given as ``clock``, or real time), ``after`` with ids and a batch's indices, waiting
+tasks released when their parents succeed, buried or cancelled with them, parents' results on
+deliveries, children in lookups; and schedules and limits, docs/design/schedules.md: schedules kept
+by name, fired when a test says so (:meth:`FakeTransport.fire`, the task carrying its ``schedule``
+and ``scheduled_for``), paused and resumed, and queue limits kept and shown by ``queues()``, though
+not applied to claims) and leave out time: delays and backoff are not honoured (a task nacked with
+``delay_ms`` is ready at once, as after any nack), idempotency keys never expire, tasks never
+expire, time limits are not enforced (make extensions raise TimeLimitReached with
+:meth:`FakeTransport.fail`), and a lease never runs out unless a test says so
+(:meth:`FakeTransport.take_away`).
 
 Tests steer them and watch them without sleeping: :meth:`FakeTransport.fail` makes the next calls
 of an operation raise, and :meth:`FakeTransport.wait_until` waits for a condition on their state,
@@ -57,6 +58,7 @@ from wqclient import (
     TaskPage,
     Totals,
     Unavailable,
+    Unsupported,
     WqError,
 )
 from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS, MAX_WAIT_MS
@@ -106,6 +108,8 @@ class FakeTransport:
         self.acked: list[str] = []  # ids, in the order their acks were accepted
         self.nacked: list[tuple[str, str | None]] = []  # (id, error), accepted nacks in order
         self.nacks: list[Nack] = []  # the same nacks, with their options
+        self.released: list[str] = []  # ids, accepted releases in order
+        self.releases = True  # it has release (False: Unsupported, as a broker without it)
         self.extends: list[tuple[str, int | None]] = []  # (id, lease_ms), accepted extends
         self.claim_queues: list[list[str]] = []  # the queues each claim (or stream) asked for
         self.keys: dict[tuple[str, str], str] = {}  # (queue, idempotency key) -> the first id
@@ -289,6 +293,25 @@ class FakeTransport:
             self.notify()
             return
         self.failed(task_id, error, terminal=terminal)
+
+    async def release(self, task_id: str, lease_id: str) -> None:
+        """Back to the head of the ready tasks, its attempt given back (a cancelling task is
+        dropped); Unsupported if ``releases`` is False."""
+        self._call("release", task_id)
+        if not self.releases:
+            raise Unsupported("no release (HTTP 404 on POST /jobs/{id}/release)")
+        self._release(task_id, lease_id)
+        self.released.append(task_id)
+        if task_id in self.cancelling:  # (its delivery stays counted, as in the stores)
+            self.cancelling.discard(task_id)
+            self._cancelled(task_id)
+        else:
+            self.counters.delivered -= 1
+            task = self.tasks[task_id]
+            self.tasks[task_id] = replace(task, attempts=task.attempts - 1)
+            self.position[task_id] = next(self._seq)
+            self.ready.appendleft(task_id)
+        self.notify()
 
     async def extend(
         self, task_id: str, lease_id: str, lease_ms: int | None, *, progress: bytes | None = None

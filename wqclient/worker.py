@@ -776,7 +776,10 @@ class Worker:
         # for a slot), for stop_now() to hand back.
         self._in_hand: dict[_Lease, None] = {}
         self._handing_back = False  # stop_now(): every task in hand, or coming, is handed back
-        self._releases = True  # the broker releases tasks (until one said it has no release)
+        # Whether the broker releases tasks (None: not known yet; the first hand-back asks,
+        # the others meanwhile wait for its answer under the lock).
+        self._releases: bool | None = None
+        self._asking = asyncio.Lock()
         self._grace_timer: Timer | None = None
         self._abandoned = False  # a synchronous handler's thread was let run on (stop_now)
         # The stream's drain, asked for now (so that stop_now() hands its tasks back only
@@ -1468,23 +1471,32 @@ class Worker:
         broker has answered its drain: it pushes the task back on it no more). A broker without
         release is nacked with delay 0 and HANDED_BACK_ERROR (which counts the attempt), and
         so from then on."""
-        if self._releases:
-            drain = self._drain_now
-            if drain is not None:
-                asked = asyncio.ensure_future(drain())
-                await asyncio.wait({asked}, timeout=_DRAIN_WAIT)  # (its failure is no matter)
-            try:
-                await self._client.release(delivery)
-                return
-            except Unsupported as e:
-                if self._releases:
-                    self._releases = False
-                    log.warning(
-                        "the broker has no release (%s): tasks are handed back with a nack, "
-                        "which counts an attempt",
-                        e.message,
-                    )
+        if self._releases is not False and self._drain_now is not None:
+            asked = asyncio.ensure_future(self._drain_now())
+            await asyncio.wait({asked}, timeout=_DRAIN_WAIT)  # (its failure is no matter)
+        if self._releases is None:
+            async with self._asking:
+                if self._releases is None:
+                    if await self._released(delivery):
+                        return
+        if self._releases and await self._released(delivery):
+            return
         await settler.nack(delivery, HANDED_BACK_ERROR, delay_ms=0)
+
+    async def _released(self, delivery: Delivery) -> bool:
+        """Release the task; False if the broker has no release (remembered, and said once)."""
+        try:
+            await self._client.release(delivery)
+        except Unsupported as e:
+            self._releases = False
+            log.warning(
+                "the broker has no release (%s): tasks are handed back with a nack, which "
+                "counts an attempt",
+                e.message,
+            )
+            return False
+        self._releases = True
+        return True
 
     async def _progress(
         self, lease: _Lease, delivery: Delivery, data: bytes, *, in_thread: bool

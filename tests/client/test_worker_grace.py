@@ -99,14 +99,38 @@ async def test_a_task_still_running_when_the_grace_is_over_is_handed_back_and_ru
     await clock.sleeping()
     await clock.advance(GRACE - 0.1)
     assert not run.done()
-    assert fake.nacks == []
+    assert fake.released == []
     await clock.advance(0.1)
     await asyncio.wait_for(run, 5)
     assert hold.cancelled == [task_id]
-    assert fake.nacks == [Nack(task_id, HANDED_BACK_ERROR, delay_ms=0)]
-    assert task_id in fake.ready  # ready again at once, not waiting for its lease
-    assert fake.tasks[task_id].last_error == HANDED_BACK_ERROR
+    assert fake.released == [task_id]  # released, not nacked: its attempt is not counted
+    assert fake.nacks == []
+    assert fake.ready[0] == task_id  # ready again at once at the head, not waiting for its lease
+    assert fake.tasks[task_id].attempts == 0
+    assert fake.tasks[task_id].last_error is None  # (a release records nothing)
     assert (worker.succeeded, worker.failed, worker.handed_back) == (0, 0, 1)
+    await client.close()
+
+
+async def test_a_broker_without_release_gets_a_nack_with_delay_0_once_and_no_more_releases(
+    fake: FakeTransport, clock: FakeClock
+) -> None:
+    fake.releases = False
+    first, second = fake.add("one", max_attempts=5), fake.add("two", max_attempts=5)
+    hold = Held()
+    worker, run, client = start(fake, hold, clock, concurrency=2)
+    await wait_until(lambda: len(hold.started) == 2, what="both handlers to start")
+    worker.stop(grace=GRACE)
+    await clock.sleeping()
+    await clock.advance(GRACE)
+    await asyncio.wait_for(run, 5)
+    assert sorted(fake.nacks) == sorted(
+        [Nack(first, HANDED_BACK_ERROR, 0), Nack(second, HANDED_BACK_ERROR, 0)]
+    )
+    assert fake.tasks[first].attempts == 1  # (the nack counts the attempt)
+    assert fake.tasks[first].last_error == HANDED_BACK_ERROR
+    assert len(fake.calls_to("release")) == 1  # asked once, then remembered
+    assert worker.handed_back == 2
     await client.close()
 
 
@@ -140,9 +164,9 @@ async def test_stop_now_hands_back_the_running_task_and_the_ones_waiting_for_a_h
     worker.stop_now()
     await asyncio.wait_for(run, 5)
     assert hold.started == [first]  # the waiting one was never handled
-    assert sorted(fake.nacks) == sorted(
-        [Nack(first, HANDED_BACK_ERROR, 0), Nack(second, HANDED_BACK_ERROR, 0)]
-    )
+    assert sorted(fake.released) == sorted([first, second])
+    assert fake.nacks == []
+    assert fake.tasks[first].attempts == fake.tasks[second].attempts == 0
     assert worker.handed_back == 2
     await client.close()
 
@@ -154,7 +178,7 @@ async def test_a_grace_of_zero_hands_back_at_once(fake: FakeTransport, clock: Fa
     await wait_until(lambda: hold.started == [task_id], what="the handler to start")
     worker.stop(grace=0)
     await asyncio.wait_for(run, 5)
-    assert fake.nacks == [Nack(task_id, HANDED_BACK_ERROR, 0)]
+    assert fake.released == [task_id]
     await client.close()
 
 
@@ -170,7 +194,7 @@ async def test_a_sync_handler_is_abandoned_past_the_grace_run_returns_without_it
     await clock.advance(GRACE)
     await asyncio.wait_for(run, 5)  # while the thread still runs
     assert handler.returned == []
-    assert fake.nacks == [Nack(task_id, HANDED_BACK_ERROR, 0)]
+    assert fake.released == [task_id]
     assert fake.calls_to("ack") == []
     handler.release.set()
     await wait_until(lambda: handler.returned == [task_id], what="the thread to return")
