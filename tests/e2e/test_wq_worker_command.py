@@ -25,7 +25,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import wait_until_sync
 from tests.procs import BrokerProcess, broker_process, env, free_port, worker_command
 from wqclient import Client
-from wqclient.worker import HANDED_BACK_ERROR
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.serial, pytest.mark.xdist_group("serial")]
 
@@ -272,8 +271,9 @@ def test_sigterm_hands_back_a_task_still_running_after_the_grace(
         assert time.monotonic() - started < 10  # the grace (1 s), not the task (300 s)
         task = client.get_task(long)
         assert task.state == "ready"  # at once: not waiting for its lease to run out
-        assert task.attempts == 1
-        assert task.last_error == HANDED_BACK_ERROR
+        assert task.attempts == 0  # released: the attempt it was on is not counted
+        assert task.last_error is None
+        assert client.stats(queue).totals.nacked == 0
     assert worker.saw("handed back")
     assert worker.saw("stopped:")
 
@@ -295,7 +295,7 @@ def test_a_second_signal_hands_back_at_once(
         assert time.monotonic() - started < 10
         task = client.get_task(long)
         assert task.state == "ready"
-        assert task.last_error == HANDED_BACK_ERROR
+        assert (task.attempts, task.last_error) == (0, None)
 
 
 # -- a program per task --------------------------------------------------------------------------
