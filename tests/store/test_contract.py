@@ -767,6 +767,28 @@ async def test_release_returns_false_for_a_stale_lease(store: Store) -> None:
     await store.ack(task_id, d2.lease_id, now=NOW)
 
 
+async def test_a_release_after_work_began_gives_back_only_that_attempt(store: Store) -> None:
+    # A worker that stops hands its task back (Service.release): after it extended the lease
+    # with progress, on the task's second attempt.
+    task_id = await enqueue(store, max_attempts=2)
+    first = await claim(store)
+    await store.nack(task_id, first.lease_id, "first failure", now=NOW, delay=0.0)
+    second = await claim(store, NOW + 1)
+    assert second.task.attempts == 2  # its last: a nack would bury it
+    await store.extend(task_id, second.lease_id, lease=LEASE, now=NOW + 2, progress=b"50")
+    assert await store.release(task_id, second.lease_id) is True
+    held = await store.lookup(task_id)
+    assert held is not None
+    assert held.state == "ready"
+    assert held.task.attempts == 1
+    assert held.task.last_error == "first failure"  # (a release records nothing)
+    assert held.task.progress is None
+    await expect(store, ready=1, enqueued=1, delivered=1, nacked=1, retried=1)
+    assert await store.release(task_id, second.lease_id) is False  # no longer current
+    third = await claim(store, NOW + 3)
+    assert (third.task.id, third.task.attempts) == (task_id, 2)
+
+
 async def test_a_released_lease_is_no_longer_due(store: Store) -> None:
     task_id = await enqueue(store)
     d = await claim(store, lease=1.0)
