@@ -107,6 +107,7 @@ def _no_client_credentials_from_the_environment(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.delenv("WQ_CA_FILE", raising=False)
     # (and wqclient.App, wq worker and the examples their broker from $WQ_BROKER)
     monkeypatch.delenv("WQ_BROKER", raising=False)
+    monkeypatch.delenv("WQ_TOKEN_FILE", raising=False)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,10 +1,14 @@
 """Go-style command-line flags, shared by wqbroker, wq-worker and wq-producer.
 
 Every flag has a one-dash and a two-dash spelling and takes its value after a space or ``=``
-(``-n 5``, ``--n=5``). Parsing is strict as Go's ``flag`` package is: a name that is not defined
-exactly (``-nope``, or an abbreviation such as ``-add`` for ``-addr``) is an error, not a guess.
-Any error is one line on stderr, ``prog: message``, and exit status 2; ``-h``, ``-help`` and
-``--help`` print the usage and exit 0.
+(``-n 5``, ``--n=5``). A switch (a flag shown with ``[BOOL]``) is true given alone (``-json``), and
+takes a boolean after ``=`` (``-json=false``) or as the next word when that word is one
+(``-json false``; :data:`BOOL_WORDS`): any other next word is the next argument, never its value.
+
+Parsing is strict as Go's ``flag`` package is: a name that is not defined exactly (``-nope``,
+or an abbreviation such as ``-add`` for ``-addr``) is an error, not a guess. Any error is one
+line on stderr, ``prog: message``, and exit status 2; ``-h``, ``-help`` and ``--help`` print the
+usage and exit 0.
 
 The logging convention too: ``-log-format text|json`` (:func:`setup_logging`, and
 :class:`JsonFormatter` for one JSON object a line).
@@ -22,7 +26,9 @@ import json
 import logging
 import os
 import re
+import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
 from datetime import UTC, datetime
@@ -52,6 +58,63 @@ class Flag:
     @property
     def dest(self) -> str:
         return self.name.replace("-", "_")
+
+
+SWITCH_NOTE: Final = (
+    "[BOOL] flags are switches: alone they mean true; -x=false or -x false (also 0, no, off) "
+    "turns one off, -x=true or -x true (1, yes, on) on."
+)
+
+
+def is_switch(action: argparse.Action) -> bool:
+    """Whether ``action`` is a switch: a flag whose value is a boolean that may be left out."""
+    return bool(action.option_strings) and action.nargs == "?" and action.const is True
+
+
+def switch_spellings(parser: argparse.ArgumentParser) -> set[str]:
+    """Every spelling (``-json``, ``--json``) of every switch of ``parser``."""
+    return {name for a in parser._actions if is_switch(a) for name in a.option_strings}
+
+
+def spell_switches(argv: Sequence[str], switches: set[str]) -> list[str]:
+    """``argv`` with every switch given its value after ``=``: ``-json`` as ``-json=true``,
+    ``-json false`` as ``-json=false`` (the next word taken only when it is a boolean), so a
+    switch never takes the next argument by mistake. What follows ``--`` is left alone."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            out.extend(argv[i:])
+            break
+        if arg in switches:
+            following = argv[i + 1] if i + 1 < len(argv) else None
+            if following is not None and following.strip().lower() in BOOL_WORDS:
+                out.append(f"{arg}={following}")
+                i += 2
+                continue
+            out.append(f"{arg}=true")
+        else:
+            out.append(arg)
+        i += 1
+    return out
+
+
+def add_switch(
+    p: argparse.ArgumentParser, name: str, help: str, *, dest: str | None = None
+) -> None:
+    """A switch, ``-name [BOOL]`` (false unless given): see :data:`SWITCH_NOTE`."""
+    p.add_argument(
+        f"-{name}",
+        f"--{name}",
+        dest=dest or name.replace("-", "_"),
+        type=bool_flag,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="BOOL",
+        help=help,
+    )
 
 
 class FlagParser(argparse.ArgumentParser):
@@ -124,7 +187,7 @@ class FlagParser(argparse.ArgumentParser):
     def parse_args(  # type: ignore[override]
         self, args: Sequence[str] | None = None, namespace: Any = None
     ) -> argparse.Namespace:
-        argv = list(sys.argv[1:] if args is None else args)
+        argv = self.spell_switches(sys.argv[1:] if args is None else args)
         known = set(self._option_string_actions)
         for arg in argv:
             if arg == "--":
@@ -142,6 +205,18 @@ class FlagParser(argparse.ArgumentParser):
             if text.strip() and not given & {f"-{flag.name}", f"--{flag.name}"}:
                 setattr(parsed, flag.dest, self._env_value(var, flag, text))
         return parsed
+
+    def spell_switches(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` with each switch's value after ``=`` (:func:`spell_switches`)."""
+        return spell_switches(list(argv), switch_spellings(self))
+
+    def format_help(self) -> str:
+        """The help, with :data:`SWITCH_NOTE` when there are switches."""
+        text = super().format_help()
+        if any(is_switch(a) for a in self._actions):
+            width = max(min(shutil.get_terminal_size().columns, 80) - 2, 40)
+            text += "\n" + textwrap.fill(SWITCH_NOTE, width) + "\n"
+        return text
 
     def _env_value(self, var: str, flag: Flag, text: str) -> Any:
         """The value of ``flag`` from variable ``var``; a bad one exits as a bad flag does."""
@@ -197,12 +272,18 @@ def queue_list(text: str) -> list[str]:
     return names
 
 
+TRUE_WORDS: Final = frozenset({"1", "t", "true", "yes", "on"})
+FALSE_WORDS: Final = frozenset({"0", "f", "false", "no", "off"})
+BOOL_WORDS: Final = TRUE_WORDS | FALSE_WORDS
+"""What a switch takes as its value (in any case): after ``=``, or as the next word."""
+
+
 def bool_flag(text: str) -> bool:
-    """For ``-fail``, ``-fail=true``, ``-fail=false`` (as Go's flag package accepts)."""
+    """For ``-fail``, ``-fail=true``, ``-fail false`` (:data:`BOOL_WORDS`, in any case)."""
     lowered = text.strip().lower()
-    if lowered in ("1", "t", "true", "yes", "on"):
+    if lowered in TRUE_WORDS:
         return True
-    if lowered in ("0", "f", "false", "no", "off"):
+    if lowered in FALSE_WORDS:
         return False
     raise argparse.ArgumentTypeError(f"{text!r} is not a boolean (true or false)")
 

@@ -37,7 +37,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from wqclient.cli import add_auth_flags, quiet_grpc
+from wqclient.cli import SettingError, add_connection_flags, connection, quiet_grpc
 from wqclient.client import AsyncClient
 from wqclient.errors import (
     InvalidArgument,
@@ -47,7 +47,6 @@ from wqclient.errors import (
     Unavailable,
     WqError,
 )
-from wqclient.limits import DEFAULT_URL
 from wqclient.models import (
     CANCELLED,
     CANCELLING,
@@ -61,7 +60,15 @@ from wqclient.models import (
     TaskResult,
     Totals,
 )
-from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
+from wqwire.flags import (
+    FlagParser,
+    add_switch,
+    non_negative_int,
+    positive_int,
+    priority,
+    spell_switches,
+    switch_spellings,
+)
 
 PROG: Final = "wq"
 
@@ -1145,7 +1152,6 @@ def _watch_trouble(
 
 # Flags given with no value that mean true (-json is -json=true): a switch never takes the next
 # argument as its value (``wq task -json ID``).
-_SWITCHES: Final = ("json", "all", "paused", "clear")
 
 _NUMBER = re.compile(r"^-\d+(\.\d*)?$")
 
@@ -1161,30 +1167,12 @@ def _positive_seconds(text: str) -> float:
 
 
 def _switch(p: argparse.ArgumentParser, name: str, help: str) -> None:
-    p.add_argument(
-        f"-{name}",
-        f"--{name}",
-        dest=name.replace("-", "_"),
-        type=bool_flag,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="BOOL",
-        help=help,
-    )
+    add_switch(p, name, help)
 
 
 def add_common_flags(p: argparse.ArgumentParser) -> None:
     """The flags every ``wq`` command takes."""
-    p.add_argument(
-        "-broker",
-        "--broker",
-        default=DEFAULT_URL,
-        metavar="URL",
-        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS; "
-        f"several brokers as http://a:port,b:port (default {DEFAULT_URL})",
-    )
-    add_auth_flags(p)
+    add_connection_flags(p)
     p.add_argument(
         "-timeout",
         "--timeout",
@@ -1660,6 +1648,7 @@ def top_parser() -> FlagParser:
     width = max(len(name) for name in COMMANDS) + 2
     commands = "\n".join(f"  {name:<{width}}{c.summary}" for name, c in COMMANDS.items())
     commands += f"\n  {'worker':<{width}}{WORKER_SUMMARY}"
+    commands += f"\n  {'completion':<{width}}{COMPLETION_SUMMARY}"
     codes = "\n".join(f"  {code:<5}{meaning}" for code, meaning in EXIT_CODES.items())
     p = FlagParser(
         prog=PROG,
@@ -1674,23 +1663,26 @@ def top_parser() -> FlagParser:
     return p
 
 
-def _value_flags() -> set[str]:
-    """Every spelling of every flag that takes a value, of every command."""
-    names: set[str] = set()
+def _value_flags() -> tuple[set[str], set[str]]:
+    """Every spelling of every flag that takes a value, and of every switch, of every
+    command."""
+    values: set[str] = set()
+    switches: set[str] = set()
     for parser in (top_parser(), *(c.parser() for c in COMMANDS.values())):
+        switches |= switch_spellings(parser)
         for action in parser._actions:
             if action.nargs is None and action.option_strings:
-                names.update(action.option_strings)
-    return names
+                values.update(action.option_strings)
+    return values, switches
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     """The command's words (``["dlq", "requeue"]``) and the rest of ``argv`` (flags and
     arguments) in order: flags may come before or after the command."""
-    takes_value = _value_flags()
+    takes_value, switches = _value_flags()
     words: list[str] = []
     rest: list[str] = []
-    args = list(argv)
+    args = spell_switches(argv, switches)  # -json true: the switch's value, not a command word
     i = 0
     while i < len(args):
         arg = args[i]
@@ -1710,18 +1702,6 @@ def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
             rest.append(arg)
         i += 1
     return words, rest
-
-
-def _switches_given_alone(argv: Sequence[str]) -> list[str]:
-    """``-json`` as ``-json=true``, so a switch never takes the next argument as its value."""
-    spellings = {f"{dashes}{name}" for name in _SWITCHES for dashes in ("-", "--")}
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        if arg == "--":
-            out.extend(argv[i:])
-            break
-        out.append(f"{arg}=true" if arg in spellings else arg)
-    return out
 
 
 def _fail(message: str, code: int = EXIT_USAGE, err: TextIO | None = None) -> int:
@@ -1748,7 +1728,7 @@ def resolve(words: list[str]) -> Command:
 
 
 def _command_words() -> list[str]:
-    return [*dict.fromkeys(name.split()[0] for name in COMMANDS), "worker"]
+    return [*dict.fromkeys(name.split()[0] for name in COMMANDS), "worker", "completion"]
 
 
 # `wq worker` is a command of its own (wqclient.cli.run): its flags are its own.
@@ -1757,14 +1737,18 @@ WORKER_SUMMARY: Final = (
 )
 
 
-def _worker_argv(argv: Sequence[str]) -> list[str] | None:
+# `wq completion SHELL` (wqclient.cli.completion): a script generated from COMMANDS.
+COMPLETION_SUMMARY: Final = "Print a shell completion script for wq: bash, zsh or fish."
+
+
+def _worker_argv(argv: Sequence[str], command: str = "worker") -> list[str] | None:
     """The arguments of ``wq worker ...`` (all but its first ``worker``), or None if the
     command is another."""
     words, _ = split_command(argv)
-    if not words or words[0] != "worker":
+    if not words or words[0] != command:
         return None
     args = list(argv)
-    del args[args.index("worker")]
+    del args[args.index(command)]
     return args
 
 
@@ -1795,9 +1779,15 @@ def parse(argv: Sequence[str], err: TextIO) -> tuple[Command, argparse.Namespace
     except _Usage as e:
         return _fail(str(e), err=err)
     try:
-        return command, command.parser().parse_args(_switches_given_alone(rest))
+        args = command.parser().parse_args(rest)
     except SystemExit as e:  # -h (0), or a bad flag: one line on stderr already (2)
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    try:
+        conn = connection(args)
+    except SettingError as e:
+        return _fail(str(e), err=err)
+    args.broker, args.token, args.ca_file = conn.broker, conn.token, conn.ca_file
+    return command, args
 
 
 def main(
@@ -1812,6 +1802,11 @@ def main(
         from wqclient.cli import run
 
         return run.main(worker_argv)
+    completion_argv = _worker_argv(given, "completion")
+    if completion_argv is not None:
+        from wqclient.cli import completion
+
+        return completion.main(completion_argv, out=out, err=err)
     parsed = parse(given, stderr)
     if isinstance(parsed, int):
         return parsed

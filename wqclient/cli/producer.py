@@ -30,7 +30,7 @@ from rich.progress import Progress as RichProgress
 from rich.progress import Task as RichTask
 from rich.text import Text
 
-from wqclient.cli import add_auth_flags, quiet_grpc
+from wqclient.cli import SettingError, add_auth_flags, add_broker_flag, connection, quiet_grpc
 from wqclient.client import AsyncClient
 from wqclient.errors import (
     CertificateError,
@@ -39,9 +39,8 @@ from wqclient.errors import (
     Unauthenticated,
     WqError,
 )
-from wqclient.limits import DEFAULT_URL
 from wqclient.models import DEFAULT_QUEUE
-from wqwire.flags import FlagParser, bool_flag, non_negative_int, positive_int, priority
+from wqwire.flags import FlagParser, add_switch, non_negative_int, positive_int, priority
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,23 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wq-producer",
         description="Enqueue test tasks on a wq broker.",
     )
-    p.add_argument(
-        "-broker",
-        "--broker",
-        default=DEFAULT_URL,
-        help="broker URL: http://host:port or grpc://host:port; https://, grpcs:// for TLS; "
-        f"several brokers as http://a:port,b:port (default {DEFAULT_URL})",
-    )
+    add_broker_flag(p)
     p.add_argument("-n", "--n", type=positive_int, default=1, help="how many tasks (default 1)")
-    p.add_argument(
-        "-fail",
-        "--fail",
-        type=bool_flag,
-        nargs="?",
-        const=True,
-        default=False,
-        help="enqueue tasks that always fail",
-    )
+    add_switch(p, "fail", "enqueue tasks that always fail")
     p.add_argument(
         "-max-attempts",
         "--max-attempts",
@@ -319,7 +304,13 @@ async def produce(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        conn = connection(args)
+    except SettingError as e:
+        parser.error(str(e))
+    args.broker, args.token, args.ca_file = conn.broker, conn.token, conn.ca_file
     try:
         return asyncio.run(produce(args, sys.stdout, sys.stderr))
     except KeyboardInterrupt:

@@ -37,13 +37,27 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
-from wqclient.cli import add_auth_flags, quiet_grpc
+from wqclient.cli import (
+    Connection,
+    SettingError,
+    add_auth_flags,
+    add_broker_flag,
+    connection,
+    quiet_grpc,
+)
 from wqclient.client import AsyncClient
 from wqclient.errors import CertificateError, PermissionDenied, Unauthenticated, WqError
-from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS
 from wqclient.models import DEFAULT_QUEUE, Task
 from wqclient.worker import AUTO_PREFETCH_MAX, Worker
-from wqwire.flags import LOG_FORMATS, FlagParser, bool_flag, positive_int, queue_list, setup_logging
+from wqwire.flags import (
+    LOG_FORMATS,
+    FlagParser,
+    add_switch,
+    positive_int,
+    queue_list,
+    setup_logging,
+)
 
 if TYPE_CHECKING:
     from wqclient.app import App
@@ -51,7 +65,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 PROG: Final = "wq worker"
-ENV_BROKER: Final = "WQ_BROKER"
 DEFAULT_CONCURRENCY: Final = 8
 DEFAULT_GRACE: Final = 30.0
 POOLS: Final = ("threads", "processes")
@@ -60,8 +73,6 @@ LOOPS: Final = ("uvloop", "asyncio")
 # grace before it is killed.
 RELOAD_POLL: Final = 1.0
 RELOAD_KILL_AFTER: Final = 10.0
-# The switches, given alone, are taken as "=true" (so one never swallows the next argument).
-_SWITCHES: Final = ("reload", "quiet")
 
 log = logging.getLogger("wqclient.cli.run")
 
@@ -96,14 +107,7 @@ def build_parser() -> FlagParser:
     )
     p.usage = f"{PROG} [flags] MODULE:APP | -exec 'PROGRAM ARGS' | -- PROGRAM ARGS"
     p.add_argument("target", nargs="?", default=None, metavar="MODULE:APP")
-    p.add_argument(
-        "-broker",
-        "--broker",
-        default=None,
-        metavar="URL",
-        help="broker URL: http://host:port, or grpc://host:port to stream; https://, grpcs:// "
-        f"for TLS (default: the App's own, else ${ENV_BROKER}, else {DEFAULT_URL})",
-    )
+    add_broker_flag(p, app=True)
     p.add_argument(
         "-exec",
         "--exec",
@@ -173,16 +177,10 @@ def build_parser() -> FlagParser:
         help="on SIGTERM/SIGINT, how long the tasks in hand have to finish before they are "
         f"handed back (default {DEFAULT_GRACE:g})",
     )
-    p.add_argument(
-        "-reload",
-        "--reload",
-        type=bool_flag,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="BOOL",
-        help="restart the worker when a .py file under the current directory changes (for "
-        "development)",
+    add_switch(
+        p,
+        "reload",
+        "restart the worker when a .py file under the current directory changes (for development)",
     )
     p.add_argument(
         "-metrics-addr",
@@ -208,31 +206,9 @@ def build_parser() -> FlagParser:
         help="the event loop: uvloop (libuv, faster; the asyncio loop where it is not "
         "installed) or asyncio (default uvloop)",
     )
-    p.add_argument(
-        "-quiet",
-        "--quiet",
-        type=bool_flag,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="BOOL",
-        help="log only warnings and errors (no line per task)",
-    )
-    add_auth_flags(p)
-    p.add_argument(
-        "-token-file",
-        "--token-file",
-        default=None,
-        metavar="PATH",
-        help="read the bearer token from this file (instead of -token or $WQ_TOKEN)",
-    )
+    add_switch(p, "quiet", "log only warnings and errors (no line per task)")
+    add_auth_flags(p, app=True)
     return p
-
-
-def _switches_alone(argv: Sequence[str]) -> list[str]:
-    """``-reload`` as ``-reload=true``: a switch never takes the next argument as its value."""
-    spellings = {f"{dashes}{name}" for name in _SWITCHES for dashes in ("-", "--")}
-    return [f"{arg}=true" if arg in spellings else arg for arg in argv]
 
 
 @dataclass
@@ -252,8 +228,8 @@ def parse(argv: Sequence[str]) -> Invocation:  # noqa: C901 (a check a line)
     if "--" in argv:
         i = argv.index("--")
         argv, program = argv[:i], argv[i + 1 :]
-    argv = _switches_alone(argv)
     parser = build_parser()
+    argv = parser.spell_switches(argv)
     args = parser.parse_args(argv)
     try:
         if program is not None and not program:
@@ -275,14 +251,10 @@ def parse(argv: Sequence[str]) -> Invocation:  # noqa: C901 (a check a line)
             raise _Usage("-pool is for an App's synchronous tasks, not for a program")
         if args.prefetch is not None and args.prefetch < args.concurrency:
             raise _Usage("-prefetch must be at least -concurrency")
-        if args.token is not None and args.token_file is not None:
-            raise _Usage("give -token or -token-file, not both")
-        if args.token_file is not None:
-            try:
-                args.token = Path(args.token_file).read_text().strip()
-            except OSError as e:
-                raise _Usage(f"-token-file: cannot read {args.token_file}: {e.strerror}") from None
-    except _Usage as e:
+        if args.token is not None or args.token_file is not None:
+            # The flags settle the token whatever the App's: checked before anything starts.
+            args.token, args.token_file = connection(args).token, None
+    except (_Usage, SettingError) as e:
         parser.error(str(e))
     return Invocation(args, argv, program)
 
@@ -492,6 +464,17 @@ async def serve_metrics(metrics: Metrics, host: str, port: int) -> Callable[[], 
 # -- running ---------------------------------------------------------------------------------------
 
 
+def _connection(
+    args: argparse.Namespace, broker: str | None, token: str | None, ca_file: str | None
+) -> Connection:
+    """The flags', else the App's own (``broker``, ``token``, ``ca_file``), else the
+    environment's, else the defaults (:func:`wqclient.cli.connection`)."""
+    try:
+        return connection(args, broker=broker, token=token, ca_file=ca_file)
+    except SettingError as e:
+        raise _Usage(str(e)) from None
+
+
 async def _run(inv: Invocation) -> int:  # noqa: C901 (one branch per kind of worker)
     args = inv.args
     app: App | None = None
@@ -510,8 +493,7 @@ async def _run(inv: Invocation) -> int:  # noqa: C901 (one branch per kind of wo
         handler: Callable[[Task], Any] = app.handler(runner)
         queues = args.queues or app.queues()
         what = f"{len(app.tasks)} tasks ({', '.join(sorted(app.tasks))}) of {args.target}"
-        broker = args.broker or app.broker or os.environ.get(ENV_BROKER) or DEFAULT_URL
-        token, ca_file = app.token, app.ca_file
+        conn = _connection(args, app.broker, app.token, app.ca_file)
     else:
         from wqclient._exec import ExecHandler
 
@@ -522,14 +504,10 @@ async def _run(inv: Invocation) -> int:  # noqa: C901 (one branch per kind of wo
             raise _Usage(str(e)) from None
         queues = args.queues or [DEFAULT_QUEUE]
         what = f"the program {shlex.join(inv.program)}"
-        broker = args.broker or os.environ.get(ENV_BROKER) or DEFAULT_URL
-        token = ca_file = None
-    if args.token is not None:
-        token = args.token
-    if args.ca_file is not None:
-        ca_file = args.ca_file
+        conn = _connection(args, None, None, None)
+    broker = conn.broker
     try:
-        client = AsyncClient(broker, token=token, ca_file=ca_file)
+        client = AsyncClient(broker, token=conn.token, ca_file=conn.ca_file)
     except WqError as e:
         raise _Usage(e.message) from None
     metrics: Metrics | None = None

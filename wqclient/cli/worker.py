@@ -20,13 +20,20 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from wqclient._exec import ExecHandler
-from wqclient.cli import add_auth_flags, quiet_grpc
+from wqclient.cli import SettingError, add_auth_flags, add_broker_flag, connection, quiet_grpc
 from wqclient.client import AsyncClient
 from wqclient.errors import CertificateError, PermissionDenied, Unauthenticated, WqError
-from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_URL, DEFAULT_WAIT_MS
+from wqclient.limits import DEFAULT_LEASE_MS, DEFAULT_WAIT_MS
 from wqclient.models import DEFAULT_QUEUE, Task
 from wqclient.worker import AUTO_PREFETCH_MAX, TaskFailed, Worker
-from wqwire.flags import LOG_FORMATS, FlagParser, bool_flag, positive_int, queue_list, setup_logging
+from wqwire.flags import (
+    LOG_FORMATS,
+    FlagParser,
+    add_switch,
+    positive_int,
+    queue_list,
+    setup_logging,
+)
 
 log = logging.getLogger("wqclient.worker")
 
@@ -72,13 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Claim tasks from a wq broker and append each to a log file as a JSON line. "
         'A payload containing "fail": true fails on purpose (a nack with an error).',
     )
-    p.add_argument(
-        "-broker",
-        "--broker",
-        default=DEFAULT_URL,
-        help="broker URL: http://host:port, or grpc://host:port to stream; https://, grpcs:// "
-        f"for TLS; several brokers as http://a:port,b:port (default {DEFAULT_URL})",
-    )
+    add_broker_flag(p)
     p.add_argument(
         "-log-file", "--log-file", default="./jobs.log", help="file to append to (./jobs.log)"
     )
@@ -133,15 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text: a line per record; json: one JSON object per line (level, time, message, "
         "logger and the record's fields: task_id, queue, outcome ...) (default text)",
     )
-    p.add_argument(
-        "-quiet",
-        "--quiet",
-        type=bool_flag,
-        nargs="?",
-        const=True,
-        default=False,
-        help="log only warnings and errors",
-    )
+    add_switch(p, "quiet", "log only warnings and errors")
     return p
 
 
@@ -221,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(given)
     if program is not None and not program:
         parser.error("no program after --")
+    try:
+        conn = connection(args)
+    except SettingError as e:
+        parser.error(str(e))
+    args.broker, args.token, args.ca_file = conn.broker, conn.token, conn.ca_file
     setup_logging(
         logging.WARNING if args.quiet else logging.INFO,
         args.log_format,

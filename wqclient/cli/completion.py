@@ -1,0 +1,260 @@
+"""``wq completion bash|zsh|fish``: a script that teaches a shell ``wq``'s commands, their
+actions (``dlq list``, ``schedule set`` ...) and their flags.
+
+Everything in it is read from the command table (:data:`wqclient.cli.admin.COMMANDS`) and the
+commands' parsers (``wq worker``'s too) when it is printed, so it cannot drift from the commands:
+``eval "$(wq completion bash)"`` (or ``source <(wq completion bash)``) in ``~/.bashrc``, the same
+with ``zsh`` in ``~/.zshrc`` (through zsh's ``bashcompinit``), ``wq completion fish | source``
+in fish's config. Hand-rolled rather than a library's: ``wq``'s parser is its own (one-dash flags
+before or after a command of one or two words, switches that take ``true`` as the next word),
+which argcomplete and shtab do not model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final, TextIO
+
+from wqwire.flags import BOOL_WORDS, is_switch
+
+SHELLS: Final = ("bash", "zsh", "fish")
+
+
+@dataclass
+class Spec:
+    """What completion offers, read from the parsers."""
+
+    words: dict[str, str] = field(default_factory=dict)  # the first words, with their summary
+    actions: dict[str, dict[str, str]] = field(default_factory=dict)  # "dlq": {"list": ...}
+    flags: dict[str, list[str]] = field(default_factory=dict)  # "dlq list": ["-queue", ...]
+    value_flags: set[str] = field(default_factory=set)  # one-dash names of flags with a value
+    switches: set[str] = field(default_factory=set)
+    paths: set[str] = field(default_factory=set)  # flags whose value is a file
+    choices: dict[str, list[str]] = field(default_factory=dict)
+
+
+def _read(spec: Spec, key: str, parser: argparse.ArgumentParser) -> None:
+    names: list[str] = []
+    for action in parser._actions:
+        one_dash = [n for n in action.option_strings if n.startswith("-") and n[1:2] != "-"]
+        if not one_dash or action.help == argparse.SUPPRESS:
+            continue
+        names.extend(one_dash)
+        for name in one_dash:
+            if is_switch(action):
+                spec.switches.add(name)
+            elif action.nargs != 0:
+                spec.value_flags.add(name)
+                if action.choices is not None:
+                    spec.choices[name] = [str(c) for c in action.choices]
+                elif action.metavar in ("PATH", "FILE") or action.dest.endswith("file"):
+                    spec.paths.add(name)
+    spec.flags[key] = names
+
+
+def spec() -> Spec:
+    """The commands, actions and flags of ``wq`` as its parsers define them."""
+    from wqclient.cli import admin, run
+
+    s = Spec()
+    _read(s, "", admin.top_parser())
+    for name, command in admin.COMMANDS.items():
+        first, _, action = name.partition(" ")
+        if action:
+            s.words.setdefault(first, f"{first}: {', '.join(admin._TWO_WORDS[first][1])}")
+            s.actions.setdefault(first, {})[action] = command.summary
+        else:
+            s.words[first] = command.summary
+        _read(s, name, command.parser())
+    for first, (default, _) in admin._TWO_WORDS.items():
+        if default is not None:  # `wq dlq` is `wq dlq list`
+            s.flags[first] = s.flags[f"{first} {default}"]
+    s.words["worker"] = admin.WORKER_SUMMARY
+    _read(s, "worker", run.build_parser())
+    s.words["completion"] = admin.COMPLETION_SUMMARY
+    s.flags["completion"] = ["-h"]
+    return s
+
+
+def script(shell: str) -> str:
+    """The completion script for ``shell`` (one of :data:`SHELLS`)."""
+    if shell == "fish":
+        return _fish(spec())
+    text = _bash(spec())
+    if shell == "zsh":
+        return "autoload -U +X bashcompinit && bashcompinit\n" + text
+    return text
+
+
+def _alternatives(names: Iterable[str]) -> str:
+    """A bash case pattern matching each name in its one- and two-dash spellings."""
+    return "|".join(f"{n}|-{n}" for n in sorted(names)) or "-h"
+
+
+def _words(names: Iterable[str]) -> str:
+    return shlex.quote(" ".join(names))
+
+
+def _bash(s: Spec) -> str:
+    flag_cases = "\n".join(
+        f"        {shlex.quote(key)}) flags={_words(names)} ;;"
+        for key, names in s.flags.items()
+        if key
+    )
+    action_cases = "\n".join(
+        f'        {first}) COMPREPLY=($(compgen -W {_words(actions)} -- "$cur")) ;;'
+        for first, actions in s.actions.items()
+    )
+    choice_cases = "\n".join(
+        f'        {_alternatives([name])}) COMPREPLY=($(compgen -W {_words(values)} -- "$cur"));'
+        " return ;;"
+        for name, values in sorted(s.choices.items())
+    )
+    value_flags = s.value_flags - s.paths - set(s.choices)
+    # (in any case, as the flags take them: no ${x,,}, which zsh has not)
+    bool_words = "|".join(sorted({v for w in BOOL_WORDS for v in (w, w.title(), w.upper())}))
+    return f"""# wq completion (bash), generated by `wq completion bash` from wq's command table.
+_wq() {{
+    local cur prev cmd="" sub="" i w flags o=0
+    [[ -n ${{ZSH_VERSION-}} ]] && o=1  # (zsh, through bashcompinit: its arrays count from 1)
+    cur="${{COMP_WORDS[COMP_CWORD+o]}}"
+    prev=""
+    (( COMP_CWORD > 0 )) && prev="${{COMP_WORDS[COMP_CWORD-1+o]}}"
+    [[ $prev == "=" && COMP_CWORD -gt 1 ]] && prev="${{COMP_WORDS[COMP_CWORD-2+o]}}"
+    [[ $cur == "=" ]] && cur=""
+    # The command's words: everything before the cursor that is no flag and no flag's value.
+    for (( i = 1; i < COMP_CWORD; i++ )); do
+        w="${{COMP_WORDS[i+o]}}"
+        if [[ $w == "--" ]]; then
+            [[ $cmd == worker ]] && {{ COMPREPLY=($(compgen -c -- "$cur")); return; }}
+            break
+        fi
+        if [[ $w == -* ]]; then
+            if [[ "${{COMP_WORDS[i+1+o]}}" == "=" ]]; then
+                (( i += 2 ))
+                continue
+            fi
+            case "$w" in
+                {_alternatives(s.value_flags)}) (( i++ )) ;;
+                {_alternatives(s.switches)})
+                    case "${{COMP_WORDS[i+1+o]}}" in
+                        {bool_words}) (( i < COMP_CWORD - 1 )) && (( i++ )) ;;
+                    esac ;;
+            esac
+        elif [[ -z $cmd ]]; then
+            cmd="$w"
+        elif [[ -z $sub ]]; then
+            case "$cmd" in
+                {"|".join(s.actions)}) sub="$w" ;;
+            esac
+        fi
+    done
+    case "$prev" in
+{choice_cases}
+        {_alternatives(s.paths)}) COMPREPLY=($(compgen -f -- "$cur")); return ;;
+        {_alternatives(value_flags)}) return ;;
+        {_alternatives(s.switches)})
+            if [[ $cur != -* && -n $cur ]]; then
+                COMPREPLY=($(compgen -W "true false" -- "$cur"))
+                (( ${{#COMPREPLY[@]}} )) && return
+            fi ;;
+    esac
+    flags={_words(s.flags[""])}
+    case "$cmd${{sub:+ $sub}}" in
+{flag_cases}
+    esac
+    if [[ $cur == --* ]]; then
+        COMPREPLY=($(compgen -P - -W "$flags" -- "${{cur:1}}"))
+        return
+    fi
+    if [[ $cur == -* ]]; then
+        COMPREPLY=($(compgen -W "$flags" -- "$cur"))
+        return
+    fi
+    if [[ -z $cmd ]]; then
+        COMPREPLY=($(compgen -W {_words(s.words)} -- "$cur"))
+        return
+    fi
+    if [[ -z $sub ]]; then
+        case "$cmd" in
+{action_cases}
+            completion) COMPREPLY=($(compgen -W {_words(SHELLS)} -- "$cur")) ;;
+            worker) COMPREPLY=($(compgen -f -- "$cur")) ;;
+        esac
+    fi
+}}
+complete -F _wq wq
+"""
+
+
+def _fish_quote(text: str) -> str:
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _fish(s: Spec) -> str:
+    lines = [
+        "# wq completion (fish): generated by `wq completion fish` from wq's own command table.",
+        "complete -c wq -e",
+        "complete -c wq -f",
+    ]
+    firsts = " ".join(s.words)
+    for word, summary in s.words.items():
+        lines.append(
+            f"complete -c wq -n 'not __fish_seen_subcommand_from {firsts}' -a {word} "
+            f"-d {_fish_quote(summary)}"
+        )
+    for first, actions in s.actions.items():
+        action_names = " ".join(actions)
+        for action, summary in actions.items():
+            lines.append(
+                f"complete -c wq -n '__fish_seen_subcommand_from {first}; and not "
+                f"__fish_seen_subcommand_from {action_names}' -a {action} -d {_fish_quote(summary)}"
+            )
+    lines.append(
+        "complete -c wq -n '__fish_seen_subcommand_from completion' -a "
+        + _fish_quote(" ".join(SHELLS))
+    )
+    for key, names in s.flags.items():
+        if key in s.actions:
+            continue  # (`wq dlq`'s flags: those of `wq dlq list`, offered once it is typed)
+        if key:
+            condition = "; and ".join(f"__fish_seen_subcommand_from {w}" for w in key.split())
+        else:
+            condition = f"not __fish_seen_subcommand_from {firsts}"
+        lines.extend(_fish_flag(s, condition, name) for name in names)
+    return "\n".join(lines) + "\n"
+
+
+def _fish_flag(s: Spec, condition: str, name: str) -> str:
+    option = f"complete -c wq -n {_fish_quote(condition)} -o {name[1:]}"
+    if name in s.choices:
+        return option + f" -x -a {_fish_quote(' '.join(s.choices[name]))}"
+    if name in s.paths:
+        return option + " -r -F"
+    if name in s.value_flags:
+        return option + " -x"
+    return option
+
+
+def main(argv: list[str], *, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """``wq completion SHELL``: print the script; a missing or unknown shell is one line, 2."""
+    prog = "wq completion"
+    out = out or sys.stdout
+    if argv in (["-h"], ["-help"], ["--help"]):
+        print(
+            f"usage: {prog} bash|zsh|fish\n\nPrint a completion script for wq: "
+            'eval "$(wq completion bash)" in ~/.bashrc (zsh: in ~/.zshrc), '
+            "wq completion fish | source in fish's config.",
+            file=out,
+        )
+        return 0
+    if len(argv) != 1 or argv[0] not in SHELLS:
+        given = " ".join(argv) or "nothing"
+        print(f"{prog}: give one shell: bash, zsh or fish (got {given})", file=err or sys.stderr)
+        return 2
+    out.write(script(argv[0]))
+    return 0
