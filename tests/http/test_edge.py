@@ -414,6 +414,7 @@ ROUTES = {
     # the extensions
     "/jobs/abc": {"GET", "HEAD", "DELETE"},
     "/jobs/abc/extend?lease_id=x": {"POST"},
+    "/jobs/abc/release?lease_id=x": {"POST"},
     "/queues": {"GET", "HEAD"},
     "/queues/q/pause": {"POST"},
     "/queues/q/resume": {"POST"},
