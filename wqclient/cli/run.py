@@ -492,7 +492,8 @@ async def _run(inv: Invocation) -> int:  # noqa: C901 (one branch per kind of wo
             runner = ThreadRunner(args.concurrency)
         handler: Callable[[Task], Any] = app.handler(runner)
         queues = args.queues or app.queues()
-        what = f"{len(app.tasks)} tasks ({', '.join(sorted(app.tasks))}) of {args.target}"
+        n = len(app.tasks)
+        what = f"{n} task{'' if n == 1 else 's'} ({', '.join(sorted(app.tasks))}) of {args.target}"
         conn = _connection(args, app.broker, app.token, app.ca_file)
     else:
         from wqclient._exec import ExecHandler
