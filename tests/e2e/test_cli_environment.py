@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import shlex
 import shutil
 import signal
 import subprocess
@@ -411,13 +412,29 @@ def test_a_switch_leaves_a_word_that_is_no_boolean_as_the_next_argument(
 BASH = shutil.which("bash")
 
 
+_SCRIPT: list[str] = []  # the file holding `wq completion bash`'s script, once made
+
+
+@pytest.fixture(scope="module")
+def bash_script(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """What ``wq completion bash`` prints, in a file made once (each case sources it in a fresh
+    bash, as a user's shell would)."""
+    code, out, err = wq("completion", "bash")
+    assert (code, err) == (0, "")
+    path = tmp_path_factory.mktemp("completion") / "wq.bash"
+    path.write_text(out)
+    _SCRIPT[:] = [str(path)]
+    yield
+    _SCRIPT.clear()
+
+
 def _complete(*words: str) -> list[str]:
     """What bash offers for ``words`` (the last one being completed), with the script that
     ``wq completion bash`` prints sourced, as a user's shell would."""
     assert BASH is not None
     quoted = " ".join("'" + w.replace("'", "'\\''") + "'" for w in words)
     script = (
-        f"source <({sys.executable} -m wqclient.cli.admin completion bash) || exit 9\n"
+        f"source {shlex.quote(_SCRIPT[0])} || exit 9\n"
         f"COMP_WORDS=({quoted}); COMP_CWORD={len(words) - 1}; COMPREPLY=()\n"
         "_wq\n"
         'printf "%s\\n" "${COMPREPLY[@]}"\n'
@@ -453,6 +470,7 @@ def test_the_bash_completion_registers_itself() -> None:
 
 
 @pytest.mark.skipif(BASH is None, reason="no bash")
+@pytest.mark.usefixtures("bash_script")
 def test_the_bash_completion_offers_the_real_commands_and_flags() -> None:
     firsts = list(dict.fromkeys(name.split()[0] for name in admin.COMMANDS))
     assert _complete("wq", "") == [*firsts, "worker", "completion"]

@@ -32,12 +32,7 @@ import pytest
 from tests.helpers import wait_until_sync
 from tests.procs import ROOT, BrokerProcess, broker_process, env
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.serial,
-    pytest.mark.xdist_group("serial"),  # (as tests/conftest.py groups the serial modules)
-    pytest.mark.timeout(120),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 SHOP = ROOT / "examples" / "shop"
 WQ = str(Path(sys.executable).with_name("wq"))  # the installed command, as the README runs it

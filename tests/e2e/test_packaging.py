@@ -24,7 +24,12 @@ import pytest
 from tests import pg
 from tests.procs import ROOT, broker_process
 
-pytestmark = pytest.mark.slow  # (seconds of wall time each: make test-fast leaves them out)
+pytestmark = [
+    pytest.mark.slow,  # (seconds of wall time each: make test-fast leaves them out)
+    # One xdist worker takes them all: the wheel and the virtualenvs (module fixtures, half a
+    # minute each) are made once, not once per worker that draws one of these tests.
+    pytest.mark.xdist_group("packaging"),
+]
 
 # What the copy of the tree the wheel is built from leaves out (built or installed things).
 _NOT_SOURCE = shutil.ignore_patterns(

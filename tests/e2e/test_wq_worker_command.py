@@ -26,7 +26,7 @@ from tests.helpers import wait_until_sync
 from tests.procs import BrokerProcess, broker_process, env, free_port, worker_command
 from wqclient import Client
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.serial, pytest.mark.xdist_group("serial")]
+pytestmark = pytest.mark.timeout(120)
 
 TASKS = textwrap.dedent(
     """
