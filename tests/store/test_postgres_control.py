@@ -558,13 +558,16 @@ async def test_batches_of_unique_keys_in_opposite_orders_never_deadlock(
             )
         )
         deadline = time.monotonic() + 10
-        while (
-            await conn.fetchval(
+        while True:
+            # (inside a transaction, pg_stat_activity is a snapshot taken at its first read:
+            # cleared before each look, or a first look before the batches waited is all it says)
+            await conn.execute("SELECT pg_stat_clear_snapshot()")
+            waiting = await conn.fetchval(
                 "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
                 "AND wait_event_type = 'Lock' AND query LIKE '%wq.enqueue%'"
             )
-            < 2
-        ):
+            if waiting >= 2:
+                break
             assert time.monotonic() < deadline, "the batches never waited for k3"
             await asyncio.sleep(0.01)
         await tx.rollback()

@@ -653,10 +653,15 @@ async def test_a_deadlock_the_database_breaks_is_made_again_and_releases_once(
         await other.execute("SELECT 1 FROM wq.tasks WHERE id = $1 FOR UPDATE", keys[1])
         acking = asyncio.ensure_future(a.ack(d.task.id, d.lease_id, now=NOW, result=b"7"))
         deadline = time.monotonic() + 10
-        while not await other.fetchval(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-            "AND wait_event_type = 'Lock' AND query LIKE '%wq.settle%'"
-        ):
+        while True:
+            # (inside a transaction, pg_stat_activity is a snapshot taken at its first read:
+            # cleared before each look, or a first look before the ack waited is all it says)
+            await other.execute("SELECT pg_stat_clear_snapshot()")
+            if await other.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND wait_event_type = 'Lock' AND query LIKE '%wq.settle%'"
+            ):
+                break
             assert time.monotonic() < deadline, "the ack never waited for the child"
             await asyncio.sleep(0.01)
         await other.execute("SELECT 1 FROM wq.tasks WHERE id = $1 FOR UPDATE", keys[0])
