@@ -203,7 +203,11 @@ def check_bad_input(broker: BrokerProcess, shop: Path, child_env: dict[str, str]
     assert here.returncode == 0, here.stderr
     assert here.stdout.strip() == "25.00"
 
-    # Arguments that do not fit the hints are refused at enqueue, and nothing is sent.
+    # Arguments that do not fit the hints are refused at enqueue, and nothing is sent. (The
+    # schedules paused first: stock-report would enqueue meanwhile, every five seconds.)
+    for name in ("stock-report", "morning-report"):
+        status, body = call(broker, "POST", f"/schedules/{name}/pause")
+        assert status == 200, (name, status, body)
     before = get(broker, "/stats")["totals"]["enqueued"]
     bad = python(
         shop,
