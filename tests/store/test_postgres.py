@@ -253,7 +253,7 @@ async def test_a_store_hears_what_another_made_ready_and_not_its_own(
     await enqueue_one(a, b"2", max_attempts=1, delay=60.0, now=NOW, queue="later")
     d = await a.claim(lease=LEASE, now=NOW, queues=("alpha",))
     assert d is not None
-    assert await a.release(d.task.id, d.lease_id)
+    assert await a.release(d.task.id, d.lease_id, now=NOW)
     assert await heard_b.next() == {"alpha"}
     d = await a.claim(lease=LEASE, now=NOW, queues=("alpha",))
     assert d is not None
