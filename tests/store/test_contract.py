@@ -1101,9 +1101,8 @@ async def test_queue_report_has_the_oldest_ready_task_of_each_queue(store: Store
     assert first.task.id == a[0]
     await enqueue(store, queue="a", priority=9, now=NOW + 7)  # a newer head, of another lane
     assert (await oldest_ready(store))["a"] == NOW + 1
-    assert await store.release(
-        first.task.id, first.lease_id, now=NOW
-    )  # back to the head of its lane
+    # back to the head of its lane
+    assert await store.release(first.task.id, first.lease_id, now=NOW)
     assert (await oldest_ready(store))["a"] == NOW
     for _ in range(5):  # every ready task of "a" and "b"
         d = await claim_from(store, ["a", "b"], now=NOW + 8)
