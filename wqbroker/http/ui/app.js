@@ -1210,7 +1210,7 @@
           ),
           h(
             "td",
-            {"data-label": "Buried", class: "buried", title: buried ? dateFmt.format(buried) : "not known (buried by an older broker)"},
+            {"data-label": "Buried", class: "buried", "data-at": task.buried_at, title: buried ? dateFmt.format(buried) : "not known (buried by an older broker)"},
             buried ? relative(buried) : "unknown",
             h("div", {class: "hint", title: dateFmt.format(created)}, `created ${relative(created)}`),
           ),
