@@ -89,3 +89,35 @@ async def test_a_requeue_clears_it_and_a_second_burial_sets_it_again(store: Stor
     found = await store.lookup(task_id)
     assert found is not None
     assert (found.state, found.task.buried_at) == ("ready", None)
+
+
+async def test_children_of_a_cancelled_parent_are_buried_at_the_cancel(store: Store) -> None:
+    parent = await add(store)
+    child = await add(store, after=[parent])
+    await store.cancel(parent, now=NOW + 6)
+    assert await buried_at(store, child) == NOW + 6
+
+
+async def test_children_of_an_emptied_queue_s_task_are_buried_at_the_empty(store: Store) -> None:
+    parent = await add(store, queue="a")
+    child = await add(store, after=[parent], queue="b")
+    assert await store.empty_queue("a", now=NOW + 8) == 1
+    assert await buried_at(store, child) == NOW + 8
+
+
+async def test_children_of_a_released_cancelling_parent_are_buried_at_the_release(
+    store: Store,
+) -> None:
+    parent = await add(store)
+    child = await add(store, after=[parent])
+    d = await take(store, task_id=parent)
+    await store.cancel(parent, now=NOW + 1)  # (handed out: cancelling)
+    assert await store.release(parent, d.lease_id, now=NOW + 4)
+    assert await buried_at(store, child) == NOW + 4
+
+
+async def test_children_of_an_expired_parent_are_buried_at_the_sweep(store: Store) -> None:
+    parent = await add(store, expires_at=NOW + 10)
+    child = await add(store, after=[parent])
+    await store.sweep(now=NOW + 12)
+    assert await buried_at(store, child) == NOW + 12

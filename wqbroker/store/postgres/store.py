@@ -1113,7 +1113,11 @@ class PostgresStore:
         rows = []
         if n is not None:
             rows = await self._fetch(
-                Q.cancel, _key(n), self._wake.cancel_head(), self._wake.finish_head()
+                Q.cancel,
+                _key(n),
+                self._wake.cancel_head(),
+                self._wake.finish_head(),
+                self._now(now),
             )
         if not rows or rows[0][0] == 0:
             raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
@@ -1148,7 +1152,7 @@ class PostgresStore:
         return TaskPage(tasks, key)
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
-        rows = await self._fetch(Q.empty, queue, self._wake.finish_head())
+        rows = await self._fetch(Q.empty, queue, self._wake.finish_head(), self._now(now))
         if not rows:
             raise NotFound(f"queue {quoted(queue)} does not exist")
         count = int(rows[0][0])
@@ -1178,7 +1182,8 @@ class PostgresStore:
         n = parse_id(task_id)
         if n is None:
             return False
-        rows = await self._fetch(Q.release, _key(n), lease_id, self._wake.finish_head())
+        when = None if now is None else self._now(now)
+        rows = await self._fetch(Q.release, _key(n), lease_id, self._wake.finish_head(), when)
         if not rows:
             return False
         self.transactions += 1

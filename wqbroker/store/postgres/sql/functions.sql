@@ -1143,7 +1143,7 @@ END $$;
 -- Its queue (no row if the lease is not current). A cancelling task is not put back: gone,
 -- counted cancelled (as the Index does, its delivery stays counted), and what its end does
 -- follows (wq.ended: rows o_queue NULL for the watched, announced with p_head).
-CREATE FUNCTION wq.release(p_id bigint, p_lease_id text, p_head text)
+CREATE FUNCTION wq.release(p_id bigint, p_lease_id text, p_head text, p_now float8)
 RETURNS TABLE (o_queue text, o_id bigint, o_st int) LANGUAGE plpgsql AS $$
 DECLARE
     q text;
@@ -1173,7 +1173,7 @@ BEGIN
     RETURN NEXT;
     IF kd OR np > 0 OR wt THEN
         SELECT array_agg(e.o_id), array_agg(e.o_st) INTO fin_ids, fin_sts
-            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL) e;
+            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL, p_now) e;
         PERFORM wq.tell(p_head, fin_ids, fin_sts);
         RETURN QUERY SELECT NULL::text, u.id, u.st FROM unnest(fin_ids, fin_sts) AS u (id, st);
     END IF;
@@ -1423,7 +1423,7 @@ END $$;
 -- follows (docs/design/results.md): a waiting task's waiting children are cancelled too,
 -- transitively (wq.cancel_tree); a ready or delayed one's are buried (wq.ended). Then a row per
 -- watched task that ended (o_outcome NULL, o_id, o_st; announced with p_head).
-CREATE FUNCTION wq.cancel(p_id bigint, p_notify text, p_head text)
+CREATE FUNCTION wq.cancel(p_id bigint, p_notify text, p_head text, p_now float8)
 RETURNS TABLE (o_outcome int, o_queue text, o_lease text, o_id bigint, o_st int)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -1482,7 +1482,7 @@ BEGIN
     ELSIF kd OR np > 0 OR wt THEN
         SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
             INTO fin_ids, fin_sts
-            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL) x;
+            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL, p_now) x;
     END IF;
     IF cardinality(fin_ids) > 0 THEN
         PERFORM wq.tell(p_head, fin_ids, fin_sts);
@@ -1496,7 +1496,7 @@ END $$;
 -- the children of the ready and delayed ones buried): how many were cancelled (o_n; no row if
 -- the queue is unknown), then a row per watched task that ended (o_id, o_st; announced with p_head). Tasks a
 -- claim is handing out meanwhile are waited for, and left to it.
-CREATE FUNCTION wq.empty(p_queue text, p_head text)
+CREATE FUNCTION wq.empty(p_queue text, p_head text, p_now float8)
 RETURNS TABLE (o_n bigint, o_id bigint, o_st int) LANGUAGE plpgsql AS $$
 DECLARE
     r bigint;
@@ -1556,7 +1556,7 @@ BEGIN
     END IF;
     IF ids IS NOT NULL THEN
         SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
-            INTO fin_ids, fin_sts FROM wq.ended(4, ids, ks, ps, ws, NULL) x;
+            INTO fin_ids, fin_sts FROM wq.ended(4, ids, ks, ps, ws, NULL, p_now) x;
     END IF;
     o_n := r + d + w;
     RETURN NEXT;

@@ -50,7 +50,7 @@ FROM wq.claim($1, $15, $16, $17, $14) c
 SELECT * FROM wq.extend($1, $2, $3, $4, $5)
 
 -- name: release
-SELECT * FROM wq.release($1, $2, $3)
+SELECT * FROM wq.release($1, $2, $3, $4)
 
 -- name: expired
 -- How many leases have run out by $1 (NULL: by the database's clock): the sweep draws as many
@@ -74,11 +74,11 @@ SELECT wq.purge($1)
 
 -- name: cancel
 -- Task $1; $2: the head of the announcement of its lease, if it is handed out (NULL: none); $3:
--- of the watched tasks that end.
-SELECT * FROM wq.cancel($1, $2, $3)
+-- of the watched tasks that end; $4: the time of the call (NULL: the database's clock).
+SELECT * FROM wq.cancel($1, $2, $3, $4)
 
 -- name: empty
-SELECT * FROM wq.empty($1, $2)
+SELECT * FROM wq.empty($1, $2, $3)
 
 -- name: delete_queue
 SELECT * FROM wq.delete_queue($1)
