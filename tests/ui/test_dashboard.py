@@ -518,6 +518,35 @@ async def test_the_dead_letters_show_when_whole_errors_and_payloads(
         console.check()
 
 
+async def test_a_dead_task_without_a_burial_time_says_unknown(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    # A broker that did not keep it (or a task buried before it did) sends no buried_at: the
+    # page says so, and nothing breaks. (The answers are the broker's, the member taken out.)
+    scene = await set_scene(broker, http)
+    dead = scene.dead[0]
+
+    async def without_buried_at(route: Any) -> None:
+        response = await route.fetch()
+        body = await response.json()
+        for task in body if isinstance(body, list) else [body]:
+            task.pop("buried_at", None)
+        await route.fulfill(response=response, json=body)
+
+    async with open_page(browser) as (page, console):
+        await page.route(re.compile(r"/dlq(\?.*)?$"), without_buried_at)
+        await page.route(re.compile(r"/jobs/[0-9a-f]{16}$"), without_buried_at)
+        await goto(page, broker, "dlq")
+        cell = page.locator(f'#dlq-table tr[data-id="{dead}"] td.buried')
+        await expect(cell).to_contain_text("unknown")
+        await page.locator(f'#dlq-table tr[data-id="{dead}"] a').first.click()
+        await expect(page.locator("#task-card")).to_have_attribute("data-state", "dead")
+        await expect(page.locator("#task-buried")).to_have_text(
+            "unknown (buried by an older broker)"
+        )
+        console.check()
+
+
 async def test_pause_and_resume_a_queue_through_the_page(
     broker: Broker, http: Http, browser: Browser
 ) -> None:
