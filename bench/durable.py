@@ -82,7 +82,7 @@ async def reopen(path: str) -> dict[str, Any]:
     delivery = await store.claim(lease=30.0, now=NOW)
     assert delivery is not None
     assert delivery.task.payload.startswith(b'{"n":0,'), delivery
-    await store.release(delivery.task.id, delivery.lease_id)  # leave the file as it was
+    await store.release(delivery.task.id, delivery.lease_id, now=NOW)  # leave the file as it was
     await store.close()
     return {
         "ready": stats.ready,

@@ -606,7 +606,7 @@ class Dispatcher:
         if stream is not None:
             stream.finished(delivery.lease_id)
         self._events.leases_gone((delivery.lease_id,))
-        released = self._store.release(delivery.task.id, delivery.lease_id)
+        released = self._store.release(delivery.task.id, delivery.lease_id, now=self._clock.now())
         if not await timed(self._events, "release", released):
             return False
         log.debug(

@@ -54,6 +54,8 @@ class Task:
     # docs/design/schedules.md: the schedule that enqueued it, and the time of that fire.
     schedule: str | None = None
     scheduled_for: float | None = None  # epoch seconds
+    # When it was buried, while dead (None: not dead, or buried by a broker that did not keep it).
+    buried_at: float | None = None  # epoch seconds
 
 
 @dataclass(slots=True)

@@ -582,7 +582,9 @@ class Service:
         that undoes a hand-out nobody saw, so its counters are the same: ``delivered`` -1 (it
         counts attempts), nothing else. Refused as a nack is: NotFound, LeaseLost."""
         tid, lid = _ack_item((task_id, lease_id))
-        if not await timed(self._events, "release", self._store.release(tid, lid)):
+        if not await timed(
+            self._events, "release", self._store.release(tid, lid, now=self._clock.now())
+        ):
             held = await self._store.lookup(tid)
             if held is None or held.state != "handed_out":
                 raise NotFound(f"task {quoted(tid)} is not held by anyone")

@@ -138,6 +138,9 @@ class Task(_Controlled):
     # scheduled time of that fire.
     schedule: str | None = None
     scheduled_for: datetime | None = None
+    # While it is dead: when it was buried (None: not dead, or buried by a broker that did not
+    # keep it).
+    buried_at: datetime | None = None
 
     if not TYPE_CHECKING:
 
@@ -258,6 +261,7 @@ class Task(_Controlled):
         parents = data.get("parents")
         schedule = data.get("schedule")
         scheduled_for = data.get("scheduled_for")
+        buried_at = data.get("buried_at")
         return cls(
             id=data["id"],
             payload_json=bytes(data["payload"]),
@@ -283,6 +287,7 @@ class Task(_Controlled):
             parents=None if not parents else parents_from(parents),
             schedule=_schedule_name(schedule),
             scheduled_for=None if scheduled_for is None else _when(scheduled_for),
+            buried_at=None if buried_at is None else _when(buried_at),
         )
 
 
@@ -474,6 +479,7 @@ _LATER_DEFAULTS: Final[dict[str, Any]] = {
     "parents": None,
     "schedule": None,
     "scheduled_for": None,
+    "buried_at": None,
 }
 _set_parents: Final = Task.__dict__["parents"].__set__
 _set_after: Final = Task.__dict__["after"].__set__

@@ -381,6 +381,11 @@ async def test_dead_letters_lists_buried_tasks_oldest_first(client: AsyncClient)
     assert [t.last_error for t in dead] == ["failure 0", "failure 1", "failure 2"]
     assert all((t.attempts, t.max_attempts) == (1, 1) for t in dead)
     assert all(t.created_at.tzinfo is not None for t in dead)
+    # When each was buried (in burial order), over either protocol; lookups say the same.
+    buried = [t.buried_at for t in dead]
+    assert all(b is not None and b.tzinfo is not None for b in buried)
+    assert buried == sorted(buried)  # type: ignore[type-var]
+    assert [(await client.get_task(i)).buried_at for i in ids] == buried
     assert [t.id for t in await client.dead_letters(limit=2)] == ids[:2]
     assert await client.dead_letters(limit=0) == []
 

@@ -784,6 +784,25 @@ async def test_list_dead_in_burial_order_with_last_error_and_limit(
     assert "limit" in (err.details() or "")
 
 
+async def test_a_dead_task_carries_when_it_was_buried(
+    stub: pb_grpc.BrokerAsyncStub, clock: FakeClock
+) -> None:
+    task_id = await enqueue(stub, b'"x"', max_attempts=1)
+    d = await claim(stub)
+    assert not d.task.HasField("buried_at")  # (not dead: unset)
+    clock.advance(3.0)
+    buried = clock.now()
+    await stub.Nack(nack_of(d, "no"))
+    clock.advance(30.0)
+    [dead] = (await stub.ListDead(pb.ListDeadRequest())).tasks
+    assert seconds(dead.buried_at) == pytest.approx(buried, abs=1e-6)
+    found = await stub.GetTask(pb.GetTaskRequest(id=task_id))
+    assert seconds(found.task.buried_at) == pytest.approx(buried, abs=1e-6)
+    await stub.Requeue(pb.RequeueRequest(id=task_id))
+    found = await stub.GetTask(pb.GetTaskRequest(id=task_id))
+    assert not found.task.HasField("buried_at")
+
+
 async def test_list_dead_is_empty_at_first(stub: pb_grpc.BrokerAsyncStub) -> None:
     assert list((await stub.ListDead(pb.ListDeadRequest())).tasks) == []
 

@@ -507,6 +507,28 @@ async def test_dlq_lists_dead_tasks_in_burial_order(http: Http) -> None:
     assert [d["payload"] for d in dlq] == [{"n": 0}, {"n": 1}, {"n": 2}]
 
 
+async def test_a_dead_task_shows_when_it_was_buried_until_requeued(
+    http: Http, clock: FakeClock
+) -> None:
+    task_id = await http.enqueue({"x": 1}, max_attempts=1)
+    body = await http.claim()
+    assert "buried_at" not in body["task"]  # (not dead: left out)
+    clock.advance(5.0)
+    buried = clock.now()
+    assert await http.nack(task_id, body["lease_id"], "no") == 204
+    clock.advance(60.0)  # (shown as it was, not as now)
+    [dead] = (await http.request("GET", "/dlq"))[1]
+    assert ts(dead["buried_at"]) == pytest.approx(buried, abs=1e-3)
+    status, found = await http.request("GET", f"/jobs/{task_id}")
+    assert (status, found["state"]) == (200, "dead")
+    assert ts(found["buried_at"]) == pytest.approx(buried, abs=1e-3)
+    assert found["available_at"] != found["buried_at"]
+    assert (await http.request("POST", f"/dlq/{task_id}/requeue"))[0] == 204
+    status, found = await http.request("GET", f"/jobs/{task_id}")
+    assert (status, found["state"]) == (200, "ready")
+    assert "buried_at" not in found
+
+
 async def test_requeue_gives_a_clean_start(http: Http) -> None:
     task_id = await bury(http, {"x": 1})
     status, _ = await http.request("POST", f"/dlq/{task_id}/requeue")

@@ -136,7 +136,9 @@ async def test_task_views_gain_queue_and_priority_after_the_spec_members(http: H
     await bury(http, "mail")
     async with http.session.get(http.base + "/dlq") as resp:
         raw = await resp.read()
-    assert raw.endswith(b',"last_error":"bad","queue":"mail","priority":0}]'), raw
+    # (then, as every later member, only when set: a dead task's burial time)
+    assert b',"last_error":"bad","queue":"mail","priority":0,"buried_at":"' in raw, raw
+    assert raw.endswith(b'Z"}]'), raw
 
 
 # -- named queues --------------------------------------------------------------------------------

@@ -278,7 +278,7 @@ async def test_every_claim_gets_a_fresh_lease(store: Store) -> None:
         d = await claim(store, now)
         assert d.task.id == task_id
         leases.append(d.lease_id)
-        assert await store.release(d.task.id, d.lease_id)
+        assert await store.release(d.task.id, d.lease_id, now=now)
     for _ in range(5):
         d = await claim(store, now)
         leases.append(d.lease_id)
@@ -347,7 +347,7 @@ async def test_ack_forgets_the_task(store: Store) -> None:
         await store.nack(task_id, d.lease_id, "late", now=NOW + 1)
     with pytest.raises(NotFound):
         await store.requeue(task_id, now=NOW + 1)
-    assert await store.release(task_id, d.lease_id) is False
+    assert await store.release(task_id, d.lease_id, now=NOW) is False
     result, next_due = await store.sweep(now=NOW + 1000)
     assert result.reclaimed == []
     assert result.promoted == 0
@@ -424,7 +424,7 @@ async def _unheld(store: Store, situation: str) -> tuple[str, str, dict[str, int
     assert situation == "released"
     task_id = await enqueue(store)
     d = await claim(store)
-    assert await store.release(task_id, d.lease_id)
+    assert await store.release(task_id, d.lease_id, now=NOW)
     return task_id, d.lease_id, dict(ready=1, enqueued=1)
 
 
@@ -455,7 +455,7 @@ async def test_finishing_a_task_nobody_holds_is_not_found(
 @pytest.mark.parametrize("situation", UNHELD)
 async def test_release_of_a_task_nobody_holds_is_false(store: Store, situation: str) -> None:
     task_id, lease_id, unchanged = await _unheld(store, situation)
-    assert await store.release(task_id, lease_id) is False
+    assert await store.release(task_id, lease_id, now=NOW) is False
     await expect(store, **unchanged)
 
 
@@ -473,7 +473,7 @@ async def test_a_stale_lease_on_a_task_handed_out_again_is_a_lease_mismatch(
     assert new.lease_id != old.lease_id
     with pytest.raises(LeaseLost):
         await finish(store, op, task_id, old.lease_id, NOW + 10.0)
-    assert await store.release(task_id, old.lease_id) is False
+    assert await store.release(task_id, old.lease_id, now=NOW) is False
     stats = dict(enqueued=1, delivered=2, reclaimed=1, retried=1)
     await expect(store, handed_out=1, **stats)
     await store.ack(task_id, new.lease_id, now=NOW + 10.0)
@@ -719,7 +719,7 @@ async def test_release_puts_the_task_back_at_the_head_of_ready(store: Store) -> 
     da = await claim(store, NOW + 5)
     assert da.task.id == a
     await expect(store, ready=2, handed_out=1, enqueued=3, delivered=1)
-    assert await store.release(a, da.lease_id) is True
+    assert await store.release(a, da.lease_id, now=NOW) is True
     await expect(store, ready=3, enqueued=3)
     again = await claim(store, NOW + 5)
     assert again.task.id == a
@@ -735,8 +735,8 @@ async def test_release_goes_ahead_of_older_ready_tasks(store: Store) -> None:
     d1 = await claim(store, NOW + 2)
     d2 = await claim(store, NOW + 2)
     third = await enqueue(store, now=NOW + 3)
-    assert await store.release(second, d2.lease_id)
-    assert await store.release(first, d1.lease_id)
+    assert await store.release(second, d2.lease_id, now=NOW)
+    assert await store.release(first, d1.lease_id, now=NOW)
     got = [(await claim(store, NOW + 4)).task.id for _ in range(3)]
     assert got == [first, second, third]
 
@@ -746,7 +746,7 @@ async def test_release_undoes_the_attempt_and_the_delivery(store: Store) -> None
     for _ in range(5):
         d = await claim(store)
         assert d.task.attempts == 1
-        assert await store.release(task_id, d.lease_id)
+        assert await store.release(task_id, d.lease_id, now=NOW)
     await expect(store, ready=1, enqueued=1)
     d = await claim(store)
     await store.nack(task_id, d.lease_id, "real failure", now=NOW)
@@ -756,13 +756,13 @@ async def test_release_undoes_the_attempt_and_the_delivery(store: Store) -> None
 async def test_release_returns_false_for_a_stale_lease(store: Store) -> None:
     task_id = await enqueue(store)
     d = await claim(store)
-    assert await store.release(task_id, "some-other-lease") is False
+    assert await store.release(task_id, "some-other-lease", now=NOW) is False
     await expect(store, handed_out=1, enqueued=1, delivered=1)
-    assert await store.release(task_id, d.lease_id) is True
-    assert await store.release(task_id, d.lease_id) is False  # twice
+    assert await store.release(task_id, d.lease_id, now=NOW) is True
+    assert await store.release(task_id, d.lease_id, now=NOW) is False  # twice
     await expect(store, ready=1, enqueued=1)
     d2 = await claim(store)
-    assert await store.release(task_id, d.lease_id) is False  # an earlier hand-out's lease
+    assert await store.release(task_id, d.lease_id, now=NOW) is False  # an earlier hand-out's lease
     await expect(store, handed_out=1, enqueued=1, delivered=1)
     await store.ack(task_id, d2.lease_id, now=NOW)
 
@@ -776,7 +776,7 @@ async def test_a_release_after_work_began_gives_back_only_that_attempt(store: St
     second = await claim(store, NOW + 1)
     assert second.task.attempts == 2  # its last: a nack would bury it
     await store.extend(task_id, second.lease_id, lease=LEASE, now=NOW + 2, progress=b"50")
-    assert await store.release(task_id, second.lease_id) is True
+    assert await store.release(task_id, second.lease_id, now=NOW) is True
     held = await store.lookup(task_id)
     assert held is not None
     assert held.state == "ready"
@@ -784,7 +784,7 @@ async def test_a_release_after_work_began_gives_back_only_that_attempt(store: St
     assert held.task.last_error == "first failure"  # (a release records nothing)
     assert held.task.progress is None
     await expect(store, ready=1, enqueued=1, delivered=1, nacked=1, retried=1)
-    assert await store.release(task_id, second.lease_id) is False  # no longer current
+    assert await store.release(task_id, second.lease_id, now=NOW) is False  # no longer current
     third = await claim(store, NOW + 3)
     assert (third.task.id, third.task.attempts) == (task_id, 2)
 
@@ -792,7 +792,7 @@ async def test_a_release_after_work_began_gives_back_only_that_attempt(store: St
 async def test_a_released_lease_is_no_longer_due(store: Store) -> None:
     task_id = await enqueue(store)
     d = await claim(store, lease=1.0)
-    assert await store.release(task_id, d.lease_id)
+    assert await store.release(task_id, d.lease_id, now=NOW)
     result, next_due = await store.sweep(now=NOW + 5.0)
     assert (result.reclaimed, next_due) == ([], None)
     await expect(store, ready=1, enqueued=1)
@@ -954,7 +954,7 @@ async def test_a_call_that_changes_nothing_commits_nothing(store: Store) -> None
     assert await store.claim_many([LEASE] * 10, now=NOW) == []
     with pytest.raises(NotFound):
         await store.ack("0123456789abcdef", "fedcba9876543210", now=NOW)
-    assert await store.release("0123456789abcdef", "fedcba9876543210") is False
+    assert await store.release("0123456789abcdef", "fedcba9876543210", now=NOW) is False
     await store.stats()
     await store.dead_letters()
     assert store.transactions == before
@@ -1101,7 +1101,8 @@ async def test_queue_report_has_the_oldest_ready_task_of_each_queue(store: Store
     assert first.task.id == a[0]
     await enqueue(store, queue="a", priority=9, now=NOW + 7)  # a newer head, of another lane
     assert (await oldest_ready(store))["a"] == NOW + 1
-    assert await store.release(first.task.id, first.lease_id)  # back to the head of its lane
+    # back to the head of its lane
+    assert await store.release(first.task.id, first.lease_id, now=NOW)
     assert (await oldest_ready(store))["a"] == NOW
     for _ in range(5):  # every ready task of "a" and "b"
         d = await claim_from(store, ["a", "b"], now=NOW + 8)
@@ -1184,7 +1185,7 @@ async def test_a_given_back_task_returns_to_the_head_of_its_lane(store: Store) -
     da = await claim(store, NOW + 2)
     assert da.task.id == a
     high = await enqueue(store, priority=9, now=NOW + 2)
-    assert await store.release(a, da.lease_id)
+    assert await store.release(a, da.lease_id, now=NOW)
     assert await claimed_ids(store, 4, [DEFAULT_QUEUE], NOW + 3) == [high, a, b, low]
 
 
@@ -1489,7 +1490,9 @@ async def test_lookup_in_each_state(store: Store) -> None:
     found = await store.lookup(held)
     assert found == TaskState(Task(held, PAYLOAD, 1, 2, NOW, NOW), "handed_out")
     found = await store.lookup(dead)
-    assert found == TaskState(Task(dead, PAYLOAD, 1, 1, NOW, NOW, "gone wrong"), "dead")
+    assert found == TaskState(
+        Task(dead, PAYLOAD, 1, 1, NOW, NOW, "gone wrong", buried_at=NOW), "dead"
+    )
 
     failure = await store.nack(held, d_held.lease_id, "retry me", now=NOW + 1.0, delay=2.0)
     found = await store.lookup(held)
@@ -1650,7 +1653,7 @@ async def test_memory_internals_stay_consistent_through_every_transition() -> No
     s.check_invariants()
     da = await claim(s, lease=2.0)
     s.check_invariants()
-    assert await s.release(a, da.lease_id)
+    assert await s.release(a, da.lease_id, now=NOW)
     s.check_invariants()
     da = await claim(s, lease=2.0)
     failure = await s.nack(a, da.lease_id, "x", now=NOW)

@@ -192,7 +192,7 @@ async def test_a_handed_back_cancelling_task_is_gone(store: Store) -> None:
     await enqueue(store)
     d = await claim(store)
     await store.cancel(d.task.id, now=NOW)
-    assert await store.release(d.task.id, d.lease_id) is True
+    assert await store.release(d.task.id, d.lease_id, now=NOW) is True
     assert await store.claim(lease=LEASE, now=NOW) is None
     await expect(store, enqueued=1, delivered=1, cancelled=1)
 

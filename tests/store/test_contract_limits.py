@@ -157,7 +157,7 @@ async def test_a_concurrency_limit_holds_over_claims(store: Store) -> None:
     assert await take(store, 6, NOW) == []
     await store.reclaim(c.task.id, c.lease_id, "gone", now=NOW)
     (e,) = await take(store, 6, NOW)
-    assert await store.release(e.task.id, e.lease_id)
+    assert await store.release(e.task.id, e.lease_id, now=NOW)
     (f,) = await take(store, 6, NOW)
     assert f.task.id == e.task.id
     assert (await store.stats(Q)).handed_out == 2
@@ -426,7 +426,7 @@ async def _windows(
             elif kind == "nack":
                 await store.nack(d.task.id, d.lease_id, "x", now=now)
             else:
-                assert await store.release(d.task.id, d.lease_id)
+                assert await store.release(d.task.id, d.lease_id, now=now)
         stats = await store.stats(Q)
         assert stats.handed_out == len(held)
         if concurrency is not None:

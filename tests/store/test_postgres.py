@@ -67,6 +67,37 @@ async def test_schema_creation_is_idempotent(dsn: str) -> None:
         await again.close()
 
 
+async def test_a_task_buried_before_schema_8_has_no_burial_time(dsn: str) -> None:
+    """A dead task whose buried_at is NULL (buried before version 8 added it) is shown without
+    one, in a lookup, the dead-letter queue and the dead listing; a requeue clears it."""
+    store = await PostgresStore.open(dsn, backoff(), random.Random(1))
+    try:
+        task_id = (await enqueue_one(store, b"1", max_attempts=1, delay=0.0, now=NOW)).id
+        d = await store.claim(lease=LEASE, now=NOW)
+        assert d is not None
+        await store.nack(task_id, d.lease_id, "no", now=NOW + 5)
+        [dead] = await store.dead_letters()
+        assert dead.buried_at == NOW + 5
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("UPDATE wq.tasks SET buried_at = NULL")
+        finally:
+            await conn.close()
+        [dead] = await store.dead_letters()
+        assert (dead.id, dead.buried_at) == (task_id, None)
+        found = await store.lookup(task_id)
+        assert found is not None
+        assert (found.state, found.task.buried_at) == ("dead", None)
+        [listed] = (await store.list_tasks("default", "dead", limit=10)).tasks
+        assert listed.task.buried_at is None
+        await store.requeue(task_id, now=NOW + 6)
+        found = await store.lookup(task_id)
+        assert found is not None
+        assert (found.state, found.task.buried_at) == ("ready", None)
+    finally:
+        await store.close()
+
+
 async def test_brokers_starting_at_once_create_the_schema_once(dsn: str) -> None:
     stores = await asyncio.gather(
         *(PostgresStore.open(dsn, backoff(i), random.Random(i)) for i in range(4))
@@ -253,7 +284,7 @@ async def test_a_store_hears_what_another_made_ready_and_not_its_own(
     await enqueue_one(a, b"2", max_attempts=1, delay=60.0, now=NOW, queue="later")
     d = await a.claim(lease=LEASE, now=NOW, queues=("alpha",))
     assert d is not None
-    assert await a.release(d.task.id, d.lease_id)
+    assert await a.release(d.task.id, d.lease_id, now=NOW)
     assert await heard_b.next() == {"alpha"}
     d = await a.claim(lease=LEASE, now=NOW, queues=("alpha",))
     assert d is not None

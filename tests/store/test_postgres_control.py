@@ -1061,7 +1061,7 @@ class TwoBrokers:
         elif kind == "reclaim":
             await store.reclaim(task_id, lease_id, "gone", now=now)
         elif kind == "release":
-            await store.release(task_id, lease_id)
+            await store.release(task_id, lease_id, now=now)
         else:
             progress = b'{"at": %d}' % int(now)
             await store.extend(task_id, lease_id, lease=step[2], now=now, progress=progress)

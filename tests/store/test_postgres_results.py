@@ -995,7 +995,7 @@ class TwoBrokers:
         elif kind == "reclaim":
             await store.reclaim(task_id, lease_id, "gone", now=now)
         else:
-            await store.release(task_id, lease_id)
+            await store.release(task_id, lease_id, now=now)
 
     async def settle(self, store: PostgresStore, i: int, n: int) -> None:
         """Acks (with results now and then, one maybe twice) and nacks in one call."""

@@ -638,6 +638,46 @@ async def test_a_restart_keeps_what_control_over_tasks_set(tmp_path: Path) -> No
         assert schema == (str(SCHEMA_VERSION),)
 
 
+async def test_a_restart_keeps_burial_times_and_an_older_dead_task_has_none(
+    tmp_path: Path,
+) -> None:
+    """A dead task's burial time is in the file (schema 8); a task buried before it (its
+    column NULL, as an upgraded file's dead tasks have it) is shown without one."""
+    path = str(tmp_path / "buried.db")
+    store = await SqliteStore.open(path, _backoff())
+    ids = []
+    try:
+        for n in range(2):
+            ids.append((await enqueue_one(store, b"1", max_attempts=1, delay=0.0, now=NOW)).id)
+            d = await store.claim(lease=30, now=NOW)
+            assert d is not None
+            await store.nack(d.task.id, d.lease_id, "no", now=NOW + 10 + n)
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn, conn:
+        # (the second as a broker before schema 8 left it)
+        conn.execute("UPDATE tasks SET buried_at = NULL WHERE id = ?", (_row_key(ids[1]),))
+    store = await SqliteStore.open(path, _backoff())
+    try:
+        dead = await store.dead_letters()
+        assert [(t.id, t.buried_at) for t in dead] == [(ids[0], NOW + 10), (ids[1], None)]
+        for task_id, at in zip(ids, [NOW + 10, None], strict=True):
+            found = await store.lookup(task_id)
+            assert found is not None
+            assert (found.state, found.task.buried_at) == ("dead", at)
+        await store.requeue(ids[0], now=NOW + 20)
+    finally:
+        await store.close()
+    with closing(sqlite3.connect(path)) as conn:
+        rows = conn.execute("SELECT state, buried_at FROM tasks ORDER BY ord").fetchall()
+        assert sorted(rows, key=repr) == sorted([(0, None), (3, None)], key=repr)
+
+
+def _row_key(task_id: str) -> int:
+    """A task's key in the file (its id's number, offset into a signed 64-bit integer)."""
+    return int(task_id, 16) - 2**63
+
+
 # -- results and workflows (docs/design/results.md) -----------------------------------------------
 
 

@@ -786,7 +786,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def release(self, data: st.DataObject) -> None:
         task = self.pick_handed(data)
-        assert self.run(self.store.release(task.id, task.lease_id or "")) is True
+        assert self.run(self.store.release(task.id, task.lease_id or "", now=self.now)) is True
         if task.cancelling:
             self.drop_cancelled(task)
             return
@@ -1046,7 +1046,7 @@ class StoreMachine(RuleBasedStateMachine):
     def try_stale(self, op: str, task_id: str, lease_id: str) -> None:
         """A lease that is not the task's current one: nothing may change."""
         if op == "release":
-            assert self.run(self.store.release(task_id, lease_id)) is False
+            assert self.run(self.store.release(task_id, lease_id, now=self.now)) is False
             return
         expected = LeaseLost if task_id in self.handed else NotFound
         stale: Coroutine[Any, Any, object]

@@ -447,6 +447,106 @@ async def test_requeue_and_purge_dead_tasks_through_the_page(
         console.check()
 
 
+# An error of a few hundred characters: shown whole, not cut at the width of a column.
+LONG_ERROR = (
+    "upstream payment service refused the charge: HTTP 502 Bad Gateway from "
+    "https://payments.internal.example/v2/charges after 3 retries (connection reset by peer); "
+    "request id 7f3e9c1a-55b2-4d0e-a1f4-9b8c7d6e5f40, idempotency key order-18231, "
+    "see the runbook for payment outages before requeueing -- THE END"
+)
+
+
+async def test_the_dead_letters_show_when_whole_errors_and_payloads(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    # A task of the task framework's convention, buried with a long error; a plain payload
+    # with markup in it (shown as text); a ready task of the convention in the tasks list.
+    call = {"task": "tasks.price", "args": ["mug", 2], "kwargs": {"currency": "EUR"}}
+    framework = await http.enqueue(call, queue="shop", max_attempts=1)
+    _, body = await http.request("GET", "/jobs/next?queue=shop&wait_ms=0")
+    assert await http.nack(framework, body["lease_id"], LONG_ERROR) == 204
+    hostile = {"note": "<img src=x onerror=alert(1)>", "n": 1}
+    plain = await http.enqueue(hostile, queue="shop", max_attempts=1)
+    _, body = await http.request("GET", "/jobs/next?queue=shop&wait_ms=0")
+    assert await http.nack(plain, body["lease_id"], "short") == 204
+    ready = await http.enqueue({"task": "tasks.ship", "args": [7]}, queue="shop")
+    [first, second] = (await http.request("GET", "/dlq"))[1]
+    assert first["id"] == framework
+    assert first["buried_at"] <= second["buried_at"]
+    async with open_page(browser) as (page, console):
+        await page.context.grant_permissions(
+            ["clipboard-read", "clipboard-write"], origin=broker.http_url
+        )
+        await goto(page, broker, "dlq")
+        row = page.locator(f'#dlq-table tr[data-id="{framework}"]')
+        # The burial time, as the API has it (the column the list is ordered by).
+        await expect(page.locator("#dlq-table thead")).to_contain_text("Buried")
+        await expect(row.locator("td.buried")).to_have_attribute("data-at", first["buried_at"])
+        await expect(row.locator("td.buried")).not_to_contain_text("unknown")
+        # The payload's preview: the task's name first, then its arguments.
+        preview = row.locator(".payload-preview")
+        await expect(preview.locator(".task-name")).to_have_text("tasks.price")
+        await expect(preview).to_have_text('tasks.price("mug", 2, currency="EUR")')
+        other = page.locator(f'#dlq-table tr[data-id="{plain}"] .payload-preview')
+        await expect(other).to_have_text(json.dumps(hostile, separators=(",", ":")))
+        assert await page.locator("#dlq-table img").count() == 0  # (text, never markup)
+        # The error, whole (it wraps: no ellipsis), and copied by its button.
+        error = row.locator(".error-body")
+        await expect(error).to_have_text(LONG_ERROR)
+        assert await error.evaluate("e => e.scrollWidth <= e.clientWidth")
+        await row.locator("button.copy").click()
+        await expect(page.locator("#toasts")).to_contain_text("Copied the error")
+        assert await page.evaluate("navigator.clipboard.readText()") == LONG_ERROR
+        await screenshot(page, "dlq-whole-error.png")
+
+        # The dead task's page: when it was buried, not "available since".
+        await row.locator("a").first.click()
+        card = page.locator("#task-card")
+        await expect(card).to_have_attribute("data-state", "dead")
+        await expect(card).to_contain_text("Buried")
+        await expect(card).not_to_contain_text("Available since")
+        await expect(page.locator("#task-buried")).not_to_contain_text("unknown")
+        await expect(page.locator("#task-error")).to_have_text(LONG_ERROR)
+        await card.locator(".block-wrap button.copy").click()
+        assert await page.evaluate("navigator.clipboard.readText()") == LONG_ERROR
+
+        # The ready tasks' list shows the preview too.
+        await page.goto(f"{broker.http_url}/ui{POLL}#/tasks?queue=shop&state=ready")
+        listed = page.locator(f'#tasks-table tr[data-id="{ready}"] .payload-preview')
+        await expect(listed).to_have_text("tasks.ship(7)")
+        await expect(listed.locator(".task-name")).to_have_text("tasks.ship")
+        console.check()
+
+
+async def test_a_dead_task_without_a_burial_time_says_unknown(
+    broker: Broker, http: Http, browser: Browser
+) -> None:
+    # A broker that did not keep it (or a task buried before it did) sends no buried_at: the
+    # page says so, and nothing breaks. (The answers are the broker's, the member taken out.)
+    scene = await set_scene(broker, http)
+    dead = scene.dead[0]
+
+    async def without_buried_at(route: Any) -> None:
+        response = await route.fetch()
+        body = await response.json()
+        for task in body if isinstance(body, list) else [body]:
+            task.pop("buried_at", None)
+        await route.fulfill(response=response, json=body)
+
+    async with open_page(browser) as (page, console):
+        await page.route(re.compile(r"/dlq(\?.*)?$"), without_buried_at)
+        await page.route(re.compile(r"/jobs/[0-9a-f]{16}$"), without_buried_at)
+        await goto(page, broker, "dlq")
+        cell = page.locator(f'#dlq-table tr[data-id="{dead}"] td.buried')
+        await expect(cell).to_contain_text("unknown")
+        await page.locator(f'#dlq-table tr[data-id="{dead}"] a').first.click()
+        await expect(page.locator("#task-card")).to_have_attribute("data-state", "dead")
+        await expect(page.locator("#task-buried")).to_have_text(
+            "unknown (buried by an older broker)"
+        )
+        console.check()
+
+
 async def test_pause_and_resume_a_queue_through_the_page(
     broker: Broker, http: Http, browser: Browser
 ) -> None:

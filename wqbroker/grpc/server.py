@@ -224,6 +224,8 @@ def _fill_task(out: pb.Task, task: Task) -> None:
         out.schedule = task.schedule
         if task.scheduled_for is not None:
             _set_time(out.scheduled_for, task.scheduled_for)
+    if task.buried_at is not None:  # (dead)
+        _set_time(out.buried_at, task.buried_at)
 
 
 def _fill_extensions(out: pb.Task, task: Task) -> None:

@@ -102,6 +102,7 @@ def render_task(task: Task) -> bytes:
             or task.result_ttl is not None
             or task.after is not None
             or task.schedule is not None
+            or task.buried_at is not None
             else b"}",
         )
     )
@@ -123,6 +124,8 @@ def _extensions(task: Task) -> bytes:
     _results(task, parts)
     if task.schedule is not None:  # docs/design/schedules.md: fired by a schedule
         parts.append(_fired(task.schedule, task.scheduled_for))
+    if task.buried_at is not None:  # dead: when it was buried
+        parts.append(f',"buried_at":"{codec.rfc3339(task.buried_at)}"'.encode())
     parts.append(b"}")
     return b"".join(parts)
 

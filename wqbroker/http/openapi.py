@@ -164,6 +164,11 @@ _TASK_SCHEDULES: Final[Json] = {
         **_ref("schemas", "Timestamp"),
         "description": "Only with `schedule`: the scheduled time of the fire that enqueued it.",
     },
+    "buried_at": {
+        **_ref("schemas", "Timestamp"),
+        "description": "Only while it is dead: when it was buried (the dead-letter queue is in "
+        "that order). Left out for a task buried by a broker that did not keep it.",
+    },
 }
 
 _GAUGES: Final[Json] = {

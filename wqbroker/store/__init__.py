@@ -290,7 +290,7 @@ class Operations(Protocol):
         """Take a task back from a worker known to be gone, before its lease runs out."""
         ...
 
-    async def release(self, task_id: str, lease_id: str) -> bool:
+    async def release(self, task_id: str, lease_id: str, *, now: float) -> bool:
         """Undo a hand-out nobody saw. False if the lease is no longer current."""
         ...
 

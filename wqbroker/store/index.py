@@ -399,6 +399,8 @@ class Record:
             task.progress = ctl.progress  # (set only while handed out)
             task.cancelling = ctl.cancelling
             task.schedule, task.scheduled_for = ctl.schedule, ctl.scheduled_for
+        if self.state == DEAD and self.deadline:  # (0.0: not known, buried by an older broker)
+            task.buried_at = self.deadline
         flow = self.flow
         if flow is not None:
             flow_view(task, self, flow)
@@ -1378,7 +1380,7 @@ class Index:
             parent = self._dead[dead]
             error = errors[dead] if dead in errors else parent.last_error
             record.last_error = _cut(f"parent {hex_id(dead)} {_is_dead_with(error)}")
-            self._bury(record)
+            self._bury(record, now)
         else:
             flow.waiting_for = pending
             self._wait(record)
@@ -1485,7 +1487,7 @@ class Index:
             ctl = record.ctl
             if ctl is None or ctl.expires_at is None or now < ctl.expires_at:
                 break
-            self._expired(record)
+            self._expired(record, now)
         if limiter is not None:
             limiter.took()
         q.held += 1
@@ -1682,7 +1684,7 @@ class Index:
             self.watched.discard(task_id)
             self.ended.append(("%016x" % task_id, state))  # noqa: UP031
 
-    def _orphan(self, task_id: int, flow: Flow, why: str) -> None:
+    def _orphan(self, task_id: int, flow: Flow, why: str, now: float) -> None:
         """A task ended dead, cancelled or expired (``why``: "is dead: ...", "was cancelled",
         "expired"): its waiting children are buried, and theirs, transitively (not counted
         buried: they never ran)."""
@@ -1704,7 +1706,7 @@ class Index:
                 self._unwait(child)
                 child_flow.waiting_for = 0
                 child.last_error = error
-                self._bury(child)
+                self._bury(child, now)
                 if self._journal is not None:
                     self._journal.errored(child)
                 if self.watched:
@@ -1712,7 +1714,7 @@ class Index:
                 if child_flow.children:
                     todo.append((n, child_flow, _is_dead_with(error)))
 
-    def _cancel_waiting(self, record: Record) -> None:
+    def _cancel_waiting(self, record: Record, now: float) -> None:
         """Cancel a waiting task, and its waiting children, transitively (each counted
         cancelled)."""
         waiting = self._waiting
@@ -1724,7 +1726,7 @@ class Index:
             flow = task.flow
             assert flow is not None
             self._unwait(task)
-            self._gone(task, cancelled=True, orphans=False)
+            self._gone(task, now, cancelled=True, orphans=False)
             for n in list(flow.children):
                 child = waiting.get(n)
                 if child is not None:
@@ -1742,7 +1744,7 @@ class Index:
     ) -> Failure:
         record = self.held(task_id, lease_id)
         if record.ctl is not None and record.ctl.cancelling:
-            return self._drop_cancelled(record)
+            return self._drop_cancelled(record, now)
         self.totals.nacked += 1
         record.lane.queue.totals.nacked += 1
         return self._fail(record, error, now, delay=delay, terminal=terminal)
@@ -1750,7 +1752,7 @@ class Index:
     def reclaim(self, task_id: str, lease_id: str, error: str, now: float) -> Failure:
         record = self.held(task_id, lease_id)
         if record.cancelling:
-            return self._drop_cancelled(record)
+            return self._drop_cancelled(record, now)
         self.totals.reclaimed += 1
         record.lane.queue.totals.reclaimed += 1
         return self._fail(record, error, now)
@@ -1816,7 +1818,7 @@ class Index:
                 nacked.append(e)
         return acked, nacked
 
-    def release(self, task_id: str, lease_id: str) -> bool:
+    def release(self, task_id: str, lease_id: str, now: float) -> bool:
         """Undo a hand-out nobody saw: back to the head of its lane (a cancelling one is gone,
         counted cancelled). False if not current."""
         n = parse_id(task_id)
@@ -1824,7 +1826,7 @@ class Index:
         if record is None or record.state != HANDED_OUT or record.lease_id != lease_id:
             return False
         if record.cancelling:
-            self._drop_cancelled(record)
+            self._drop_cancelled(record, now)
             return True
         self._drop_lease(record)
         record.state = READY
@@ -1856,7 +1858,7 @@ class Index:
             record = entry[3]
             result.reclaimed.append((record.task_id, entry[2]))
             if record.cancelling:
-                self._drop_cancelled(record, lease_in_heap=False)
+                self._drop_cancelled(record, now, lease_in_heap=False)
                 continue
             self.totals.reclaimed += 1
             record.lane.queue.totals.reclaimed += 1
@@ -1915,7 +1917,7 @@ class Index:
 
     # -- control over tasks (docs/design/control.md) ------------------------------------------
 
-    def cancel(self, task_id: str) -> CancelResult | None:
+    def cancel(self, task_id: str, now: float) -> CancelResult | None:
         """Cancel a task in memory: a ready (hot) or delayed one is gone, a handed-out one
         cancelling, a dead one purged. None if the task is not in memory (unknown, or a cold
         ready one: see :meth:`cancel_cold`)."""
@@ -1927,7 +1929,7 @@ class Index:
                 waiting = self._waiting.get(n) if n is not None and self._waiting else None
                 if waiting is None:
                     return None
-                self._cancel_waiting(waiting)
+                self._cancel_waiting(waiting, now)
                 return CancelResult(task_id, CANCELLED, waiting.lane.queue.name)
             self.purge(task_id)
             return CancelResult(task_id, PURGED, dead.lane.queue.name)
@@ -1941,20 +1943,20 @@ class Index:
             self._unready(record)
         else:
             self._undelay(record)
-        self._gone(record, cancelled=True)
+        self._gone(record, now, cancelled=True)
         return CancelResult(task_id, CANCELLED, q.name)
 
-    def cancel_cold(self, lane: Lane, task_id: int, seq: int) -> bool:
+    def cancel_cold(self, lane: Lane, task_id: int, seq: int, now: float) -> bool:
         """Cancel a cold ready task (its lane and ``seq`` read from storage): False if it is not
         in line there."""
         cold = lane.cold
         if cold is None or not cold.find(task_id, seq):
             return False
         self._drop_cold(lane, task_id)
-        self._gone_cold(lane, task_id, cancelled=True)
+        self._gone_cold(lane, task_id, now, cancelled=True)
         return True
 
-    def empty(self, name: str) -> int | None:
+    def empty(self, name: str, now: float) -> int | None:
         """Cancel every waiting, ready and delayed task of a queue (each as a cancel would):
         how many were cancelled (None: unknown queue)."""
         q = self._queues.get(name)
@@ -1964,27 +1966,27 @@ class Index:
         if q.blocked:  # (first: their cascades cancel their waiting children)
             for record in list(q.waits.live_after(None)):
                 if record.state == WAITING:
-                    self._cancel_waiting(record)
+                    self._cancel_waiting(record, now)
         for lane in q.lanes:
             if lane is not None:
-                self._empty_lane(lane)
+                self._empty_lane(lane, now)
         q.mask = 0
         for record in list(q.waiting):
             self._undelay(record)
-            self._gone(record, cancelled=True)
+            self._gone(record, now, cancelled=True)
         return self.totals.cancelled - before
 
-    def _empty_lane(self, lane: Lane) -> None:
+    def _empty_lane(self, lane: Lane, now: float) -> None:
         """Cancel every ready task of a lane."""
         while lane.hot:
             record = lane.hot.popleft()
             self._ready -= 1
             self._hot -= 1
-            self._gone(record, cancelled=True)
+            self._gone(record, now, cancelled=True)
         if lane.cold:
             for task_id in lane.cold.clear():
                 self._ready -= 1
-                self._gone_cold(lane, task_id, cancelled=True)
+                self._gone_cold(lane, task_id, now, cancelled=True)
 
     def delete_queue(self, name: str) -> None:
         """Forget a queue that holds nothing. NotFound if unknown, Conflict if it holds tasks."""
@@ -2338,27 +2340,28 @@ class Index:
             q.totals.retried += 1
             failure = Failure(record.task_id, False, record.available_at)
         else:
-            self._bury(record)
+            self._bury(record, now)
             self.totals.buried += 1
             q.totals.buried += 1
             failure = Failure(record.task_id, True, None)
             if record.flow is not None:
-                self._orphan(record.id, record.flow, _is_dead_with(error))
+                self._orphan(record.id, record.flow, _is_dead_with(error), now)
             if self.watched:
                 self._ended(record.id, DEAD_NAME)
         if self._journal is not None:
             self._journal.errored(record)
         return failure
 
-    def _drop_cancelled(self, record: Record, *, lease_in_heap: bool = True) -> Failure:
+    def _drop_cancelled(self, record: Record, now: float, *, lease_in_heap: bool = True) -> Failure:
         """A cancelling task's holder let go of it (nack, reclaim, its lease ran out): gone,
         counted cancelled."""
         self._drop_lease(record, in_heap=lease_in_heap)
-        self._gone(record, cancelled=True)
+        self._gone(record, now, cancelled=True)
         return Failure(record.task_id, False, None, cancelled=True)
 
-    def _bury(self, record: Record) -> None:
+    def _bury(self, record: Record, now: float) -> None:
         record.state = DEAD
+        record.deadline = now  # (a dead record's deadline: when it was buried)
         record.seq = self._next_seq()
         self._live.pop(record.id, None)
         self._dead[record.id] = record
@@ -2395,7 +2398,7 @@ class Index:
             record = entry[2]
             self._undelay(record)
             if record.expires_at is not None and now >= record.expires_at:
-                self._gone(record, cancelled=False)
+                self._gone(record, now, cancelled=False)
                 continue
             self._append(record)
             self._moved(record)
@@ -2430,7 +2433,7 @@ class Index:
         if not lane.hot and not cold:
             lane.queue.mask &= ~(1 << lane.priority)
 
-    def _gone(self, record: Record, *, cancelled: bool, orphans: bool = True) -> None:
+    def _gone(self, record: Record, now: float, *, cancelled: bool, orphans: bool = True) -> None:
         """A task out of every collection, counted cancelled (else expired); its waiting
         children buried (unless ``orphans`` is False: a cancel's cascade cancels them)."""
         record.state = GONE
@@ -2444,11 +2447,11 @@ class Index:
         if flow is not None:
             self._unlink(record.id, flow, None, gone=True, pinned=True)
             if orphans:
-                self._orphan(record.id, flow, "was cancelled" if cancelled else "expired")
+                self._orphan(record.id, flow, "was cancelled" if cancelled else "expired", now)
         if self.watched:
             self._ended(record.id, CANCELLED_STATE if cancelled else EXPIRED_STATE)
 
-    def _gone_cold(self, lane: Lane, task_id: int, *, cancelled: bool) -> None:
+    def _gone_cold(self, lane: Lane, task_id: int, now: float, *, cancelled: bool) -> None:
         """A cold ready task (out of its line already) gone, counted cancelled (else
         expired)."""
         if self._ukey_of:
@@ -2461,7 +2464,7 @@ class Index:
             self._journal.deleted(gone)
         if flow is not None:
             self._unlink(task_id, flow, None, gone=True, pinned=True)
-            self._orphan(task_id, flow, "was cancelled" if cancelled else "expired")
+            self._orphan(task_id, flow, "was cancelled" if cancelled else "expired", now)
         if self.watched:
             self._ended(task_id, CANCELLED_STATE if cancelled else EXPIRED_STATE)
 
@@ -2473,9 +2476,9 @@ class Index:
             self.totals.expired += 1
             q.totals.expired += 1
 
-    def _expired(self, record: Record) -> None:
+    def _expired(self, record: Record, now: float) -> None:
         """A ready record met at its expiry (taken from its lane already)."""
-        self._gone(record, cancelled=False)
+        self._gone(record, now, cancelled=False)
 
     def _watch_expiry(self, record: Record) -> None:
         assert record.expires_at is not None
@@ -2498,18 +2501,18 @@ class Index:
                     self._undelay(record)
                 else:
                     continue  # handed out: it runs its course
-                self._gone(record, cancelled=False)
+                self._gone(record, now, cancelled=False)
                 n += 1
             elif self._waiting and task_id in self._waiting:
                 record = self._waiting[task_id]
                 if record.expires_at != at:
                     continue
                 self._unwait(record)
-                self._gone(record, cancelled=False)
+                self._gone(record, now, cancelled=False)
                 n += 1
             elif lane.cold is not None and lane.cold.find(task_id, seq):
                 self._drop_cold(lane, task_id)
-                self._gone_cold(lane, task_id, cancelled=False)
+                self._gone_cold(lane, task_id, now, cancelled=False)
                 n += 1
         return n
 

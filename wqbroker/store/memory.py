@@ -139,7 +139,7 @@ class MemoryStore:
         return deadline
 
     async def cancel(self, task_id: str, *, now: float) -> CancelResult:
-        result = self._index.cancel(task_id)
+        result = self._index.cancel(task_id, now)
         if result is None:
             raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
         self.transactions += 1
@@ -158,7 +158,7 @@ class MemoryStore:
         return TaskPage(tasks, last)
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
-        n = self._index.empty(queue)
+        n = self._index.empty(queue, now)
         if n is None:
             raise NotFound(f"queue {quoted(queue)} does not exist")
         self.transactions += n > 0
@@ -208,8 +208,8 @@ class MemoryStore:
             self._tell()
         return failure
 
-    async def release(self, task_id: str, lease_id: str) -> bool:
-        released = self._index.release(task_id, lease_id)
+    async def release(self, task_id: str, lease_id: str, *, now: float) -> bool:
+        released = self._index.release(task_id, lease_id, now)
         self.transactions += released
         if self._index.ended:  # (a cancelling one: gone)
             self._tell()

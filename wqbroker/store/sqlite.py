@@ -122,19 +122,19 @@ SCHEMA_VERSION: Final = MIGRATIONS.latest
 
 _INSERT = (
     "INSERT INTO tasks (id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
-    "queue, priority, expires_at, timeout, ukey, result_ttl, ttl_given, finished_at, delay) "
-    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "queue, priority, expires_at, timeout, ukey, result_ttl, ttl_given, finished_at, delay, "
+    "buried_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _INSERT_BODY = "INSERT INTO bodies (id, payload, created_at) VALUES (?, ?, ?)"
 _UPDATE = (
     "UPDATE tasks SET attempts = ?, available_at = ?, state = ?, lease_id = ?, deadline = ?, "
-    "ord = ? WHERE id = ?"
+    "ord = ?, buried_at = ? WHERE id = ?"
 )
 # The same, for a task whose control columns are set (docs/design/control.md) or were.
 _UPDATE_CONTROL = (
     "UPDATE tasks SET attempts = ?, available_at = ?, state = ?, lease_id = ?, deadline = ?, "
-    "ord = ?, expires_at = ?, timeout = ?, handed_at = ?, progress = ?, cancelling = ?, ukey = ? "
-    "WHERE id = ?"
+    "ord = ?, expires_at = ?, timeout = ?, handed_at = ?, progress = ?, cancelling = ?, ukey = ?, "
+    "buried_at = ? WHERE id = ?"
 )
 _SET_ERROR = "UPDATE tasks SET last_error = ? WHERE id = ?"
 _DELETE = "DELETE FROM tasks WHERE id = ?"
@@ -177,8 +177,11 @@ _LOAD_READY = "SELECT id, queue, priority, ord, expires_at FROM tasks WHERE stat
 _CONTROL_COLUMNS = "expires_at, timeout, handed_at, progress, cancelling, ukey"
 _FLOW_COLUMNS = "result_ttl, ttl_given, finished_at, delay"
 _SCHEDULED_COLUMNS = "schedule, scheduled_for"
+# (A dead task's record keeps when it was buried as its deadline: its buried_at column, NULL for a
+# task buried before version 8.)
 _LOAD_OTHERS = (
-    "SELECT id, attempts, max_attempts, available_at, state, lease_id, deadline, ord, "
+    "SELECT id, attempts, max_attempts, available_at, state, lease_id, "
+    "CASE WHEN state = 3 THEN buried_at ELSE deadline END, ord, "
     "CASE WHEN state = 3 THEN NULL ELSE last_error END, priority, queue, "
     f"{_CONTROL_COLUMNS}, {_FLOW_COLUMNS}, {_SCHEDULED_COLUMNS} FROM tasks WHERE state != 0"
 )
@@ -215,8 +218,8 @@ _READ_PARENTS = "SELECT id, state, queue, priority, ord, last_error FROM tasks W
 _LOOKUP = (
     "SELECT t.attempts, t.max_attempts, t.available_at, t.state, t.last_error, t.queue, "
     "t.priority, b.payload, b.created_at, t.expires_at, t.timeout, t.progress, t.cancelling, "
-    "t.ord, b.result, t.finished_at, t.result_ttl, t.ttl_given, t.schedule, t.scheduled_for "
-    "FROM tasks t JOIN bodies b ON t.id = b.id WHERE t.id = ?"
+    "t.ord, b.result, t.finished_at, t.result_ttl, t.ttl_given, t.schedule, t.scheduled_for, "
+    "t.buried_at FROM tasks t JOIN bodies b ON t.id = b.id WHERE t.id = ?"
 )
 _OFFSET: Final = 2**63
 # Before sealing a batch, let the event loop run this many times so that operations already
@@ -247,6 +250,11 @@ Reads = tuple[dict[int, Row], dict[int, bytes]]
 def _key(n: int) -> int:
     """A task id (as records hold it: 64 bits, unsigned) as the table's integer key (signed)."""
     return n - _OFFSET
+
+
+def _buried_at(record: Record) -> float | None:
+    """A dead task's burial time (its record's deadline; 0.0, not known), else None."""
+    return (record.deadline or None) if record.state == DEAD else None
 
 
 def _record(row: Sequence[Any]) -> tuple[Record, str, int]:
@@ -654,6 +662,7 @@ class _Rows:
                 r.ukey,
                 r.ttl,
                 *((0, None, None) if r.flow is None else _flow_columns(r, r.flow)),
+                _buried_at(r),
             )
             for r, _, _ in batch.new.values()
         ]
@@ -684,6 +693,7 @@ class _Rows:
                 r.lease_id,
                 r.deadline if r.lease_id is not None else None,
                 r.seq,
+                _buried_at(r),
                 _key(r.id),
             )
             for r in batch.moved.values()
@@ -703,6 +713,7 @@ class _Rows:
                 r.progress,
                 int(r.cancelling),
                 r.ukey,
+                _buried_at(r),
                 _key(r.id),
             )
             for r in batch.moved.values()
@@ -1142,13 +1153,13 @@ class SqliteStore:
 
     async def cancel(self, task_id: str, *, now: float) -> CancelResult:
         self._check()
-        result = self._index.cancel(task_id)
+        result = self._index.cancel(task_id, now)
         if result is None:
-            result = await self._cancel_cold(task_id)
+            result = await self._cancel_cold(task_id, now)
         await self._durable()
         return result
 
-    async def _cancel_cold(self, task_id: str) -> CancelResult:
+    async def _cancel_cold(self, task_id: str, now: float) -> CancelResult:
         """A task not in memory: a cold ready one (its place read from the file) is cancelled;
         else there is no such task."""
         n = parse_id(task_id)
@@ -1162,9 +1173,9 @@ class SqliteStore:
             raise missing
         queue, priority, seq = row[5], row[6], row[13]
         lane = self._index.queue(queue).lane(priority)
-        if not self._index.cancel_cold(lane, n, seq):
+        if not self._index.cancel_cold(lane, n, seq, now):
             # It moved while the row was read (claimed, say): try again as it stands now.
-            result = self._index.cancel(task_id)
+            result = self._index.cancel(task_id, now)
             if result is None:
                 raise missing
             return result
@@ -1211,7 +1222,7 @@ class SqliteStore:
         return TaskPage(tasks, last)
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
-        n = await self._change(lambda: self._index.empty(queue))
+        n = await self._change(lambda: self._index.empty(queue, now))
         if n is None:
             raise NotFound(f"queue {quoted(queue)} does not exist")
         return n
@@ -1232,8 +1243,8 @@ class SqliteStore:
     async def reclaim(self, task_id: str, lease_id: str, error: str, *, now: float) -> Failure:
         return await self._change(lambda: self._index.reclaim(task_id, lease_id, error, now))
 
-    async def release(self, task_id: str, lease_id: str) -> bool:
-        return await self._change(lambda: self._index.release(task_id, lease_id))
+    async def release(self, task_id: str, lease_id: str, *, now: float) -> bool:
+        return await self._change(lambda: self._index.release(task_id, lease_id, now))
 
     async def sweep(self, *, now: float) -> tuple[SweepResult, float | None]:
         result = await self._change(lambda: self._index.sweep(now))
@@ -1327,6 +1338,8 @@ class SqliteStore:
                 task.cancelling = bool(cancelling)
         if row[18] is not None:  # (docs/design/schedules.md: a fired task)
             task.schedule, task.scheduled_for = row[18], row[19]
+        if state == DEAD:  # (the index is ahead of the row; NULL: buried before version 8)
+            task.buried_at = (record.deadline or None) if record is not None else row[20]
         self._flow_view(task, n, record, state, row)
         return TaskState(task, STATE_NAMES[state])
 

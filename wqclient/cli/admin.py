@@ -154,11 +154,19 @@ def task_json(task: Task) -> dict[str, Any]:
         _results_json(view, task)
     elif task.result_ttl_ms is not None or task.children is not None or task.children_count:
         _results_json(view, task)
-    if task.schedule is not None:  # (a task a schedule fired: docs/design/schedules.md)
+    _fired_or_buried_json(view, task)
+    return view
+
+
+def _fired_or_buried_json(view: dict[str, Any], task: Task) -> None:
+    """The schedule that fired a task (docs/design/schedules.md), and when a dead one was
+    buried, only when set, as the API's."""
+    if task.schedule is not None:
         view["schedule"] = task.schedule
         if task.scheduled_for is not None:
             view["scheduled_for"] = rfc3339(task.scheduled_for)
-    return view
+    if task.buried_at is not None:
+        view["buried_at"] = rfc3339(task.buried_at)
 
 
 def _results_json(view: dict[str, Any], task: Task) -> None:
@@ -448,6 +456,7 @@ def dead_table(tasks: Sequence[Task], limit: int | None) -> Table:
     table.add_column("queue", no_wrap=True)
     table.add_column("prio", justify="right", no_wrap=True)
     table.add_column("attempts", justify="right", no_wrap=True)
+    table.add_column("buried at", no_wrap=True)
     table.add_column("last error", style="red", overflow="fold", ratio=3, min_width=12)
     table.add_column("payload", overflow="fold", ratio=2, min_width=10)
     for t in tasks:
@@ -456,6 +465,7 @@ def dead_table(tasks: Sequence[Task], limit: int | None) -> Table:
             t.queue,
             str(t.priority),
             f"{t.attempts}/{t.max_attempts}",
+            "unknown" if t.buried_at is None else rfc3339(t.buried_at),
             _short(t.last_error or "-", 120),
             _short(json.dumps(json.loads(t.payload_json), ensure_ascii=False), 80),
         )
@@ -475,7 +485,11 @@ def task_table(task: Task) -> Table:
     table.add_row("priority", str(task.priority))
     table.add_row("attempts", f"{task.attempts} of {task.max_attempts}")
     table.add_row("created at", rfc3339(task.created_at))
-    table.add_row("available at", rfc3339(task.available_at))
+    if task.state == "dead":
+        buried = "unknown" if task.buried_at is None else rfc3339(task.buried_at)
+        table.add_row("buried at", buried)
+    else:
+        table.add_row("available at", rfc3339(task.available_at))
     table.add_row(
         "last error", Text(task.last_error or "-", style="red" if task.last_error else "")
     )

@@ -77,6 +77,7 @@ class Task(_message.Message):
     WAITING_FOR_FIELD_NUMBER: _builtins.int
     SCHEDULE_FIELD_NUMBER: _builtins.int
     SCHEDULED_FOR_FIELD_NUMBER: _builtins.int
+    BURIED_AT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     payload: _builtins.bytes
     """The JSON payload, exactly as enqueued."""
@@ -131,6 +132,12 @@ class Task(_message.Message):
 
     @_builtins.property
     def scheduled_for(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def buried_at(self) -> _timestamp_pb2.Timestamp:
+        """While it is dead: when it was buried (the dead-letter queue's order); unset otherwise, and
+        for a task buried by a broker that did not keep it.
+        """
+
     def __init__(
         self,
         *,
@@ -154,10 +161,11 @@ class Task(_message.Message):
         waiting_for: _builtins.int = ...,
         schedule: _builtins.str | None = ...,
         scheduled_for: _timestamp_pb2.Timestamp | None = ...,
+        buried_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_schedule", b"_schedule", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "last_error", b"last_error", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "schedule", b"schedule", "scheduled_for", b"scheduled_for", "timeout_ms", b"timeout_ms"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_schedule", b"_schedule", "_timeout_ms", b"_timeout_ms", "available_at", b"available_at", "buried_at", b"buried_at", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "last_error", b"last_error", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "schedule", b"schedule", "scheduled_for", b"scheduled_for", "timeout_ms", b"timeout_ms"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_schedule", b"_schedule", "_timeout_ms", b"_timeout_ms", "after", b"after", "attempts", b"attempts", "available_at", b"available_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "schedule", b"schedule", "scheduled_for", b"scheduled_for", "timeout_ms", b"timeout_ms", "waiting_for", b"waiting_for"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_last_error", b"_last_error", "_result", b"_result", "_result_ttl_ms", b"_result_ttl_ms", "_schedule", b"_schedule", "_timeout_ms", b"_timeout_ms", "after", b"after", "attempts", b"attempts", "available_at", b"available_at", "buried_at", b"buried_at", "cancelling", b"cancelling", "created_at", b"created_at", "expires_at", b"expires_at", "finished_at", b"finished_at", "id", b"id", "last_error", b"last_error", "max_attempts", b"max_attempts", "payload", b"payload", "priority", b"priority", "progress", b"progress", "queue", b"queue", "result", b"result", "result_ttl_ms", b"result_ttl_ms", "schedule", b"schedule", "scheduled_for", b"scheduled_for", "timeout_ms", b"timeout_ms", "waiting_for", b"waiting_for"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__last_error: _TypeAlias = _typing.Literal["last_error"]  # noqa: Y015
     _WhichOneofArgType__last_error: _TypeAlias = _typing.Literal["_last_error", b"_last_error"]  # noqa: Y015

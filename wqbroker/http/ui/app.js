@@ -105,6 +105,63 @@
     }
   }
 
+  // A payload in one short line for a list: a task of the task framework's convention
+  // ({"task": name, "args": [...], "kwargs": {...}}, docs/design/tasks.md) as a call, its name
+  // apart (shown prominently); anything else as compact JSON. Cut with an ellipsis; the caller
+  // puts it in text nodes only (h), so nothing in it is ever read as HTML.
+  const PREVIEW_MAX = 80;
+  function cut(text, max) {
+    const chars = Array.from(text.replace(/\s+/g, " "));
+    return chars.length > max ? `${chars.slice(0, max - 1).join("")}\u2026` : chars.join("");
+  }
+  function preview(payload) {
+    const isObject = (v) => v !== null && typeof v === "object" && !Array.isArray(v);
+    if (isObject(payload) && typeof payload.task === "string" && payload.task) {
+      const args = payload.args === undefined ? [] : payload.args;
+      const kwargs = payload.kwargs === undefined ? {} : payload.kwargs;
+      if (Array.isArray(args) && isObject(kwargs)) {
+        const parts = args.map((a) => pretty(a)).concat(Object.entries(kwargs).map(([k, v]) => `${k}=${pretty(v)}`));
+        return {name: cut(payload.task, PREVIEW_MAX), rest: cut(`(${parts.join(", ")})`, PREVIEW_MAX)};
+      }
+    }
+    return {name: null, rest: cut(pretty(payload) || "", PREVIEW_MAX)};
+  }
+  function previewOf(task) {
+    const {name, rest} = preview(task.payload);
+    const full = pretty(task.payload);
+    return h("div", {class: "payload-preview", title: full}, name && h("strong", {class: "task-name"}, name), rest);
+  }
+
+  // A text shown whole (wrapping), with a button that copies it.
+  function copyButton(text, what) {
+    return h(
+      "button",
+      {
+        type: "button",
+        class: "btn btn-small copy",
+        title: `Copy the ${what}`,
+        "aria-label": `Copy the ${what}`,
+        onclick: async () => {
+          try {
+            await navigator.clipboard.writeText(text);
+            toast(`Copied the ${what}.`);
+          } catch (e) {
+            toast(`Could not copy the ${what}: ${e && e.message ? e.message : e}`);
+          }
+        },
+      },
+      "Copy",
+    );
+  }
+  function wholeError(text, cls) {
+    return h("div", {class: `${cls} whole`}, h("span", {class: "error-body"}, text), copyButton(text, "error"));
+  }
+
+  // When a dead task was buried (null: not known, as for a task buried by an older broker).
+  function buriedAt(task) {
+    return task.buried_at == null ? null : new Date(task.buried_at);
+  }
+
   function count(row, key) {
     return (row && row[key]) || 0;
   }
@@ -829,7 +886,7 @@
       const text = JSON.stringify(task.progress);
       parts.push(h("div", {class: "detail-text progress", title: text}, `progress ${text}`));
     } else if (task.last_error != null && task.state !== "ready") {
-      parts.push(h("div", {class: "detail-text error", title: task.last_error}, task.last_error));
+      parts.push(wholeError(task.last_error, "detail-text error"));
     }
     if (task.expires_at && task.state !== "handed_out" && task.state !== "dead") {
       parts.push(h("div", {class: "hint"}, `expires ${relative(new Date(task.expires_at))}`));
@@ -862,17 +919,21 @@
     $("#tasks-table tbody").replaceChildren(
       ...tasks.map((task) => {
         const created = new Date(task.created_at);
-        const since = new Date(task.state === "succeeded" && task.finished_at ? task.finished_at : task.available_at);
         const dead = task.state === "dead";
+        const since = dead ? buriedAt(task) : new Date(task.state === "succeeded" && task.finished_at ? task.finished_at : task.available_at);
         const done = task.state === "succeeded"; // (its result is kept: nothing to cancel)
         return h(
           "tr",
           {dataset: {id: task.id, state: task.state}},
-          h("td", {"data-label": "Task"}, h("a", {class: "mono", href: `#/task/${encodeURIComponent(task.id)}`}, task.id)),
+          h("td", {"data-label": "Task"}, h("a", {class: "mono", href: `#/task/${encodeURIComponent(task.id)}`}, task.id), previewOf(task)),
           h("td", {class: "num", "data-label": "Priority"}, String(task.priority)),
           h("td", {class: "num", "data-label": "Attempts"}, `${formatInt(task.attempts)} / ${formatInt(task.max_attempts)}`),
           h("td", {"data-label": "Created", title: dateFmt.format(created)}, relative(created)),
-          h("td", {"data-label": WHEN[task.state], title: dateFmt.format(since)}, dead ? "–" : relative(since)),
+          h(
+            "td",
+            {"data-label": WHEN[task.state], class: "when", title: since ? dateFmt.format(since) : "not known (buried by an older broker)"},
+            since ? relative(since) : "unknown",
+          ),
           h("td", {"data-label": state.tasksState === "handed_out" ? "Progress" : "Details"}, detail(task)),
           h(
             "td",
@@ -1135,18 +1196,24 @@
     $("#dlq-table tbody").replaceChildren(
       ...tasks.map((task) => {
         const created = new Date(task.created_at);
+        const buried = buriedAt(task);
         return h(
           "tr",
           {dataset: {id: task.id}},
-          h("td", {"data-label": "Task"}, h("a", {class: "mono", href: `#/task/${encodeURIComponent(task.id)}`}, task.id)),
+          h("td", {"data-label": "Task"}, h("a", {class: "mono", href: `#/task/${encodeURIComponent(task.id)}`}, task.id), previewOf(task)),
           h("td", {"data-label": "Queue"}, h("span", {class: "queue-name"}, task.queue)),
           h("td", {class: "num", "data-label": "Attempts"}, `${formatInt(task.attempts)} / ${formatInt(task.max_attempts)}`),
           h(
             "td",
             {"data-label": "Last error"},
-            h("div", {class: "error-text", title: task.last_error || ""}, task.last_error == null ? "–" : task.last_error),
+            task.last_error == null ? "–" : wholeError(task.last_error, "error-text"),
           ),
-          h("td", {"data-label": "Created", title: dateFmt.format(created)}, relative(created)),
+          h(
+            "td",
+            {"data-label": "Buried", class: "buried", "data-at": task.buried_at, title: buried ? dateFmt.format(buried) : "not known (buried by an older broker)"},
+            buried ? relative(buried) : "unknown",
+            h("div", {class: "hint", title: dateFmt.format(created)}, `created ${relative(created)}`),
+          ),
           h(
             "td",
             {class: "actions"},
@@ -1314,10 +1381,13 @@
           fact("Priority", String(task.priority)),
           fact("Attempts", h("span", {id: "task-attempts"}, `${formatInt(task.attempts)} of ${formatInt(task.max_attempts)}`)),
           fact("Created", ...when(task.created_at)),
-          fact(
-            task.state === "delayed" ? "Next attempt" : task.state === "waiting" ? "Enqueued" : "Available since",
-            ...when(task.available_at),
-          ),
+          dead
+            ? fact("Buried", ...(task.buried_at == null ? [h("span", {class: "hint", id: "task-buried"}, "unknown (buried by an older broker)")] : [h("span", {id: "task-buried"}, dateFmt.format(new Date(task.buried_at))), h("span", {class: "hint"}, relative(new Date(task.buried_at)))]))
+            : task.state !== "succeeded" &&
+                fact(
+                  task.state === "delayed" ? "Next attempt" : task.state === "waiting" ? "Enqueued" : "Ready since",
+                  ...when(task.available_at),
+                ),
           task.expires_at && fact("Expires", ...when(task.expires_at)),
           task.timeout_ms !== undefined && fact("Time limit", h("span", {id: "task-timeout"}, formatDuration(task.timeout_ms / 1000))),
           task.state === "waiting" &&
@@ -1349,7 +1419,7 @@
         h("div", {class: "section-label"}, "Last error"),
         task.last_error == null
           ? h("p", {class: "hint", id: "task-error"}, "None: no attempt has failed.")
-          : h("pre", {class: "block error", id: "task-error"}, task.last_error),
+          : h("div", {class: "block-wrap"}, h("pre", {class: "block error", id: "task-error"}, task.last_error), copyButton(task.last_error, "error")),
         h("div", {class: "section-label"}, "Payload"),
         h("pre", {class: "block", id: "task-payload"}, payload),
       ),

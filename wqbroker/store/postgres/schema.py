@@ -35,6 +35,8 @@ MIGRATIONS: Final = Migrations("wqbroker.store.postgres", "migrations")
 #    allow, under its row's lock)
 # 7: no table changes: wq.sweep names a lease that ran out at its time limit ("timed out after N
 #    ms"); the version makes an older database take the functions again
+# 8: wq.tasks.buried_at, when a dead task was buried (set by every function that buries, cleared
+#    by wq.requeue; NULL for a task buried before: not known)
 SCHEMA_VERSION: Final = MIGRATIONS.latest
 # Any constant: the key of the advisory lock taken while the schema is checked or made.
 _LOCK_KEY: Final = 0x7771_0000_0001

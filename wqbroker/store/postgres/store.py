@@ -164,6 +164,13 @@ def _task(row: Any, skew: float) -> Task:
     )
 
 
+def _buried(task: Task, buried_at: float | None, skew: float) -> None:
+    """A dead task's burial time, from its column (NULL: not dead, or buried before version 8
+    of the schema: not known)."""
+    if buried_at is not None:
+        task.buried_at = buried_at - skew
+
+
 def _handed(row: Any, skew: float) -> Task:
     """A view from a claim's row (wq.claim's columns after o_rn: the first nine of lookup's,
     then the expiry and the time limit; and, after the deadline, the result TTL given and the
@@ -842,7 +849,7 @@ class PostgresStore:
         async def release() -> None:
             for d in deliveries:
                 with contextlib.suppress(StoreError):
-                    await self.release(d.task.id, d.lease_id)
+                    await self.release(d.task.id, d.lease_id, now=None)
             self._wake.tell({d.task.queue for d in deliveries})  # this broker's consumers, too
 
         if deliveries:
@@ -1106,7 +1113,11 @@ class PostgresStore:
         rows = []
         if n is not None:
             rows = await self._fetch(
-                Q.cancel, _key(n), self._wake.cancel_head(), self._wake.finish_head()
+                Q.cancel,
+                _key(n),
+                self._wake.cancel_head(),
+                self._wake.finish_head(),
+                self._now(now),
             )
         if not rows or rows[0][0] == 0:
             raise NotFound(f"task {quoted(task_id)} does not exist (or was acked)")
@@ -1131,6 +1142,9 @@ class PostgresStore:
         rows = await self._fetch(sql, queue, limit + 1, *_list_args(state, after))
         skew = self.skew
         tasks = [TaskState(_task(row, skew), state) for row in rows[:limit]]
+        if state == "dead":  # (its first key column: when it was buried)
+            for item, row in zip(tasks, rows, strict=False):
+                _buried(item.task, row[20], skew)
         if len(rows) <= limit:
             return TaskPage(tasks, None)
         last = rows[limit - 1]
@@ -1138,7 +1152,7 @@ class PostgresStore:
         return TaskPage(tasks, key)
 
     async def empty_queue(self, queue: str, *, now: float) -> int:
-        rows = await self._fetch(Q.empty, queue, self._wake.finish_head())
+        rows = await self._fetch(Q.empty, queue, self._wake.finish_head(), self._now(now))
         if not rows:
             raise NotFound(f"queue {quoted(queue)} does not exist")
         count = int(rows[0][0])
@@ -1164,11 +1178,12 @@ class PostgresStore:
         self.transactions += 1
         self._queue_names.discard(queue)
 
-    async def release(self, task_id: str, lease_id: str) -> bool:
+    async def release(self, task_id: str, lease_id: str, *, now: float | None = None) -> bool:
         n = parse_id(task_id)
         if n is None:
             return False
-        rows = await self._fetch(Q.release, _key(n), lease_id, self._wake.finish_head())
+        when = None if now is None else self._now(now)
+        rows = await self._fetch(Q.release, _key(n), lease_id, self._wake.finish_head(), when)
         if not rows:
             return False
         self.transactions += 1
@@ -1381,7 +1396,9 @@ class PostgresStore:
         row = await self._fetchrow(Q.lookup, _key(n))
         if row is None:
             return None
-        return TaskState(_task(row, self.skew), _STATES[row[20]])
+        task = _task(row, self.skew)
+        _buried(task, row[21], self.skew)
+        return TaskState(task, _STATES[row[20]])
 
     async def watch(self, task_id: str) -> TaskState:
         """One statement (wq.watch): the task marked watched if it is pending, then read."""
@@ -1389,7 +1406,9 @@ class PostgresStore:
         row = None if n is None else await self._fetchrow(Q.watch, _key(n))
         if row is None:
             raise NotFound(f"task {quoted(task_id)} does not exist")
-        return TaskState(_task(row, self.skew), _STATES[row[20]])
+        task = _task(row, self.skew)
+        _buried(task, row[21], self.skew)
+        return TaskState(task, _STATES[row[20]])
 
     async def children(self, task_id: str, *, limit: int) -> tuple[list[str], int]:
         n = parse_id(task_id)
@@ -1404,7 +1423,12 @@ class PostgresStore:
     ) -> list[Task]:
         rows = await self._fetch(Q.dead, queue, limit)
         skew = self.skew
-        return [_task(row, skew) for row in rows]
+        out = []
+        for row in rows:
+            task = _task(row, skew)
+            _buried(task, row[20], skew)
+            out.append(task)
+        return out
 
     def problem(self) -> str | None:
         return self._pool.problem()

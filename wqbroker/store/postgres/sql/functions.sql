@@ -156,9 +156,10 @@ END $$;
 -- the first of its parents (in its `after`) that ended, a grandchild naming its own parent
 -- ("parent <child> is dead: parent <root> was cancelled"). Not counted buried (nothing was
 -- nacked or reclaimed): waiting -1, dead +1. Returns those that were watched (3: dead).
-CREATE FUNCTION wq.bury(p_roots bigint[], p_whys bytea[]) RETURNS TABLE (o_id bigint, o_st int)
-LANGUAGE plpgsql AS $$
+CREATE FUNCTION wq.bury(p_roots bigint[], p_whys bytea[], p_now float8)
+RETURNS TABLE (o_id bigint, o_st int) LANGUAGE plpgsql AS $$
 DECLARE
+    at float8 := wq.clock(p_now);  -- when they are buried
     ids bigint[] := p_roots;
     whys bytea[] := p_whys;
     seen bigint[];
@@ -178,7 +179,7 @@ BEGIN
         r AS (SELECT x.child, x.msg, row_number() OVER (ORDER BY x.child) AS rn FROM x),
         upd AS (
             UPDATE wq.tasks t SET state = 3, last_error = r.msg, waiting_for = 0, delay = NULL,
-                ord = base + r.rn
+                ord = base + r.rn, buried_at = at
             FROM r WHERE t.id = r.child AND t.state = 4
             RETURNING t.id, t.queue, t.last_error, t.watched),
         g AS (SELECT u.queue, count(*) AS n FROM upd u GROUP BY u.queue),
@@ -245,8 +246,9 @@ END $$;
 -- that have children, parents or a waiter (p_kids, p_parents, p_watched): their waiting children
 -- buried (wq.bury: why from p_st, and the dead ones' p_errors), the results of their parents no
 -- longer pinned by those gone (wq.depart). Returns the watched among them and their children.
+-- p_now: the time of the call (NULL: the database's clock), their children's burial time.
 CREATE FUNCTION wq.ended(p_st int, p_ids bigint[], p_kids boolean[], p_parents int[],
-    p_watched boolean[], p_errors bytea[])
+    p_watched boolean[], p_errors bytea[], p_now float8 = NULL)
 RETURNS TABLE (o_id bigint, o_st int) LANGUAGE plpgsql AS $$
 DECLARE
     roots bigint[];
@@ -257,7 +259,7 @@ BEGIN
                                                 ELSE convert_to('expired', 'UTF8') END)
         INTO roots, whys FROM unnest(p_ids, p_kids, p_errors) AS u (id, k, err) WHERE u.k;
     IF roots IS NOT NULL THEN
-        RETURN QUERY SELECT * FROM wq.bury(roots, whys);
+        RETURN QUERY SELECT * FROM wq.bury(roots, whys, p_now);
     END IF;
     IF p_st <> 3 THEN
         PERFORM wq.depart(
@@ -393,7 +395,8 @@ BEGIN
             waiting_for = CASE WHEN ch.msg IS NULL THEN ch.w ELSE 0 END,
             delay = CASE WHEN ch.msg IS NULL AND ch.w > 0 AND p_delays[ch.i] > 0
                          THEN p_delays[ch.i] END,
-            last_error = ch.msg, parents = ch.np, kids = t.kids OR ch.kid
+            last_error = ch.msg, parents = ch.np, kids = t.kids OR ch.kid,
+            buried_at = CASE WHEN ch.msg IS NOT NULL THEN now_ END
         FROM ch WHERE t.id = ch.id
         RETURNING ch.i, ch.was, t.queue, t.state, t.waiting_for, t.last_error, t.available_at),
     g AS (
@@ -685,7 +688,7 @@ BEGIN
     RETURN QUERY SELECT u.q, u.n, NULL::bigint, NULL::int FROM unnest(qs, ns) AS u (q, n);
     IF ids IS NOT NULL THEN
         RETURN QUERY SELECT NULL::text, NULL::bigint, e.o_id, e.o_st
-            FROM wq.ended(5, ids, ks, ps, ws, NULL) e;
+            FROM wq.ended(5, ids, ks, ps, ws, NULL, now_) e;
     END IF;
 END $$;
 
@@ -880,7 +883,7 @@ BEGIN
         RETURN avail;
     END IF;
     UPDATE wq.tasks SET state = 3, lease_id = NULL, deadline = NULL, handed_at = NULL,
-        progress = NULL, last_error = p_error, ord = p_ord WHERE id = p_id;
+        progress = NULL, last_error = p_error, ord = p_ord, buried_at = now_ WHERE id = p_id;
     PERFORM wq.bump(p_queue, nacked => nk, reclaimed => rc, buried => 1, handed_out => -1,
                     dead => 1);
     RETURN NULL;
@@ -1072,7 +1075,8 @@ BEGIN
             IF kd OR np > 0 OR wt THEN
                 SELECT fin_ids || array_agg(e.o_id), fin_sts || array_agg(e.o_st)
                     INTO fin_ids, fin_sts
-                    FROM wq.ended(4, ARRAY[p_ids[j]], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL) e;
+                    FROM wq.ended(4, ARRAY[p_ids[j]], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL,
+                                  now_) e;
             END IF;
         ELSIF FOUND THEN
             o_outcome := 0;
@@ -1083,7 +1087,7 @@ BEGIN
                 SELECT fin_ids || array_agg(e.o_id), fin_sts || array_agg(e.o_st)
                     INTO fin_ids, fin_sts
                     FROM wq.ended(3, ARRAY[p_ids[j]], ARRAY[kd], ARRAY[np], ARRAY[wt],
-                                  ARRAY[p_errors[j]]) e;
+                                  ARRAY[p_errors[j]], now_) e;
             END IF;
         ELSE
             o_outcome := wq.miss(p_ids[j]);
@@ -1139,7 +1143,7 @@ END $$;
 -- Its queue (no row if the lease is not current). A cancelling task is not put back: gone,
 -- counted cancelled (as the Index does, its delivery stays counted), and what its end does
 -- follows (wq.ended: rows o_queue NULL for the watched, announced with p_head).
-CREATE FUNCTION wq.release(p_id bigint, p_lease_id text, p_head text)
+CREATE FUNCTION wq.release(p_id bigint, p_lease_id text, p_head text, p_now float8)
 RETURNS TABLE (o_queue text, o_id bigint, o_st int) LANGUAGE plpgsql AS $$
 DECLARE
     q text;
@@ -1169,7 +1173,7 @@ BEGIN
     RETURN NEXT;
     IF kd OR np > 0 OR wt THEN
         SELECT array_agg(e.o_id), array_agg(e.o_st) INTO fin_ids, fin_sts
-            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL) e;
+            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL, p_now) e;
         PERFORM wq.tell(p_head, fin_ids, fin_sts);
         RETURN QUERY SELECT NULL::text, u.id, u.st FROM unnest(fin_ids, fin_sts) AS u (id, st);
     END IF;
@@ -1221,7 +1225,7 @@ BEGIN
                 SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
                     INTO fin_ids, fin_sts
                     FROM wq.ended(4, ARRAY[r.id], ARRAY[r.kids], ARRAY[r.parents],
-                                  ARRAY[r.watched], NULL) x;
+                                  ARRAY[r.watched], NULL, now_) x;
             END IF;
         ELSIF wq.fail(r.id, r.queue, r.attempts, r.max_attempts, now_,
                 r.why, NULL, false, p_us[j], true, p_base, p_cap,
@@ -1229,7 +1233,7 @@ BEGIN
             SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
                 INTO fin_ids, fin_sts
                 FROM wq.ended(3, ARRAY[r.id], ARRAY[r.kids], ARRAY[r.parents], ARRAY[r.watched],
-                              ARRAY[r.why]) x;
+                              ARRAY[r.why], now_) x;
         END IF;
         o_kind := 0; o_id := r.id; o_lease := r.lease_id; o_queue := r.queue; o_n := NULL;
         o_due := NULL;
@@ -1371,7 +1375,7 @@ BEGIN
             FOR UPDATE) s),
     upd AS (
         UPDATE wq.tasks t SET state = 0, attempts = 0, last_error = NULL, available_at = now_,
-            expires_at = NULL, ukey = NULL, ord = base + d.rn
+            expires_at = NULL, ukey = NULL, ord = base + d.rn, buried_at = NULL
             FROM d WHERE t.id = d.id RETURNING t.queue, d.rn),
     g AS (SELECT u.queue, min(u.rn) AS first, count(*) AS n FROM upd u GROUP BY u.queue),
     bump AS (
@@ -1419,7 +1423,7 @@ END $$;
 -- follows (docs/design/results.md): a waiting task's waiting children are cancelled too,
 -- transitively (wq.cancel_tree); a ready or delayed one's are buried (wq.ended). Then a row per
 -- watched task that ended (o_outcome NULL, o_id, o_st; announced with p_head).
-CREATE FUNCTION wq.cancel(p_id bigint, p_notify text, p_head text)
+CREATE FUNCTION wq.cancel(p_id bigint, p_notify text, p_head text, p_now float8)
 RETURNS TABLE (o_outcome int, o_queue text, o_lease text, o_id bigint, o_st int)
 LANGUAGE plpgsql AS $$
 DECLARE
@@ -1478,7 +1482,7 @@ BEGIN
     ELSIF kd OR np > 0 OR wt THEN
         SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
             INTO fin_ids, fin_sts
-            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL) x;
+            FROM wq.ended(4, ARRAY[p_id], ARRAY[kd], ARRAY[np], ARRAY[wt], NULL, p_now) x;
     END IF;
     IF cardinality(fin_ids) > 0 THEN
         PERFORM wq.tell(p_head, fin_ids, fin_sts);
@@ -1492,7 +1496,7 @@ END $$;
 -- the children of the ready and delayed ones buried): how many were cancelled (o_n; no row if
 -- the queue is unknown), then a row per watched task that ended (o_id, o_st; announced with p_head). Tasks a
 -- claim is handing out meanwhile are waited for, and left to it.
-CREATE FUNCTION wq.empty(p_queue text, p_head text)
+CREATE FUNCTION wq.empty(p_queue text, p_head text, p_now float8)
 RETURNS TABLE (o_n bigint, o_id bigint, o_st int) LANGUAGE plpgsql AS $$
 DECLARE
     r bigint;
@@ -1552,7 +1556,7 @@ BEGIN
     END IF;
     IF ids IS NOT NULL THEN
         SELECT fin_ids || array_agg(x.o_id), fin_sts || array_agg(x.o_st)
-            INTO fin_ids, fin_sts FROM wq.ended(4, ids, ks, ps, ws, NULL) x;
+            INTO fin_ids, fin_sts FROM wq.ended(4, ids, ks, ps, ws, NULL, p_now) x;
     END IF;
     o_n := r + d + w;
     RETURN NEXT;

@@ -50,7 +50,7 @@ FROM wq.claim($1, $15, $16, $17, $14) c
 SELECT * FROM wq.extend($1, $2, $3, $4, $5)
 
 -- name: release
-SELECT * FROM wq.release($1, $2, $3)
+SELECT * FROM wq.release($1, $2, $3, $4)
 
 -- name: expired
 -- How many leases have run out by $1 (NULL: by the database's clock): the sweep draws as many
@@ -74,11 +74,11 @@ SELECT wq.purge($1)
 
 -- name: cancel
 -- Task $1; $2: the head of the announcement of its lease, if it is handed out (NULL: none); $3:
--- of the watched tasks that end.
-SELECT * FROM wq.cancel($1, $2, $3)
+-- of the watched tasks that end; $4: the time of the call (NULL: the database's clock).
+SELECT * FROM wq.cancel($1, $2, $3, $4)
 
 -- name: empty
-SELECT * FROM wq.empty($1, $2)
+SELECT * FROM wq.empty($1, $2, $3)
 
 -- name: delete_queue
 SELECT * FROM wq.delete_queue($1)
@@ -292,7 +292,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
                                    WHERE e.child = t.id) END,
-       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, schedule, scheduled_for, state
+       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, schedule, scheduled_for, state,
+       CASE WHEN state = 3 THEN buried_at END
 FROM wq.tasks t WHERE id = $1
 
 -- name: watch
@@ -303,7 +304,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
                                    WHERE e.child = t.id) END,
-       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, schedule, scheduled_for, state
+       CASE WHEN state = 4 THEN waiting_for ELSE 0 END, schedule, scheduled_for, state,
+       CASE WHEN state = 3 THEN buried_at END
 FROM wq.watch($1) t
 
 -- name: children
@@ -319,7 +321,8 @@ SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
-                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for
+                                   WHERE e.child = t.id) END, 0, schedule, scheduled_for,
+       buried_at
 FROM wq.tasks t WHERE state = 3 AND ($1::text IS NULL OR queue = $1) ORDER BY ord LIMIT $2
 
 -- == listings: a page of queue $1's tasks in one state, in its order, after the key given ==
@@ -373,13 +376,13 @@ FROM wq.tasks t WHERE state = 1 AND queue = $1 AND (deadline, ord) > ($3, $4)
 ORDER BY deadline, ord LIMIT $2
 
 -- name: list_dead
--- By burial: after ord $3.
+-- By burial: after ord $3. (The first key column, unused, holds when it was buried.)
 SELECT id, payload, attempts, max_attempts, created_at, available_at, last_error, queue, priority,
        expires_at, timeout, NULL::bytea, false, NULL::bytea, NULL::float8,
        CASE WHEN ttl_given THEN result_ttl END,
        CASE WHEN parents > 0 THEN (SELECT array_agg(e.parent ORDER BY e.pos) FROM wq.edges e
                                    WHERE e.child = t.id) END, 0, schedule, scheduled_for,
-       NULL::float8, ord
+       buried_at, ord
 FROM wq.tasks t WHERE state = 3 AND queue = $1 AND ord > $3
 ORDER BY ord LIMIT $2
 
