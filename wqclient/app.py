@@ -33,16 +33,14 @@ from types import MappingProxyType, TracebackType
 from typing import Any, Final, Generic, ParamSpec, Protocol, TypeVar, overload
 
 from wqclient import codec
-from wqclient.client import AsyncClient, Client
+from wqclient.client import ENV_BROKER, AsyncClient, Client
 from wqclient.models import DEFAULT_QUEUE, ParentResult, Task
-from wqclient.worker import Fail, Retry, describe
+from wqclient.worker import Fail, Retry, describe, seconds_ms
 from wqclient.workflow import AsyncTaskHandle, Signature, TaskHandle, Workflow
 
 P = ParamSpec("P")
 R = TypeVar("R")
 
-#: The environment variable an App takes its broker URL from when given none.
-ENV_BROKER: Final = "WQ_BROKER"
 
 _NOT_UNDER_A_WORKER: Final = "not running under a worker: there is no task to report progress on"
 
@@ -229,20 +227,7 @@ _CALL_OPTIONS: Final = _TASK_OPTIONS | {"name", "delay", "eta", "key", "unique",
 
 def _ms(task: str, option: str, value: Any, *, positive: bool) -> int:
     """Seconds (int, float or timedelta) in whole milliseconds."""
-    if isinstance(value, timedelta):
-        seconds = value.total_seconds()
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        seconds = float(value)
-    else:
-        raise TypeError(
-            f"task {task}: {option} must be seconds (a number or a timedelta), got "
-            f"{type(value).__name__}"
-        )
-    low = "above 0" if positive else "from 0"
-    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
-        raise ValueError(f"task {task}: {option} must be a number of seconds {low}, got {value!r}")
-    ms = round(seconds * 1000)
-    return max(ms, 1) if positive else ms
+    return seconds_ms(value, f"task {task}: {option}", positive=positive)
 
 
 def _int(task: str, option: str, value: Any, low: int, high: int | None = None) -> int:

@@ -52,6 +52,9 @@ from wqclient.transport import AsyncStream, StreamingTransport, Transport
 
 T = TypeVar("T")
 
+ENV_BROKER = "WQ_BROKER"
+"""The environment variable an App and the commands take their broker URL from when given none."""
+
 ENV_TOKEN = "WQ_TOKEN"
 """The environment variable a client takes its bearer token from when given none."""
 

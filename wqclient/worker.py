@@ -145,7 +145,7 @@ class Retry(Exception):
         if delay is not None:
             if delay_ms is not None:
                 raise ValueError("Retry: give delay or delay_ms, not both")
-            delay_ms = _delay_ms(delay)
+            delay_ms = seconds_ms(delay, "Retry: delay")
         if delay_ms is not None and (
             isinstance(delay_ms, bool) or not isinstance(delay_ms, int) or delay_ms < 0
         ):
@@ -155,17 +155,24 @@ class Retry(Exception):
         self.error = error
 
 
-def _delay_ms(delay: object) -> int:
-    """Retry's ``delay`` (seconds, or a timedelta) in whole milliseconds."""
-    if isinstance(delay, timedelta):
-        seconds = delay.total_seconds()
-    elif isinstance(delay, (int, float)) and not isinstance(delay, bool):
-        seconds = float(delay)
+def seconds_ms(value: object, what: str, *, positive: bool = False) -> int:
+    """Seconds (an int, a float or a ``timedelta``) in whole milliseconds (with ``positive``,
+    above 0 and at least 1 ms). ``what`` names the value in the error: TypeError for another
+    type, ValueError for a value out of range. (Retry's ``delay``, and the task framework's
+    options.)"""
+    if isinstance(value, timedelta):
+        seconds = value.total_seconds()
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        seconds = float(value)
     else:
-        raise ValueError(f"Retry: delay must be seconds (a number) or a timedelta, got {delay!r}")
-    if not math.isfinite(seconds) or seconds < 0:
-        raise ValueError(f"Retry: delay must be a finite number of seconds from 0, got {delay!r}")
-    return round(seconds * 1000)
+        raise TypeError(
+            f"{what} must be seconds (a number or a timedelta), got {type(value).__name__}"
+        )
+    low = "above 0" if positive else "from 0"
+    if not math.isfinite(seconds) or seconds < 0 or (positive and seconds == 0):
+        raise ValueError(f"{what} must be a number of seconds {low}, got {value!r}")
+    ms = round(seconds * 1000)
+    return max(ms, 1) if positive else ms
 
 
 class Fail(Exception):

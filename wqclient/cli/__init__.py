@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from wqclient.client import ENV_CA_FILE, ENV_TOKEN
+from wqclient.client import ENV_BROKER, ENV_CA_FILE, ENV_TOKEN
 from wqclient.limits import DEFAULT_URL
 from wqwire.flags import run_command
 
@@ -44,8 +44,6 @@ __all__ = [
     "wq_worker",
 ]
 
-ENV_BROKER: Final = "WQ_BROKER"
-"""The variable the commands take their broker URL from when given no ``-broker``."""
 
 ENV_TOKEN_FILE: Final = "WQ_TOKEN_FILE"
 """The variable naming a file that holds the bearer token (instead of ``$WQ_TOKEN``)."""
