@@ -125,8 +125,12 @@ class ExecHandler:
     async def _run(self, task: Task, env: dict[str, str]) -> bytes | None:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[None] = loop.create_future()
-        try:
-            transport, output = await loop.subprocess_exec(
+        # The spawn is shielded: a cancel that lands in it (before the pipes are connected)
+        # would go to asyncio's own clean-up, which SIGKILLs the program's pid alone, and a
+        # child it had started by then would live on. The cancel waits for the spawn instead,
+        # then stops the program's whole group as any other.
+        spawn = asyncio.ensure_future(
+            loop.subprocess_exec(
                 lambda: _Output(done),
                 *self.argv,
                 stdin=asyncio.subprocess.PIPE,
@@ -135,8 +139,26 @@ class ExecHandler:
                 env=env,
                 start_new_session=True,
             )
-        except OSError as e:
-            raise ProgramError(f"cannot run {self.argv[0]!r}: {e.strerror or e}") from e
+        )
+        cancelled = False
+        while True:
+            try:
+                transport, output = await asyncio.shield(spawn)
+                break
+            except asyncio.CancelledError:
+                if spawn.cancelled():
+                    raise
+                cancelled = True  # (the spawn goes on: its program is stopped below)
+            except OSError as e:
+                if cancelled:
+                    raise asyncio.CancelledError from e
+                raise ProgramError(f"cannot run {self.argv[0]!r}: {e.strerror or e}") from e
+        if cancelled:
+            try:
+                await self._stop(transport, output)
+            finally:
+                transport.close()
+            raise asyncio.CancelledError
         try:
             _feed(transport, task.payload_json)
             await asyncio.shield(done)  # (a cancel must not cancel ``done``: _stop waits on it)
