@@ -10,10 +10,14 @@ TLS broker whose certificate the system does not trust, ``ca_file=`` (or ``$WQ_C
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import ipaddress
 import json
 import math
+import os
 import threading
+import weakref
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -53,7 +57,8 @@ from wqclient.transport import AsyncStream, StreamingTransport, Transport
 T = TypeVar("T")
 
 ENV_BROKER = "WQ_BROKER"
-"""The environment variable an App and the commands take their broker URL from when given none."""
+"""The environment variable a client, an App and the commands take their broker URL from when
+given none."""
 
 ENV_TOKEN = "WQ_TOKEN"
 """The environment variable a client takes its bearer token from when given none."""
@@ -354,7 +359,8 @@ class AsyncClient:
     ...     delivery = await wq.claim(wait_ms=1000)
     ...     await wq.ack(delivery)
 
-    ``url`` picks the transport (see :func:`make_transport`; default ``http://localhost:8080``)
+    ``url`` picks the transport (see :func:`make_transport`; default ``$WQ_BROKER``, else
+    ``http://localhost:8080``)
     and the rest configure it: ``timeout`` (seconds for a connection, or for the answer to a call
     that does not long-poll; default 30), ``token`` (a bearer token for a broker that wants one;
     default ``$WQ_TOKEN``, ``""`` for none) and ``ca_file`` (PEM CA certificates to verify an
@@ -379,7 +385,7 @@ class AsyncClient:
         self.url: str | None = url
         self._clock: Clock = clock or SystemClock()
         if transport is None:
-            self.url = DEFAULT_URL if url is None else url
+            self.url = url if url is not None else os.environ.get(ENV_BROKER) or DEFAULT_URL
             transport = make_transport(
                 self.url,
                 timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
@@ -1028,6 +1034,19 @@ class Stream:
         self._runner.run(self._stream.close())
 
 
+def _close_open_clients() -> None:
+    """At exit: close the blocking clients a program left open (a script that ends without
+    ``close()``), so their sessions and channels end cleanly, not with aiohttp's "Unclosed
+    client session" warnings as the interpreter collects them."""
+    for client in list(_OPEN_CLIENTS):
+        with contextlib.suppress(Exception):
+            client.close()
+
+
+_OPEN_CLIENTS: weakref.WeakSet[Client] = weakref.WeakSet()
+atexit.register(_close_open_clients)
+
+
 class Client:
     """A blocking client with the same methods as AsyncClient.
 
@@ -1061,6 +1080,7 @@ class Client:
             self._runner.stop()
             raise
         self.url = self._client.url
+        _OPEN_CLIENTS.add(self)
 
     @staticmethod
     async def _make(url: str | None, transport: Transport | None, **options: Any) -> AsyncClient:
@@ -1367,6 +1387,7 @@ class Client:
 
     def close(self) -> None:
         """Close the transport and stop the client's event loop. Safe to call more than once."""
+        _OPEN_CLIENTS.discard(self)
         if self._runner.loop.is_closed():
             return
         self._run(self._client.close)
