@@ -25,7 +25,8 @@ Errors (the same error tree as the HTTP API; one table maps it):
 A status message (and Settled.message) is at most 1 KiB of UTF-8; a longer one is cut and ends
 with " [truncated]", so it always fits a client's metadata limit.
 
-Generate a client for any language from this file (see the README), e.g. for Go:
+Generate a client for any language from this file (see docs/guides/grpc-and-other-languages.md),
+e.g. for Go:
   protoc -I proto --go_out=. --go_opt=module=github.com/wq-dev/wq \\
     --go-grpc_out=. --go-grpc_opt=module=github.com/wq-dev/wq wqwire/pb/broker.proto
 writes gen/go/wq/v1/broker.pb.go and broker_grpc.pb.go (package wqv1).
