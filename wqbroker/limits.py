@@ -34,7 +34,7 @@ DEFAULT_SWEEP_INTERVAL: Final = 0.25
 DEFAULT_POLL_INTERVAL: Final = 1.0
 DEFAULT_MAX_PAYLOAD: Final = DEFAULT_MAX_BODY
 
-# Our own limits on values the spec leaves open (documented in the README and the .proto).
+# Our own limits on values the spec leaves open (documented in docs/ and the .proto).
 MAX_MAX_ATTEMPTS: Final = 2**31 - 1
 MAX_DELAY_MS: Final = 365 * 24 * 3600 * 1000  # a year
 MAX_PREFETCH: Final = 10_000

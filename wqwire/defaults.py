@@ -2,7 +2,7 @@
 
 The broker applies these to what a request leaves out (``wqbroker.limits`` checks and clamps with
 them); the client uses them to size its own time-outs and batches. A figure here is part of the
-documented API (the README, the .proto and the OpenAPI document state it): changing one changes
+documented API (docs/, the .proto and the OpenAPI document state it): changing one changes
 what every client sees.
 """
 
