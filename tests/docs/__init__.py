@@ -1,0 +1,1 @@
+"""The documentation's runnable blocks: the runner, and the tests that run every page."""
