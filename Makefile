@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
 
-.PHONY: install install-run run worker producer test test-fast lint format bench beanstalkd clean proto proto-check node-deps browser screenshot
+.PHONY: install install-run run worker producer test test-fast lint format bench beanstalkd clean proto proto-check node-deps browser screenshot docs docs-serve
 
 install: $(STAMP)
 
@@ -35,19 +35,19 @@ worker: install-run
 producer: install-run
 	$(VENV)/bin/wq-producer $(ARGS)
 
-# ruff (lint, format) and mypy --strict over wqbroker, wqclient, wqwire, tests, bench and examples
-# (the files are in pyproject.toml), as .pre-commit-config.yaml runs them; then import-linter: the
-# layers and the packages' independence (pyproject.toml's contracts). Needs no Node.js (node-deps
-# is only for the cross-language test in `make test`).
+# ruff (lint, format) and mypy --strict over wqbroker, wqclient, wqwire, tests, bench, examples
+# and docs/hooks (the files are in pyproject.toml), as .pre-commit-config.yaml runs them; then
+# import-linter: the layers and the packages' independence (pyproject.toml's contracts). Needs no
+# Node.js (node-deps is only for the cross-language test in `make test`).
 lint: install
-	$(PY) -m ruff check wqbroker wqclient wqwire tests bench proto examples
-	$(PY) -m ruff format --check wqbroker wqclient wqwire tests bench proto examples
+	$(PY) -m ruff check wqbroker wqclient wqwire tests bench proto examples docs/hooks
+	$(PY) -m ruff format --check wqbroker wqclient wqwire tests bench proto examples docs/hooks
 	$(PY) -m mypy
 	$(VENV)/bin/lint-imports --no-cache
 
 format: install
-	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto examples
-	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto examples
+	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto examples docs/hooks
+	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto examples docs/hooks
 
 # The tests, in tiers (tests/conftest.py puts the markers on). `make test` runs them all, as CI
 # does: lint, then every test over four pytest-xdist workers (most tests wait on sockets and
@@ -95,6 +95,19 @@ screenshot: install browser
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info tests/node/node_modules
+
+# The documentation site (mkdocs.yml, docs/): `make docs` builds it into site/ in strict mode (a
+# broken link or anchor, or a docstring the Python reference cannot render, fails it; the Reference
+# pages are generated from the code as it builds); `make docs-serve` previews it, rebuilt on each
+# change, on http://127.0.0.1:8000 (DOCS_ADDR to change).
+DOCS_ADDR ?= 127.0.0.1:8000
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+
+docs: install
+	$(MKDOCS) build --strict -d site
+
+docs-serve: install
+	$(MKDOCS) serve -a $(DOCS_ADDR)
 
 # Regenerate the gRPC/protobuf stubs in wqwire/pb from proto/wqwire/pb/broker.proto: protoc
 # writes them at their import path, nothing is rewritten (committed; CI checks for drift).
