@@ -22,14 +22,14 @@ def _plain(text: str) -> str:
 
 
 def inline(text: str) -> str:
-    """``text`` (Markdown with code spans) safe for one table cell or one line: HTML escaped
-    outside code spans, ``|`` escaped everywhere (Python-Markdown's tables split on a bare ``|``
-    even inside a code span), line breaks as ``<br>``."""
+    """``text`` (Markdown with code spans) safe for one table cell or one line: HTML and ``|``
+    escaped outside code spans (Python-Markdown's tables do not split a cell on a ``|`` inside
+    one, and show a ``\\|`` there as written), line breaks as ``<br>``."""
     out: list[str] = []
     last = 0
     for m in _CODE_SPAN.finditer(text):
         out.append(_plain(text[last : m.start()]))
-        out.append(m.group(0).replace("|", "\\|"))
+        out.append(m.group(0))
         last = m.end()
     out.append(_plain(text[last:]))
     paragraphs = "".join(out).split("\n\n")
@@ -55,7 +55,7 @@ def code(text: str) -> str:
     while fence in text:
         fence += "`"
     pad = " " if text.startswith("`") or text.endswith("`") else ""
-    return f"{fence}{pad}{text}{pad}{fence}".replace("|", "\\|")
+    return f"{fence}{pad}{text}{pad}{fence}"
 
 
 def table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
