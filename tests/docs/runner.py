@@ -63,6 +63,7 @@ DEFAULT_BIN: Final = ROOT / ".venv" / "bin"
 DEFAULT_PORTS: Final = (8080, 50051)  # the broker's HTTP and gRPC ports: pages run one at a time
 DEFAULT_TIMEOUT: Final = 60.0
 DEFAULT_WAIT: Final = 30.0
+PORTS_WAIT = 10.0  # how long the ports may take to be free, before a page and after it
 
 SHELLS: Final = frozenset({"sh", "bash", "shell"})
 LANGUAGES: Final = SHELLS | {"console", "python"}
@@ -334,7 +335,7 @@ def substitute_wheel(text: str, wheel: Path | str) -> str:
     ``pip install '/tmp/.../wqueue-0.1.0-py3-none-any.whl[broker,cli]'``."""
 
     def one(m: re.Match[str]) -> str:
-        return shlex.quote(f"{wheel}{m['extras'] or ''}")
+        return f"{m['q']}{wheel}{m['extras'] or ''}{m['q']}"
 
     return "\n".join(
         _REQUIREMENT.sub(one, line) if _PIP_INSTALL.search(line) else line
@@ -449,17 +450,39 @@ def _wait_ports_free(ports: Sequence[int], seconds: float) -> list[int]:
         time.sleep(0.2)
 
 
-def _kill_group(pgid: int, grace: float = 5.0) -> None:
-    """SIGTERM to the process group, then SIGKILL to whatever of it is left after ``grace``."""
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group is still running (zombies not counted: the init of a
+    container may take a second or two to reap the orphans)."""
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # (after the command: state, ppid, pgrp)
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            return True
+    return False
+
+
+def _kill_group(leader: subprocess.Popen[bytes], grace: float = 5.0) -> None:
+    """SIGTERM to the process group ``leader`` leads (``start_new_session``), then SIGKILL to
+    whatever of it is left after ``grace``."""
+    pgid = leader.pid
     try:
         os.killpg(pgid, signal.SIGTERM)
     except ProcessLookupError:
         return
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
-        try:
-            os.killpg(pgid, 0)
-        except ProcessLookupError:
+        leader.poll()  # (reaped: a zombie leader would keep the group "alive")
+        if not _group_alive(pgid):
             return
         time.sleep(0.05)
     with contextlib.suppress(ProcessLookupError):
@@ -574,7 +597,10 @@ class PageRun:
             left = deadline - time.monotonic()
             if left <= 0:
                 return None
-            ready, _, _ = select.select([fd], [], [], min(left, 0.5))
+            ready, _, _ = select.select([fd], [], [], min(left, 0.2))
+            # (Not only at the end of its output: a subshell it forked holds that open.)
+            if not ready and self.shell.poll() is not None:
+                raise _ShellGone(self._shell_gone())
             if ready:
                 data = os.read(fd, 65536)
                 if not data:
@@ -594,7 +620,7 @@ class PageRun:
 
     def _stop_shell(self) -> None:
         if self.shell is not None:
-            _kill_group(self.shell.pid, grace=1.0)
+            _kill_group(self.shell, grace=1.0)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.shell.wait(5)
 
@@ -620,7 +646,7 @@ class PageRun:
         except DocError as e:
             self.result.failures.append(Failure(str(self.page), f"cannot read the page: {e}"))
             return self.result
-        busy = _wait_ports_free(self.ports, 10)
+        busy = _wait_ports_free(self.ports, PORTS_WAIT)
         if busy:
             what = f"port(s) {busy} in use before the page started: something else holds them"
             self.result.failures.append(Failure(str(self.page), what))
@@ -777,12 +803,12 @@ class PageRun:
         try:
             data, _ = proc.communicate(block.text.encode(), timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_group(proc.pid, grace=1.0)
+            _kill_group(proc, grace=1.0)
             data, _ = proc.communicate()
             output = data.decode(errors="replace")
             return Failure(block.where, f"timed out after {timeout:g} s", block.text, None, output)
         finally:
-            _kill_group(proc.pid, grace=1.0)  # (anything it left behind)
+            _kill_group(proc, grace=1.0)  # (anything it left behind)
         output = data.decode(errors="replace")
         if proc.returncode != 0:
             return Failure(block.where, f"exited {proc.returncode}", block.text, None, output)
@@ -845,7 +871,7 @@ class PageRun:
         """Kills everything the page started; checks that the ports are free again."""
         self._stop_shell()
         for background in self.backgrounds:
-            _kill_group(background.proc.pid)
+            _kill_group(background.proc)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 background.proc.wait(5)
         if self.shell is not None:
@@ -853,7 +879,7 @@ class PageRun:
                 if stream is not None:
                     with contextlib.suppress(OSError):
                         stream.close()
-        busy = _wait_ports_free(self.ports, 10)
+        busy = _wait_ports_free(self.ports, PORTS_WAIT)
         if busy:
             what = (
                 f"port(s) {busy} still answer after the page ended and everything it started "
