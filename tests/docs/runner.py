@@ -528,7 +528,7 @@ class PageRun:
         self.verbose = verbose
         self.out = out
         self.env = page_environment(bin_dir)
-        self.result = PageResult(page)
+        self.result = PageResult(_shown(page))
         self.root = Path(tempfile.mkdtemp(prefix="wq-docs-"))
         self.work = self.root / "work"  # the reader's directory
         self.ctl = self.root / "ctl"  # the runner's files: scripts, outputs, logs
@@ -642,14 +642,16 @@ class PageRun:
 
     def run(self) -> PageResult:
         try:
-            blocks = parse(self.page.read_text(), self.page)
+            blocks = parse(self.page.read_text(), _shown(self.page))
         except DocError as e:
-            self.result.failures.append(Failure(str(self.page), f"cannot read the page: {e}"))
+            self.result.failures.append(
+                Failure(str(self.result.page), f"cannot read the page: {e}")
+            )
             return self.result
         busy = _wait_ports_free(self.ports, PORTS_WAIT)
         if busy:
             what = f"port(s) {busy} in use before the page started: something else holds them"
-            self.result.failures.append(Failure(str(self.page), what))
+            self.result.failures.append(Failure(str(self.result.page), what))
             return self.result
         try:
             self._run_blocks(blocks)
@@ -885,8 +887,16 @@ class PageRun:
                 f"port(s) {busy} still answer after the page ended and everything it started "
                 "was killed: a process left its process group, or something else holds them"
             )
-            self.result.failures.append(Failure(str(self.page), what))
+            self.result.failures.append(Failure(str(self.result.page), what))
         shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _shown(page: Path) -> Path:
+    """The page as failures name it: relative to the current directory if it is under it."""
+    try:
+        return page.resolve().relative_to(Path.cwd())
+    except ValueError:
+        return page
 
 
 def _answers_200(url: str) -> bool:

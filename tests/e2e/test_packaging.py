@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import subprocess
-import sys
 import urllib.request
 import zipfile
 from pathlib import Path
@@ -23,6 +21,7 @@ import pytest
 
 from tests import pg
 from tests.procs import ROOT, broker_process
+from tests.wheel import run, session_wheel, virtualenv
 
 pytestmark = [
     pytest.mark.slow,  # (seconds of wall time each: make test-fast leaves them out)
@@ -31,31 +30,14 @@ pytestmark = [
     pytest.mark.xdist_group("packaging"),
 ]
 
-# What the copy of the tree the wheel is built from leaves out (built or installed things).
-_NOT_SOURCE = shutil.ignore_patterns(
-    ".git", ".venv", "node_modules", "__pycache__", "*.egg-info", ".*_cache", "build", "dist"
-)
 # The broker's dependencies, none of which a client-only install has or loads.
 _BROKER_ONLY = ("asyncpg", "uvloop", "prometheus_client", "rich", "grpc_health", "grpc_reflection")
 
 
-def _run(*cmd: str | Path, cwd: Path | None = None) -> str:
-    done = subprocess.run(
-        [str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert done.returncode == 0, f"{cmd} failed:\n{done.stdout}\n{done.stderr}"
-    return done.stdout
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("wheel")
-    source = work / "source"
-    shutil.copytree(ROOT, source, ignore=_NOT_SOURCE)
-    # (No isolation: the build backend is this environment's setuptools, nothing downloaded.)
-    _run(sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", work / "dist", source)
-    (built,) = (work / "dist").glob("wqueue-*.whl")
-    return built
+    # (Built once per session, shared with the newcomer test: tests/wheel.py.)
+    return session_wheel(tmp_path_factory)
 
 
 def test_the_wheel_holds_the_dashboard_the_proto_and_the_sql(wheel: Path) -> None:
@@ -72,22 +54,15 @@ def test_the_wheel_holds_the_dashboard_the_proto_and_the_sql(wheel: Path) -> Non
     assert not any(name.startswith("tests/") for name in names)
 
 
-def _virtualenv(where: Path, requirement: str) -> Path:
-    """A fresh virtualenv at ``where`` with ``requirement`` installed; its bin directory."""
-    _run(sys.executable, "-m", "venv", where)
-    _run(where / "bin" / "pip", "install", "--quiet", "--disable-pip-version-check", requirement)
-    return where / "bin"
-
-
 def test_the_client_alone_has_and_loads_nothing_of_the_broker(wheel: Path, tmp_path: Path) -> None:
-    bin_dir = _virtualenv(tmp_path / "venv", str(wheel))
+    bin_dir = virtualenv(tmp_path / "venv", str(wheel))
     check = (
         "import importlib.util, sys, wqclient\n"
         "wqclient.Client('http://127.0.0.1:9')\n"
         f"print([m for m in {_BROKER_ONLY!r} if importlib.util.find_spec(m)])\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('grpc', 'google')))\n"
     )
-    installed, loaded = _run(bin_dir / "python", "-c", check, cwd=tmp_path).splitlines()
+    installed, loaded = run(bin_dir / "python", "-c", check, cwd=tmp_path).splitlines()
     assert (installed, loaded) == ("[]", "[]")
     refused = subprocess.run(
         [bin_dir / "wqbroker"], capture_output=True, text=True, timeout=60, check=False
@@ -98,7 +73,7 @@ def test_the_client_alone_has_and_loads_nothing_of_the_broker(wheel: Path, tmp_p
 
 @pytest.fixture(scope="module")
 def broker_bin(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _virtualenv(tmp_path_factory.mktemp("venv") / "venv", f"{wheel}[broker]")
+    return virtualenv(tmp_path_factory.mktemp("venv") / "venv", f"{wheel}[broker]")
 
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
