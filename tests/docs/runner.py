@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import fcntl
 import os
 import re
 import select
@@ -471,6 +472,28 @@ def _group_alive(pgid: int) -> bool:
     return False
 
 
+@contextlib.contextmanager
+def _ports_lock(ports: Sequence[int], out: TextIO | None) -> Iterator[None]:
+    """Holds a lock, shared by every runner on this machine, for the ports: two runs of pages
+    that use the broker's default ports (two shells, a test beside the command line) take
+    turns instead of failing each other."""
+    if not ports:
+        yield
+        return
+    name = "wq-docs-ports-" + "-".join(map(str, sorted(ports))) + ".lock"
+    with (Path(tempfile.gettempdir()) / name).open("a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if out is not None:
+                print(f"waiting for another run of pages on ports {list(ports)}", file=out)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def _kill_group(leader: subprocess.Popen[bytes], grace: float = 5.0) -> None:
     """SIGTERM to the process group ``leader`` leads (``start_new_session``), then SIGKILL to
     whatever of it is left after ``grace``."""
@@ -648,15 +671,16 @@ class PageRun:
                 Failure(str(self.result.page), f"cannot read the page: {e}")
             )
             return self.result
-        busy = _wait_ports_free(self.ports, PORTS_WAIT)
-        if busy:
-            what = f"port(s) {busy} in use before the page started: something else holds them"
-            self.result.failures.append(Failure(str(self.result.page), what))
-            return self.result
-        try:
-            self._run_blocks(blocks)
-        finally:
-            self._finish()
+        with _ports_lock(self.ports, self.out if self.verbose else None):
+            busy = _wait_ports_free(self.ports, PORTS_WAIT)
+            if busy:
+                what = f"port(s) {busy} in use before the page started: something else holds them"
+                self.result.failures.append(Failure(str(self.result.page), what))
+                return self.result
+            try:
+                self._run_blocks(blocks)
+            finally:
+                self._finish()
         return self.result
 
     def _run_blocks(self, blocks: list[Block]) -> None:
@@ -843,7 +867,9 @@ class PageRun:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
             if options.wait_url is not None and _answers_200(options.wait_url):
-                return None
+                time.sleep(0.2)  # (not another's: one that could not listen exits at once)
+                if background.proc.poll() is None:
+                    return None
             if options.wait_output is not None and options.wait_output in background.output():
                 return None
             if background.proc.poll() is not None:
