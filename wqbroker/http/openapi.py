@@ -1013,7 +1013,7 @@ def _operation(
         responses["503"] = _response("Unavailable")
     operation: Json = {
         "operationId": summary,
-        "summary": summary,
+        "summary": _summary(description),
         "description": description,
         "tags": [tag],
         "security": security,
@@ -1024,6 +1024,22 @@ def _operation(
     if body is not None:
         operation["requestBody"] = body
     return operation
+
+
+_EXTENSION = "An extension (not in the specification): "
+
+
+def _summary(description: str) -> str:
+    """An operation's one-line summary: its description's first clause (up to the first ``. ``,
+    ``: `` or ``; `` outside parentheses), without the extension note."""
+    text = description.removeprefix(_EXTENSION)
+    depth = 0
+    for i, c in enumerate(text):
+        depth += (c == "(") - (c == ")")
+        if depth == 0 and c in ".:;" and text[i + 1 : i + 2] in (" ", ""):
+            text = text[:i]
+            break
+    return text[:1].upper() + text[1:]
 
 
 def _paths(public: Collection[str]) -> Json:

@@ -106,7 +106,14 @@ def build_parser() -> FlagParser:
         "seconds to finish, then are handed back; a second signal hands them back at once.",
     )
     p.usage = f"{PROG} [flags] MODULE:APP | -exec 'PROGRAM ARGS' | -- PROGRAM ARGS"
-    p.add_argument("target", nargs="?", default=None, metavar="MODULE:APP")
+    p.add_argument(
+        "target",
+        nargs="?",
+        default=None,
+        metavar="MODULE:APP",
+        help="the App to run: a module importable from the current directory and the App's "
+        "name in it (tasks:app)",
+    )
     add_broker_flag(p, app=True)
     p.add_argument(
         "-exec",
