@@ -77,8 +77,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = FlagParser(
         prog="wq-worker",
         description="Claim tasks from a wq broker and append each to a log file as a JSON line. "
-        'A payload containing "fail": true fails on purpose (a nack with an error).',
+        'A payload containing "fail": true fails on purpose (a nack with an error). '
+        "After --, a program run per task instead (as wq worker runs one: the payload on its "
+        "stdin; exit 0 acks, 100 fails for good, anything else retries).",
     )
+    p.usage = "wq-worker [flags] [-- PROGRAM ARGS]"
     add_broker_flag(p)
     p.add_argument(
         "-log-file", "--log-file", default="./jobs.log", help="file to append to (./jobs.log)"
