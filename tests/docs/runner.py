@@ -521,11 +521,13 @@ class _Background:
     def output(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
-    def note(self) -> str | None:
-        """A note on it for a failure, if it has exited (the likely cause of what followed)."""
+    def note(self) -> str:
+        """A note on it for a failure: its output's last lines (all of the tail if it has
+        exited, the likely cause of what followed)."""
         status = self.proc.poll()
         if status is None:
-            return None
+            title = f"the background block at {self.block.where} (running); its last output"
+            return _section(title, _tail(self.output(), 10))
         return _section(
             f"the background block at {self.block.where} has exited ({status}); its output",
             _tail(self.output()),
@@ -709,9 +711,7 @@ class PageRun:
                 self._failed(block, failure)
 
     def _failed(self, block: Block, failure: Failure) -> None:
-        failure.notes.extend(
-            n for b in self.backgrounds if b.block is not block and (n := b.note())
-        )
+        failure.notes.extend(b.note() for b in self.backgrounds if b.block is not block)
         self.result.failures.append(failure)
         self._log(block, "FAILED")
         if self.verbose:
