@@ -22,6 +22,8 @@ pytestmark = [
     pytest.mark.e2e,  # (real processes: brokers, the commands)
     pytest.mark.slow,  # (seconds of wall time each: make test-fast leaves them out)
     pytest.mark.xdist_group("docs"),  # (one worker, one page at a time: the default ports)
+    # (a page is as long as its blocks: each has its own time-out, 60 s unless it says more)
+    pytest.mark.timeout(600),
 ]
 
 

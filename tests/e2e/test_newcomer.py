@@ -23,6 +23,7 @@ PAGE = ROOT / "docs" / "getting-started.md"
 pytestmark = [
     pytest.mark.slow,  # (a wheel, two virtualenvs, a pip install from the index: a minute or more)
     pytest.mark.xdist_group("docs"),  # (the default ports, like the other pages)
+    pytest.mark.timeout(900),  # (pip install from the index, on a slow day)
 ]
 
 
