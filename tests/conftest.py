@@ -55,6 +55,7 @@ LAYERS: Final = {
     "client": "server",
     "broker": "server",
     "e2e": "e2e",
+    "docs": "e2e",
     "ui": "browser",
 }
 # Test modules whose every test runs on PostgreSQL.

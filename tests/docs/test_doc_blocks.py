@@ -1,4 +1,4 @@
-"""Every page under docs/ with a runnable block (``<!-- wq:run -->``, docs/development/docs.md),
+"""The README and every page under docs/ with a runnable block (``<!-- wq:run -->``, docs/development/docs.md),
 run as a reader would run it, against real brokers: a command that stops working, or prints
 something other than what the page shows, fails here.
 
@@ -16,7 +16,8 @@ import pytest
 from tests.docs.runner import ROOT, pages_with_blocks, run_page
 
 DOCS = ROOT / "docs"
-PAGES = list(pages_with_blocks(DOCS))
+README = ROOT / "README.md"
+PAGES = [README, *pages_with_blocks(DOCS)]
 
 pytestmark = [
     pytest.mark.e2e,  # (real processes: brokers, the commands)
@@ -27,7 +28,7 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(DOCS).as_posix() for p in PAGES])
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_the_page_runs_as_written(page: Path) -> None:
     result = run_page(page)
     assert result.ok, "\n" + result.report()
