@@ -159,6 +159,26 @@ def test_queues(url: str, broker: BrokerProcess, api: Client) -> None:
         assert row(table, q["name"])[-1] == ("paused" if q["paused"] else "active")
 
 
+def test_dlq_list_on_a_narrow_terminal_shows_each_error_whole(
+    url: str, api: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # At 80 columns a table left the last error two characters wide; each dead task is a card.
+    monkeypatch.setenv("COLUMNS", "80")
+    queue = f"narrow-{url[:4]}"
+    error = "the mail server said no: 550 5.1.1 mailbox unavailable for ann@example.com"
+    ids = bury(api, queue, 2, error=error)
+    code, out, err = wq("dlq", "list", "-queue", queue, "-broker", url)
+    assert (code, err) == (0, "")
+    assert out.splitlines()[0] == "dead letters: 2"
+    assert max(len(line) for line in out.splitlines()) <= 80
+    flat = " ".join(out.split())
+    for i, task_id in enumerate(ids):
+        assert f"{task_id} queue {queue} prio 0 attempts 1/1" in flat
+        assert f'payload {{"n": {i}}}' in flat
+    assert flat.count(" ".join(error.split())) == 2
+    assert flat.count("buried 20") == 2
+
+
 def test_dlq_list_requeue_and_purge(url: str, broker: BrokerProcess, api: Client) -> None:
     queue = f"dlq-{url[:4]}"
     ids = bury(api, queue, 3, error="the mail server said no")

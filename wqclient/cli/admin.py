@@ -449,9 +449,37 @@ def _short(text: str, width: int = 48) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def dead_table(tasks: Sequence[Task], limit: int | None) -> Table:
+# Below this width the dead letters are shown one card each, not as a table (at 80 columns a
+# table left the last error two characters, a couple of letters a line).
+DEAD_TABLE_WIDTH: Final = 120
+
+
+def _dead_title(tasks: Sequence[Task], limit: int | None) -> str:
     more = " (the first, --limit)" if limit is not None and len(tasks) >= limit else ""
-    table = _table(f"dead letters: {len(tasks)}{more}")
+    return f"dead letters: {len(tasks)}{more}"
+
+
+def dead_cards(tasks: Sequence[Task], limit: int | None) -> Group:
+    """The dead letters for a narrow terminal: per task, a line of its id, queue, priority and
+    attempts, then its burial time, its whole last error and its payload, wrapped beneath."""
+    parts: list[RenderableType] = [Text(_dead_title(tasks, limit), style="bold")]
+    for t in tasks:
+        buried = "unknown" if t.buried_at is None else rfc3339(t.buried_at)
+        head = Text(t.id, style="bold")
+        head.append(f"  queue {t.queue}  prio {t.priority}  attempts {t.attempts}/{t.max_attempts}")
+        body = Table.grid(padding=(0, 1))
+        body.add_column(no_wrap=True)
+        body.add_column(overflow="fold")
+        body.add_row("  buried", buried)
+        body.add_row("  error", Text(t.last_error or "-", style="red"))
+        payload = json.dumps(json.loads(t.payload_json), ensure_ascii=False)
+        body.add_row("  payload", _short(payload, 240))
+        parts += [Text(""), head, body]
+    return Group(*parts)
+
+
+def dead_table(tasks: Sequence[Task], limit: int | None) -> Table:
+    table = _table(_dead_title(tasks, limit))
     table.add_column("id", no_wrap=True)
     table.add_column("queue", no_wrap=True)
     table.add_column("prio", justify="right", no_wrap=True)
@@ -706,6 +734,8 @@ async def cmd_dlq_list(client: AsyncClient, args: argparse.Namespace, out: Outpu
     elif not tasks:
         where = f" of queue {args.queue}" if args.queue else ""
         out.show(f"the dead-letter queue{where} is empty")
+    elif out.console.width < DEAD_TABLE_WIDTH:
+        out.show(dead_cards(tasks, args.limit))
     else:
         out.show(dead_table(tasks, args.limit))
     return EXIT_OK
