@@ -1,6 +1,6 @@
-"""The README and every page under docs/ with a runnable block (``<!-- wq:run -->``, docs/development/docs.md),
-run as a reader would run it, against real brokers: a command that stops working, or prints
-something other than what the page shows, fails here.
+"""The README and every page under docs/ with a runnable block (``<!-- wq:run -->``,
+docs/development/docs.md), run as a reader would run it, against real brokers: a command that
+stops working, or prints something other than what the page shows, fails here.
 
 The pages are found when the tests are collected (a new page needs no edit here). They run one
 after the other on one pytest-xdist worker (the "docs" group: they use the broker's default ports,
