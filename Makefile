@@ -8,7 +8,7 @@ RUN_STAMP := $(VENV)/.installed-run
 STAMP := $(VENV)/.installed
 
 
-.PHONY: install install-run run worker producer test test-fast lint format bench beanstalkd clean proto proto-check node-deps browser screenshot docs docs-serve
+.PHONY: install install-run run worker producer test test-slow test-all test-fast lint format bench beanstalkd clean proto proto-check node-deps browser screenshot docs docs-serve
 
 install: $(STAMP)
 
@@ -49,17 +49,28 @@ format: install
 	$(PY) -m ruff format wqbroker wqclient wqwire tests bench proto examples docs/hooks
 	$(PY) -m ruff check --fix wqbroker wqclient wqwire tests bench proto examples docs/hooks
 
-# The tests, in tiers (tests/conftest.py puts the markers on). `make test` runs them all, as CI
-# does: lint, then every test over four pytest-xdist workers (most tests wait on sockets and
-# timers more than they compute: four keep two cores busy), the ones marked serial one after the
-# other on a worker of their own; every Hypothesis example (the ci profile). `make test-fast` is
-# the loop's tier: no lint, npm, PostgreSQL or browser, a fifth of the examples. PYTEST_ARGS
-# narrows either (`make test-fast PYTEST_ARGS=tests/http`).
+# The tests, in tiers (tests/conftest.py puts the markers on):
+# - `make test-fast`, the loop's tier: no lint, npm, PostgreSQL or browser, no slow test, a fifth
+#   of the Hypothesis examples (a minute or two);
+# - `make test`, the README's: lint, then every test but the slow tier, over four pytest-xdist
+#   workers (most tests wait on sockets and timers more than they compute: four keep two cores
+#   busy), the ones marked serial one after the other on a worker of their own; every Hypothesis
+#   example (the ci profile). About five minutes on two cores;
+# - `make test-slow`, the rest (marked slow): the documentation's runnable pages and the
+#   newcomer's fresh virtualenv, the wheel, kill -9 under load, the example project, the quick
+#   start's timings, the durable stores' state machines (about five minutes, mostly waiting);
+# - `make test-all`: both, as CI runs them (.ci/run).
+# PYTEST_ARGS narrows any of them (`make test-fast PYTEST_ARGS=tests/http`).
 JOBS ?= 4
 PYTEST := $(PY) -m pytest -n $(JOBS) --dist loadgroup
 
 test: install node-deps lint
-	HYPOTHESIS_PROFILE=ci $(PYTEST) $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-slow: install node-deps
+	HYPOTHESIS_PROFILE=ci $(PYTEST) -m slow $(PYTEST_ARGS)
+
+test-all: test test-slow
 
 test-fast: install
 	HYPOTHESIS_PROFILE=dev $(PYTEST) -m "not pg and not browser and not node and not slow" \

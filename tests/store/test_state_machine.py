@@ -1247,8 +1247,13 @@ class StoreMachine(RuleBasedStateMachine):
         self.store.check_invariants()
 
 
+# (The durable stores' runs take some forty seconds of CPU each under the ci profile: the slow
+# tier, `make test-slow`, which CI runs after `make test`; the memory store's stays in both.)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "backend",
+    [b if b == "memory" else pytest.param(b, marks=pytest.mark.slow) for b in BACKENDS],
+)
 def test_store_state_machine(backend: str) -> None:
     machine = type(f"StoreMachine_{backend}", (StoreMachine,), {"backend": backend})
     run_state_machine_as_test(
