@@ -36,6 +36,9 @@ def inline(text: str) -> str:
     return "<br><br>".join(" ".join(p.split("\n")) for p in paragraphs)
 
 
+_LIST_AFTER_TEXT = re.compile(r"(?m)^((?![-*] ).+)\n([-*] )")
+
+
 def block(text: str) -> str:
     """``text`` (Markdown) as paragraphs of its own: HTML escaped outside code spans, the rest
     (lists, emphasis, code spans) left to Markdown."""
@@ -46,7 +49,8 @@ def block(text: str) -> str:
         out.append(m.group(0))
         last = m.end()
     out.append(text[last:].replace("<", "&lt;").replace(">", "&gt;"))
-    return "".join(out).strip()
+    # (Python-Markdown, unlike CommonMark, starts no list inside a paragraph: a blank line first.)
+    return _LIST_AFTER_TEXT.sub("\\1\n\n\\2", "".join(out)).strip()
 
 
 def code(text: str) -> str:
