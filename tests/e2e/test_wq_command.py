@@ -29,7 +29,7 @@ import pytest
 
 from tests.authkit import ONLY, ROOT, UNKNOWN, bearer, write_token_file
 from tests.procs import BrokerProcess, broker_process, env, free_port, producer_command
-from wqclient import Client
+from wqclient import Client, RateLimit
 from wqclient.cli import admin
 
 pytestmark = pytest.mark.timeout(60)
@@ -157,6 +157,37 @@ def test_queues(url: str, broker: BrokerProcess, api: Client) -> None:
     for q in others:
         assert row(table, q["name"])[1] == str(q["ready"])
         assert row(table, q["name"])[-1] == ("paused" if q["paused"] else "active")
+
+
+def test_queues_and_schedules_on_a_narrow_terminal_are_cards(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # At 80 columns the queues' table (with limits) cut every cell to a letter or two ("re…",
+    # "concurre…"): a table wider than the terminal is shown a card per row instead.
+    monkeypatch.setenv("COLUMNS", "80")
+    queue = "emails-transactional-and-more"
+    with broker_process() as b, Client(b.url) as api:
+        api.enqueue({}, queue=queue)
+        api.set_limits(queue, rate=RateLimit(20, 1000), concurrency=4)
+        api.pause(queue)
+        api.put_schedule(
+            "nightly-report-for-everyone", cron="0 3 * * *", timezone="Europe/Paris", payload={}
+        )
+        shown = {}
+        for command in ("queues", "schedules"):
+            code, out, err = wq(command, "-broker", b.url)
+            assert (code, err) == (0, ""), err
+            assert max(len(line) for line in out.splitlines()) <= 80, out
+            shown[command] = " ".join(out.split())
+        monkeypatch.setenv("COLUMNS", "200")
+        code, wide, _ = wq("queues", "-broker", b.url)
+    assert shown["queues"].startswith(f"queues: 1 {queue} ready: 1 handed out: 0 delayed: 0")
+    for field in ("rate: 20/s", "tokens: 20", "concurrency: 0/4", "state: paused"):
+        assert field in shown["queues"]
+    assert shown["schedules"].startswith("schedules: 1 nightly-report-for-everyone rule: 0 3 * * *")
+    for field in ("timezone: Europe/Paris", "queue: default", "fires: 0", "state: active"):
+        assert field in shown["schedules"]
+    assert row(wide, queue) == [queue, "1", "0", "0", "0", "20/s", "20", "0/4", "paused"]
 
 
 def test_dlq_list_on_a_narrow_terminal_shows_each_error_whole(

@@ -32,8 +32,11 @@ from datetime import UTC, datetime
 from typing import Any, Final, NoReturn, TextIO
 
 from rich import box
+from rich.columns import Columns
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
+from rich.measure import Measurement
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -269,6 +272,13 @@ class Output:
         # what they colour. Colours (and Live's redrawing) only when `out` is a terminal.
         self.console = Console(file=out, highlight=False, soft_wrap=False)
 
+    def fit(self, table: Table) -> RenderableType:
+        """``table``, or, if it is wider than the terminal, the same rows as cards (a table of
+        columns that never wrap would otherwise cut every cell to a letter or two)."""
+        unbounded = self.console.options.update(width=1_000_000)
+        wanted = Measurement.get(self.console, unbounded, table).maximum
+        return table if wanted <= self.console.width else as_cards(table)
+
     def json(self, document: Any) -> None:
         self.file.write(_dump(document) + "\n")
         self.file.flush()
@@ -325,6 +335,32 @@ def stats_table(stats: Stats, queue: str | None) -> RenderableType:
     both.add_row(gauges, totals)
     title = f"queue {queue}" if queue is not None else "all queues"
     return Group(Text(title, style="bold"), both)
+
+
+def _cell_text(cell: RenderableType) -> Text:
+    if isinstance(cell, Text):
+        return cell.copy()
+    return Text(cell if isinstance(cell, str) else str(cell))
+
+
+def as_cards(table: Table) -> Group:
+    """A table's rows for a narrow terminal: per row, its first cell, then each other column's
+    header and value beneath, as many to a line as fit."""
+    parts: list[RenderableType] = []
+    if table.title is not None:
+        parts.append(Text(str(table.title), style="bold"))
+    first, *others = table.columns
+    for row in range(table.row_count):
+        head = _cell_text(first._cells[row])
+        head.stylize("bold")
+        fields = []
+        for column in others:
+            field = Text(f"{column.header}: ", style="dim")
+            field.append_text(_cell_text(column._cells[row]))
+            fields.append(field)
+        # (each field whole on a line: the line breaks fall between them)
+        parts += [head, Padding(Columns(fields, padding=(0, 3)), (0, 0, 0, 2))]
+    return Group(*parts)
 
 
 def _table(title: str | None = None) -> Table:
@@ -723,7 +759,7 @@ async def cmd_queues(client: AsyncClient, args: argparse.Namespace, out: Output)
     elif not queues:
         out.show("no queues yet (a queue exists once a task was sent to it)")
     else:
-        out.show(queues_table(queues))
+        out.show(out.fit(queues_table(queues)))
     return EXIT_OK
 
 
@@ -864,7 +900,7 @@ async def cmd_schedules(client: AsyncClient, args: argparse.Namespace, out: Outp
     elif not schedules:
         out.show("no schedules (wq schedule set NAME -cron EXPR | -every DURATION -payload JSON)")
     else:
-        out.show(schedules_table(schedules))
+        out.show(out.fit(schedules_table(schedules)))
     return EXIT_OK
 
 
@@ -982,7 +1018,7 @@ async def _show_limits(client: AsyncClient, queue: str, out: Output) -> int:
         return EXIT_OK
     out.show(limits_text(queue, found.limits))
     if found.limits is not None:
-        out.show(queues_table([found]))
+        out.show(out.fit(queues_table([found])))
     return EXIT_OK
 
 
