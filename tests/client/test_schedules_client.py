@@ -251,7 +251,7 @@ def test_wq_schedule_set_with_cron_or_every(on_fake: FakeTransport) -> None:
         "-result-ttl-ms=0",
     )
     assert (code, err) == (0, "")
-    assert out.startswith("schedule nightly set (0 2 * * *): next fire 20")
+    assert out.startswith("schedule nightly set (0 2 * * * in Europe/Paris): next fire 20")
     nightly = fake.schedules["nightly"]
     assert (nightly.cron, nightly.timezone, nightly.queue, nightly.priority) == (
         "0 2 * * *",

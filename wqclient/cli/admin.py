@@ -925,13 +925,15 @@ async def cmd_schedule_set(client: AsyncClient, args: argparse.Namespace, out: O
     )
     if out.as_json:
         out.json(schedule_json(schedule))
-    elif schedule.paused:
-        out.show(
-            f"schedule {schedule.name} set ({_rule(schedule)}), paused: no fires until resumed"
-        )
+        return EXIT_OK
+    rule = _rule(schedule)
+    if schedule.cron is not None and schedule.timezone not in (None, "UTC"):
+        rule += f" in {schedule.timezone}"  # (the next fire is in UTC: say whose clock the rule is)
+    if schedule.paused:
+        out.show(f"schedule {schedule.name} set ({rule}), paused: no fires until resumed")
     else:
         when = _full(schedule.next_fire_at)
-        out.show(f"schedule {schedule.name} set ({_rule(schedule)}): next fire {when}")
+        out.show(f"schedule {schedule.name} set ({rule}): next fire {when}")
     return EXIT_OK
 
 
