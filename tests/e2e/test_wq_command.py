@@ -159,6 +159,18 @@ def test_queues(url: str, broker: BrokerProcess, api: Client) -> None:
         assert row(table, q["name"])[-1] == ("paused" if q["paused"] else "active")
 
 
+def test_a_message_into_a_pipe_is_one_line_whatever_the_width(
+    url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # (rich wrapped them at the width: a script reading the line got half of it)
+    monkeypatch.setenv("COLUMNS", "20")
+    queue = "a-queue-whose-name-is-longer-than-the-terminal-is-wide"
+    code, out, err = wq("pause", queue, "-broker", url)
+    assert (code, out, err) == (0, f"paused queue {queue}\n", "")
+    code, out, err = wq("resume", queue, "-broker", url)
+    assert (code, out, err) == (0, f"resumed queue {queue}\n", "")
+
+
 def test_queues_and_schedules_on_a_narrow_terminal_are_cards(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -285,6 +285,11 @@ class Output:
 
     def show(self, *renderables: RenderableType | str) -> None:
         for r in renderables:
+            if isinstance(r, str) and not self.console.is_terminal:
+                # A message into a file or a pipe: one line as it is, never wrapped at the width.
+                self.file.write(r + "\n")
+                self.file.flush()
+                continue
             if self.console.is_terminal:
                 self.console.print(r, markup=False)
                 continue
