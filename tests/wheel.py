@@ -14,10 +14,12 @@ import pytest
 
 from tests.procs import ROOT
 
-# What the copy of the tree the wheel is built from leaves out (built or installed things).
+# What the copy of the tree the wheel is built from leaves out (built or installed things; site:
+# the documentation `make docs` builds).
 _NOT_SOURCE = shutil.ignore_patterns(
     ".git", ".venv", "node_modules", "__pycache__", "*.egg-info", ".*_cache", "build", "dist"
 )
+_NOT_SOURCE_HERE = ("site",)
 
 
 def run(*cmd: str | Path, cwd: Path | None = None) -> str:
@@ -29,11 +31,18 @@ def run(*cmd: str | Path, cwd: Path | None = None) -> str:
     return done.stdout
 
 
+def _ignored(directory: str, names: list[str]) -> set[str]:
+    ignored = set(_NOT_SOURCE(directory, names))
+    if Path(directory) == ROOT:
+        ignored.update(n for n in names if n in _NOT_SOURCE_HERE)
+    return ignored
+
+
 def build_wheel(work: Path) -> Path:
     """``python -m build --wheel`` of a copy of the tree, in ``work``; the wheel's path."""
     source = work / "source"
     shutil.rmtree(source, ignore_errors=True)
-    shutil.copytree(ROOT, source, ignore=_NOT_SOURCE)
+    shutil.copytree(ROOT, source, ignore=_ignored)
     # (No isolation: the build backend is this environment's setuptools, nothing downloaded.)
     run(sys.executable, "-m", "build", "--wheel", "--no-isolation", "-o", work / "dist", source)
     (built,) = (work / "dist").glob("wqueue-*.whl")
