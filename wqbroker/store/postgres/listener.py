@@ -129,6 +129,7 @@ class Listener:
         # no other, there is nobody to announce anything to.
         self._listeners: int | None = None
         self._hello_at = 0.0  # when another broker last said it started listening (monotonic)
+        self._listened_at = 0.0  # when this broker last started listening (monotonic)
         self._inline_after = 0.0  # when an enqueue may next carry its announcement (monotonic)
         self.announcements = 0  # NOTIFYs sent (for the tests)
 
@@ -214,9 +215,19 @@ class Listener:
 
     def counted(self, listeners: int, started: float) -> None:
         """A sweep that began at ``started`` (monotonic) counted this many brokers listening
-        (out of date if another said hello since it began)."""
-        if started > self._hello_at:
+        (out of date if another said hello since it began, or if this one started listening
+        since: a count made while it was not listening leaves it out, and would read as
+        nobody else once it listens)."""
+        if started > self._hello_at and started > self._listened_at:
             self._listeners = listeners
+
+    def _started_listening(self) -> None:
+        """A LISTEN was made. Who else listens is not known again until a sweep that began
+        after it counts (a count made meanwhile left this broker out): announce till then."""
+        self._listens += 1
+        self._listened_at = time.monotonic()
+        self._listeners = None
+        self._listening.set()
 
     def _others_listen(self) -> bool:
         """Whether another broker may be listening (as of the last sweep, or a hello since)."""
@@ -320,8 +331,7 @@ class Listener:
         except (*UNREACHABLE, asyncpg.PostgresError) as e:
             self._pool.unreachable(e)
             return
-        self._listens += 1
-        self._listening.set()
+        self._started_listening()
         with contextlib.suppress(*UNREACHABLE, asyncpg.PostgresError):
             await bounded(conn.execute(Q.announce, f"{self._me}\n{_HELLO}"), PROBE_TIMEOUT)
         if self._pool.failed is not None:
