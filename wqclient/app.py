@@ -630,6 +630,7 @@ class TaskFunction(Generic[P, R]):
             timeout_ms=o["timeout_ms"],
             idempotency_key=o["idempotency_key"],
             after=o["after"],
+            unique=o["unique"],
             decode=self._result_decoder(),
         )
 

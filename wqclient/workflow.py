@@ -151,6 +151,7 @@ class Signature(Workflow["TaskHandle", "AsyncTaskHandle"]):
     timeout_ms: int | None = None
     idempotency_key: str | None = None
     after: Sequence[Any] | None = None
+    unique: bool = False  # (with idempotency_key: one live task per key, see enqueue's unique)
     # The result's decoder, for a task function's signature (``.s()``): its handle's result()
     # is then the value the function's return hint says. Not part of what is sent.
     decode: Decode | None = field(default=None, compare=False, repr=False)
@@ -173,7 +174,7 @@ class Signature(Workflow["TaskHandle", "AsyncTaskHandle"]):
             self.idempotency_key,
             self.expires_in_ms,
             self.timeout_ms,
-            False,
+            self.unique,
             waits or None,
             self.result_ttl_ms,
         )

@@ -176,7 +176,9 @@ def test_signatures_carry_the_options_and_pass_results_for_s_only(app: App) -> N
         "pass_results": True,
     }
     assert (sig.queue, sig.priority, sig.max_attempts, sig.timeout_ms) == ("billing", 5, 4, 60_000)
-    assert (sig.delay_ms, sig.idempotency_key) == (60_000, "k1")
+    assert (sig.delay_ms, sig.idempotency_key, sig.unique) == (60_000, "k1", False)
+    unique = app.tasks["charge"].with_options(key="k2", unique=True).s(Decimal(5))
+    assert (unique.idempotency_key, unique.unique, unique.item().unique) == ("k2", True, True)
     whole = app.tasks["add"].s(1, 2)  # (it fills the function: bound as given)
     assert json.loads(whole.payload)["args"] == [1, 2]
     immutable = app.tasks["add"].si(1, 2)
