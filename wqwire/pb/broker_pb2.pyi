@@ -18,9 +18,17 @@ Errors (the same error tree as the HTTP API; one table maps it):
   NOT_FOUND            unknown task id, nobody holds the task, or (Requeue)
                        the task is not in the dead-letter queue                  (HTTP 404)
   FAILED_PRECONDITION  the task is held under a different lease: yours is no
-                       longer valid                                              (HTTP 409)
+                       longer valid; or it was cancelled, or its lease is at
+                       its time limit; or a queue to delete holds tasks          (HTTP 409)
   RESOURCE_EXHAUSTED   a message or payload over the size limit (1 MiB by
                        default, the broker's -max-body-bytes)                    (HTTP 413)
+                       or one of the broker's limits reached (backpressure;
+                       retry-after-ms in the trailing metadata)                  (HTTP 429)
+  UNAUTHENTICATED      no token, or not one of the broker's (-token-file)        (HTTP 401)
+  PERMISSION_DENIED    the token lacks the call's scope; or a broker without
+                       -token-file refusing a client that is not on its
+                       machine (protected mode)                                  (HTTP 403)
+  UNIMPLEMENTED        a method this broker does not have (an older one)
   UNAVAILABLE          the broker is shutting down or its store failed           (HTTP 503)
 A status message (and Settled.message) is at most 1 KiB of UTF-8; a longer one is cut and ends
 with " [truncated]", so it always fits a client's metadata limit.

@@ -199,7 +199,7 @@ class BrokerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def EnqueueBatch(self, request, context):
-        """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
+        """Enqueue many tasks in one call (an extension; HTTP: POST /jobs/batch). All-or-nothing: if any
         request is invalid nothing is enqueued and the error names its index. Idempotency keys work
         per item (EnqueueBatchResponse.duplicates).
         """

@@ -18,9 +18,17 @@ Errors (the same error tree as the HTTP API; one table maps it):
   NOT_FOUND            unknown task id, nobody holds the task, or (Requeue)
                        the task is not in the dead-letter queue                  (HTTP 404)
   FAILED_PRECONDITION  the task is held under a different lease: yours is no
-                       longer valid                                              (HTTP 409)
+                       longer valid; or it was cancelled, or its lease is at
+                       its time limit; or a queue to delete holds tasks          (HTTP 409)
   RESOURCE_EXHAUSTED   a message or payload over the size limit (1 MiB by
                        default, the broker's -max-body-bytes)                    (HTTP 413)
+                       or one of the broker's limits reached (backpressure;
+                       retry-after-ms in the trailing metadata)                  (HTTP 429)
+  UNAUTHENTICATED      no token, or not one of the broker's (-token-file)        (HTTP 401)
+  PERMISSION_DENIED    the token lacks the call's scope; or a broker without
+                       -token-file refusing a client that is not on its
+                       machine (protected mode)                                  (HTTP 403)
+  UNIMPLEMENTED        a method this broker does not have (an older one)
   UNAVAILABLE          the broker is shutting down or its store failed           (HTTP 503)
 A status message (and Settled.message) is at most 1 KiB of UTF-8; a longer one is cut and ends
 with " [truncated]", so it always fits a client's metadata limit.
@@ -70,7 +78,7 @@ class BrokerStub:
     carries the first task's id and duplicate = true (HTTP 200 instead of 201).
     """
     EnqueueBatch: _grpc.UnaryUnaryMultiCallable[_broker_pb2.EnqueueBatchRequest, _broker_pb2.EnqueueBatchResponse]
-    """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
+    """Enqueue many tasks in one call (an extension; HTTP: POST /jobs/batch). All-or-nothing: if any
     request is invalid nothing is enqueued and the error names its index. Idempotency keys work
     per item (EnqueueBatchResponse.duplicates).
     """
@@ -232,7 +240,7 @@ class BrokerAsyncStub(BrokerStub):
     carries the first task's id and duplicate = true (HTTP 200 instead of 201).
     """
     EnqueueBatch: _aio.UnaryUnaryMultiCallable[_broker_pb2.EnqueueBatchRequest, _broker_pb2.EnqueueBatchResponse]  # type: ignore[assignment]
-    """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
+    """Enqueue many tasks in one call (an extension; HTTP: POST /jobs/batch). All-or-nothing: if any
     request is invalid nothing is enqueued and the error names its index. Idempotency keys work
     per item (EnqueueBatchResponse.duplicates).
     """
@@ -403,7 +411,7 @@ class BrokerServicer(metaclass=_abc_1.ABCMeta):
         request: _broker_pb2.EnqueueBatchRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_broker_pb2.EnqueueBatchResponse, _abc.Awaitable[_broker_pb2.EnqueueBatchResponse]]:
-        """Enqueue many tasks in one call (an extension; no HTTP equivalent). All-or-nothing: if any
+        """Enqueue many tasks in one call (an extension; HTTP: POST /jobs/batch). All-or-nothing: if any
         request is invalid nothing is enqueued and the error names its index. Idempotency keys work
         per item (EnqueueBatchResponse.duplicates).
         """
