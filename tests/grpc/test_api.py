@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
@@ -33,18 +32,6 @@ Code = grpc.StatusCode
 
 
 # -- fixtures and helpers -----------------------------------------------------------------------
-
-
-@pytest.fixture
-async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
-    async with running_broker(clock=clock, rng=random.Random(7)) as b:
-        yield b
-
-
-@pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
-    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
-        yield pb_grpc.BrokerStub(channel)
 
 
 @pytest.fixture

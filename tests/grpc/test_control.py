@@ -9,14 +9,12 @@ sends none of it sees nothing new.
 from __future__ import annotations
 
 import asyncio
-import random
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import pytest
 
-from tests.helpers import running_broker, wait_until
+from tests.helpers import wait_until
 from wqbroker.broker import Broker
 from wqbroker.clock import FakeClock
 from wqbroker.errors import Conflict
@@ -30,18 +28,6 @@ pytestmark = pytest.mark.timeout(60)
 Code = grpc.StatusCode
 StreamCall = grpc.aio.StreamStreamCall[pb.StreamJobsRequest, pb.StreamJobsResponse]
 EOF: object = grpc.aio.EOF  # type: ignore[attr-defined]  # not in grpc-stubs
-
-
-@pytest.fixture
-async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
-    async with running_broker(clock=clock, rng=random.Random(7)) as b:
-        yield b
-
-
-@pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
-    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
-        yield pb_grpc.BrokerStub(channel)
 
 
 async def rpc_error(call: Any) -> grpc.aio.AioRpcError:

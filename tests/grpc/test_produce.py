@@ -45,12 +45,6 @@ async def broker() -> AsyncIterator[Broker]:
         yield b
 
 
-@pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
-    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
-        yield pb_grpc.BrokerStub(channel)
-
-
 async def read(call: Any) -> Any:
     return await asyncio.wait_for(call.read(), WAIT)
 

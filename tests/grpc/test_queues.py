@@ -45,12 +45,6 @@ async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
         yield b
 
 
-@pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
-    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
-        yield pb_grpc.BrokerStub(channel)
-
-
 async def next_job(stub: pb_grpc.BrokerAsyncStub, *queues: str) -> pb.Delivery | None:
     response = await stub.NextJob(pb.NextJobRequest(wait_ms=0, queues=queues))
     return response.delivery if response.HasField("delivery") else None

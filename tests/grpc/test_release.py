@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -16,7 +15,6 @@ from tests import pg
 from tests.grpc.test_api import Worker, ack_of, claim, enqueue, rpc_error, stats, stats_dict
 from tests.helpers import invariant_holds, make_store, running_broker, wait_until
 from wqbroker.broker import Broker
-from wqbroker.clock import FakeClock
 from wqbroker.retry import Backoff
 from wqbroker.store.postgres import PostgresStore
 from wqclient import AsyncClient, LeaseLost, NotFound
@@ -26,18 +24,6 @@ from wqwire.pb import broker_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(60)
 
 Code = grpc.StatusCode
-
-
-@pytest.fixture
-async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
-    async with running_broker(clock=clock, rng=random.Random(7)) as b:
-        yield b
-
-
-@pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
-    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
-        yield pb_grpc.BrokerStub(channel)
 
 
 def release_of(d: pb.Delivery) -> pb.ReleaseRequest:

@@ -9,7 +9,6 @@ token rules. A FakeClock drives the fires.
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,18 +27,6 @@ from wqwire.pb import broker_pb2_grpc as pb_grpc
 pytestmark = pytest.mark.timeout(60)
 
 Code = grpc.StatusCode
-
-
-@pytest.fixture
-async def broker(clock: FakeClock) -> AsyncIterator[Broker]:
-    async with running_broker(clock=clock, rng=random.Random(7)) as b:
-        yield b
-
-
-@pytest.fixture
-async def stub(broker: Broker) -> AsyncIterator[pb_grpc.BrokerAsyncStub]:
-    async with grpc.aio.insecure_channel(broker.grpc_target) as channel:
-        yield pb_grpc.BrokerStub(channel)
 
 
 @pytest.fixture
