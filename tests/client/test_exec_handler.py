@@ -287,19 +287,25 @@ async def test_stdout_past_the_cap_does_not_hide_a_failing_status(tmp_path: Path
 # -- stopping --------------------------------------------------------------------------------------
 
 
-async def test_cancelling_kills_the_programs_process_group_its_children_too(
-    tmp_path: Path,
-) -> None:
-    prog = script(
-        tmp_path,
+def with_a_child(directory: Path) -> str:
+    """A program that starts a child (``sleep``) and waits for it, writing the child's pid into
+    ``directory``/child and its own into ``directory``/pid."""
+    return script(
+        directory,
         "prog.sh",
         f"""#!/bin/sh
 sleep 1000 &
-echo $! > {tmp_path}/child.tmp && mv {tmp_path}/child.tmp {tmp_path}/child
-echo $$ > {tmp_path}/pid.tmp && mv {tmp_path}/pid.tmp {tmp_path}/pid
+echo $! > {directory}/child.tmp && mv {directory}/child.tmp {directory}/child
+echo $$ > {directory}/pid.tmp && mv {directory}/pid.tmp {directory}/pid
 wait
 """,
     )
+
+
+async def test_cancelling_kills_the_programs_process_group_its_children_too(
+    tmp_path: Path,
+) -> None:
+    prog = with_a_child(tmp_path)
     run = asyncio.ensure_future(ExecHandler([prog], kill_grace=30)(make_task()))
     pid = await read_pid(tmp_path / "pid")
     child = await read_pid(tmp_path / "child")
@@ -496,15 +502,7 @@ async def test_a_cancel_while_the_program_is_being_started_still_ends_its_whole_
     # used to go to asyncio's own clean-up, which SIGKILLs the program's pid alone: a child it
     # had started by then lived on, holding the pipes (seen once in CI, under load). Here the
     # spawn is held, once the program has started its child, until the cancel has been made.
-    prog = script(
-        tmp_path,
-        "prog.sh",
-        f"""#!/bin/sh
-sleep 1000 &
-echo $! > {tmp_path}/child.tmp && mv {tmp_path}/child.tmp {tmp_path}/child
-wait
-""",
-    )
+    prog = with_a_child(tmp_path)
     loop = asyncio.get_running_loop()
     spawned = loop.subprocess_exec
     started: asyncio.Future[None] = loop.create_future()
