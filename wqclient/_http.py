@@ -8,7 +8,7 @@ import functools
 import json
 import re
 import ssl
-from collections.abc import Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from datetime import datetime
 from typing import Any, Final, NoReturn
 from urllib.parse import quote, urlencode
@@ -337,6 +337,7 @@ class HttpTransport:
         self._headers = {"Authorization": f"Bearer {token}"} if token else None
         self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self._session: aiohttp.ClientSession | None = None
+        self._closer: AsyncGenerator[None, None] | None = None  # (closes it: _closed_with_its_loop)
         self._batches = True  # POST /jobs/batch is there (until a broker says it is not)
         self._coalescer = Coalescer(self._enqueue, self._enqueue_batch)
         self._batch_claims = True  # GET /jobs/next/batch and POST /jobs/settle are there (...)
@@ -353,6 +354,7 @@ class HttpTransport:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self._timeout),
                 headers=self._headers,
             )
+            self._closer = _closed_with_its_loop(self._session)
         return self._session
 
     async def _call(
@@ -936,9 +938,31 @@ class HttpTransport:
     async def close(self) -> None:
         if self._settling:  # (the settlements on their way are let land)
             await asyncio.gather(*self._settling, return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        closer, self._closer, self._session = self._closer, None, None
+        if closer is not None:
+            await closer.aclose()  # (closes the session)
+
+
+async def _closing(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        await session.close()
+
+
+def _closed_with_its_loop(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    """An async generator, started here (on the running loop), that closes ``session`` when it
+    is closed: by the transport's close(), or else by the loop as it shuts down (asyncio.run
+    closes every async generator still open: ``shutdown_asyncgens``), or once the transport is
+    collected. So a program that never closes its client (the simplest script, an App's client
+    in ``asyncio.run``) ends without aiohttp's "Unclosed client session" warnings."""
+    closer = _closing(session)
+    step = closer.asend(None)  # (the loop's first-iteration hook registers it with the loop)
+    try:
+        step.send(None)
+    except StopIteration:  # (it ran to its yield)
+        pass
+    return closer
 
 
 def _indexed(item: EnqueueItem) -> bool:
